@@ -1,0 +1,26 @@
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: test demo bench dev clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/pytest
+
+demo: $(STAMP)
+	$(BIN)/stepledger demo
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.run $(if $(QUICK),--quick)
+
+dev: $(STAMP)
+	$(BIN)/stepledger dev
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,238 @@
+"""The pools file (`pools.yaml`): what the pipeline needs to know about each inference pool.
+
+The same file drives production and the simulator. Production reads everything but the
+optional `workload` block, which only `stepledger simulate` uses to generate traffic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration file is unreadable or invalid; the message names file, line and field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Replica(_Strict):
+    id: str = Field(min_length=1)
+    hostname: str = Field(min_length=1)
+    # One UUID per GPU of the replica (its TP ranks); DCGM samples are matched on these.
+    gpu_uuids: list[str] = Field(min_length=1)
+
+
+class EngineSettings(_Strict):
+    """How the engine batches: the pricing kernel and the simulator both need these."""
+
+    max_num_seqs: int = Field(default=256, gt=0)
+    max_num_batched_tokens: int = Field(default=8192, gt=0)
+    cudagraph_mode: Literal["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"] = (
+        "FULL_AND_PIECEWISE"
+    )
+    decode_threshold: int = Field(default=1, gt=0)
+    num_spec_tokens: int = Field(default=0, ge=0)
+    # KV blocks on the replica; the simulator's scheduler admits while blocks are free.
+    total_kv_blocks: int = Field(default=8192, gt=0)
+
+
+class AlphaFromEvidence(_Strict):
+    """alpha = max_alpha - (max_alpha - min_alpha) * blocked_fraction.
+
+    blocked_fraction is the share of the billing period's steps in which admission waited on
+    free KV blocks: a pool that never waits for memory is charged on compute alone
+    (max_alpha), one that always waits weighs memory-time as much as min_alpha allows.
+    """
+
+    min_alpha: float = Field(default=0.5, ge=0.0, le=1.0)
+    max_alpha: float = Field(default=1.0, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> AlphaFromEvidence:
+        if self.min_alpha > self.max_alpha:
+            raise ValueError(f"min_alpha {self.min_alpha} exceeds max_alpha {self.max_alpha}")
+        return self
+
+
+class Policies(_Strict):
+    """Attribution policies of a pool. Every ledger row records `version()` of these."""
+
+    weights: Literal["kernel", "fitted"] = "kernel"
+    fixed_cost: Literal["per_slot", "per_token"] = "per_slot"
+    alpha: Annotated[float, Field(ge=0.0, le=1.0)] | AlphaFromEvidence = 0.8
+    prefix_cache: Literal["first_writer", "split_by_holders", "cache_read"] = "split_by_holders"
+    # Under cache_read: cache-hit tokens are charged this fraction of the prefill rate.
+    cache_read_fraction: float = Field(default=0.1, ge=0.0, le=1.0)
+    idle: Literal["spread", "capacity_owner", "both"] = "both"
+    # Under `both`, idle up to (1 - target_utilization) of the hour is spread; beyond is headroom.
+    platform_pays_platform_retries: bool = True
+    # Unattributed share of the hour's usage above which on-call is paged.
+    unattributed_alert_fraction: float = Field(default=0.02, ge=0.0, le=1.0)
+
+    def version(self) -> str:
+        """A short stable hash of the policy settings: equal policies, equal version."""
+        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True)
+        return "pol-" + hashlib.sha256(canonical.encode()).hexdigest()[:10]
+
+
+class LengthDistribution(_Strict):
+    """Log-normal token counts, clipped to [min, max]."""
+
+    median: float = Field(gt=0)
+    sigma: float = Field(default=0.6, ge=0)
+    min: int = Field(default=1, ge=1)
+    max: int = Field(default=32768, ge=1)
+
+
+class Feature(_Strict):
+    name: str = Field(min_length=1)
+    requests_per_s: float = Field(gt=0)
+    prompt_tokens: LengthDistribution
+    output_tokens: LengthDistribution
+    # Tokens of a system prompt every request of this feature starts with (prefix-cache hits).
+    system_prompt_tokens: int = Field(default=0, ge=0)
+
+
+class Tenant(_Strict):
+    name: str = Field(min_length=1)
+    api_keys: list[str] = Field(min_length=1)
+    features: list[Feature] = Field(min_length=1)
+
+
+class Workload(_Strict):
+    """Traffic for `stepledger simulate`; production ignores it."""
+
+    tenants: list[Tenant] = Field(min_length=1)
+    # Fraction of requests that are a client retry of an earlier one, and how many of those
+    # were caused by a platform timeout rather than the client.
+    retry_fraction: float = Field(default=0.01, ge=0.0, le=1.0)
+    platform_timeout_fraction: float = Field(default=0.5, ge=0.0, le=1.0)
+    # Relative step-time measurement noise (standard deviation).
+    step_noise: float = Field(default=0.03, ge=0.0, le=1.0)
+
+
+class Pool(_Strict):
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    model: str
+    gpu_type: str
+    gpus_per_replica: int = Field(gt=0)
+    dtype: str = "bf16"
+    kv_cache_dtype: str = "bf16"
+    kv_block_size: int = Field(default=16, gt=0)
+    usd_per_gpu_hour: float = Field(gt=0)
+    capacity_owner: str = Field(min_length=1)
+    slo_owner: str = Field(min_length=1)
+    target_utilization: float = Field(default=0.7, gt=0.0, le=1.0)
+    engine: EngineSettings = EngineSettings()
+    replicas: list[Replica] = Field(min_length=1)
+    policies: Policies = Policies()
+    workload: Workload | None = None
+
+    @model_validator(mode="after")
+    def _replicas_match_width(self) -> Pool:
+        for replica in self.replicas:
+            if len(replica.gpu_uuids) != self.gpus_per_replica:
+                raise ValueError(
+                    f"replica {replica.id!r} lists {len(replica.gpu_uuids)} GPU UUIDs, "
+                    f"expected gpus_per_replica={self.gpus_per_replica}"
+                )
+        ids = [r.id for r in self.replicas]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"replica ids repeat: {sorted(ids)}")
+        return self
+
+    @property
+    def nano_per_gpu_hour(self) -> int:
+        """The GPU-hour price in integer nano-dollars (rounded once, here)."""
+        return round(self.usd_per_gpu_hour * 1_000_000_000)
+
+
+class Settings(_Strict):
+    """Pipeline-wide tolerances and delays."""
+
+    # Relative tolerance of the time check (step time + gaps vs wall-clock time).
+    time_tolerance_fraction: float = Field(default=0.005, ge=0.0, lt=1.0)
+    # Absolute band of the DCGM plausibility check (busy fraction vs mean engine activity).
+    dcgm_tolerance: float = Field(default=0.10, ge=0.0, le=1.0)
+    # Minutes after an hour ends before the schedule materializes it (late files).
+    late_file_delay_minutes: int = Field(default=15, ge=0)
+    # Minutes after an hour ends by which it must be reconciled, or the dead-man alert fires.
+    deadman_minutes: int = Field(default=120, gt=0)
+    # Relative drift of a fresh calibration fit against the stored one that raises an alert.
+    calibration_drift_fraction: float = Field(default=0.15, gt=0.0)
+
+
+class PoolsFile(_Strict):
+    settings: Settings = Settings()
+    pools: list[Pool] = Field(min_length=1)
+
+    @field_validator("pools")
+    @classmethod
+    def _unique_names(cls, pools: list[Pool]) -> list[Pool]:
+        names = [p.name for p in pools]
+        if len(set(names)) != len(names):
+            raise ValueError(f"pool names repeat: {sorted(names)}")
+        replica_ids = [r.id for p in pools for r in p.replicas]
+        if len(set(replica_ids)) != len(replica_ids):
+            raise ValueError("replica ids must be unique across pools")
+        return pools
+
+    def pool(self, name: str) -> Pool:
+        for pool in self.pools:
+            if pool.name == name:
+                return pool
+        raise KeyError(f"no pool named {name!r}; the pools file has {[p.name for p in self.pools]}")
+
+
+DEFAULT_POOLS_PATH = Path(__file__).resolve().parent.parent / "pipeline" / "data" / "pools.yaml"
+
+
+def _line_of(text: str, loc: tuple) -> int | None:
+    """Best-effort line number of a pydantic error location in a YAML document."""
+    try:
+        node = yaml.compose(text)
+    except yaml.YAMLError:
+        return None
+    for key in loc:
+        if isinstance(node, yaml.MappingNode) and isinstance(key, str):
+            match = [v for k, v in node.value if getattr(k, "value", None) == key]
+            if not match:
+                break
+            node = match[0]
+        elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
+            node = node.value[key]
+        else:
+            break
+    return node.start_mark.line + 1
+
+
+def load_pools(path: str | Path = DEFAULT_POOLS_PATH) -> PoolsFile:
+    """Read and validate a pools file; errors name the file, line and field."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read pools file: {err.strerror}") from err
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}{where}: not valid YAML: {err}") from err
+    try:
+        return PoolsFile.model_validate(raw)
+    except ValidationError as err:
+        first = err.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "(top level)"
+        line = _line_of(text, first["loc"])
+        where = f":{line}" if line else ""
+        more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
+        raise ConfigError(f"{path}{where}: field {field}: {first['msg']}{more}") from err
