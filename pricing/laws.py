@@ -1,0 +1,165 @@
+"""The kernel's laws: small pure functions, each valid on scalars and numpy arrays.
+
+Times are microseconds, rates bytes (or FLOP) per microsecond. Each law's comment names the
+measurement that justified its form; the coefficient values live in `pricing/chips/*.yaml`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+
+def ramp_efficiency(tokens: ArrayLike, eps_max: float, m_half: float) -> np.ndarray:
+    """Fraction of peak a matrix multiply reaches with `tokens` rows: eps_max * m / (m + m_half).
+
+    Saturating form fitted per chip and dtype on AISimulate's gemm_perf sweeps (vLLM lane);
+    using the peak instead prices a 512-token step 1.2-2.8x too fast. Zero for m <= 0.
+    """
+    m = np.asarray(tokens, dtype=np.float64)
+    return np.where(m > 0, eps_max * m / np.maximum(m + m_half, 1e-300), 0.0)
+
+
+def ramped_arithmetic_us(tokens: ArrayLike, flops_per_token: float, peak_flops_per_us: float,
+                         eps_max: float, m_half: float) -> np.ndarray:
+    """Time of `tokens * flops_per_token` at the ramped efficiency eps(tokens).
+
+    T / eps(T) = (T + m_half) / eps_max, so the time is exactly linear in tokens: a fixed
+    m_half overhead plus a per-token part (zero when there are no tokens).
+    """
+    m = np.asarray(tokens, dtype=np.float64)
+    return np.where(m > 0, flops_per_token * (m + m_half) / (peak_flops_per_us * eps_max), 0.0)
+
+
+def memory_time_us(nbytes: ArrayLike, bandwidth_bytes_per_us: float, derate: float) -> np.ndarray:
+    """HBM read time at the derated bandwidth: no kernel reaches the datasheet rate, and the
+    registry's 0.8 is the fraction its streaming-read measurements reach on every part."""
+    return np.asarray(nbytes, dtype=np.float64) / (bandwidth_bytes_per_us * derate)
+
+
+def decode_read_tokens(context: ArrayLike, kind: str, *, window: int | None = None,
+                       top_k: int | None = None, compress_ratio: float | None = None,
+                       window_bounded: bool = True) -> np.ndarray:
+    """Cached tokens one decode request reads in one layer.
+
+    full/mla: the whole context. A layer with a window reads at most the window (the
+    step-pricing spec; the swa rate was fitted on window-bounded reads); `window_bounded=False`
+    reproduces a kernel version that reads the whole context on a windowed primary layer. sparse_mla reads
+    min(ctx, top_k) selected positions plus the rest of the compressed stream, as its
+    generation measurements stay flat to 16k context and grow only with the compressed tail.
+    """
+    ctx = np.maximum(np.asarray(context, dtype=np.float64), 0.0)
+    if kind == "sparse_mla":
+        return np.minimum(ctx, top_k) + np.maximum(0.0, ctx - top_k) / compress_ratio
+    if window is not None and window_bounded:
+        return np.minimum(ctx, window)
+    return ctx
+
+
+def decode_attention_us(read_tokens: ArrayLike, floor_us: float, kv_bytes_per_token_layer: float,
+                        rate_bytes_per_us: float) -> np.ndarray:
+    """One layer's decode attention: a measured floor (one per layer whatever the batch) plus the
+    KV bytes read at the kind's measured rate (generation_attention_perf, per kind)."""
+    return floor_us + np.asarray(read_tokens, dtype=np.float64) * kv_bytes_per_token_layer / rate_bytes_per_us
+
+
+def prefill_pairs(scheduled: ArrayLike, computed: ArrayLike, window: int | None = None) -> np.ndarray:
+    """Query-key pairs of a prefill chunk: s*c + s^2/2 (the chunk attends its cached prefix and
+    the causal half of itself). With a window each query sees at most `window` keys."""
+    s = np.asarray(scheduled, dtype=np.float64)
+    c = np.asarray(computed, dtype=np.float64)
+    if window is None:
+        return s * c + s * s / 2.0
+    # Integrate min(c + x, W) over x in [0, s]: unbounded up to x0 = W - c, then W per query.
+    x0 = np.clip(window - c, 0.0, s)
+    return x0 * c + x0 * x0 / 2.0 + (s - x0) * window
+
+
+def prefill_attention_flops(pairs: ArrayLike, q_heads: int, head_dim: int, tp: int) -> np.ndarray:
+    """Attention FLOPs on one rank: QK^T and PV, 2 FLOPs each per pair, per head and dimension."""
+    return 4.0 * np.asarray(pairs, dtype=np.float64) * q_heads * head_dim / tp
+
+
+def prefill_attention_us(pairs: ArrayLike, q_heads: int, head_dim: int, tp: int, floor_us: float,
+                         peak_flops_per_us: float, efficiency: ArrayLike, work_scale: float) -> np.ndarray:
+    """Prefill attention on SM: a floor plus its FLOPs at the GEMM ramp scaled by work_scale,
+    the fraction of the GEMM rate context_attention_perf reaches."""
+    flops = prefill_attention_flops(pairs, q_heads, head_dim, tp)
+    return floor_us + flops / (peak_flops_per_us * np.asarray(efficiency, dtype=np.float64) * work_scale)
+
+
+def distinct_experts(tokens: ArrayLike, experts: int, top_k: int) -> np.ndarray:
+    """Expected distinct experts a step touches: E * (1 - ((E - k) / E)^T), uniform routing;
+    median measured routing imbalance is within 0.4% of 1 on Hopper (moe_perf)."""
+    t = np.asarray(tokens, dtype=np.float64)
+    return experts * (1.0 - np.power((experts - top_k) / experts, t))
+
+
+def collective_us(message_bytes: ArrayLike, t0_us: float, r_t: float, r_peak: float) -> np.ndarray:
+    """max(t0 + b / r_t, b / r_peak): nccl_perf and custom_allreduce_perf sweeps show a fixed
+    launch cost and a slower rate over step-sized messages, and the peak rate on large ones."""
+    b = np.asarray(message_bytes, dtype=np.float64)
+    return np.maximum(t0_us + b / r_t, b / r_peak)
+
+
+def cross_node_span(bandwidth_ratio: float, nodes: int, group: int) -> float:
+    """Byte multiplier of a ring collective whose group crosses nodes: 1 + (ratio - 1) * cross / total,
+    with cross = nodes - 1 hops of `total = group - 1` on the slower fabric."""
+    if group <= 1:
+        return 1.0
+    return 1.0 + (bandwidth_ratio - 1.0) * (nodes - 1) / (group - 1)
+
+
+def capture_ceiling(max_num_seqs: int, num_spec_tokens: int, fp4_blackwell: bool) -> int:
+    """Largest token count vLLM captures in a CUDA graph: min(max_num_seqs * (1 + spec) * 2, 512),
+    1024 on native-fp4 Blackwell (vLLM v0.31.0 compilation config defaults)."""
+    return min(max_num_seqs * (1 + num_spec_tokens) * 2, 1024 if fp4_blackwell else 512)
+
+
+def graph_host_us(mode: str, layers: int, replay_us: float, eager_per_layer_us: float) -> float:
+    """CPU cost of running the step's graph(s): one replay (full), one per piece (piecewise
+    splits at every attention, so layers + 1 pieces), or eager launches per layer (none).
+    Values are registry assumptions; their sum with dispatch matches two Granite-5 ITL runs."""
+    if mode == "full":
+        return replay_us
+    if mode == "piecewise":
+        return replay_us * (layers + 1)
+    return eager_per_layer_us * layers
+
+
+def host_us(captured_graph_us: ArrayLike, eager_graph_us: float, tokens: ArrayLike, ceiling: int,
+            kernels: int, dispatch_us: float) -> np.ndarray:
+    """Host time per step: the graph cost of the step's capture mode plus a dispatch cost per
+    kernel (3.2 us, backed out of two end-to-end ITL runs). Past the capture ceiling the step
+    runs eager but is never charged less than captured, so adding a request never lowers it."""
+    captured = np.asarray(captured_graph_us, dtype=np.float64)
+    graph = np.where(np.asarray(tokens) > ceiling, np.maximum(captured, eager_graph_us), captured)
+    return graph + kernels * dispatch_us
+
+
+def compose_step(sm_dense: np.ndarray, prefill_attention: np.ndarray, hbm_dense: np.ndarray,
+                 nvlink: np.ndarray, nic: np.ndarray, expert_sm: np.ndarray, expert_hbm: np.ndarray,
+                 repeat: np.ndarray, head_sm: np.ndarray, head_hbm: np.ndarray, host: np.ndarray) -> dict[str, np.ndarray]:
+    """Compose steps from per-layer-kind times, arrays (steps, kinds); head and host (steps,).
+
+    Within a layer the resources overlap (the busiest one sets its time) except the routed
+    experts, whose arithmetic and reads are added: against NVIDIA's expert-GEMM measurements
+    on four chips the sum fits better than the max on every one. Layers run in sequence; the
+    head takes the larger of its arithmetic and reads; host is added last because a kernel
+    cannot start before the CPU dispatched it. NoOverlap is the sum of the five resources'
+    totals. Overlap is clamped to NoOverlap; the bottleneck is the largest total (first in
+    RESOURCES order on a tie).
+    """
+    sm_layer = sm_dense + prefill_attention
+    stage = np.maximum(np.maximum(sm_layer, hbm_dense), np.maximum(nvlink, nic)) + expert_sm + expert_hbm
+    totals = np.stack([
+        (sm_layer + expert_sm) @ repeat + head_sm,
+        (hbm_dense + expert_hbm) @ repeat + head_hbm,
+        nvlink @ repeat,
+        nic @ repeat,
+        host,
+    ], axis=1)
+    nooverlap = totals.sum(axis=1)
+    overlap = np.minimum(stage @ repeat + np.maximum(head_sm, head_hbm) + host, nooverlap)
+    return {"totals": totals, "overlap": overlap, "nooverlap": nooverlap, "stage": stage,
+            "bottleneck": np.argmax(totals, axis=1)}

@@ -1,0 +1,309 @@
+"""Chip and model data: the YAML files under `pricing/chips/` and `pricing/models/`.
+
+Adding a chip or a model is adding a file; these pydantic models validate it and every
+error names the file and the field. Numbers stay in the files, with their sources.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+CHIPS_DIR = Path(__file__).resolve().parent / "chips"
+MODELS_DIR = Path(__file__).resolve().parent / "models"
+
+
+class PricingError(ValueError):
+    """Pricing cannot proceed; the message names the missing chip, model, coefficient or width."""
+
+
+# Weight bytes per element. Four-bit formats count their packed nibbles only: the block scales
+# (1 byte per 16 or 32 weights) are under 7% of the traffic and the registry's fits exclude them.
+WEIGHT_BYTES: dict[str, float] = {
+    "fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5, "mxfp4": 0.5, "nvfp4": 0.5,
+}
+# KV cache bytes per element; "auto" is vLLM's default (the activation dtype, bf16 here).
+CACHE_BYTES: dict[str, int] = {
+    "auto": 2, "bf16": 2, "fp16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_ds_mla": 1,
+}
+# vLLM's packed DeepSeek latent cache stores 656 bytes per token per layer (fp8 latent plus
+# bf16 rope part and scales) instead of 576.
+PACKED_LATENT_BYTES: dict[str, int] = {"fp8_ds_mla": 656}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# ----------------------------------------------------------------------------------- chips
+class Ramp(_Strict):
+    eps_max: float = Field(gt=0, le=1)
+    m_half: float = Field(ge=0)
+
+
+class GemmBlock(_Strict):
+    source: str = Field(min_length=1)
+    ramps: dict[str, Ramp] = Field(min_length=1)
+    hbm_derate: float = Field(gt=0, le=1)
+    moe_routing_imbalance: float = Field(gt=0)
+
+
+class DecodeAttention(_Strict):
+    floor_us: float = Field(ge=0)
+    rate_bytes_per_us: float = Field(gt=0)
+
+
+class PrefillAttention(_Strict):
+    floor_us: float = Field(ge=0)
+    work_scale: float = Field(gt=0)
+
+
+DecodeKind = Literal["full", "swa", "mla", "sparse_mla"]
+
+
+class AttentionBlock(_Strict):
+    source: str = Field(min_length=1)
+    decode: dict[DecodeKind, DecodeAttention] = {}
+    prefill: PrefillAttention | None = None
+
+
+CollectiveTriple = Annotated[list[Annotated[float, Field(gt=0)]], Field(min_length=3, max_length=3)]
+CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "all2all"]
+
+
+class CollectivesBlock(_Strict):
+    source: str = Field(min_length=1)
+    # width -> [t0_us, r_t_bytes_per_us, r_peak_bytes_per_us]
+    all_reduce: dict[int, CollectiveTriple] = {}
+    all_gather: dict[int, CollectiveTriple] = {}
+    reduce_scatter: dict[int, CollectiveTriple] = {}
+    all2all: dict[int, CollectiveTriple] = {}
+
+
+class HostBlock(_Strict):
+    source: str = Field(min_length=1)
+    replay_graph_us: float = Field(ge=0)
+    eager_launch_per_layer_us: float = Field(ge=0)
+    dispatch_per_kernel_us: float = Field(ge=0)
+
+
+class ChipSpec(_Strict):
+    name: str = Field(min_length=1)
+    source: str = Field(min_length=1)
+    peak_tflops: dict[str, float] = Field(min_length=1)
+    hbm_tb_s: float = Field(gt=0)
+    memory_gib: float = Field(gt=0)
+    nvlink_gb_s: float = Field(gt=0)
+    inter_node_gb_s: float | None = Field(default=None, gt=0)
+    sm_count: int = Field(gt=0)
+    gpus_per_node: int = Field(gt=0)
+    gemm: GemmBlock
+    attention: AttentionBlock
+    collectives: CollectivesBlock
+    host: HostBlock
+
+    @model_validator(mode="after")
+    def _every_peak_has_a_ramp(self) -> ChipSpec:
+        missing = sorted(set(self.peak_tflops) - set(self.gemm.ramps))
+        if missing:
+            raise ValueError(f"peak_tflops lists {missing} but gemm.ramps has no efficiency ramp for them")
+        return self
+
+
+# ----------------------------------------------------------------------------------- models
+# Collective emit conditions. Sequence-parallel MoE is not a deployment option here, so
+# `tensor_parallel_unless_sp_moe` emits exactly when TP > 1; expert parallelism is not
+# modelled, so `expert_parallel` collectives never emit.
+Emit = Literal["always", "tensor_parallel", "tensor_parallel_unless_sp_moe", "expert_parallel"]
+
+
+class _Node(_Strict):
+    name: str = Field(min_length=1)
+
+
+class GemmNode(_Node):
+    op: Literal["gemm"]
+    n: int = Field(gt=0)
+    k: int = Field(gt=0)
+    weight_dtype: str | None = None
+    replicated: bool = False
+
+
+class GroupedGemmNode(_Node):
+    op: Literal["grouped_gemm"]
+    n: int = Field(gt=0)          # expert intermediate width
+    k: int = Field(gt=0)          # hidden
+    experts: int = Field(gt=0)
+    top_k: int = Field(gt=0)
+    shared_experts: int = Field(default=0, ge=0)
+    weight_dtype: str | None = None
+
+    @model_validator(mode="after")
+    def _top_k_fits(self) -> GroupedGemmNode:
+        if self.top_k > self.experts:
+            raise ValueError(f"top_k {self.top_k} exceeds experts {self.experts}")
+        return self
+
+
+class AttentionNode(_Node):
+    op: Literal["attention"]
+    kind: Literal["gqa", "swa", "mla", "sparse_mla"]
+    q_heads: int = Field(gt=0)
+    kv_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    window: int | None = Field(default=None, gt=0)
+    top_k: int | None = Field(default=None, gt=0)             # sparse_mla: positions the indexer selects
+    compress_ratio: float | None = Field(default=None, ge=1)  # sparse_mla: compressed stream ratio
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> AttentionNode:
+        if self.kind == "swa" and self.window is None:
+            raise ValueError("a swa attention needs a window")
+        if self.kind == "sparse_mla" and (self.top_k is None or self.compress_ratio is None):
+            raise ValueError("a sparse_mla attention needs top_k and compress_ratio")
+        return self
+
+    @property
+    def latent(self) -> bool:
+        return self.kind in ("mla", "sparse_mla")
+
+
+class ElementwiseNode(_Node):
+    op: Literal["elementwise"]
+    bytes_per_token: int | None = Field(default=None, gt=0)
+
+
+class CollectiveNode(_Node):
+    op: CollectiveOp
+    emit: Emit
+
+
+Node = Annotated[
+    GemmNode | GroupedGemmNode | AttentionNode | ElementwiseNode | CollectiveNode, Field(discriminator="op")
+]
+
+
+class LayerKind(_Strict):
+    name: str = Field(min_length=1)
+    repeat: int = Field(gt=0)
+    nodes: list[Node] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _one_attention_one_expert_group(self) -> LayerKind:
+        for cls in (AttentionNode, GroupedGemmNode):
+            if sum(isinstance(n, cls) for n in self.nodes) > 1:
+                raise ValueError(f"layer kind {self.name!r} has more than one {cls.__name__}")
+        return self
+
+    @property
+    def attention(self) -> AttentionNode | None:
+        return next((n for n in self.nodes if isinstance(n, AttentionNode)), None)
+
+    @property
+    def experts(self) -> GroupedGemmNode | None:
+        return next((n for n in self.nodes if isinstance(n, GroupedGemmNode)), None)
+
+
+class HeadSpec(_Strict):
+    n: int = Field(gt=0)   # vocabulary
+    k: int = Field(gt=0)   # hidden
+    weight_dtype: str | None = None
+
+
+class ModelSpec(_Strict):
+    name: str = Field(min_length=1)
+    source: str = Field(min_length=1)
+    weight_dtype: str
+    hidden_size: int = Field(gt=0)
+    vocab_size: int = Field(gt=0)
+    # Stated KV bytes per token at TP 1 per cache dtype; checked against the graph so a typo in
+    # an attention node cannot silently misprice memory.
+    kv_bytes_per_token_tp1: dict[str, int] = {}
+    layer_kinds: list[LayerKind] = Field(min_length=1)
+    head: HeadSpec
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelSpec:
+        dtypes = [self.weight_dtype, self.head.weight_dtype]
+        dtypes += [n.weight_dtype for kind in self.layer_kinds for n in kind.nodes if hasattr(n, "weight_dtype")]
+        unknown = sorted({d for d in dtypes if d is not None and d not in WEIGHT_BYTES})
+        if unknown:
+            raise ValueError(f"unknown weight dtype {unknown}; known: {sorted(WEIGHT_BYTES)}")
+        for cache_dtype, stated in self.kv_bytes_per_token_tp1.items():
+            if cache_dtype not in CACHE_BYTES:
+                raise ValueError(f"kv_bytes_per_token_tp1: unknown cache dtype {cache_dtype!r}")
+            derived = sum(kind.repeat * kv_bytes_per_token_layer(kind.attention, 1, cache_dtype)
+                          for kind in self.layer_kinds if kind.attention is not None)
+            if derived != stated:
+                raise ValueError(
+                    f"kv_bytes_per_token_tp1[{cache_dtype}] states {stated} but the attention nodes give {derived}"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _has_attention(self) -> ModelSpec:
+        if all(kind.attention is None for kind in self.layer_kinds):
+            raise ValueError("no layer kind has an attention node")
+        return self
+
+    @property
+    def layers(self) -> int:
+        return sum(kind.repeat for kind in self.layer_kinds)
+
+
+def kv_bytes_per_token_layer(attention: AttentionNode, tp: int, cache_dtype: str) -> int:
+    """KV bytes one token occupies in one layer on one rank.
+
+    Keys and values are two tensors, a latent one; KV heads shard across TP down to one head
+    per rank (replicated beyond), and a latent head is never sharded.
+    """
+    if attention.latent and cache_dtype in PACKED_LATENT_BYTES:
+        return PACKED_LATENT_BYTES[cache_dtype]
+    tensors = 1 if attention.latent else 2
+    heads_per_rank = 1 if attention.latent else max(1, -(-attention.kv_heads // tp))
+    return tensors * heads_per_rank * attention.head_dim * CACHE_BYTES[cache_dtype]
+
+
+# ----------------------------------------------------------------------------------- loading
+def _load(directory: Path, name: str, what: str, spec_type: type[ChipSpec] | type[ModelSpec]):
+    path = directory / f"{name}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in directory.glob("*.yaml")))
+        raise PricingError(f"unknown {what} {name!r}: no {path} (known {what}s: {known})")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise PricingError(f"{path}: not valid YAML: {err}") from err
+    try:
+        spec = spec_type.model_validate(raw)
+    except ValidationError as err:
+        first = err.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "(top level)"
+        raise PricingError(f"{path}: field {field}: {first['msg']}") from err
+    if spec.name != name:
+        raise PricingError(f"{path}: field name: {spec.name!r} does not match the file name {name!r}")
+    return spec
+
+
+@cache
+def load_chip(name: str) -> ChipSpec:
+    """The chip `pricing/chips/<name>.yaml` (case-insensitive name)."""
+    return _load(CHIPS_DIR, name.lower(), "chip", ChipSpec)
+
+
+@cache
+def load_model(name: str) -> ModelSpec:
+    """The model graph `pricing/models/<name>.yaml` (case-insensitive name)."""
+    return _load(MODELS_DIR, name.lower(), "model", ModelSpec)
+
+
+def chip_names() -> list[str]:
+    return sorted(p.stem for p in CHIPS_DIR.glob("*.yaml"))
+
+
+def model_names() -> list[str]:
+    return sorted(p.stem for p in MODELS_DIR.glob("*.yaml"))

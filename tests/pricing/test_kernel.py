@@ -1,0 +1,270 @@
+"""Kernel behaviour: hand-checked terms, invariants as properties, work per slot, errors."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pricing import Deployment, Kernel, PricingError, deployment_for_pool
+from pricing.spec import ChipSpec, ModelSpec, _load
+from schemas.config import load_pools
+
+DEPLOYMENTS = [
+    Deployment(model="deepseek-v3", chip="h200", dtype="fp8", cache_dtype="fp8", tp=8, cudagraph_mode="PIECEWISE"),
+    Deployment(model="gpt-oss-120b", chip="h100", tp=4, cache_dtype="fp8"),
+    Deployment(model="gpt-oss-120b", chip="b200", tp=2, cudagraph_mode="FULL_DECODE_ONLY"),
+    Deployment(model="llama-3.1-8b-instruct", chip="h100", max_num_seqs=16, decode_threshold=4),
+    Deployment(model="llama-3.1-70b-instruct", chip="a100", tp=8, cudagraph_mode="NONE"),
+    Deployment(model="llama-3.1-70b-instruct", chip="h200", tp=32, nodes=4, dtype="fp8"),
+    Deployment(model="qwen3-30b-a3b", chip="b200", tp=2, num_spec_tokens=1, cudagraph_mode="FULL"),
+]
+
+
+@cache
+def kernel_for(index: int, compat: str) -> Kernel:
+    return Kernel.build(DEPLOYMENTS[index].model_copy(update={"compat": compat}))
+
+
+requests = st.lists(
+    st.tuples(st.one_of(st.integers(1, 3), st.integers(1, 4096)), st.integers(0, 60_000)), min_size=0, max_size=40
+)
+deployment_index = st.integers(0, len(DEPLOYMENTS) - 1)
+compat = st.sampled_from(["physics", "go"])
+
+
+def _arrays(batch: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    scheduled = np.array([s for s, _ in batch], dtype=np.int64)
+    computed = np.array([c for _, c in batch], dtype=np.int64)
+    return scheduled, computed, computed + scheduled
+
+
+# ------------------------------------------------------------------ invariants
+@settings(max_examples=150, deadline=None)
+@given(deployment_index, compat, requests)
+def test_overlap_never_exceeds_nooverlap_and_nooverlap_is_the_sum(index, mode, batch):
+    price = kernel_for(index, mode).price(*_arrays(batch))
+    assert price.overlap_us <= price.nooverlap_us
+    total = price.sm_us + price.hbm_us + price.nvlink_us + price.nic_us + price.host_us
+    assert price.nooverlap_us == pytest.approx(total, rel=1e-12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(deployment_index, requests, st.tuples(st.integers(1, 4096), st.integers(0, 60_000)))
+def test_adding_a_request_never_lowers_the_price(index, batch, extra):
+    # The price is NoOverlap. A single resource (and so Overlap) may drop: a mixed step pays one
+    # attention floor, which moves from HBM (decode) to SM (prefill) when a prompt joins.
+    kernel = kernel_for(index, "physics")
+    before = kernel.price(*_arrays(batch))
+    after = kernel.price(*_arrays(batch + [extra]))
+    assert after.nooverlap_us >= before.nooverlap_us * (1 - 1e-12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(deployment_index, compat, requests)
+def test_slot_parts_sum_to_nooverlap(index, mode, batch):
+    kernel = kernel_for(index, mode)
+    arrays = _arrays(batch)
+    work = kernel.slot_work(*arrays)
+    price = kernel.price(*arrays)
+    assert work.slot_us.shape == (len(batch), 5)
+    assert (work.slot_us >= 0).all() and (work.fixed_us >= 0).all()
+    total = work.fixed_us.sum() + work.slot_us.sum()
+    assert total == pytest.approx(price.nooverlap_us, rel=1e-9)
+    per_resource = work.fixed_us + work.slot_us.sum(axis=0)
+    expected = [price.sm_us, price.hbm_us, price.nvlink_us, price.nic_us, price.host_us]
+    np.testing.assert_allclose(per_resource, expected, rtol=1e-9, atol=1e-9)
+
+
+@settings(max_examples=60, deadline=None)
+@given(deployment_index, compat, st.lists(requests, min_size=1, max_size=6))
+def test_many_steps_match_one_step_at_a_time(index, mode, steps):
+    kernel = kernel_for(index, mode)
+    step_index = np.concatenate([np.full(len(b), i, dtype=np.int64) for i, b in enumerate(steps)])
+    arrays = [np.concatenate([_arrays(b)[j] for b in steps]) for j in range(3)]
+    many = kernel.price_many(step_index, *arrays, n_steps=len(steps))
+    fixed, slots = kernel.slot_work_many(step_index, *arrays, n_steps=len(steps))
+    for i, batch in enumerate(steps):
+        one = kernel.price(*_arrays(batch))
+        assert many.nooverlap_us[i] == pytest.approx(one.nooverlap_us, rel=1e-12)
+        assert many.overlap_us[i] == pytest.approx(one.overlap_us, rel=1e-12)
+        assert many.bottleneck_names[i] == one.bottleneck
+        total = fixed[i].sum() + slots[step_index == i].sum()
+        assert total == pytest.approx(one.nooverlap_us, rel=1e-9)
+
+
+# ------------------------------------------------------------------ hand-checked terms
+def test_empty_step_costs_host_only():
+    kernel = kernel_for(0, "go")
+    price = kernel.price([], [], [])
+    assert price.nooverlap_us == price.overlap_us == price.host_us == pytest.approx(62 * 7.0 + 972 * 3.2)
+    assert price.bottleneck == "host"
+    prices = kernel.price_many(np.array([0, 2]), [1, 1], [10, 10], [10, 10], n_steps=4)
+    np.testing.assert_allclose(prices.nooverlap_us[[1, 3]], 62 * 7.0 + 972 * 3.2)
+
+
+LLAMA_8B_LAYER_WEIGHT_BYTES = (6144 * 4096 + 4096 * 4096 + 28672 * 4096 + 4096 * 14336) * 2
+H100_BANDWIDTH = 3.35e6 * 0.8
+
+
+def test_llama_decode_layer_by_hand():
+    kernel = Kernel.build(Deployment(model="llama-3.1-8b-instruct", chip="h100"))
+    layer = kernel.price([1, 1], [999, 1999], [999, 1999]).per_kind["decoder"]
+    kv_per_token = 2 * 8 * 128 * 2
+    hbm = (LLAMA_8B_LAYER_WEIGHT_BYTES + 2 * 2 * 16384) / H100_BANDWIDTH + 14.5 + 3000 * kv_per_token / 2_412_000
+    assert layer["hbm_us"] == pytest.approx(hbm, rel=1e-12)
+    flops = 2 * LLAMA_8B_LAYER_WEIGHT_BYTES / 2
+    assert layer["sm_us"] == pytest.approx(2 * flops / (989.5e6 * 1.0 * 2 / 172), rel=1e-12)
+    assert layer["nvlink_us"] == 0.0
+
+
+def test_slot_work_by_hand_for_two_llama_decodes():
+    kernel = Kernel.build(Deployment(model="llama-3.1-8b-instruct", chip="h100"))
+    work = kernel.slot_work([1, 1], [999, 2999], [999, 2999])
+    flops_per_token = 32 * LLAMA_8B_LAYER_WEIGHT_BYTES + 2 * 128256 * 4096  # 2 FLOP per bf16 weight
+    gemm_us_per_token = flops_per_token / (989.5e6 * 1.0)
+    head_bytes = 128256 * 4096 * 2
+    fixed = [
+        gemm_us_per_token * 170,  # the m_half ramp overhead
+        32 * (LLAMA_8B_LAYER_WEIGHT_BYTES / H100_BANDWIDTH + 14.5) + head_bytes / H100_BANDWIDTH,
+        0.0,
+        0.0,
+        7.0 + 258 * 3.2,  # one full-graph replay + 258 kernels dispatched
+    ]
+    np.testing.assert_allclose(work.fixed_us, fixed, rtol=1e-12)
+    activations = 32 * 2 * 16384 / H100_BANDWIDTH
+    reads = [32 * context * 4096 / 2_412_000 for context in (1000, 3000)]
+    np.testing.assert_allclose(work.slot_us, [[gemm_us_per_token, activations + reads[0], 0, 0, 0],
+                                              [gemm_us_per_token, activations + reads[1], 0, 0, 0]], rtol=1e-12)
+
+
+def test_mixed_step_pays_one_attention_floor_and_prefill_at_its_own_ramp():
+    kernel = Kernel.build(Deployment(model="llama-3.1-8b-instruct", chip="h100"))
+    layer = kernel.price([1, 100], [999, 0], [999, 100]).per_kind["decoder"]
+    # H100: prefill floor 19.5 > decode floor 14.5, so the decode floor is not paid
+    hbm = (LLAMA_8B_LAYER_WEIGHT_BYTES + 101 * 2 * 16384) / H100_BANDWIDTH + 1000 * 4096 / 2_412_000
+    assert layer["hbm_us"] == pytest.approx(hbm, rel=1e-12)
+    gemm = 101 * LLAMA_8B_LAYER_WEIGHT_BYTES / (989.5e6 * 1.0 * 101 / 271)
+    # physics: the 100-token prompt's attention at eps(100) of the bf16 ramp
+    attention = 19.5 + 4 * (100 * 100 / 2) * 32 * 128 / (989.5e6 * (1.0 * 100 / 270) * 0.40)
+    assert layer["sm_us"] == pytest.approx(gemm + attention, rel=1e-12)
+    go = Kernel.build(Deployment(model="llama-3.1-8b-instruct", chip="h100", compat="go"))
+    go_layer = go.price([1, 100], [999, 0], [999, 100]).per_kind["decoder"]
+    go_attention = 19.5 + 4 * 5000 * 32 * 128 / (989.5e6 * (1.0 * 101 / 271) * 0.40)
+    assert go_layer["sm_us"] == pytest.approx(gemm + go_attention, rel=1e-12)
+
+
+def test_sliding_window_reads_at_most_the_window_unless_go():
+    physics = Kernel.build(Deployment(model="gpt-oss-120b", chip="h100", tp=4))
+    go = Kernel.build(Deployment(model="gpt-oss-120b", chip="h100", tp=4, compat="go"))
+    batch = ([1], [4095], [4095])
+    swa_physics, swa_go = physics.price(*batch).per_kind["swa_moe"], go.price(*batch).per_kind["swa_moe"]
+    kv_per_token = 2 * 2 * 64 * 2  # 8 KV heads over TP4, bf16
+    assert swa_go["hbm_us"] - swa_physics["hbm_us"] == pytest.approx((4096 - 128) * kv_per_token / 871_000, rel=1e-9)
+    assert physics.price(*batch).per_kind["full_moe"]["hbm_us"] == go.price(*batch).per_kind["full_moe"]["hbm_us"]
+
+
+def test_host_time_follows_the_graph_mode_and_the_capture_ceiling():
+    # llama-3.1-8b TP1: 32 layers x 8 kernels + 2 head kernels; max_num_seqs 16 -> ceiling 32 tokens
+    kernel = kernel_for(3, "physics")
+    dispatch = 258 * 3.2
+    assert kernel.price([1] * 4, [10] * 4, [10] * 4).host_us == pytest.approx(7.0 + dispatch)
+    assert kernel.price([1, 2], [10, 10], [10, 10]).host_us == pytest.approx(7.0 * 33 + dispatch)
+    assert kernel.price([1] * 40, [10] * 40, [10] * 40).host_us == pytest.approx(7.0 * 32 + dispatch)
+    assert kernel.price([40], [0], [40]).host_us == pytest.approx(7.0 * 33 + dispatch)
+
+
+def test_cross_node_collectives_go_to_nic_with_the_span_factor():
+    # TP32 over 4 nodes: the widest measured all-reduce (8 GPUs) with bytes spread over the
+    # 3 slower inter-node hops of 31: span = 1 + (450 / 50 - 1) * 3 / 31
+    price = kernel_for(5, "physics").price([1], [100], [100])
+    span = 1 + (450 / 50 - 1) * 3 / 31
+    assert price.nvlink_us == 0.0
+    assert price.per_kind["decoder"]["nic_us"] == pytest.approx(2 * (4.71 + 8192 * 2 * span / 104250), rel=1e-12)
+    assert price.nic_us == pytest.approx(80 * price.per_kind["decoder"]["nic_us"], rel=1e-12)
+
+
+def test_kv_bytes_per_token_whole_replica():
+    assert Kernel.build(Deployment(model="llama-3.1-8b-instruct", chip="h100")).kv_bytes_per_token == 131072
+    assert Kernel.build(Deployment(model="llama-3.1-70b-instruct", chip="h100", tp=8,
+                                   cache_dtype="fp8")).kv_bytes_per_token == 8 * 80 * 2 * 1 * 128
+    deepseek = kernel_for(0, "physics")
+    assert deepseek.kv_bytes_per_token == 8 * 35136  # the latent is replicated on every rank
+    packed = Kernel.build(DEPLOYMENTS[0].model_copy(update={"cache_dtype": "fp8_ds_mla"}))
+    assert packed.kv_bytes_per_token == 8 * 61 * 656
+    gpt_oss = Kernel.build(Deployment(model="gpt-oss-120b", chip="h100", tp=4))
+    per_layer_all_ranks = 4 * 2 * 2 * 64 * 2
+    assert gpt_oss.kv_bytes_per_token == 18 * per_layer_all_ranks  # full layers only
+    np.testing.assert_array_equal(gpt_oss.kv_bytes([1000, 100, 0]), [
+        1000 * 18 * per_layer_all_ranks + 128 * 18 * per_layer_all_ranks,
+        100 * 18 * per_layer_all_ranks + 100 * 18 * per_layer_all_ranks,
+        0,
+    ])
+
+
+def test_deployment_for_pool_uses_the_pool_and_engine_settings():
+    pools = load_pools()
+    chat = deployment_for_pool(pools.pool("chat-8b"))
+    assert chat == Deployment(model="llama-3.1-8b-instruct", chip="h100", dtype="bf16", cache_dtype="bf16", tp=1,
+                              nodes=1, cudagraph_mode="FULL_AND_PIECEWISE", max_num_seqs=256, decode_threshold=1,
+                              num_spec_tokens=0)
+    reason = deployment_for_pool(pools.pool("reason-dsv3"))
+    assert (reason.chip, reason.tp, reason.nodes, reason.num_spec_tokens, reason.cudagraph_mode) == \
+        ("h200", 8, 1, 1, "PIECEWISE")
+    Kernel.build(reason)
+
+
+# ------------------------------------------------------------------ errors
+@pytest.mark.parametrize(("deployment", "message"), [
+    (Deployment(model="llama-9", chip="h100"), "unknown model 'llama-9'"),
+    (Deployment(model="llama-3.1-8b-instruct", chip="mi300"), "unknown chip 'mi300'"),
+    (Deployment(model="llama-3.1-8b-instruct", chip="h100", tp=3), "all_reduce collective for a group of 3 GPUs"),
+    (Deployment(model="llama-3.1-8b-instruct", chip="h100", tp=16, nodes=2), "no inter_node_gb_s"),
+    (Deployment(model="llama-3.1-70b-instruct", chip="h200", tp=16, nodes=2), "group of 16 GPUs"),
+    (Deployment(model="llama-3.1-8b-instruct", chip="h100", tp=16), "does not fit 'h100' nodes of 8 GPUs"),
+    (Deployment(model="llama-3.1-8b-instruct", chip="h100", dtype="fp6"), "unknown dtype 'fp6'"),
+    (Deployment(model="llama-3.1-8b-instruct", chip="h100", cache_dtype="int3"), "unknown cache dtype 'int3'"),
+])
+def test_bad_deployments_name_what_is_missing(deployment, message):
+    with pytest.raises(PricingError, match=message):
+        Kernel.build(deployment)
+
+
+def test_bad_batches_name_the_field():
+    kernel = kernel_for(3, "physics")
+    with pytest.raises(PricingError, match=r"scheduled\[1\] is negative \(-2\)"):
+        kernel.price([1, -2], [0, 0], [0, 0])
+    with pytest.raises(PricingError, match="differ in length"):
+        kernel.price([1, 2], [0], [0, 0])
+    with pytest.raises(PricingError, match="whole token counts"):
+        kernel.price([1.5], [0], [0])
+    with pytest.raises(PricingError, match="outside 0..1"):
+        kernel.price_many([0, 2], [1, 1], [0, 0], [0, 0], n_steps=2)
+
+
+def test_bad_data_files_name_file_and_field(tmp_path: Path):
+    good = (Path(__file__).resolve().parents[2] / "pricing" / "chips" / "h100.yaml").read_text()
+    (tmp_path / "x1.yaml").write_text(good.replace("name: h100", "name: x1").replace("hbm_derate: 0.8", "hbm_derate: 1.8"))
+    with pytest.raises(PricingError, match=r"x1.yaml: field gemm.hbm_derate"):
+        _load(tmp_path, "x1", "chip", ChipSpec)
+    model = (Path(__file__).resolve().parents[2] / "pricing" / "models" / "llama-3.1-8b-instruct.yaml").read_text()
+    (tmp_path / "m.yaml").write_text(model.replace("name: llama-3.1-8b-instruct", "name: m")
+                                     .replace("kv_heads: 8", "kv_heads: 4"))
+    with pytest.raises(PricingError, match=r"m.yaml: .*kv_bytes_per_token_tp1\[bf16\] states 131072 but the attention nodes give 65536"):
+        _load(tmp_path, "m", "model", ModelSpec)
+
+
+def test_go_compat_keeps_the_single_step_ramp_on_prefill_attention():
+    # Under the Go kernel's one eps(T) per step, a decode row joining a long-context prefill
+    # chunk raises the ramp of the chunk's attention and lowers the step's price; the default
+    # prices each prompt's attention at its own ramp and never drops.
+    deployment = Deployment(model="deepseek-v3", chip="h200", tp=8, dtype="fp8", decode_threshold=8)
+    chunk, with_decode = ([9], [100_000], [100_009]), ([9, 1], [100_000, 0], [100_009, 0])
+    go = Kernel.build(deployment.model_copy(update={"compat": "go"}))
+    assert go.price(*with_decode).nooverlap_us < go.price(*chunk).nooverlap_us
+    physics = Kernel.build(deployment)
+    assert physics.price(*with_decode).nooverlap_us > physics.price(*chunk).nooverlap_us

@@ -1,0 +1,119 @@
+"""Each law against a hand calculation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pricing import laws
+
+
+def test_ramp_is_half_of_eps_max_at_m_half_and_zero_without_tokens():
+    assert laws.ramp_efficiency(1, 0.736, 113) == pytest.approx(0.736 / 114, rel=1e-15)
+    assert laws.ramp_efficiency(113, 0.736, 113) == pytest.approx(0.368, rel=1e-15)
+    assert laws.ramp_efficiency(0, 0.736, 113) == 0.0
+    assert laws.ramp_efficiency(-5, 0.736, 113) == 0.0
+
+
+def test_ramped_arithmetic_is_linear_in_tokens():
+    # 100 tokens x 1e9 FLOP at 1e9 FLOP/us and eps = 0.5 * 100 / 200 = 0.25: 400 us
+    assert laws.ramped_arithmetic_us(100, 1e9, 1e9, 0.5, 100) == pytest.approx(400.0, rel=1e-15)
+    # one more token adds exactly flops / (peak * eps_max) = 2 us
+    assert laws.ramped_arithmetic_us(101, 1e9, 1e9, 0.5, 100) == pytest.approx(402.0, rel=1e-15)
+    assert laws.ramped_arithmetic_us(0, 1e9, 1e9, 0.5, 100) == 0.0
+
+
+def test_memory_time_uses_the_derated_bandwidth():
+    # H200: 4.8e6 B/us x 0.8 = 3.84e6 B/us
+    assert laws.memory_time_us(3.84e6, 4.8e6, 0.8) == pytest.approx(1.0, rel=1e-15)
+    assert laws.memory_time_us(72_933_376, 4.8e6, 0.8) == pytest.approx(18.993066666666667, rel=1e-12)
+
+
+def test_decode_reads_per_kind():
+    assert laws.decode_read_tokens(4096, "dense") == 4096
+    assert laws.decode_read_tokens(4096, "dense", window=128) == 128
+    assert laws.decode_read_tokens(100, "dense", window=128) == 100
+    assert laws.decode_read_tokens(4096, "dense", window=128, window_bounded=False) == 4096
+    # sparse latent: 2048 selected + (10000 - 2048) / 4 of the compressed stream
+    assert laws.decode_read_tokens(10000, "sparse_mla", top_k=2048, compress_ratio=4) == 2048 + 7952 / 4
+    assert laws.decode_read_tokens(100, "sparse_mla", top_k=2048, compress_ratio=4) == 100
+
+
+def test_decode_attention_mla_at_4096_context_on_h200():
+    # the golden file's per-layer figure: 13.5 + 4096 * 576 / 2.928e6 = 14.31 us
+    assert laws.decode_attention_us(4096, 13.5, 576, 2.928e6) == pytest.approx(13.5 + 4096 * 576 / 2.928e6, rel=1e-15)
+    assert float(laws.decode_attention_us(4096, 13.5, 576, 2.928e6)) == pytest.approx(14.3058, abs=1e-4)
+
+
+def test_prefill_pairs_causal_and_windowed():
+    assert laws.prefill_pairs(100, 50) == 100 * 50 + 100 * 100 / 2
+    # window 128 from 50 cached tokens: 78 queries unbounded, then 22 queries see 128 keys
+    assert laws.prefill_pairs(100, 50, 128) == 78 * 50 + 78 * 78 / 2 + 22 * 128
+    assert laws.prefill_pairs(10, 200, 128) == 10 * 128
+    assert laws.prefill_pairs(60, 10, 128) == 60 * 10 + 60 * 60 / 2
+
+
+def test_prefill_attention_flops_and_time():
+    flops = laws.prefill_attention_flops(10_000, 32, 128, 2)
+    assert flops == 4 * 10_000 * 32 * 128 / 2
+    # 18.5 us floor + 81.92e6 FLOP at 989.5e6 FLOP/us x 0.5 x 0.4
+    expected = 18.5 + 81_920_000 / (989.5e6 * 0.5 * 0.4)
+    assert laws.prefill_attention_us(10_000, 32, 128, 2, 18.5, 989.5e6, 0.5, 0.4) == pytest.approx(expected, rel=1e-15)
+
+
+def test_distinct_experts():
+    assert laws.distinct_experts(1, 256, 8) == pytest.approx(8.0, rel=1e-14)
+    assert laws.distinct_experts(2, 256, 8) == pytest.approx(256 - 248**2 / 256, rel=1e-14)
+    assert laws.distinct_experts(0, 256, 8) == 0.0
+    assert laws.distinct_experts(100_000, 256, 8) == pytest.approx(256.0, rel=1e-12)
+
+
+def test_collective_fixed_cost_then_peak_rate():
+    # DeepSeek-V3 all-reduce of one token's 7168 bf16 activations on 8 H200s
+    assert laws.collective_us(14336, 4.71, 104250, 134260) == pytest.approx(4.71 + 14336 / 104250, rel=1e-15)
+    # the peak rate binds only where it is below the step-range rate's line
+    assert laws.collective_us(1e6, 1.0, 2e6, 1e5) == pytest.approx(10.0, rel=1e-15)
+    assert laws.collective_us(1e3, 1.0, 2e6, 1e5) == pytest.approx(1.0005, rel=1e-15)
+
+
+def test_cross_node_span():
+    assert laws.cross_node_span(9.0, 2, 16) == pytest.approx(1 + 8 / 15, rel=1e-15)
+    assert laws.cross_node_span(9.0, 1, 8) == 1.0
+    assert laws.cross_node_span(9.0, 1, 1) == 1.0
+
+
+def test_capture_ceiling():
+    assert laws.capture_ceiling(256, 0, False) == 512
+    assert laws.capture_ceiling(64, 0, False) == 128
+    assert laws.capture_ceiling(64, 1, False) == 256
+    assert laws.capture_ceiling(1024, 0, True) == 1024
+
+
+def test_graph_cost_per_mode_and_host_time():
+    assert laws.graph_host_us("full", 61, 7.0, 7.0) == 7.0
+    assert laws.graph_host_us("piecewise", 61, 7.0, 7.0) == 7.0 * 62
+    assert laws.graph_host_us("none", 61, 7.0, 7.0) == 7.0 * 61
+    # DeepSeek-V3 TP8 piecewise: 62 replays + 972 kernels x 3.2 us = 3544.4 us
+    host = laws.host_us(np.array([434.0, 434.0]), 427.0, np.array([1, 600]), 512, 972, 3.2)
+    np.testing.assert_allclose(host, [3544.4, 3544.4], rtol=1e-15)
+    # past the ceiling a full-graph step is charged eager launches, never less than captured
+    host = laws.host_us(np.array([7.0, 7.0]), 427.0, np.array([512, 513]), 512, 972, 3.2)
+    np.testing.assert_allclose(host, [7.0 + 3110.4, 427.0 + 3110.4], rtol=1e-15)
+
+
+def test_compose_step_by_hand():
+    # one step, two layer kinds (repeat 2 and 3)
+    one = np.ones((1, 2))
+    composed = laws.compose_step(
+        sm_dense=one * [10.0, 1.0], prefill_attention=one * [2.0, 0.0], hbm_dense=one * [5.0, 8.0],
+        nvlink=one * [3.0, 3.0], nic=one * [0.0, 9.0], expert_sm=one * [0.0, 4.0], expert_hbm=one * [0.0, 6.0],
+        repeat=np.array([2.0, 3.0]), head_sm=np.array([7.0]), head_hbm=np.array([11.0]), host=np.array([20.0]),
+    )
+    # stages: max(12, 5, 3, 0) = 12; max(1, 8, 3, 9) + 4 + 6 = 19
+    np.testing.assert_allclose(composed["stage"], [[12.0, 19.0]])
+    sm = 2 * 12 + 3 * (1 + 4) + 7
+    hbm = 2 * 5 + 3 * (8 + 6) + 11
+    np.testing.assert_allclose(composed["totals"], [[sm, hbm, 15.0, 27.0, 20.0]])
+    assert composed["nooverlap"][0] == sm + hbm + 15 + 27 + 20
+    assert composed["overlap"][0] == 2 * 12 + 3 * 19 + 11 + 20
+    assert composed["bottleneck"][0] == 1  # hbm

@@ -1,0 +1,64 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from schemas.config import DEFAULT_POOLS_PATH, AlphaFromEvidence, ConfigError, Policies, load_pools
+
+
+def test_default_pools_file_loads():
+    pools = load_pools(DEFAULT_POOLS_PATH)
+    assert [p.name for p in pools.pools] == ["chat-8b", "reason-dsv3"]
+    chat = pools.pool("chat-8b")
+    assert chat.nano_per_gpu_hour == 3_600_000_000
+    assert len(chat.replicas) == 4
+    tenants = {t.name for p in pools.pools for t in p.workload.tenants}
+    assert len(tenants) >= 4
+
+
+def test_policy_version_is_stable_and_content_addressed():
+    assert Policies().version() == Policies().version()
+    assert Policies(alpha=0.8).version() != Policies(alpha=0.7).version()
+
+
+def test_alpha_bounds_must_be_ordered():
+    with pytest.raises(ValueError, match="min_alpha 0.9 exceeds max_alpha 0.5"):
+        AlphaFromEvidence(min_alpha=0.9, max_alpha=0.5)
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "pools.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_error_names_file_line_and_field(tmp_path):
+    text = DEFAULT_POOLS_PATH.read_text().replace("usd_per_gpu_hour: 3.60", "usd_per_gpu_hour: -1")
+    path = _write(tmp_path, text)
+    line = 1 + text.splitlines().index("    usd_per_gpu_hour: -1")
+    with pytest.raises(ConfigError) as err:
+        load_pools(path)
+    assert str(err.value).startswith(f"{path}:{line}: field pools.0.usd_per_gpu_hour: Input should be greater than 0")
+
+
+def test_gpu_uuid_count_must_match_replica_width(tmp_path):
+    text = DEFAULT_POOLS_PATH.read_text().replace("gpus_per_replica: 1", "gpus_per_replica: 2")
+    with pytest.raises(ConfigError, match="replica 'chat-8b-r0' lists 1 GPU UUIDs, expected gpus_per_replica=2"):
+        load_pools(_write(tmp_path, text))
+
+
+def test_unknown_field_is_refused(tmp_path):
+    text = DEFAULT_POOLS_PATH.read_text().replace("    kv_block_size: 16\n", "    kv_blok_size: 16\n", 1)
+    with pytest.raises(ConfigError, match=r"field pools\.0\.kv_blok_size: Extra inputs are not permitted"):
+        load_pools(_write(tmp_path, text))
+
+
+def test_invalid_yaml_names_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"pools\.yaml:3: not valid YAML"):
+        load_pools(_write(tmp_path, "pools:\n  - [unclosed\n"))
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read pools file: No such file or directory"):
+        load_pools(tmp_path / "absent.yaml")
