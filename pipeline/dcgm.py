@@ -1,0 +1,213 @@
+"""DCGM exporter samples: GPU engine activity read from Prometheus text exposition.
+
+The reconciliation's plausibility check compares the engine's busy fraction with the GPU's own
+`DCGM_FI_PROF_GR_ENGINE_ACTIVE` counter. dcgm-exporter serves Prometheus text; collectors
+append successive scrapes to one file per host and hour (`<dir>/<hostname>/<YYYY-MM-DDTHH>.prom`).
+Exporters before mid-2026 spell the host label `Hostname` and, in compat mode, the UUID label
+`uuid`; both spellings are accepted. Samples are matched to replicas by GPU UUID, never by the
+`gpu` index, which restarts at 0 on every host.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from datetime import datetime, timedelta, timezone
+from os import PathLike
+from pathlib import Path
+
+import polars as pl
+
+GR_ENGINE_ACTIVE = "DCGM_FI_PROF_GR_ENGINE_ACTIVE"
+
+DCGM_SCHEMA = pl.Schema(
+    {
+        "uuid": pl.String,
+        "hostname": pl.String,
+        "gpu": pl.Int32,
+        "model_name": pl.String,
+        "timestamp_ns": pl.Int64,
+        "value": pl.Float64,
+    }
+)
+
+# label name -> column, for every spelling an exporter version has used.
+_LABEL_SPELLINGS = {"UUID": "uuid", "uuid": "uuid", "Hostname": "hostname", "hostname": "hostname"}
+
+_METRIC_NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
+_SAMPLE = re.compile(
+    rf"(?P<name>{_METRIC_NAME})"
+    r"(?:\{(?P<labels>.*)\})?"  # greedy: a quoted label value may itself contain "}"
+    r"[ \t]+(?P<value>\S+)"
+    r"(?:[ \t]+(?P<timestamp>\S+))?[ \t]*"
+)
+_LABEL = re.compile(r'[ \t]*([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\]|\\.)*)"[ \t]*(?:,|$)')
+_ESCAPES = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+_ESCAPE = re.compile(r"\\.")
+
+_NS_PER_MS = 1_000_000
+_INT64_LIMIT = 1 << 63
+
+
+class DcgmParseError(ValueError):
+    """A DCGM exposition file is malformed; the message names the file, line and problem."""
+
+
+def _unescape(raw: str, where: str) -> str:
+    def replace(match: re.Match[str]) -> str:
+        escape = match.group(0)
+        if escape not in _ESCAPES:
+            raise DcgmParseError(f"{where}: unknown escape {escape!r} in a label value")
+        return _ESCAPES[escape]
+
+    return _ESCAPE.sub(replace, raw)
+
+
+def _parse_labels(text: str, where: str) -> dict[str, str]:
+    labels: dict[str, str] = {}
+    position = 0
+    text = text.rstrip(" \t,")
+    while position < len(text):
+        match = _LABEL.match(text, position)
+        if match is None:
+            raise DcgmParseError(f"{where}: cannot parse labels at {text[position:position + 40]!r}")
+        name, value = match.group(1), _unescape(match.group(2), where)
+        if name in labels:
+            raise DcgmParseError(f"{where}: label {name!r} appears twice")
+        labels[name] = value
+        position = match.end()
+    return labels
+
+
+def _column_values(labels: dict[str, str], where: str) -> dict[str, str]:
+    """Map old and new label spellings onto columns; both spellings must agree if both appear."""
+    columns: dict[str, str] = {}
+    for label, column in _LABEL_SPELLINGS.items():
+        if label in labels:
+            if column in columns and columns[column] != labels[label]:
+                raise DcgmParseError(
+                    f"{where}: {column} labels disagree: {columns[column]!r} vs {labels[label]!r}"
+                )
+            columns[column] = labels[label]
+    return columns
+
+
+def parse_dcgm(
+    source: str | PathLike[str],
+    *,
+    default_timestamp_ns: int | None = None,
+    source_name: str = "<text>",
+) -> pl.DataFrame:
+    """Parse `DCGM_FI_PROF_GR_ENGINE_ACTIVE` samples from Prometheus text exposition.
+
+    `source` is a path (`pathlib.Path` or other `os.PathLike`) or the text itself (`str`).
+    Several concatenated scrapes are fine. Samples without an explicit millisecond timestamp
+    take `default_timestamp_ns` (the scrape time, or the hour a file is named for); without one
+    they are an error. Other metrics are syntax-checked and skipped. Exact repeats of a sample
+    (a scrape appended twice) are kept once; two different values for the same GPU and
+    timestamp are an error. Returns DCGM_SCHEMA columns sorted by uuid and timestamp.
+    """
+    if isinstance(source, PathLike):
+        path = Path(source)
+        source_name = str(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise DcgmParseError(f"{path}: cannot read DCGM samples: {err}") from err
+    else:
+        text = source
+
+    rows: dict[str, list] = {name: [] for name in DCGM_SCHEMA}
+    # Lines end at "\n" only: a quoted label value may hold any other control character.
+    for line_number, line in enumerate(text.split("\n"), start=1):
+        stripped = line.strip(" \t\r")
+        if not stripped or stripped.startswith("#"):
+            continue
+        where = f"{source_name}:{line_number}"
+        match = _SAMPLE.fullmatch(stripped)
+        if match is None:
+            # os.path.exists, unlike Path.exists, returns False for names too long to be paths.
+            hint = "; to read a file, pass a pathlib.Path" if "\n" not in text and os.path.exists(text) else ""
+            raise DcgmParseError(f"{where}: not a Prometheus sample line: {stripped[:80]!r}{hint}")
+        labels = _parse_labels(match.group("labels") or "", where)
+        raw_value, raw_timestamp = match.group("value"), match.group("timestamp")
+        try:
+            value = float(raw_value)
+        except ValueError:
+            raise DcgmParseError(f"{where}: sample value {raw_value!r} is not a number") from None
+        if raw_timestamp is not None:
+            try:
+                timestamp_ns = int(raw_timestamp) * _NS_PER_MS
+            except ValueError:
+                raise DcgmParseError(
+                    f"{where}: timestamp {raw_timestamp!r} is not integer milliseconds"
+                ) from None
+            if not -_INT64_LIMIT <= timestamp_ns < _INT64_LIMIT:
+                raise DcgmParseError(f"{where}: timestamp {raw_timestamp} ms is out of the nanosecond range")
+        if match.group("name") != GR_ENGINE_ACTIVE:
+            continue
+        if not (math.isfinite(value) and 0.0 <= value <= 1.0):
+            raise DcgmParseError(f"{where}: {GR_ENGINE_ACTIVE} value {raw_value} is outside the ratio 0..1")
+        if raw_timestamp is None:
+            if default_timestamp_ns is None:
+                raise DcgmParseError(
+                    f"{where}: sample has no timestamp and no default scrape time was given"
+                )
+            timestamp_ns = default_timestamp_ns
+        columns = _column_values(labels, where)
+        for required in ("uuid", "hostname"):
+            if required not in columns:
+                raise DcgmParseError(f"{where}: sample has no {required} label (labels: {sorted(labels)})")
+        gpu = labels.get("gpu")
+        if gpu is None or not gpu.isdigit():
+            raise DcgmParseError(f"{where}: gpu label {gpu!r} is not a GPU index")
+        rows["uuid"].append(columns["uuid"])
+        rows["hostname"].append(columns["hostname"])
+        rows["gpu"].append(int(gpu))
+        rows["model_name"].append(labels.get("modelName"))
+        rows["timestamp_ns"].append(timestamp_ns)
+        rows["value"].append(value)
+
+    samples = pl.DataFrame(rows, schema=DCGM_SCHEMA).unique(maintain_order=True)
+    conflicts = samples.filter(pl.len().over("uuid", "timestamp_ns") > 1)
+    if conflicts.height:
+        first = conflicts.row(0, named=True)
+        raise DcgmParseError(
+            f"{source_name}: GPU {first['uuid']} has {conflicts.height} conflicting values at the same "
+            f"timestamps (first at {first['timestamp_ns']} ns)"
+        )
+    return samples.sort("uuid", "timestamp_ns")
+
+
+def hour_key(hour: datetime) -> str:
+    """The "YYYY-MM-DDTHH" key of a UTC hour."""
+    return hour.astimezone(timezone.utc).strftime("%Y-%m-%dT%H")
+
+
+def hour_bounds_ns(hour: datetime) -> tuple[int, int]:
+    """[start, end) of a UTC hour in integer nanoseconds since the epoch."""
+    if hour.tzinfo is None:
+        raise ValueError(f"hour {hour} has no time zone; pass an aware UTC datetime")
+    start = hour.astimezone(timezone.utc)
+    if (start.minute, start.second, start.microsecond) != (0, 0, 0):
+        raise ValueError(f"hour {hour} is not at :00")
+    epoch = datetime(1970, 1, 1, tzinfo=timezone.utc)
+    start_ns = (start - epoch) // timedelta(microseconds=1) * 1_000
+    return start_ns, start_ns + 3_600 * 1_000_000_000
+
+
+def read_dcgm_hour(dcgm_dir: str | PathLike[str], hour: datetime) -> pl.DataFrame:
+    """All hosts' samples for one UTC hour from `<dcgm_dir>/<hostname>/<YYYY-MM-DDTHH>.prom`.
+
+    A sample without a timestamp belongs to the hour its file is named for. Samples outside
+    the hour (a collector that wrote late) are left out. No files gives an empty frame: the
+    plausibility check reports each GPU without samples.
+    """
+    start_ns, end_ns = hour_bounds_ns(hour)
+    files = sorted(Path(dcgm_dir).glob(f"*/{hour_key(hour)}.prom"))
+    frames = [parse_dcgm(path, default_timestamp_ns=start_ns) for path in files]
+    samples = pl.concat(frames) if frames else pl.DataFrame(schema=DCGM_SCHEMA)
+    return samples.filter(pl.col("timestamp_ns").is_between(start_ns, end_ns, closed="left")).sort(
+        "uuid", "timestamp_ns"
+    )
