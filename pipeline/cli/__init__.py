@@ -16,6 +16,7 @@ COMMANDS: dict[str, str] = {
     "simulate": "pipeline.cli.simulate:simulate_command",
     "run": "pipeline.cli.run:run_command",
     "costs": "pipeline.cli.costs:costs_command",
+    "report": "pipeline.cli.report:report_command",
     "inspect": "pipeline.cli.inspect:inspect_command",
     "price": "pipeline.cli.price:price_command",
     "calibrate": "pipeline.cli.calibrate:calibrate_command",
