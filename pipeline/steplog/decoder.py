@@ -1,0 +1,536 @@
+"""Decode segment files into the typed tables of schemas/tables.py, reporting every damage.
+
+A Python loop runs once per frame (to follow lengths and check CRCs); everything per slot is
+numpy over the concatenated records of a whole segment, and request ids become one Arrow
+string array built from offsets and a single data buffer.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+from pydantic import ValidationError
+
+from schemas.records import (
+    DROP_STRUCT,
+    FILE_MAGIC,
+    FORMAT_VERSION,
+    FRAME_CHECKED_BYTES,
+    FRAME_MARKER,
+    FRAME_PREFIX,
+    HOLDER_DTYPE,
+    LAYOUT,
+    MAX_FRAME_PAYLOAD,
+    PREAMBLE,
+    SLOT_DTYPE,
+    STEP_DTYPE,
+    STEP_STRUCT,
+    FrameKind,
+    HeaderFrame,
+)
+from schemas.tables import DAMAGE, DROPS, HOLDER_STATES, HOLDERS, SEGMENTS, SLOTS, STEPS
+
+_KINDS = frozenset(int(kind) for kind in FrameKind)
+_HOLDER_STATE_NAMES = pa.array(HOLDER_STATES, pa.string())
+
+
+@dataclass
+class DecodedLog:
+    steps: pa.Table
+    slots: pa.Table
+    holders: pa.Table
+    segments: pa.Table
+    damage: pa.Table
+    drops: pa.Table
+
+
+@dataclass
+class _Damage:
+    kind: str
+    byte_offset: int
+    byte_length: int
+    detail: str
+    first_seq: int | None = None
+    last_seq: int | None = None
+
+
+@dataclass
+class _File:
+    """One file's decoded frames before duplicates are resolved."""
+
+    path: Path
+    data: bytes
+    header: HeaderFrame | None = None
+    damage: list[_Damage] = field(default_factory=list)
+    step_offsets: list[int] = field(default_factory=list)
+    step_fixed: list[memoryview] = field(default_factory=list)
+    slot_records: list[memoryview] = field(default_factory=list)
+    slot_ids: list[memoryview] = field(default_factory=list)
+    holder_records: list[memoryview] = field(default_factory=list)
+    holder_ids: list[memoryview] = field(default_factory=list)
+    drops: list[tuple[int, int]] = field(default_factory=list)
+    # (byte offset, seq) of every frame that names sequence numbers, to bound damage.
+    seq_marks: list[tuple[int, int, int]] = field(default_factory=list)
+
+    @property
+    def step_count(self) -> int:
+        return len(self.step_fixed)
+
+    def step_parts(self) -> tuple[list[memoryview], ...]:
+        return (self.step_fixed, self.slot_records, self.slot_ids, self.holder_records, self.holder_ids)
+
+    @property
+    def size(self) -> int:
+        return len(self.data)
+
+
+def _check_frame(buf: memoryview, pos: int) -> tuple[int, int] | str:
+    """(kind, end) of a valid frame at `pos`, or why there is none: 'truncated' or 'invalid'."""
+    size = len(buf)
+    if size - pos < FRAME_PREFIX.size:
+        tail = bytes(buf[pos : pos + len(FRAME_MARKER)])
+        return "truncated" if FRAME_MARKER.startswith(tail) else "invalid"
+    marker, kind, flags, reserved, length, crc = FRAME_PREFIX.unpack_from(buf, pos)
+    if marker != FRAME_MARKER or kind not in _KINDS or flags or reserved or length > MAX_FRAME_PAYLOAD:
+        return "invalid"
+    end = pos + FRAME_PREFIX.size + length
+    if end > size:
+        return "truncated"
+    checked = zlib.crc32(buf[pos : pos + FRAME_CHECKED_BYTES])
+    if zlib.crc32(buf[pos + FRAME_PREFIX.size : end], checked) != crc:
+        return "invalid"
+    return kind, end
+
+
+def _next_frame(buf: memoryview, data: bytes, pos: int) -> int | None:
+    """Offset of the next valid frame after damage at `pos`: scan for markers, verify each."""
+    candidate = data.find(FRAME_MARKER, pos + 1)
+    while candidate != -1:
+        if not isinstance(_check_frame(buf, candidate), str):
+            return candidate
+        candidate = data.find(FRAME_MARKER, candidate + 1)
+    return None
+
+
+def _read_header(decoded: _File, buf: memoryview, data: bytes) -> int | None:
+    """Validate preamble and header frame; the offset of the first body frame, or None."""
+    size = len(data)
+    if size < PREAMBLE.size:
+        if FILE_MAGIC.startswith(data[: len(FILE_MAGIC)]):
+            decoded.damage.append(_Damage("torn_tail", 0, size, f"file ends inside the {PREAMBLE.size}-byte preamble"))
+        else:
+            decoded.damage.append(_Damage("bad_header", 0, size, "not a step segment (no STEPLOG magic)"))
+        return None
+    magic, version = PREAMBLE.unpack_from(data, 0)
+    if magic != FILE_MAGIC or data[12:16] != b"\0\0\0\0":
+        decoded.damage.append(_Damage("bad_header", 0, size, "not a step segment (bad preamble)"))
+        return None
+    if version != FORMAT_VERSION:
+        decoded.damage.append(
+            _Damage("unknown_version", 0, size, f"format version {version}; this decoder reads version {FORMAT_VERSION}")
+        )
+        return None
+    checked = _check_frame(buf, PREAMBLE.size)
+    if checked == "truncated" and _next_frame(buf, data, PREAMBLE.size) is None:
+        decoded.damage.append(
+            _Damage("torn_tail", PREAMBLE.size, size - PREAMBLE.size, "file ends inside the segment header frame")
+        )
+        return None
+    if isinstance(checked, str) or checked[0] != FrameKind.HEADER:
+        decoded.damage.append(_Damage("bad_header", PREAMBLE.size, size - PREAMBLE.size, "segment header frame damaged"))
+        return None
+    end = checked[1]
+    try:
+        header = HeaderFrame.model_validate(json.loads(bytes(buf[PREAMBLE.size + FRAME_PREFIX.size : end])))
+    except (ValueError, ValidationError) as err:
+        reason = str(err).splitlines()[0] if not isinstance(err, ValidationError) else _first_error(err)
+        decoded.damage.append(_Damage("bad_header", PREAMBLE.size, size - PREAMBLE.size, f"segment header: {reason}"))
+        return None
+    if header.format_version != FORMAT_VERSION or header.layout != LAYOUT:
+        decoded.damage.append(
+            _Damage(
+                "bad_header",
+                PREAMBLE.size,
+                size - PREAMBLE.size,
+                f"header declares version {header.format_version} / a field layout that differs from version "
+                f"{FORMAT_VERSION}'s",
+            )
+        )
+        return None
+    decoded.header = header
+    return end
+
+
+def _first_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    return f"field {'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
+
+
+def _read_step(decoded: _File, buf: memoryview, pos: int, start: int, end: int) -> bool:
+    """Slice one step frame's parts; False when its lengths disagree with the payload."""
+    seq, _, _, _, _, n_slots, n_holders, id_bytes, holder_id_bytes, blocked = STEP_STRUCT.unpack_from(buf, start)
+    slots_at = start + STEP_STRUCT.size
+    ids_at = slots_at + n_slots * SLOT_DTYPE.itemsize
+    holders_at = ids_at + id_bytes
+    holder_ids_at = holders_at + n_holders * HOLDER_DTYPE.itemsize
+    if holder_ids_at + holder_id_bytes != end or blocked > 1:
+        return False
+    decoded.step_offsets.append(pos)
+    decoded.step_fixed.append(buf[start:slots_at])
+    decoded.slot_records.append(buf[slots_at:ids_at])
+    decoded.slot_ids.append(buf[ids_at:holders_at])
+    decoded.holder_records.append(buf[holders_at:holder_ids_at])
+    decoded.holder_ids.append(buf[holder_ids_at:end])
+    decoded.seq_marks.append((pos, seq, seq))
+    return True
+
+
+def _read_body(decoded: _File, buf: memoryview, data: bytes, pos: int) -> None:
+    size = len(data)
+    while pos < size:
+        checked = _check_frame(buf, pos)
+        if not isinstance(checked, str):
+            kind, end = checked
+            payload = pos + FRAME_PREFIX.size
+            if kind == FrameKind.STEP and end - payload >= STEP_STRUCT.size:
+                if _read_step(decoded, buf, pos, payload, end):
+                    pos = end
+                    continue
+            elif kind == FrameKind.DROP and end - payload == DROP_STRUCT.size:
+                first, last = DROP_STRUCT.unpack_from(buf, payload)
+                if first <= last:
+                    decoded.drops.append((first, last))
+                    decoded.seq_marks.append((pos, first, last))
+                    pos = end
+                    continue
+            why = "a second segment header frame" if kind == FrameKind.HEADER else f"{FrameKind(kind).name.lower()} frame with inconsistent lengths"
+            decoded.damage.append(_Damage("corrupt_frame", pos, end - pos, why))
+            pos = end
+            continue
+        following = _next_frame(buf, data, pos)
+        damage_end = size if following is None else following
+        torn = following is None and checked == "truncated"
+        decoded.damage.append(
+            _Damage(
+                "torn_tail" if torn else "corrupt_frame",
+                pos,
+                damage_end - pos,
+                "file ends inside a frame" if torn else "bad frame marker, length or checksum",
+            )
+        )
+        pos = damage_end
+
+
+def _bound_damage(decoded: _File) -> None:
+    """Name the sequence numbers each damaged region may hide, from the intact neighbours."""
+    marks = sorted(decoded.seq_marks)
+    offsets = [mark[0] for mark in marks]
+    for damage in decoded.damage:
+        if damage.kind not in ("corrupt_frame", "torn_tail") or decoded.header is None:
+            continue
+        index = int(np.searchsorted(offsets, damage.byte_offset))
+        damage.first_seq = marks[index - 1][2] + 1 if index > 0 else decoded.header.first_seq
+        if index < len(marks):
+            damage.last_seq = marks[index][1] - 1
+
+
+def _decode_file(path: Path) -> _File:
+    data = path.read_bytes()
+    decoded = _File(path=path, data=data)
+    buf = memoryview(data)
+    if not data:
+        decoded.damage.append(_Damage("torn_tail", 0, 0, "empty file"))
+        return decoded
+    body = _read_header(decoded, buf, data)
+    if body is not None:
+        _read_body(decoded, buf, data, body)
+        _bound_damage(decoded)
+    elif decoded.damage[-1].kind == "bad_header" and decoded.damage[-1].byte_offset == PREAMBLE.size:
+        # The preamble vouches for the framing, so intact frames can at least be counted.
+        _note_unreadable_seqs(decoded, buf, data)
+    return decoded
+
+
+def _note_unreadable_seqs(decoded: _File, buf: memoryview, data: bytes) -> None:
+    """Without a usable header nothing can be attributed; still say which steps are in the file."""
+    probe = _File(path=decoded.path, data=data)
+    start = _next_frame(buf, data, PREAMBLE.size)
+    if start is None:
+        return
+    _read_body(probe, buf, data, start)
+    if probe.seq_marks:
+        decoded.damage[-1].first_seq = min(mark[1] for mark in probe.seq_marks)
+        decoded.damage[-1].last_seq = max(mark[2] for mark in probe.seq_marks)
+        decoded.damage[-1].detail += f"; {probe.step_count} intact step frames not decoded"
+
+
+# --- tables ---------------------------------------------------------------------------------
+def _offsets(lengths: np.ndarray) -> np.ndarray:
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return offsets
+
+
+def _strings(offsets: np.ndarray, blobs: list[memoryview]) -> pa.Array:
+    data = b"".join(blobs)
+    array = pa.StringArray.from_buffers(len(offsets) - 1, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(data))
+    array.validate(full=True)
+    return array
+
+
+def _row_keys(header: HeaderFrame, seq: np.ndarray, counts: np.ndarray) -> list:
+    """pool, replica, seq and position-in-step columns of per-step rows (slots or holders)."""
+    total = int(counts.sum())
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    return [
+        _constant(header.pool, total),
+        _constant(header.replica, total),
+        np.repeat(seq, counts),
+        (np.arange(total) - starts).astype(np.int32),
+    ]
+
+
+def _constant(value: str, n: int) -> pa.Array:
+    return pa.repeat(pa.scalar(value, pa.string()), n)
+
+
+def _inconsistent_steps(
+    fixed: np.ndarray, slot_offsets: np.ndarray, holder_offsets: np.ndarray, holders: np.ndarray
+) -> np.ndarray:
+    """Steps whose records disagree with their own counts: CRC-valid, but written wrongly."""
+    bad = np.zeros(len(fixed), bool)
+    for offsets, count_field, bytes_field in (
+        (slot_offsets, "num_slots", "request_id_bytes"),
+        (holder_offsets, "num_holders", "holder_id_bytes"),
+    ):
+        row_bounds = np.zeros(len(fixed) + 1, np.int64)
+        np.cumsum(fixed[count_field], out=row_bounds[1:])
+        bad |= np.diff(offsets[row_bounds]) != fixed[bytes_field]
+    holder_step = np.repeat(np.arange(len(fixed)), fixed["num_holders"].astype(np.int64))
+    bad[holder_step[holders["state"] >= len(HOLDER_STATES)]] = True
+    return bad
+
+
+def _tables(decoded: _File) -> tuple[pa.Table, pa.Table, pa.Table]:
+    header = decoded.header
+    fixed = np.frombuffer(b"".join(decoded.step_fixed), STEP_DTYPE)
+    slots = np.frombuffer(b"".join(decoded.slot_records), SLOT_DTYPE)
+    holders = np.frombuffer(b"".join(decoded.holder_records), HOLDER_DTYPE)
+    slot_offsets = _offsets(slots["request_id_len"])
+    holder_offsets = _offsets(holders["request_id_len"])
+    bad = _inconsistent_steps(fixed, slot_offsets, holder_offsets, holders)
+    if not bad.any():
+        try:
+            slot_ids = _strings(slot_offsets, decoded.slot_ids)
+            holder_ids = _strings(holder_offsets, decoded.holder_ids)
+        except pa.ArrowInvalid:
+            bad = np.array([not _utf8(a) or not _utf8(b) for a, b in zip(decoded.slot_ids, decoded.holder_ids)])
+    if bad.any():
+        _discard_steps(decoded, np.flatnonzero(bad), fixed["seq"])
+        return _tables(decoded)
+    slot_counts = fixed["num_slots"].astype(np.int64)
+    holder_counts = fixed["num_holders"].astype(np.int64)
+
+    n_steps = len(fixed)
+    seq = fixed["seq"]
+    shift = header.wall_anchor_ns - header.mono_anchor_ns
+    steps = pa.table(
+        [
+            _constant(header.pool, n_steps),
+            _constant(header.replica, n_steps),
+            _constant(header.segment_id, n_steps),
+            seq,
+            fixed["start_ns"],
+            fixed["end_ns"],
+            fixed["start_ns"] + shift,
+            fixed["end_ns"] + shift,
+            fixed["admission_blocked"].astype(bool),
+            fixed["free_blocks"],
+            fixed["total_blocks"],
+            slot_counts.astype(np.int32),
+            holder_counts.astype(np.int32),
+        ],
+        schema=STEPS,
+    )
+    slot_table = pa.table(
+        [
+            *_row_keys(header, seq, slot_counts),
+            slot_ids,
+            slots["new_tokens"],
+            slots["context_tokens"],
+            slots["kv_blocks"],
+            slots["prompt_tokens"],
+            slots["prefix_hit_tokens"],
+            slots["spec_drafted"],
+            slots["spec_accepted"],
+        ],
+        schema=SLOTS,
+    )
+    holder_table = pa.table(
+        [
+            *_row_keys(header, seq, holder_counts),
+            holder_ids,
+            holders["kv_blocks"],
+            _HOLDER_STATE_NAMES.take(pa.array(holders["state"])),
+        ],
+        schema=HOLDERS,
+    )
+    return steps, slot_table, holder_table
+
+
+def _utf8(blob: memoryview) -> bool:
+    try:
+        bytes(blob).decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _discard_steps(decoded: _File, indexes: np.ndarray, seqs: np.ndarray) -> None:
+    """Report step frames that passed their checksum but contradict themselves, and drop them."""
+    for index in indexes[::-1]:
+        seq = int(seqs[index])
+        decoded.damage.append(
+            _Damage(
+                "corrupt_frame",
+                decoded.step_offsets[index],
+                FRAME_PREFIX.size + sum(len(part[index]) for part in decoded.step_parts()),
+                "step frame whose id lengths, ids or holder states disagree with its counts",
+                seq,
+                seq,
+            )
+        )
+        for parts in (decoded.step_offsets, *decoded.step_parts()):
+            del parts[index]
+
+
+def _seq_range(decoded: _File) -> tuple[int | None, int | None]:
+    if not decoded.seq_marks:
+        return None, None
+    return min(m[1] for m in decoded.seq_marks), max(m[2] for m in decoded.seq_marks)
+
+
+def _resolve_duplicates(files: list[_File]) -> tuple[list[_File], list[tuple[_File, _Damage]]]:
+    """Keep one copy of each segment; the others become duplicate_segment damage.
+
+    Copies share a segment_id; files without a readable header are copies only when their
+    bytes are identical. The kept copy is the one with the most intact steps.
+    """
+    kept: dict[str | bytes, _File] = {}
+    duplicates: list[tuple[_File, _File]] = []
+    for decoded in sorted(files, key=lambda f: str(f.path)):
+        key = decoded.header.segment_id if decoded.header is not None else decoded.data
+        other = kept.get(key)
+        if other is None:
+            kept[key] = decoded
+            continue
+        best, worse = sorted((other, decoded), key=lambda f: (-f.step_count, len(f.damage), str(f.path)))
+        kept[key] = best
+        duplicates.append((worse, best))
+    damage = []
+    for copy, keeper in duplicates:
+        keeper = kept[keeper.header.segment_id if keeper.header is not None else keeper.data]
+        if copy.data == keeper.data:
+            why = f"identical content to {keeper.path}, which was kept"
+        else:
+            why = f"same segment_id {copy.header.segment_id} as {keeper.path}, which was kept"
+            kept_seqs = {mark[1] for mark in keeper.seq_marks}
+            missing = sum(1 for mark in copy.seq_marks if mark[1] not in kept_seqs)
+            if missing:
+                why += f"; {missing} of this copy's frames are not in the kept copy"
+        first, last = _seq_range(copy)
+        damage.append((copy, _Damage("duplicate_segment", 0, copy.size, why, first, last)))
+    return list(kept.values()), damage
+
+
+def _bound_by_next_segment(files: list[_File]) -> None:
+    """A torn tail hides steps up to the next segment of the same replica, when there is one."""
+    starts: dict[tuple[str, str], list[int]] = {}
+    for decoded in files:
+        first, _ = _seq_range(decoded)
+        if decoded.header is not None and first is not None:
+            starts.setdefault((decoded.header.pool, decoded.header.replica), []).append(first)
+    for decoded in files:
+        if decoded.header is None:
+            continue
+        later = sorted(starts.get((decoded.header.pool, decoded.header.replica), []))
+        for damage in decoded.damage:
+            if damage.last_seq is None and damage.first_seq is not None:
+                following = [s for s in later if s > damage.first_seq]
+                if following:
+                    damage.last_seq = following[0] - 1
+
+
+def read_segments(paths: Iterable[Path]) -> DecodedLog:
+    """Decode segment files given in any order; duplicated segments are kept once and reported.
+
+    Rows come segment by segment, segments ordered by pool, replica and first sequence
+    number, and `segments` lists them in that same order; within a segment, file order
+    (rising sequence numbers). The result does not depend on the order of `paths`.
+    """
+    unique = sorted({Path(p) for p in paths}, key=str)
+    decoded_files = [_decode_file(path) for path in unique]
+    files, duplicate_damage = _resolve_duplicates(decoded_files)
+    _bound_by_next_segment(files)
+    readable = sorted(
+        (f for f in files if f.header is not None),
+        key=lambda f: (f.header.pool, f.header.replica, _seq_range(f)[0] or 0, f.header.segment_id),
+    )
+
+    step_tables, slot_tables, holder_tables, segment_rows, drop_rows = [], [], [], [], []
+    for decoded in readable:
+        steps, slots, holders = _tables(decoded)
+        step_tables.append(steps)
+        slot_tables.append(slots)
+        holder_tables.append(holders)
+        header = decoded.header
+        first, last = _seq_range(decoded)
+        dropped = sum(b - a + 1 for a, b in decoded.drops)
+        segment_rows.append(
+            {
+                "path": str(decoded.path),
+                **header.model_dump(include=set(SEGMENTS.names)),
+                "first_seq": first,
+                "last_seq": last,
+                "steps": decoded.step_count,
+                "dropped_steps": dropped,
+                "bytes": decoded.size,
+            }
+        )
+        drop_rows.extend(
+            {"pool": header.pool, "replica": header.replica, "first_seq": a, "last_seq": b, "steps": b - a + 1}
+            for a, b in sorted(decoded.drops)
+        )
+
+    damage_rows = [
+        {"path": str(decoded.path), **vars(damage)}
+        for decoded in sorted(files, key=lambda f: str(f.path))
+        for damage in sorted(decoded.damage, key=lambda d: d.byte_offset)
+    ]
+    damage_rows += [{"path": str(copy.path), **vars(damage)} for copy, damage in duplicate_damage]
+    return DecodedLog(
+        steps=_concat(step_tables, STEPS),
+        slots=_concat(slot_tables, SLOTS),
+        holders=_concat(holder_tables, HOLDERS),
+        segments=pa.Table.from_pylist(segment_rows, schema=SEGMENTS),
+        damage=pa.Table.from_pylist(damage_rows, schema=DAMAGE),
+        drops=pa.Table.from_pylist(drop_rows, schema=DROPS),
+    )
+
+
+def _concat(tables: list[pa.Table], schema: pa.Schema) -> pa.Table:
+    return pa.concat_tables(tables) if tables else schema.empty_table()
+
+
+def segment_paths(paths: Iterable[Path]) -> list[Path]:
+    """Files named directly, plus every `*.seg` below each directory named."""
+    found: list[Path] = []
+    for path in map(Path, paths):
+        found.extend(sorted(path.rglob("*.seg")) if path.is_dir() else [path])
+    return found

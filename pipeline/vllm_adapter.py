@@ -1,0 +1,313 @@
+"""Record every vLLM engine step with a StepRecorder, through vLLM's `scheduler_cls` option.
+
+Followed: vLLM's v1 engine as of vllm-project/vllm main commit 00024d31 (after v0.11.0):
+`vllm/v1/core/sched/scheduler.py` (`Scheduler.schedule`, `Scheduler.update_from_output`),
+`vllm/v1/core/sched/output.py` (`SchedulerOutput`, `NewRequestData`, `CachedRequestData`),
+`vllm/v1/core/kv_cache_manager.py` (`get_block_ids`, `block_pool`) and
+`vllm/v1/core/block_pool.py` (`blocks[i].ref_cnt`, `get_num_free_blocks`, `num_gpu_blocks`).
+The scheduler interface is not a stable vLLM API: pin the engine version next to this module.
+
+Use: `vllm serve ... --scheduler-cls pipeline.vllm_adapter.RecordingScheduler` (or
+`AsyncRecordingScheduler` with async scheduling), with STEPLEDGER_OUTBOX (directory for
+segments), STEPLEDGER_REPLICA (replica id in the pools file) and optionally STEPLEDGER_POOLS
+(pools file) and STEPLEDGER_DRIVER_VERSION set. vLLM is imported only when one of those two
+classes is requested, so the mapping below runs and is tested without vLLM installed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.steplog import SegmentHeader, StepRecorder
+from schemas.config import DEFAULT_POOLS_PATH, ConfigError, Pool, load_pools
+
+ENGINE_NAME = "vllm"
+# With async scheduling one step is scheduled while the previous one runs; more outstanding
+# steps than this means update_from_output will never come for the oldest.
+_MAX_OUTSTANDING_STEPS = 8
+
+
+@dataclass
+class ScheduledStep:
+    """record_step arguments of one step, captured when it was scheduled."""
+
+    request_ids: list[str]
+    new_tokens: list[int]
+    context_tokens: list[int]
+    kv_blocks: np.ndarray
+    prompt_tokens: list[int]
+    prefix_hit_tokens: list[int]
+    spec_drafted: list[int]
+    holder_ids: list[str] = field(default_factory=list)
+    holder_blocks: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    holder_states: list[str] = field(default_factory=list)
+    admission_blocked: bool = False
+    free_blocks: int = 0
+    total_blocks: int = 0
+
+
+class _BlockShares:
+    """KV blocks held per request in one step, a block shared by k requests counting 1/k.
+
+    Prefix caching shares whole prefixes: a cached block's hash chains its predecessor's, so
+    along a request's block list ref counts never rise and the shared blocks form a prefix
+    that determines everything before it. The boundary is found by bisection and the sum over
+    the shared prefix is memoised per block, so a step's cost on the engine thread grows with
+    its distinct shared blocks, not with every block of every request.
+    """
+
+    def __init__(self, kv_cache_manager: Any) -> None:
+        self.kv_cache_manager = kv_cache_manager
+        block_pool = kv_cache_manager.block_pool
+        null_block = getattr(block_pool, "null_block", None)
+        self.null_id = null_block.block_id if null_block is not None else -1
+        self.blocks = block_pool.blocks
+        # block id -> sum of 1/ref_cnt over the shared prefix ending with that block.
+        self.prefix_share: dict[int, float] = {}
+
+    def held(self, request_ids: list[str]) -> np.ndarray:
+        return np.array(
+            [sum(map(self._group, self.kv_cache_manager.get_block_ids(r))) for r in request_ids],
+            dtype=np.float64,
+        )
+
+    def _group(self, block_ids: list[int]) -> float:
+        # Sliding-window groups replace blocks that left the window with the null block.
+        first = 0
+        while first < len(block_ids) and block_ids[first] == self.null_id:
+            first += 1
+        low, high = first, len(block_ids)
+        while low < high:
+            middle = (low + high) // 2
+            if self.blocks[block_ids[middle]].ref_cnt > 1:
+                low = middle + 1
+            else:
+                high = middle
+        if first:
+            # A window-trimmed list starts mid-prefix, so its sums are not the memoised ones.
+            shared = sum(1.0 / self.blocks[b].ref_cnt for b in block_ids[first:low])
+        else:
+            shared = self._shared(block_ids, low)
+        return shared + (len(block_ids) - low)
+
+    def _shared(self, block_ids: list[int], end: int) -> float:
+        first = 0
+        position = end - 1
+        while position >= first and block_ids[position] not in self.prefix_share:
+            position -= 1
+        total = self.prefix_share[block_ids[position]] if position >= first else 0.0
+        for block_id in block_ids[position + 1 : end]:
+            total += 1.0 / self.blocks[block_id].ref_cnt
+            self.prefix_share[block_id] = total
+        return total
+
+
+def scheduled_step(scheduler: Any, output: Any) -> ScheduledStep:
+    """Map a vLLM scheduler and the SchedulerOutput it just produced onto one step's slots.
+
+    - new_tokens: `num_scheduled_tokens` (includes speculative drafts); spec_drafted: the
+      length of `scheduled_spec_decode_tokens[req]`.
+    - context_tokens: `num_computed_tokens` as sent to the workers (before this step).
+    - prefix_hit_tokens: `Request.num_cached_tokens`, on the request's first schedule only.
+    - holders: running requests not scheduled this step and waiting or preempted requests
+      that still hold KV blocks.
+    - admission_blocked: requests were left waiting although neither the sequence limit nor
+      the token budget was reached, so free KV blocks were what stopped them (vLLM's other
+      admission limits, such as LoRA slots, are counted here too).
+    """
+    requests = scheduler.requests
+    request_ids = list(output.num_scheduled_tokens)
+    cached = output.scheduled_cached_reqs
+    computed = {new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs}
+    computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+    first_time = {new.req_id for new in output.scheduled_new_reqs if requests[new.req_id].num_preemptions == 0}
+    drafts = output.scheduled_spec_decode_tokens
+
+    scheduled = set(request_ids)
+    holder_requests = [r for r in scheduler.running if r.request_id not in scheduled]
+    holder_states = ["waiting"] * len(holder_requests)
+    for request in scheduler.waiting:
+        holder_requests.append(request)
+        holder_states.append("preempted" if request.status.name == "PREEMPTED" else "waiting")
+    holder_ids = [r.request_id for r in holder_requests]
+    shares = _BlockShares(scheduler.kv_cache_manager)
+    holder_blocks = shares.held(holder_ids)
+    holding = np.flatnonzero(holder_blocks > 0)
+
+    block_pool = scheduler.kv_cache_manager.block_pool
+    waiting_left = len(scheduler.waiting) > 0
+    under_limits = (
+        len(request_ids) < scheduler.max_num_running_reqs
+        and output.total_num_scheduled_tokens < scheduler.max_num_scheduled_tokens
+    )
+    return ScheduledStep(
+        request_ids=request_ids,
+        new_tokens=[output.num_scheduled_tokens[r] for r in request_ids],
+        context_tokens=[computed[r] for r in request_ids],
+        kv_blocks=shares.held(request_ids),
+        prompt_tokens=[requests[r].num_prompt_tokens for r in request_ids],
+        prefix_hit_tokens=[max(requests[r].num_cached_tokens, 0) if r in first_time else 0 for r in request_ids],
+        spec_drafted=[len(drafts.get(r, ())) for r in request_ids],
+        holder_ids=[holder_ids[i] for i in holding],
+        holder_blocks=holder_blocks[holding],
+        holder_states=[holder_states[i] for i in holding],
+        admission_blocked=bool(waiting_left and under_limits or output.preempted_req_ids),
+        free_blocks=block_pool.get_num_free_blocks(),
+        total_blocks=block_pool.num_gpu_blocks,
+    )
+
+
+def accepted_tokens(step: ScheduledStep, model_runner_output: Any) -> list[int]:
+    """Draft tokens accepted per slot: vLLM samples accepted drafts plus one bonus token."""
+    index = model_runner_output.req_id_to_index
+    sampled = model_runner_output.sampled_token_ids
+    accepted = []
+    for request_id, drafted in zip(step.request_ids, step.spec_drafted):
+        position = index.get(request_id)
+        tokens = len(sampled[position]) if drafted and sampled and position is not None else 0
+        accepted.append(min(max(tokens - 1, 0), drafted))
+    return accepted
+
+
+def driver_version() -> str:
+    """The NVIDIA kernel driver version, from STEPLEDGER_DRIVER_VERSION or /proc."""
+    configured = os.environ.get("STEPLEDGER_DRIVER_VERSION")
+    if configured:
+        return configured
+    try:
+        text = Path("/proc/driver/nvidia/version").read_text()
+    except OSError:
+        return "unknown"
+    for word in text.split():
+        if word.count(".") >= 1 and word.replace(".", "").isdigit():
+            return word
+    return "unknown"
+
+
+def header_for(pool: Pool, replica: str, engine_version: str, driver: str, gpus: int, kv_block_size: int) -> SegmentHeader:
+    """The segment header of `replica`; the engine's parallelism must match the pools file."""
+    if replica not in {r.id for r in pool.replicas}:
+        raise ConfigError(f"replica {replica!r} is not listed in pool {pool.name!r}")
+    if gpus != pool.gpus_per_replica:
+        raise ConfigError(
+            f"replica {replica!r} runs on {gpus} GPUs but pool {pool.name!r} declares gpus_per_replica={pool.gpus_per_replica}"
+        )
+    return SegmentHeader(
+        pool=pool.name,
+        replica=replica,
+        engine_name=ENGINE_NAME,
+        engine_version=engine_version,
+        driver_version=driver,
+        model=pool.model,
+        gpu_type=pool.gpu_type,
+        gpus_per_replica=gpus,
+        kv_block_size=kv_block_size,
+    )
+
+
+def recorder_from_environment(scheduler: Any) -> StepRecorder:
+    """A StepRecorder for the replica named by STEPLEDGER_REPLICA in STEPLEDGER_POOLS."""
+    import vllm
+
+    missing = [name for name in ("STEPLEDGER_OUTBOX", "STEPLEDGER_REPLICA") if not os.environ.get(name)]
+    if missing:
+        raise ConfigError(f"the step-recording scheduler needs environment variables {missing}")
+    replica = os.environ["STEPLEDGER_REPLICA"]
+    pools = load_pools(os.environ.get("STEPLEDGER_POOLS", DEFAULT_POOLS_PATH))
+    pool = next((p for p in pools.pools if replica in {r.id for r in p.replicas}), None)
+    if pool is None:
+        raise ConfigError(f"replica {replica!r} (STEPLEDGER_REPLICA) is in no pool of the pools file")
+    parallel = scheduler.vllm_config.parallel_config
+    gpus = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+    header = header_for(pool, replica, vllm.__version__, driver_version(), gpus, scheduler.block_size)
+    return StepRecorder(Path(os.environ["STEPLEDGER_OUTBOX"]), header)
+
+
+def recording_scheduler_class(
+    base: type, recorder_factory: Callable[[Any], StepRecorder] = recorder_from_environment
+) -> type:
+    """A subclass of vLLM scheduler class `base` that records each step it schedules.
+
+    A step spans from the moment schedule() hands the batch to the workers to the moment
+    update_from_output() receives its result (host time around the forward pass).
+    """
+
+    class RecordingScheduler(base):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.step_recorder = recorder_factory(self)
+            # id(SchedulerOutput) -> (start ns, step): update_from_output receives the same
+            # object schedule() returned, so pairing is exact under async scheduling too.
+            self._outstanding: dict[int, tuple[int, ScheduledStep]] = {}
+
+        def schedule(self) -> Any:
+            output = super().schedule()
+            if output.total_num_scheduled_tokens:
+                if len(self._outstanding) >= _MAX_OUTSTANDING_STEPS:
+                    del self._outstanding[next(iter(self._outstanding))]
+                    self.step_recorder.drop_step()
+                self._outstanding[id(output)] = (time.monotonic_ns(), scheduled_step(self, output))
+            return output
+
+        def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+            end_ns = time.monotonic_ns()
+            outstanding = self._outstanding.pop(id(scheduler_output), None)
+            if outstanding is not None:
+                start_ns, step = outstanding
+                self.step_recorder.record_step(
+                    start_ns,
+                    end_ns,
+                    step.request_ids,
+                    step.new_tokens,
+                    step.context_tokens,
+                    step.kv_blocks,
+                    step.prompt_tokens,
+                    step.prefix_hit_tokens,
+                    step.spec_drafted,
+                    accepted_tokens(step, model_runner_output),
+                    holder_ids=step.holder_ids,
+                    holder_blocks=step.holder_blocks,
+                    holder_states=step.holder_states,
+                    admission_blocked=step.admission_blocked,
+                    free_blocks=step.free_blocks,
+                    total_blocks=step.total_blocks,
+                )
+            return super().update_from_output(scheduler_output, model_runner_output)
+
+        def shutdown(self) -> None:
+            try:
+                super().shutdown()
+            finally:
+                self.step_recorder.close()
+
+    RecordingScheduler.__name__ = RecordingScheduler.__qualname__ = f"Recording{base.__name__}"
+    return RecordingScheduler
+
+
+def _vllm_scheduler(name: str) -> type:
+    if name == "RecordingScheduler":
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        return recording_scheduler_class(Scheduler)
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    return recording_scheduler_class(AsyncScheduler)
+
+
+_BUILT: dict[str, type] = {}
+
+
+def __getattr__(name: str) -> type:
+    # vLLM resolves `--scheduler-cls module.Name` with getattr; build the class on demand.
+    if name not in ("RecordingScheduler", "AsyncRecordingScheduler"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name not in _BUILT:
+        _BUILT[name] = _vllm_scheduler(name)
+    return _BUILT[name]

@@ -1,0 +1,77 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.steplog import SegmentHeader, StepRecorder
+
+HEADER = SegmentHeader(
+    pool="chat-8b",
+    replica="chat-8b-r0",
+    engine_name="vllm",
+    engine_version="0.11.0",
+    driver_version="550.54.15",
+    model="llama-3.1-8b-instruct",
+    gpu_type="h100",
+    gpus_per_replica=1,
+    kv_block_size=16,
+)
+MONO_ANCHOR = 5_000_000_000
+# 2026-11-30T05:00:00Z
+WALL_ANCHOR = 1_796_014_800_000_000_000
+
+
+def fixed_clocks() -> dict:
+    return {"mono_clock": lambda: MONO_ANCHOR, "wall_clock": lambda: WALL_ANCHOR}
+
+
+def record_simple(recorder: StepRecorder, seq_start: int, count: int) -> None:
+    """Record `count` two-slot steps with one holder; values derived from the step number."""
+    for step in range(seq_start, seq_start + count):
+        recorder.record_step(
+            MONO_ANCHOR + step * 1000,
+            MONO_ANCHOR + step * 1000 + 700,
+            [f"req-{step}-a", f"req-{step}-ü"],
+            [step + 1, 1],
+            [step * 10, 5],
+            [0.5, 1.25],
+            [100, 7],
+            [16, 0],
+            [1, 0],
+            [1, 0],
+            holder_ids=[f"wait-{step}"],
+            holder_blocks=[3.0],
+            holder_states=["preempted"],
+            admission_blocked=step % 2 == 1,
+            free_blocks=100 - step % 100,
+            total_blocks=100,
+        )
+
+
+@pytest.fixture(scope="session")
+def header() -> SegmentHeader:
+    return HEADER
+
+
+@pytest.fixture(scope="session")
+def clocks() -> dict:
+    return fixed_clocks()
+
+
+@pytest.fixture(scope="session")
+def record_steps():
+    return record_simple
+
+
+@pytest.fixture
+def write_segment(tmp_path: Path):
+    """Write `count` simple steps through a real recorder; returns the shipped segment paths."""
+
+    def write(count: int = 3, outbox: Path | None = None, **options) -> list[Path]:
+        outbox = outbox or tmp_path / "outbox"
+        with StepRecorder(outbox, HEADER, overflow="block", **{**fixed_clocks(), **options}) as recorder:
+            record_simple(recorder, 0, count)
+        return recorder.shipped_segments
+
+    return write
