@@ -1,0 +1,263 @@
+"""`simulate()`: a whole run directory for every pool of a pools file, as production would deliver it.
+
+    out_dir/pools.yaml                          the pools file used
+    out_dir/outbox/<replica>/*.seg              step segments, through the real StepRecorder
+    out_dir/gateway/<YYYY-MM-DDTHH>.jsonl       gateway request context
+    out_dir/dcgm/<hostname>/<YYYY-MM-DDTHH>.prom   DCGM exporter scrapes
+
+Replicas are simulated one after another on one core, or in worker processes. Every random
+stream is seeded from (seed, pool, replica, purpose), so a seed always gives the same data
+however the replicas are run, and turning a fault on changes only what that fault touches.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from pipeline.simulator.faults import (
+    ENGINE_VERSION,
+    UNCALIBRATED_ENGINE_VERSION,
+    FaultError,
+    ReplicaFaults,
+    validate_fault,
+)
+from pipeline.simulator.replica import ReplicaRun, simulate_replica
+from pipeline.simulator.telemetry import GpuActivity, gpu_model_name, write_dcgm, write_gateway
+from pipeline.simulator.workload import PoolTraffic, generate_pool_traffic
+from pipeline.steplog import read_segments
+from pricing import Kernel, deployment_for_pool
+from schemas.config import Pool, PoolsFile, Replica
+
+DEFAULT_START = datetime(2026, 11, 30, tzinfo=timezone.utc)
+# Purposes of the seeded random streams.
+_TRAFFIC, _ENGINE, _GATEWAY, _DCGM = range(4)
+
+
+@dataclass(frozen=True)
+class ReplicaSummary:
+    pool: str
+    replica: str
+    hostname: str
+    requests: int
+    finished: int
+    steps: int
+    recorded_steps: int
+    dropped_steps: int
+    busy_fraction: float            # step time / span
+    gpu_busy_fraction: float        # kernel time / span (what DCGM tracks)
+    preemptions: int
+    admission_blocked_steps: int
+    prefix_hit_tokens: int
+    mean_admission_lag_steps: float
+    segments: int
+    engine_version: str
+
+
+@dataclass(frozen=True)
+class SimulationSummary:
+    out_dir: Path
+    start: datetime
+    hours: float
+    seed: int
+    requests: int
+    gateway_lines: int
+    steps: int
+    replicas: list[ReplicaSummary]
+    # fault name -> what was done, naming the replica or file it hit.
+    faults: dict[str, str] = field(default_factory=dict)
+
+
+def _fault_targets(pools: PoolsFile, faults: dict[str, float | None]) -> tuple[str, str | None]:
+    """(replica hit by single-replica faults, replica left idle by `idle-replica`)."""
+    idle = None
+    if "idle-replica" in faults:
+        multi = [p for p in pools.pools if len(p.replicas) > 1]
+        if not multi:
+            raise FaultError("fault 'idle-replica' needs a pool with more than one replica")
+        idle = multi[0].replicas[-1].id
+    busy_pools = [p for p in pools.pools if p.workload is not None]
+    target = busy_pools[0].replicas[0].id if busy_pools else pools.pools[0].replicas[0].id
+    return target, idle
+
+
+def _replica_faults(replica: str, target: str, faults: dict[str, float | None], span_ns: int,
+                    notes: dict[str, str]) -> ReplicaFaults:
+    if replica != target:
+        return ReplicaFaults()
+    drop_window = None
+    if "drop-records" in faults:
+        fraction = faults["drop-records"]
+        first = int(0.4 * span_ns)
+        drop_window = (first, first + int(fraction * span_ns))
+        notes["drop-records"] = (f"{replica}: steps starting {drop_window[0] / 1e9:.0f}-{drop_window[1] / 1e9:.0f} s "
+                                 "into the span recorded as counted drops")
+    wall_rate = 1.0
+    if "clock-skew" in faults:
+        wall_rate = 1.0 - faults["clock-skew"] / 3600.0
+        notes["clock-skew"] = f"{replica}: wall clock runs slow by {faults['clock-skew']:g} s per hour"
+    stall = faults.get("host-stall") or 0.0
+    if "host-stall" in faults:
+        notes["host-stall"] = f"{replica}: every step waits on the host for {stall:g} of its GPU time"
+    version = ENGINE_VERSION
+    if "new-engine-version" in faults:
+        version = UNCALIBRATED_ENGINE_VERSION
+        notes["new-engine-version"] = f"{replica}: reports engine version {version}"
+    return ReplicaFaults(drop_window_ns=drop_window, wall_rate=wall_rate, host_stall_fraction=stall,
+                         engine_version=version)
+
+
+def _tear(segment: Path) -> int:
+    """Truncate `segment` inside a frame; returns the new length in bytes."""
+    data = segment.read_bytes()
+    for cut in range(int(len(data) * 0.6), len(data)):
+        segment.write_bytes(data[:cut])
+        if "torn_tail" in read_segments([segment]).damage.column("kind").to_pylist():
+            return cut
+    segment.write_bytes(data)
+    raise RuntimeError(f"{segment}: found no cut the decoder reads as a torn frame")
+
+
+def _rng(seed: int, *keys: int) -> np.random.Generator:
+    return np.random.default_rng([seed, *keys])
+
+
+def _simulate_in_worker(pool: Pool, replica: Replica, job: dict) -> ReplicaRun:
+    return simulate_replica(pool, replica, Kernel.build(deployment_for_pool(pool)), **job)
+
+
+def simulate(
+    out_dir: Path,
+    pools: PoolsFile,
+    *,
+    hours: float,
+    seed: int,
+    start: datetime = DEFAULT_START,
+    faults: dict[str, float | None] | None = None,
+    progress: Callable[[float, float], None] | None = None,
+    workers: int = 1,
+) -> SimulationSummary:
+    """Simulate every replica of every pool for `hours` (fractions allowed) from `start` into `out_dir`.
+
+    `faults` maps fault names (see `pipeline.simulator.faults`) to a value or None for the
+    default. `progress(done, total)` is called in simulated replica-seconds. `workers` > 1
+    simulates replicas in that many processes (progress then advances per finished replica).
+    """
+    out_dir = Path(out_dir)
+    if hours <= 0:
+        raise ValueError(f"hours must be positive, got {hours}")
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
+    if start.tzinfo is None or start.utcoffset().total_seconds() != 0:
+        raise ValueError(f"start must be a UTC datetime, got {start!r}")
+    if (start.minute, start.second, start.microsecond) != (0, 0, 0):
+        raise ValueError(f"start must be on the hour, got {start.isoformat()}")
+    faults = {name: validate_fault(name, value) for name, value in (faults or {}).items()}
+    for existing in ("pools.yaml", "outbox", "gateway", "dcgm"):
+        if (out_dir / existing).exists():
+            raise FileExistsError(f"{out_dir / existing} exists: simulate into a new or empty directory")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "pools.yaml").write_text(yaml.safe_dump(pools.model_dump(mode="json"), sort_keys=False))
+
+    span_ns = round(hours * 3_600_000_000_000)
+    start_wall_ns = int(start.timestamp()) * 1_000_000_000
+    target, idle = _fault_targets(pools, faults)
+    notes: dict[str, str] = {}
+    if idle is not None:
+        notes["idle-replica"] = f"{idle}: receives no traffic"
+    total_s = span_ns / 1e9 * sum(len(p.replicas) for p in pools.pools)
+    done_s = 0.0
+
+    def advance(ns: int) -> None:
+        nonlocal done_s
+        done_s += ns / 1e9
+        if progress is not None:
+            progress(done_s, total_s)
+
+    traffic: list[PoolTraffic] = []
+    jobs: list[tuple[Pool, Replica, dict]] = []
+    for pool_index, pool in enumerate(pools.pools):
+        serving = [i for i, r in enumerate(pool.replicas) if r.id != idle]
+        pool_traffic = generate_pool_traffic(pool, span_ns, _rng(seed, pool_index, _TRAFFIC), serving_replicas=serving)
+        traffic.append(pool_traffic)
+        step_noise = pool.workload.step_noise if pool.workload is not None else 0.0
+        for replica_index, replica in enumerate(pool.replicas):
+            mine = pool_traffic.replica == replica_index
+            jobs.append((pool, replica, dict(
+                request_ids=pool_traffic.request_ids[mine], arrival_ns=pool_traffic.arrival_ns[mine],
+                prompt_tokens=pool_traffic.prompt_tokens[mine], output_tokens=pool_traffic.output_tokens[mine],
+                feature=pool_traffic.feature[mine], prefix_tokens=pool_traffic.prefix_tokens, span_ns=span_ns,
+                start_wall_ns=start_wall_ns, outbox=out_dir / "outbox" / replica.id,
+                faults=_replica_faults(replica.id, target, faults, span_ns, notes),
+                rng=_rng(seed, pool_index, _ENGINE, replica_index), step_noise=step_noise,
+            )))
+
+    if workers == 1:
+        kernels = {pool.name: Kernel.build(deployment_for_pool(pool)) for pool in pools.pools}
+        replica_runs = [simulate_replica(pool, replica, kernels[pool.name], progress=advance, **job)
+                        for pool, replica, job in jobs]
+    else:
+        # Replicas are independent and seeded on their own, so processes give the same data.
+        with ProcessPoolExecutor(max_workers=workers) as executor:
+            futures = [executor.submit(_simulate_in_worker, pool, replica, job) for pool, replica, job in jobs]
+            for future in as_completed(futures):
+                future.result()
+                advance(span_ns)
+            replica_runs = [future.result() for future in futures]
+    runs = [(pool, replica.hostname, run, job["faults"].engine_version)
+            for (pool, replica, job), run in zip(jobs, replica_runs)]
+
+    gateway_lines = write_gateway(out_dir, traffic, start, faults.get("missing-context") or 0.0,
+                                  _rng(seed, _GATEWAY))
+    if "missing-context" in faults:
+        notes["missing-context"] = f"{faults['missing-context']:g} of requests have no gateway line"
+    run_of = {run.replica: run for _, _, run, _ in runs}
+    activities = [
+        GpuActivity(hostname=replica.hostname, gpu_uuids=list(replica.gpu_uuids),
+                    model_name=gpu_model_name(pool.gpu_type), busy_start_ns=run_of[replica.id].gpu_busy_start_ns,
+                    busy_end_ns=run_of[replica.id].gpu_busy_end_ns)
+        for pool in pools.pools for replica in pool.replicas
+    ]
+    write_dcgm(out_dir, activities, start, span_ns, _rng(seed, _DCGM))
+
+    target_segments = sorted(run_of[target].segments) if target in run_of else []
+    # The duplicate is taken before the tear, and from another segment when there is one,
+    # so each fault leaves exactly its own artefact.
+    for name in ("duplicate-segment", "torn-segment"):
+        if name not in faults:
+            continue
+        if not target_segments:
+            raise FaultError(f"fault {name!r}: replica {target} wrote no segment to damage")
+        middle = len(target_segments) // 2
+        if name == "duplicate-segment":
+            segment = target_segments[max(middle - 1, 0)]
+            copy = segment.with_name(f"{segment.stem}-redelivered.seg")
+            shutil.copyfile(segment, copy)
+            notes[name] = f"{segment.relative_to(out_dir)} delivered again as {copy.name}"
+        else:
+            segment = target_segments[middle]
+            notes[name] = f"{segment.relative_to(out_dir)} truncated to {_tear(segment)} bytes mid-frame"
+
+    replicas = [
+        ReplicaSummary(
+            pool=pool.name, replica=run.replica, hostname=hostname, requests=run.requests, finished=run.finished,
+            steps=run.steps, recorded_steps=run.recorded_steps, dropped_steps=run.dropped_steps,
+            busy_fraction=run.busy_ns / span_ns,
+            gpu_busy_fraction=int((run.gpu_busy_end_ns - run.gpu_busy_start_ns).sum()) / span_ns,
+            preemptions=run.preemptions, admission_blocked_steps=run.admission_blocked_steps,
+            prefix_hit_tokens=run.prefix_hit_tokens, mean_admission_lag_steps=run.mean_admission_lag_steps,
+            segments=len(run.segments), engine_version=version,
+        )
+        for pool, hostname, run, version in runs
+    ]
+    return SimulationSummary(
+        out_dir=out_dir, start=start, hours=hours, seed=seed, requests=sum(len(t) for t in traffic),
+        gateway_lines=gateway_lines, steps=sum(r.steps for r in replicas), replicas=replicas, faults=notes,
+    )
