@@ -1,0 +1,518 @@
+"""attribute_hour: one pool's hour of steps split into request costs and ledger lines.
+
+Order of work, all vectorised over the hour:
+1. each step's part inside the hour is priced from the clock (`clock.py`);
+2. each slot's compute work comes from the pool's weight source, each slot's and holder's KV
+   weight from its blocks (per the prefix-cache policy), blended with the period's alpha;
+3. the largest-remainder allocator splits every step's integer cost among its rows, and each
+   row's amount is split into compute and KV parts;
+4. rows roll up to requests, joined with their gateway context: no context -> `unattributed`,
+   a platform-caused retry the platform pays for -> `platform_retry`, else `usage`;
+5. cache-read charges (policy `cache_read`) and their `cache_credit`, then idle/headroom
+   lines, make the hour's lines sum exactly to the invoice (asserted).
+
+Label conventions for lines that belong to no tenant feature: unattributed usage is tenant
+and feature "(unattributed)"; platform-paid retries are charged to the pool's capacity owner
+as feature "(platform-retry)"; idle the capacity owner pays is feature "(idle)"; headroom is
+charged to the SLO owner as feature "(headroom)"; the cache credit goes to the capacity owner
+as feature "(prefix-cache)". Spread idle lands on each tenant's own features.
+Hours in the frames are naive datetimes holding UTC (the warehouse's TIMESTAMP).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+import numpy as np
+import polars as pl
+
+from pipeline.attribution.allocator import blend_and_allocate, largest_remainder, split_compute_kv
+from pipeline.attribution.clock import HOUR_NS, hour_start_ns, step_costs_in_hour
+from pipeline.attribution.kv import alpha_for_period, first_writer_blocks, holder_blocks
+from pipeline.attribution.workmodel import SlotBatch, WeightSource
+from schemas.config import Pool
+
+UNATTRIBUTED = "(unattributed)"
+PLATFORM_RETRY_FEATURE = "(platform-retry)"
+IDLE_FEATURE = "(idle)"
+HEADROOM_FEATURE = "(headroom)"
+CACHE_FEATURE = "(prefix-cache)"
+LINE_KINDS = ("usage", "idle", "headroom", "unattributed", "platform_retry", "cache_credit")
+
+LEDGER_LINE_SCHEMA = {
+    "hour": pl.Datetime("us"),
+    "pool": pl.String,
+    "tenant": pl.String,
+    "feature": pl.String,
+    "line_kind": pl.String,
+    "amount_nano": pl.Int64,
+    "requests": pl.Int64,
+    "new_tokens": pl.Int64,
+    "cached_tokens": pl.Int64,
+    "weights_version": pl.String,
+    "policy_version": pl.String,
+}
+REQUEST_COST_SCHEMA = {
+    "hour": pl.Datetime("us"),
+    "pool": pl.String,
+    "request_id": pl.String,
+    "tenant": pl.String,
+    "feature": pl.String,
+    "api_key_id": pl.String,
+    "compute_nano": pl.Int64,
+    "kv_nano": pl.Int64,
+    "amount_nano": pl.Int64,
+    "steps": pl.Int64,
+    "new_tokens": pl.Int64,
+    "cached_tokens": pl.Int64,
+    "prompt_tokens": pl.Int64,
+    "output_tokens": pl.Int64,
+}
+REPLICA_FACTS_SCHEMA = {
+    "replica": pl.String,
+    "steps": pl.Int64,
+    "first_seq": pl.Int64,
+    "last_seq": pl.Int64,
+    "busy_ns": pl.Int64,
+    "step_cost_nano": pl.Int64,
+    "idle_nano": pl.Int64,
+    "admission_blocked_steps": pl.Int64,
+}
+CONTEXT_COLUMNS = ("request_id", "tenant", "feature", "api_key_id", "retry_of", "retry_cause")
+
+
+class AttributionError(ValueError):
+    """The hour's tables cannot be attributed; the message names the table, row and field."""
+
+
+@dataclass(frozen=True)
+class HourLedger:
+    """One pool-hour, attributed.
+
+    `ledger_lines` has exactly the warehouse `ledger_lines` columns and sums to
+    `invoice["amount_nano"]`; `request_costs` has exactly the warehouse `request_costs`
+    columns. `replicas` (REPLICA_FACTS_SCHEMA) and the scalar facts below are what the
+    hourly reconciliation checks.
+    """
+
+    invoice: dict
+    request_costs: pl.DataFrame
+    ledger_lines: pl.DataFrame
+    replicas: pl.DataFrame
+    # Per request: request_id, exact_nano (the sum of its exact real shares, beside the
+    # integer amount_nano for auditing the rounding), kv_block_seconds (blocks held x time inside
+    # the hour, as charged under the prefix-cache policy) and kv_byte_seconds (kernel weights
+    # only; else null).
+    request_details: pl.DataFrame
+    step_count: int  # steps overlapping the hour
+    busy_ns: int  # step time inside the hour, summed over replicas
+    alpha: float
+    admission_blocked_fraction: float
+    usage_nano: int  # everything charged to requests (usage + unattributed + platform_retry)
+    unattributed_nano: int
+    unattributed_requests: int
+    platform_retry_nano: int
+    cache_read_nano: int  # charged for prefix-cache hits under cache_read (credited back)
+    cache_saving_nano: int  # what hit tokens would have cost at the full prefill rate, minus the charge
+    idle_nano: int  # invoice minus usage: idle plus headroom
+    headroom_nano: int
+    weights_version: str
+    policy_version: str
+
+    @property
+    def unattributed_fraction(self) -> float:
+        return self.unattributed_nano / self.usage_nano if self.usage_nano else 0.0
+
+
+def _require_columns(frame: pl.DataFrame, name: str, columns: tuple[str, ...]) -> None:
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise AttributionError(f"{name} table lacks column(s) {missing}; it has {frame.columns}")
+
+
+def _hour_steps(hour_start_utc_ns: int, pool: Pool, steps: pl.DataFrame) -> pl.DataFrame:
+    """The steps overlapping the hour, validated, ordered, with `step` = their index."""
+    _require_columns(steps, "steps", ("pool", "replica", "seq", "start_utc_ns", "end_utc_ns", "admission_blocked"))
+    other_pools = steps.filter(pl.col("pool") != pool.name)["pool"].unique().to_list()
+    if other_pools:
+        raise AttributionError(f"steps table holds rows of pool(s) {sorted(other_pools)}, attributing pool {pool.name!r}")
+    known = {r.id for r in pool.replicas}
+    unknown = sorted(set(steps["replica"].unique().to_list()) - known)
+    if unknown:
+        raise AttributionError(f"steps table names replica(s) {unknown} not in pool {pool.name!r} ({sorted(known)})")
+    backwards = steps.filter(pl.col("end_utc_ns") < pl.col("start_utc_ns"))
+    if backwards.height:
+        row = backwards.row(0, named=True)
+        raise AttributionError(
+            f"steps: replica {row['replica']} seq {row['seq']} ends before it starts "
+            f"({row['start_utc_ns']} > {row['end_utc_ns']}); {backwards.height} such step(s)"
+        )
+    hour_end = hour_start_utc_ns + HOUR_NS
+    inside = steps.filter(
+        (pl.col("start_utc_ns") < hour_end)
+        & ((pl.col("end_utc_ns") > hour_start_utc_ns) | (pl.col("start_utc_ns") >= hour_start_utc_ns))
+    ).sort("replica", "start_utc_ns", "seq")
+    duplicated = inside.filter(pl.struct("replica", "seq").is_duplicated())
+    if duplicated.height:
+        row = duplicated.row(0, named=True)
+        raise AttributionError(f"steps: replica {row['replica']} seq {row['seq']} appears more than once")
+    return inside.with_row_index("step").with_columns(pl.col("step").cast(pl.Int64))
+
+
+def _rows_of(table: pl.DataFrame, name: str, hour_steps: pl.DataFrame, all_steps: pl.DataFrame, index: str) -> pl.DataFrame:
+    """The table's rows of the hour's steps, ordered by step then position; orphans are an error."""
+    keys = all_steps.select("replica", "seq", pl.lit(True).alias("logged")).join(
+        hour_steps.select("replica", "seq", "step"), on=["replica", "seq"], how="left"
+    )
+    joined = table.join(keys, on=["replica", "seq"], how="left", maintain_order="left")
+    orphans = joined.filter(pl.col("logged").is_null())
+    if orphans.height:
+        row = orphans.row(0, named=True)
+        raise AttributionError(
+            f"{name}: {orphans.height} row(s) belong to no logged step, e.g. replica {row['replica']} seq {row['seq']}"
+        )
+    rows = joined.filter(pl.col("step").is_not_null()).drop("logged")
+    step = rows["step"].to_numpy()
+    position = rows[index].to_numpy()
+    # Decoded tables usually arrive in step order already; sorting 10^7 rows is then wasted.
+    in_order = rows.height < 2 or bool(
+        ((step[1:] > step[:-1]) | ((step[1:] == step[:-1]) & (position[1:] > position[:-1]))).all()
+    )
+    return rows if in_order else rows.sort("step", index)
+
+
+def _per_step_kv(pool: Pool, slots: pl.DataFrame) -> np.ndarray:
+    """Each slot's KV weight in blocks under the pool's prefix-cache policy."""
+    if pool.policies.prefix_cache != "first_writer":
+        return slots["kv_blocks"].to_numpy().astype(np.float64)
+    request_hits = slots.select(pl.col("prefix_hit_tokens").max().over("request_id"))["prefix_hit_tokens"]
+    return first_writer_blocks(
+        slots["context_tokens"].to_numpy().astype(np.float64),
+        slots["new_tokens"].to_numpy().astype(np.float64),
+        request_hits.to_numpy().astype(np.float64),
+        pool.kv_block_size,
+    )
+
+
+def _allocate_rows(
+    pool: Pool, hour_steps: pl.DataFrame, slots: pl.DataFrame, holders: pl.DataFrame, weights: WeightSource, alpha: float
+) -> pl.DataFrame:
+    """One row per (step, slot or holder) with its integer amount and compute/KV split."""
+    n_steps = hour_steps.height
+    slot_step = slots["step"].to_numpy()
+    batch = SlotBatch(
+        step_index=slot_step,
+        n_steps=n_steps,
+        new_tokens=slots["new_tokens"].to_numpy().astype(np.int64),
+        context_tokens=slots["context_tokens"].to_numpy().astype(np.int64),
+        prompt_tokens=slots["prompt_tokens"].to_numpy().astype(np.int64),
+    )
+    compute_work = np.concatenate([weights.compute_work(batch, pool.policies.fixed_cost), np.zeros(holders.height)])
+    kv_weight = np.concatenate(
+        [_per_step_kv(pool, slots), holder_blocks(holders["kv_blocks"].to_numpy(), holders["state"].to_numpy())]
+    )
+    # Slots first, then holders: the allocator orders rows by step stably, so within a step
+    # slots precede holders (the tie-break by position) and results come back in this order.
+    row_step = np.concatenate([slot_step, holders["step"].to_numpy()])
+    # A step with nobody to carry it (no slot work, no blocks held) is idle time.
+    carried = (np.bincount(row_step, weights=compute_work, minlength=n_steps) > 0) | (
+        np.bincount(row_step, weights=kv_weight, minlength=n_steps) > 0
+    )
+    totals = np.where(carried, hour_steps["cost_nano"].to_numpy(), 0)
+    split = blend_and_allocate(totals, row_step, compute_work, kv_weight, alpha)
+    compute_nano, kv_nano = split_compute_kv(split.shares, split.compute_part, split.kv_part)
+    block_seconds = kv_weight * hour_steps["busy_ns"].to_numpy()[row_step] / 1e9
+    slot_rows = slots.select(
+        "request_id", "new_tokens", "context_tokens", "prompt_tokens", "prefix_hit_tokens", "spec_drafted", "spec_accepted"
+    )
+    padding = pl.DataFrame({"request_id": holders["request_id"]}).with_columns(
+        pl.lit(0, dtype=pl.Int32).alias(c)
+        for c in ("new_tokens", "context_tokens", "prompt_tokens", "prefix_hit_tokens", "spec_drafted", "spec_accepted")
+    )
+    rows = pl.concat([slot_rows.cast({c: pl.Int32 for c in padding.columns[1:]}), padding])
+    return rows.with_columns(
+        pl.Series("is_slot", np.arange(rows.height) < slots.height),
+        pl.Series("amount_nano", split.shares),
+        pl.Series("exact_nano", split.exact),
+        pl.Series("compute_nano", compute_nano),
+        pl.Series("kv_nano", kv_nano),
+        pl.Series("kv_block_seconds", block_seconds),
+    )
+
+
+def _per_request(rows: pl.DataFrame) -> pl.DataFrame:
+    """Roll rows up to requests.
+
+    A slot produces output when its verified tokens reach the end of the prompt: one sampled
+    token plus the accepted drafts (a chunk still inside the prompt produces none).
+    """
+    verified_end = pl.col("context_tokens") + pl.col("new_tokens") - pl.col("spec_drafted")
+    produces = pl.col("is_slot") & (verified_end >= pl.col("prompt_tokens"))
+    prefill = pl.col("is_slot") & (pl.col("context_tokens") < pl.col("prompt_tokens"))
+    # Row-wise terms first, so the group-by only sums (much faster than conditional aggregations).
+    terms = rows.select(
+        "request_id",
+        "compute_nano",
+        "kv_nano",
+        "amount_nano",
+        "exact_nano",
+        "kv_block_seconds",
+        pl.col("is_slot").cast(pl.Int64).alias("steps"),
+        pl.col("new_tokens").cast(pl.Int64),
+        pl.col("prefix_hit_tokens").cast(pl.Int64).alias("cached_tokens"),
+        pl.col("prompt_tokens").cast(pl.Int64),
+        pl.when(produces).then(1 + pl.col("spec_accepted").cast(pl.Int64)).otherwise(0).alias("output_tokens"),
+        pl.when(prefill).then(pl.col("new_tokens").cast(pl.Int64)).otherwise(0).alias("prefill_tokens"),
+        pl.when(prefill).then(pl.col("compute_nano")).otherwise(0).alias("prefill_compute_nano"),
+    )
+    summed = [c for c in terms.columns if c not in ("request_id", "prompt_tokens")]
+    return terms.group_by("request_id").agg(pl.col(summed).sum(), pl.col("prompt_tokens").max())
+
+
+def _cache_read_charges(requests: pl.DataFrame, fraction: float) -> tuple[pl.DataFrame, int]:
+    """Charge hit tokens at `fraction` of the hour's prefill rate; returns (requests, saving)."""
+    prefill_tokens = int(requests["prefill_tokens"].sum())
+    rate = int(requests["prefill_compute_nano"].sum()) / prefill_tokens if prefill_tokens else 0.0
+    hits = requests["cached_tokens"].to_numpy().astype(np.float64)
+    charge = np.floor(hits * rate * fraction + 0.5).astype(np.int64)
+    full_price = np.floor(hits * rate + 0.5).astype(np.int64)
+    charged = requests.with_columns(
+        (pl.col("compute_nano") + charge).alias("compute_nano"),
+        (pl.col("amount_nano") + charge).alias("amount_nano"),
+        pl.Series("cache_read_nano", charge),
+    )
+    return charged, int((full_price - charge).sum())
+
+
+def _classify(requests: pl.DataFrame, context: pl.DataFrame, pool: Pool) -> pl.DataFrame:
+    """Join gateway context and decide each request's line kind."""
+    _require_columns(context, "context", CONTEXT_COLUMNS)
+    duplicated = context.filter(pl.col("request_id").is_duplicated())
+    if duplicated.height:
+        raise AttributionError(f"context: request_id {duplicated['request_id'][0]!r} appears more than once")
+    joined = requests.join(
+        context.select(*(pl.col(c).cast(pl.String) for c in CONTEXT_COLUMNS)), on="request_id", how="left"
+    )
+    platform_pays = pool.policies.platform_pays_platform_retries
+    kind = (
+        pl.when(pl.col("tenant").is_null())
+        .then(pl.lit("unattributed"))
+        .when(pl.lit(platform_pays) & (pl.col("retry_cause") == "platform_timeout"))
+        .then(pl.lit("platform_retry"))
+        .otherwise(pl.lit("usage"))
+    )
+    return joined.with_columns(kind.alias("line_kind"))
+
+
+def _usage_lines(requests: pl.DataFrame, pool: Pool) -> pl.DataFrame:
+    tenant = (
+        pl.when(pl.col("line_kind") == "unattributed")
+        .then(pl.lit(UNATTRIBUTED))
+        .when(pl.col("line_kind") == "platform_retry")
+        .then(pl.lit(pool.capacity_owner))
+        .otherwise(pl.col("tenant"))
+    )
+    feature = (
+        pl.when(pl.col("line_kind") == "unattributed")
+        .then(pl.lit(UNATTRIBUTED))
+        .when(pl.col("line_kind") == "platform_retry")
+        .then(pl.lit(PLATFORM_RETRY_FEATURE))
+        .otherwise(pl.col("feature").fill_null(UNATTRIBUTED))
+    )
+    return (
+        requests.with_columns(tenant.alias("line_tenant"), feature.alias("line_feature"))
+        .group_by("line_tenant", "line_feature", "line_kind")
+        .agg(
+            pl.col("amount_nano").sum(),
+            pl.len().cast(pl.Int64).alias("requests"),
+            pl.col("new_tokens").sum(),
+            pl.col("cached_tokens").sum(),
+        )
+        .rename({"line_tenant": "tenant", "line_feature": "feature"})
+        .sort("line_kind", "tenant", "feature")
+    )
+
+
+def _line(tenant: str, feature: str, kind: str, amount: int, requests: int = 0, cached: int = 0) -> dict:
+    return {
+        "tenant": tenant,
+        "feature": feature,
+        "line_kind": kind,
+        "amount_nano": amount,
+        "requests": requests,
+        "new_tokens": 0,
+        "cached_tokens": cached,
+    }
+
+
+def idle_lines(pool: Pool, invoice_nano: int, idle_nano: int, usage: pl.DataFrame) -> list[dict]:
+    """Label the hour's idle per the pool's policy.
+
+    spread: to tenants' features in proportion to their usage (largest remainder);
+    capacity_owner: all to the capacity owner; both: idle up to (1 - target_utilization) of
+    the invoice is spread, the rest is headroom charged to the SLO owner. With no tenant usage
+    to spread over, spread idle goes to the capacity owner. Negative idle (overlapping steps,
+    which the time check reports) is one line at the capacity owner, never spread.
+    """
+    if idle_nano == 0:
+        return []
+    policy = pool.policies.idle
+    if idle_nano < 0 or policy == "capacity_owner":
+        return [_line(pool.capacity_owner, IDLE_FEATURE, "idle", idle_nano)]
+    headroom = 0
+    if policy == "both":
+        spread_cap = math.floor(invoice_nano * (1.0 - pool.target_utilization))
+        headroom = max(idle_nano - spread_cap, 0)
+    spread = idle_nano - headroom
+    lines = [_line(pool.slo_owner, HEADROOM_FEATURE, "headroom", headroom)] if headroom else []
+    base = usage.filter((pl.col("line_kind") == "usage") & (pl.col("amount_nano") > 0))
+    if spread and base.height:
+        shares, _ = largest_remainder(
+            np.array([spread]), np.zeros(base.height, dtype=np.int64), base["amount_nano"].to_numpy().astype(np.float64)
+        )
+        lines += [
+            _line(tenant, feature, "idle", int(share))
+            for tenant, feature, share in zip(base["tenant"], base["feature"], shares)
+            if share
+        ]
+    elif spread:
+        lines.append(_line(pool.capacity_owner, IDLE_FEATURE, "idle", spread))
+    return lines
+
+
+def attribute_hour(
+    hour_start: datetime,
+    pool: Pool,
+    steps: pl.DataFrame,
+    slots: pl.DataFrame,
+    holders: pl.DataFrame,
+    context: pl.DataFrame,
+    weights: WeightSource,
+) -> HourLedger:
+    """Attribute one pool-hour.
+
+    `steps`, `slots`, `holders` follow schemas.tables STEPS/SLOTS/HOLDERS (as polars frames) and
+    may include steps of neighbouring hours: only steps overlapping the hour count, and a
+    step crossing the boundary contributes the part inside it. `context` has columns
+    request_id, tenant, feature, api_key_id, retry_of, retry_cause and may lack requests.
+    """
+    start_ns = hour_start_ns(hour_start)
+    hour_value = hour_start.astimezone(timezone.utc).replace(tzinfo=None)
+    _require_columns(slots, "slots", ("replica", "seq", "slot_index", "request_id", "new_tokens", "context_tokens",
+                                      "kv_blocks", "prompt_tokens", "prefix_hit_tokens", "spec_drafted", "spec_accepted"))
+    _require_columns(holders, "holders", ("replica", "seq", "holder_index", "request_id", "kv_blocks", "state"))
+    replica_price = pool.gpus_per_replica * pool.nano_per_gpu_hour
+    invoice_nano = replica_price * len(pool.replicas)
+    policy_version = pool.policies.version()
+
+    hour_steps = _hour_steps(start_ns, pool, steps)
+    cost, busy = step_costs_in_hour(
+        hour_steps["start_utc_ns"].to_numpy(), hour_steps["end_utc_ns"].to_numpy(), start_ns, replica_price
+    )
+    hour_steps = hour_steps.with_columns(pl.Series("cost_nano", cost), pl.Series("busy_ns", busy))
+    alpha, blocked_fraction = alpha_for_period(pool.policies, hour_steps["admission_blocked"].to_numpy())
+    hour_slots = _rows_of(slots, "slots", hour_steps, steps, "slot_index")
+    hour_holders = _rows_of(holders, "holders", hour_steps, steps, "holder_index")
+    rows = _allocate_rows(pool, hour_steps, hour_slots, hour_holders, weights, alpha)
+
+    requests = _per_request(rows)
+    cache_saving = 0
+    if pool.policies.prefix_cache == "cache_read":
+        requests, cache_saving = _cache_read_charges(requests, pool.policies.cache_read_fraction)
+    else:
+        requests = requests.with_columns(pl.lit(0, dtype=pl.Int64).alias("cache_read_nano"))
+    requests = _classify(requests, context, pool)
+    usage = _usage_lines(requests, pool)
+    cache_read_nano = int(requests["cache_read_nano"].sum())
+    usage_nano = int(requests["amount_nano"].sum())
+    idle_nano = invoice_nano - (usage_nano - cache_read_nano)
+
+    extra = []
+    if cache_read_nano:
+        readers = requests.filter(pl.col("cache_read_nano") > 0)
+        extra.append(
+            _line(pool.capacity_owner, CACHE_FEATURE, "cache_credit", -cache_read_nano, readers.height, int(readers["cached_tokens"].sum()))
+        )
+    extra += idle_lines(pool, invoice_nano, idle_nano, usage)
+    line_columns = {c: LEDGER_LINE_SCHEMA[c] for c in usage.columns}
+    lines = pl.concat([usage.cast(line_columns), pl.DataFrame(extra, schema=line_columns)]).with_columns(
+        pl.lit(hour_value, dtype=pl.Datetime("us")).alias("hour"),
+        pl.lit(pool.name).alias("pool"),
+        pl.lit(weights.version).alias("weights_version"),
+        pl.lit(policy_version).alias("policy_version"),
+    ).select(*(pl.col(c).cast(t) for c, t in LEDGER_LINE_SCHEMA.items()))
+    if int(lines["amount_nano"].sum()) != invoice_nano:
+        raise AssertionError(
+            f"pool {pool.name} hour {hour_value}: ledger lines sum to {int(lines['amount_nano'].sum())}, invoice {invoice_nano}"
+        )
+
+    request_costs = requests.with_columns(
+        pl.lit(hour_value, dtype=pl.Datetime("us")).alias("hour"), pl.lit(pool.name).alias("pool")
+    ).select(*(pl.col(c).cast(t) for c, t in REQUEST_COST_SCHEMA.items())).sort("request_id")
+
+    replica_facts = _replica_facts(pool, hour_steps, replica_price)
+    bytes_per_token = weights.kv_bytes_per_token()
+    bytes_per_block = None if bytes_per_token is None else bytes_per_token * pool.kv_block_size
+    request_details = requests.select(
+        "request_id",
+        "exact_nano",
+        "kv_block_seconds",
+        (pl.col("kv_block_seconds") * bytes_per_block if bytes_per_block else pl.lit(None, dtype=pl.Float64)).alias(
+            "kv_byte_seconds"
+        ),
+    ).sort("request_id")
+    headroom = int(lines.filter(pl.col("line_kind") == "headroom")["amount_nano"].sum())
+    by_kind = requests.group_by("line_kind").agg(pl.col("amount_nano").sum(), pl.len())
+    kind_amount = dict(zip(by_kind["line_kind"], by_kind["amount_nano"]))
+    kind_count = dict(zip(by_kind["line_kind"], by_kind["len"]))
+    return HourLedger(
+        invoice={
+            "hour": hour_value,
+            "pool": pool.name,
+            "gpus": pool.gpus_per_replica * len(pool.replicas),
+            "usd_per_gpu_hour": pool.usd_per_gpu_hour,
+            "amount_nano": invoice_nano,
+        },
+        request_costs=request_costs,
+        ledger_lines=lines,
+        replicas=replica_facts,
+        request_details=request_details,
+        step_count=hour_steps.height,
+        busy_ns=int(busy.sum()),
+        alpha=alpha,
+        admission_blocked_fraction=blocked_fraction,
+        usage_nano=usage_nano,
+        unattributed_nano=int(kind_amount.get("unattributed", 0)),
+        unattributed_requests=int(kind_count.get("unattributed", 0)),
+        platform_retry_nano=int(kind_amount.get("platform_retry", 0)),
+        cache_read_nano=cache_read_nano,
+        cache_saving_nano=cache_saving,
+        idle_nano=idle_nano,
+        headroom_nano=headroom,
+        weights_version=weights.version,
+        policy_version=policy_version,
+    )
+
+
+def _replica_facts(pool: Pool, hour_steps: pl.DataFrame, replica_price: int) -> pl.DataFrame:
+    """Per replica of the pool (busy or not): steps, sequence range, busy time, step cost, and
+    idle = the replica's hour price minus its step cost."""
+    per_replica = hour_steps.group_by("replica").agg(
+        pl.len().cast(pl.Int64).alias("steps"),
+        pl.col("seq").min().alias("first_seq"),
+        pl.col("seq").max().alias("last_seq"),
+        pl.col("busy_ns").sum(),
+        pl.col("cost_nano").sum().alias("step_cost_nano"),
+        pl.col("admission_blocked").sum().cast(pl.Int64).alias("admission_blocked_steps"),
+    )
+    every = pl.DataFrame({"replica": [r.id for r in pool.replicas]})
+    return (
+        every.join(per_replica, on="replica", how="left")
+        .with_columns(
+            pl.col("steps", "busy_ns", "step_cost_nano", "admission_blocked_steps").fill_null(0),
+        )
+        .with_columns((pl.lit(replica_price) - pl.col("step_cost_nano")).alias("idle_nano"))
+        .select(*(pl.col(c).cast(t) for c, t in REPLICA_FACTS_SCHEMA.items()))
+    )

@@ -1,0 +1,203 @@
+"""Work weights: how much of a step each slot caused, from fitted coefficients or the kernel.
+
+Two sources, chosen per pool (`Policies.weights`), each with a version string that every
+ledger row records:
+- fitted: c0 + sum_i [a t_i + b t_i (L_i + (t_i + 1) / 2)] ms, with c0, a, b from a
+  calibration run (`pipeline.attribution.calibration`);
+- kernel: the pricing kernel's per-slot work, its per-step fixed part plus each slot's own part.
+Either way the fixed part is split per the pool's fixed-cost policy: equally per slot
+(every request benefited from the one weight read) or per token.
+Speculative drafts, rejected ones included, are inside `new_tokens`, so they count as work.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import numba
+import numpy as np
+
+from pipeline.attribution.allocator import fitted_group_work
+
+if TYPE_CHECKING:
+    from schemas.config import Pool
+
+FixedCostPolicy = Literal["per_slot", "per_token"]
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """Fitted work-model coefficients in milliseconds; `version` identifies them in the ledger."""
+
+    c0_ms: float
+    a_ms: float
+    b_ms: float
+    version: str = field(default="")
+
+    def __post_init__(self) -> None:
+        for name in ("c0_ms", "a_ms", "b_ms"):
+            value = getattr(self, name)
+            if not np.isfinite(value) or value < 0:
+                raise ValueError(f"coefficient {name}={value!r} must be finite and >= 0")
+        if not self.version:
+            canonical = json.dumps([self.c0_ms, self.a_ms, self.b_ms])
+            object.__setattr__(self, "version", "fit-" + hashlib.sha256(canonical.encode()).hexdigest()[:10])
+
+
+@dataclass(frozen=True)
+class SlotBatch:
+    """Slots of many steps, step by step: `step_index` is non-decreasing in 0..n_steps-1."""
+
+    step_index: np.ndarray
+    n_steps: int
+    new_tokens: np.ndarray
+    context_tokens: np.ndarray
+    prompt_tokens: np.ndarray
+
+    def __post_init__(self) -> None:
+        n = self.step_index.shape[0]
+        for name in ("new_tokens", "context_tokens", "prompt_tokens"):
+            if getattr(self, name).shape[0] != n:
+                raise ValueError(f"{name} has {getattr(self, name).shape[0]} rows, step_index has {n}")
+        if n and (self.step_index[0] < 0 or self.step_index[-1] >= self.n_steps or (np.diff(self.step_index) < 0).any()):
+            raise ValueError("step_index must be non-decreasing within 0..n_steps-1")
+
+    @property
+    def slots_per_step(self) -> np.ndarray:
+        return np.bincount(self.step_index, minlength=self.n_steps)
+
+
+def attention_pairs(new_tokens: np.ndarray, context_tokens: np.ndarray) -> np.ndarray:
+    """t (L + (t + 1) / 2): each new token attends to the context and to the new tokens before it."""
+    t = np.asarray(new_tokens, dtype=np.float64)
+    return t * (np.asarray(context_tokens, dtype=np.float64) + (t + 1.0) / 2.0)
+
+
+def split_fixed(fixed_per_step: np.ndarray, batch: SlotBatch, policy: FixedCostPolicy) -> np.ndarray:
+    """Each slot's part of its step's fixed work, per the fixed-cost policy."""
+    counts = batch.slots_per_step
+    if policy == "per_slot":
+        return fixed_per_step[batch.step_index] / counts[batch.step_index]
+    if policy != "per_token":
+        raise ValueError(f"unknown fixed-cost policy {policy!r}; expected per_slot or per_token")
+    tokens = batch.new_tokens.astype(np.float64)
+    tokens_per_step = np.bincount(batch.step_index, weights=tokens, minlength=batch.n_steps)
+    # A step of zero new tokens (holders only, defensive) falls back to per slot.
+    per_token = np.divide(
+        tokens, tokens_per_step[batch.step_index], out=np.zeros_like(tokens), where=tokens_per_step[batch.step_index] > 0
+    )
+    per_slot = 1.0 / counts[batch.step_index]
+    share = np.where(tokens_per_step[batch.step_index] > 0, per_token, per_slot)
+    return fixed_per_step[batch.step_index] * share
+
+
+@numba.njit(cache=True, nogil=True)
+def _fitted_work_sorted(
+    offsets: np.ndarray, new_tokens: np.ndarray, context: np.ndarray, c0: float, a: float, b: float, per_token: bool,
+    out: np.ndarray,
+) -> None:
+    for step in range(offsets.shape[0] - 1):
+        fitted_group_work(offsets[step], offsets[step + 1], new_tokens, context, c0, a, b, per_token, out, 0)
+
+
+def fitted_work_ms(coefficients: Coefficients, batch: SlotBatch, policy: FixedCostPolicy) -> np.ndarray:
+    """Each slot's predicted milliseconds: its part of c0 plus a t + b t (L + (t+1)/2)."""
+    if policy not in ("per_slot", "per_token"):
+        raise ValueError(f"unknown fixed-cost policy {policy!r}; expected per_slot or per_token")
+    offsets = np.searchsorted(batch.step_index, np.arange(batch.n_steps + 1)).astype(np.int64)
+    out = np.empty(batch.step_index.shape[0])
+    _fitted_work_sorted(
+        offsets,
+        np.ascontiguousarray(batch.new_tokens, dtype=np.int64),
+        np.ascontiguousarray(batch.context_tokens),
+        coefficients.c0_ms,
+        coefficients.a_ms,
+        coefficients.b_ms,
+        policy == "per_token",
+        out,
+    )
+    return out
+
+
+def kernel_work_us(fixed_us: np.ndarray, slot_us: np.ndarray, batch: SlotBatch, policy: FixedCostPolicy) -> np.ndarray:
+    """Each slot's kernel work: its part of the step's fixed time plus its own, summed over resources.
+
+    `fixed_us` is (n_steps, resources) and `slot_us` (n_slots, resources), as the kernel's
+    `slot_work_many` returns them; the sum over resources is the NoOverlap estimate's split.
+    """
+    fixed = np.asarray(fixed_us, dtype=np.float64)
+    own = np.asarray(slot_us, dtype=np.float64)
+    fixed_total = fixed.sum(axis=1) if fixed.ndim == 2 else fixed
+    own_total = own.sum(axis=1) if own.ndim == 2 else own
+    if fixed_total.shape[0] != batch.n_steps or own_total.shape[0] != batch.step_index.shape[0]:
+        raise ValueError(
+            f"kernel returned {fixed_total.shape[0]} steps x {own_total.shape[0]} slots, "
+            f"expected {batch.n_steps} x {batch.step_index.shape[0]}"
+        )
+    return split_fixed(fixed_total, batch, policy) + own_total
+
+
+class WeightSource(Protocol):
+    """What attribute_hour needs from a work-weight source."""
+
+    version: str
+
+    def compute_work(self, batch: SlotBatch, policy: FixedCostPolicy) -> np.ndarray: ...
+
+    def kv_bytes_per_token(self) -> int | None: ...
+
+
+@dataclass(frozen=True)
+class FittedWeights:
+    """Work from calibrated coefficients (ms); KV memory is priced in block-seconds."""
+
+    coefficients: Coefficients
+
+    @property
+    def version(self) -> str:
+        return self.coefficients.version
+
+    def compute_work(self, batch: SlotBatch, policy: FixedCostPolicy) -> np.ndarray:
+        return fitted_work_ms(self.coefficients, batch, policy)
+
+    def kv_bytes_per_token(self) -> int | None:
+        return None
+
+
+@dataclass(frozen=True)
+class KernelWeights:
+    """Work from the pricing kernel (us); KV memory is priced in byte-seconds.
+
+    `kernel` is anything with the kernel's `slot_work_many(step_index, scheduled, computed,
+    prompt_len, n_steps)` and `kv_bytes_per_token`.
+    """
+
+    kernel: Any
+    version: str
+
+    @classmethod
+    def from_deployment(cls, deployment: Any) -> KernelWeights:
+        """Build the kernel for a pricing.Deployment; the version hashes the deployment."""
+        from pricing import Kernel
+
+        canonical = json.dumps(deployment.model_dump(mode="json"), sort_keys=True)
+        digest = hashlib.sha256(canonical.encode()).hexdigest()[:10]
+        return cls(Kernel.build(deployment), f"kernel-{deployment.model}-{deployment.chip}-tp{deployment.tp}-{digest}")
+
+    @classmethod
+    def for_pool(cls, pool: Pool) -> KernelWeights:
+        from pricing import deployment_for_pool
+
+        return cls.from_deployment(deployment_for_pool(pool))
+
+    def compute_work(self, batch: SlotBatch, policy: FixedCostPolicy) -> np.ndarray:
+        fixed_us, slot_us = self.kernel.slot_work_many(
+            batch.step_index, batch.new_tokens, batch.context_tokens, batch.prompt_tokens, batch.n_steps
+        )
+        return kernel_work_us(fixed_us, slot_us, batch, policy)
+
+    def kv_bytes_per_token(self) -> int | None:
+        return int(self.kernel.kv_bytes_per_token)

@@ -1,0 +1,172 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.attribution import (
+    AllocationError,
+    allocate_fitted_steps,
+    allocate_step,
+    blend_and_allocate,
+    largest_remainder,
+    split_compute_kv,
+    step_total_units,
+)
+from pipeline.attribution.workmodel import Coefficients, SlotBatch, fitted_work_ms
+
+
+@dataclass
+class Slot:
+    request_id: str
+    new_tokens: int
+    context: int
+    kv_blocks: float
+
+
+SEED_BATCH = [Slot("A", 512, 0, 32), Slot("B", 1, 3800, 238), Slot("C", 1, 1000, 63), Slot("D", 1, 100, 7)]
+
+groups_strategy = st.lists(
+    st.tuples(
+        st.integers(0, 10**9),
+        st.lists(st.floats(0.0, 1e6, allow_nan=False, allow_subnormal=False), min_size=1, max_size=12).filter(
+            lambda w: sum(w) > 0
+        ),
+    ),
+    min_size=1,
+    max_size=20,
+)
+
+
+def _flatten(groups):
+    totals = np.array([total for total, _ in groups], dtype=np.int64)
+    index = np.concatenate([np.full(len(w), g) for g, (_, w) in enumerate(groups)])
+    weights = np.concatenate([np.array(w) for _, w in groups])
+    return totals, index, weights
+
+
+def test_seed_worked_example_both_alphas():
+    # 50 ms at $3.60 per GPU-hour is 1 micro-dollar per ms.
+    assert allocate_step(SEED_BATCH, 50, 1.0, 12, 0.05, 0.00005, alpha=1.0) == {"A": 39, "B": 4, "C": 4, "D": 3}
+    assert allocate_step(SEED_BATCH, 50, 1.0, 12, 0.05, 0.00005, alpha=0.8) == {"A": 32, "B": 10, "C": 5, "D": 3}
+    assert 238 / sum(s.kv_blocks for s in SEED_BATCH) == pytest.approx(0.70)
+
+
+def test_exact_shares_and_remainders():
+    shares, exact = largest_remainder(np.array([10, 7]), np.array([0, 0, 0, 1, 1]), np.array([1.0, 1.0, 1.0, 2.0, 1.0]))
+    # 10/3 each: one leftover unit to the earliest; 7 x 2/3 = 4.67 -> 5, 7/3 = 2.33 -> 2.
+    assert shares.tolist() == [4, 3, 3, 5, 2]
+    assert exact.tolist() == pytest.approx([10 / 3, 10 / 3, 10 / 3, 14 / 3, 7 / 3])
+
+
+def test_ties_go_to_the_earlier_position_even_with_many_leftovers():
+    shares, _ = largest_remainder(np.array([5]), np.zeros(8, dtype=np.int64), np.ones(8))
+    assert shares.tolist() == [1, 1, 1, 1, 1, 0, 0, 0]
+    shares, _ = largest_remainder(np.array([1]), np.zeros(9, dtype=np.int64), np.ones(9))
+    assert shares.tolist() == [1, 0, 0, 0, 0, 0, 0, 0, 0]
+
+
+def test_unsorted_groups_match_sorted_layout():
+    shares, exact = largest_remainder(np.array([10, 7]), np.array([1, 0, 1, 0, 0]), np.array([2.0, 1.0, 1.0, 1.0, 1.0]))
+    assert shares.tolist() == [5, 4, 2, 3, 3]
+    assert exact[0] == pytest.approx(14 / 3)
+
+
+def test_bad_inputs_are_named():
+    with pytest.raises(AllocationError, match="group 0 has total 5 but no row"):
+        largest_remainder(np.array([5]), np.array([0, 0]), np.array([0.0, 0.0]))
+    with pytest.raises(AllocationError, match="row 1 has weight"):
+        largest_remainder(np.array([5]), np.array([0, 0]), np.array([1.0, np.nan]))
+    with pytest.raises(AllocationError, match="outside 0..0"):
+        largest_remainder(np.array([5]), np.array([0, 1]), np.array([1.0, 1.0]))
+    with pytest.raises(AllocationError, match="needs at least one slot"):
+        allocate_step([], 50, 1.0, 12, 0.05, 0.00005)
+
+
+@settings(max_examples=150, deadline=None)
+@given(groups_strategy)
+def test_shares_sum_to_totals_and_stay_within_one_unit(groups):
+    totals, index, weights = _flatten(groups)
+    shares, exact = largest_remainder(totals, index, weights)
+    assert (np.bincount(index, weights=shares, minlength=len(totals)).astype(np.int64) == totals).all()
+    np.testing.assert_array_equal(np.bincount(index, minlength=len(totals)), [len(w) for _, w in groups])
+    assert (np.abs(shares - exact) < 1.0 + 1e-6).all()
+    assert (shares >= 0).all()
+
+
+@settings(max_examples=100, deadline=None)
+@given(groups_strategy, st.randoms(use_true_random=False))
+def test_shares_invariant_to_order_up_to_ties(groups, rnd):
+    totals, index, weights = _flatten(groups)
+    shares, exact = largest_remainder(totals, index, weights)
+    permutation = np.array(rnd.sample(range(len(index)), len(index)))
+    shuffled, _ = largest_remainder(totals, index[permutation], weights[permutation])
+    back = np.empty_like(shuffled)
+    back[permutation] = shuffled
+    remainders = exact - np.floor(exact)
+    for g in range(len(totals)):
+        rows = index == g
+        differ = rows & (back != shares)
+        # Only rows whose remainder ties another row's may trade a unit with it.
+        for row in np.flatnonzero(differ):
+            assert np.isclose(remainders[rows], remainders[row], rtol=0, atol=1e-9).sum() > 1
+        assert back[rows].sum() == shares[rows].sum()
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 2048), st.integers(0, 16000), st.floats(0, 500, allow_nan=False, allow_subnormal=False)),
+        min_size=1,
+        max_size=16,
+    ),
+    st.floats(1, 500),
+    st.floats(0, 1),
+)
+def test_vectorised_path_matches_the_reference_allocator(rows, step_ms, alpha):
+    slots = [Slot(f"r{i}", t, L, kv) for i, (t, L, kv) in enumerate(rows)]
+    reference = allocate_step(slots, step_ms, 1.0, 12, 0.05, 0.00005, alpha=alpha)
+    n = len(slots)
+    batch = SlotBatch(
+        np.zeros(n, dtype=np.int64), 1, np.array([s.new_tokens for s in slots]),
+        np.array([s.context for s in slots]), np.zeros(n, dtype=np.int64),
+    )
+    work = fitted_work_ms(Coefficients(12, 0.05, 0.00005), batch, "per_slot")
+    split = blend_and_allocate(np.array([round(step_ms)]), batch.step_index, work, np.array([s.kv_blocks for s in slots]), alpha)
+    # Same operations in the same order: identical shares, ties included.
+    assert dict(zip(reference, split.shares.tolist())) == reference
+    fused, exact = allocate_fitted_steps(
+        np.array([round(step_ms)]), batch.step_index, batch.new_tokens, batch.context_tokens,
+        np.array([s.kv_blocks for s in slots]), (12, 0.05, 0.00005), alpha,
+    )
+    assert fused.tolist() == split.shares.tolist() and exact.tolist() == split.exact.tolist()
+
+
+def test_step_total_units_is_exact_decimal_arithmetic():
+    assert step_total_units(50, 1, 3.6, 1_000_000) == 50
+    assert step_total_units(50, 1, 3.6, 1_000_000_000) == 50_000
+    assert step_total_units(0.1, 8, 4.5, 1_000_000_000) == 1_000  # 0.1 ms x 8 x $4.50/h
+    assert step_total_units(1, 1, 1.8, 1_000_000) == 0  # 0.5 rounds half to even
+
+
+def test_compute_kv_split_sums_to_amount():
+    compute, kv = split_compute_kv(np.array([10, 7, 0, 5]), np.array([0.75, 0.0, 0.5, 0.25]), np.array([0.25, 0.3, 0.5, 0.25]))
+    assert compute.tolist() == [8, 0, 0, 3]
+    assert kv.tolist() == [2, 7, 0, 2]
+
+
+def test_fused_fitted_path_per_token_and_step_order():
+    step_index = np.array([0, 0, 1, 1, 1])
+    new_tokens, context, kv = np.array([100, 1, 10, 1, 1]), np.array([0, 500, 0, 9, 90]), np.array([7.0, 32, 1, 1, 6])
+    batch = SlotBatch(step_index, 2, new_tokens, context, np.zeros(5, dtype=np.int64))
+    totals = np.array([1000, 37])
+    work = fitted_work_ms(Coefficients(12, 0.05, 0.00005), batch, "per_token")
+    expected = blend_and_allocate(totals, step_index, work, kv, 0.7)
+    shares, exact = allocate_fitted_steps(totals, step_index, new_tokens, context, kv, (12, 0.05, 0.00005), 0.7, "per_token")
+    assert shares.tolist() == expected.shares.tolist() and exact.tolist() == expected.exact.tolist()
+    assert shares[:2].sum() == 1000 and shares[2:].sum() == 37
+    with pytest.raises(AllocationError, match="step order"):
+        allocate_fitted_steps(totals, step_index[::-1], new_tokens, context, kv, (12, 0.05, 0.00005), 0.7)
