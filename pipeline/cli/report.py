@@ -1,0 +1,53 @@
+"""`stepledger report`: one self-contained HTML page for an hour, a day or everything."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.command("report")
+@click.option("--data", "data_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="data directory holding lake/ and pools.yaml [default: the warehouse's directory, else demo-run]")
+@click.option("--warehouse", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="the DuckDB file [default: DATA/warehouse.duckdb]")
+@click.option("--hour", "hour", metavar="YYYY-MM-DDTHH", default=None, help="report one UTC hour")
+@click.option("--day", "day", metavar="YYYY-MM-DD", default=None, help="report one UTC day")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="HTML file to write [default: DATA/report-<period>.html]")
+def report_command(data_dir: Path | None, warehouse: Path | None, hour: str | None, day: str | None,
+                   out: Path | None) -> None:
+    """Write an HTML report that opens offline: costs per tenant and feature by hour, idle and
+    the other ledger lines, cost per request and per thousand tokens, the top requests, each
+    tenant's SM/HBM/NVLink/NIC/host usage, reconciliation status, and each pool's bottleneck
+    chart. Finance tables show published hours; held-back hours are marked. Prints the path.
+
+    \b
+    Examples:
+      stepledger report                              # everything in demo-run/warehouse.duckdb
+      stepledger report --day 2026-11-30 --out nov30.html
+      stepledger report --warehouse /srv/ledger/warehouse.duckdb --hour 2026-11-30T05
+    """
+    from assets.resources import pools_file
+    from pipeline.report import ReportError, Scope, write_report
+    from pipeline.warehouse import WarehouseError
+    from schemas.config import ConfigError, load_pools
+
+    if hour and day:
+        raise click.UsageError("give --hour or --day, not both")
+    try:
+        scope = Scope.hour(hour) if hour else Scope.day(day) if day else Scope.everything()
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--hour" if hour else "--day") from err
+    if data_dir is None:
+        data_dir = warehouse.parent if warehouse else Path("demo-run")
+    warehouse = warehouse or data_dir / "warehouse.duckdb"
+    period = hour or day or "all"
+    out = out or data_dir / f"report-{period}.html"
+    try:
+        pools = load_pools(pools_file(data_dir))
+        write_report(warehouse, pools, data_dir / "lake", scope, out)
+    except (ReportError, WarehouseError, ConfigError) as err:
+        raise click.ClickException(str(err)) from err
+    click.echo(out.resolve())

@@ -1,0 +1,227 @@
+from __future__ import annotations
+
+import re
+import subprocess
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from report_fleet import build_fleet
+
+from pipeline.cli import main
+from pipeline.report import Scope, load_report, render_html, usd, usd_per
+from schemas.config import load_pools
+
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_fleet(tmp_path_factory.mktemp("fleet"))
+
+
+@pytest.fixture(scope="module")
+def report(fleet: Path) -> tuple[Path, str]:
+    out = fleet / "report.html"
+    result = CliRunner().invoke(main, ["report", "--data", str(fleet), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == str(out.resolve())
+    return out, out.read_text()
+
+
+def _row(page: str, first_cell: str) -> str:
+    """The first table row whose first cell is `first_cell`, as text."""
+    match = re.search(rf"<tr(?: class=\"total\")?><td>{re.escape(first_cell)}</td>(.*?)</tr>", page)
+    assert match, f"no row {first_cell!r}"
+    return match.group(1)
+
+
+def test_tenant_costs_are_the_exact_dollars_of_the_published_hour(report: tuple[Path, str]) -> None:
+    _, page = report
+    # Hour 05 only: each request paid half of 1 800 one-second steps at $0.001 each.
+    assert re.findall(r">(\$[\d.,]+)<", _row(page, "acme-support")) == ["$0.900000", "$0.90000000", "$0.50000000"]
+    assert re.findall(r">(\$[\d.,]+)<", _row(page, "globex-search")) == ["$0.900000", "$0.90000000", "$0.50000000"]
+    assert 'title="900000000 nano-USD">$0.900000<' in _row(page, "acme-support")
+    # The idle half of the hour goes to the capacity owner (policy capacity_owner).
+    assert "$1.800000" in _row(page, "platform-inference")
+    assert re.findall(r">(\$[\d.,]+)<", _row(page, "total"))[0] == "$3.600000"
+
+
+def test_held_back_hour_is_named_with_its_failed_check(report: tuple[Path, str]) -> None:
+    _, page = report
+    assert "1 pool-hour(s) held back from finance" in page
+    assert "<b>2026-11-30T06 chat-test</b> ($3.600000): failed blocking checks: sequence" in page
+    assert "recorder dropped 1 steps (seq 2700)" in page
+    assert '<td class="fail">held back</td>' in page
+    # Invoiced both hours, published one.
+    assert '<div class="value" title="7200000000 nano-USD">$7.200000</div>' in page
+    assert '<div class="value" title="3600000000 nano-USD">$3.600000</div>' in page
+
+
+def test_every_hour_balances_and_shows_its_line_kinds(report: tuple[Path, str]) -> None:
+    _, page = report
+    for hour in ("2026-11-30T05", "2026-11-30T06"):
+        cells = re.findall(r">(\$[\d.,]+|= invoice)<", _row(page, hour))
+        assert cells[:4] == ["$3.600000", "$1.800000", "$1.800000", "$0.000000"]
+        assert cells[-1] == "= invoice"
+
+
+def test_resource_breakdown_splits_each_tenants_compute_exactly(fleet: Path) -> None:
+    pools = load_pools(fleet / "pools.yaml")
+    data = load_report(fleet / "warehouse.duckdb", pools, fleet / "lake", Scope.everything())
+    by_tenant = {r["tenant"]: r for r in data.resources.iter_rows(named=True)}
+    assert set(by_tenant) == {"acme-support", "globex-search"}
+    # Alpha 0.8, equal blocks: 80 % of each request's charge is compute.
+    assert by_tenant["globex-search"]["compute_nano"] == 720_000_000
+    assert by_tenant["acme-support"]["compute_nano"] == 720_000_000 + 1_440_000_000
+    for row in by_tenant.values():
+        parts = [row[f"{r}_nano"] for r in ("sm", "hbm", "nvlink", "nic", "host")]
+        assert sum(parts) == row["compute_nano"]
+        assert parts[2] == parts[3] == 0  # one TP1 replica moves nothing over NVLink or the NIC
+        assert min(parts[0], parts[1], parts[4]) > 0
+    assert [s.pool for s in data.sweeps] == ["chat-test"]
+    sweep = data.sweeps[0]
+    assert sweep.context_tokens == 1399  # the median decode context the fleet logged (500..2299)
+    assert sweep.batches[0] == 1 and sweep.batches[-1] == 256
+    assert sweep.bottleneck_ranges[0][1] == 1 and sweep.bottleneck_ranges[-1][2] == 256
+
+
+def test_hour_scope_reports_one_hour(fleet: Path, tmp_path: Path) -> None:
+    out = tmp_path / "h.html"
+    result = CliRunner().invoke(main, ["report", "--warehouse", str(fleet / "warehouse.duckdb"), "--hour",
+                                       "2026-11-30T06", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    page = out.read_text()
+    assert "stepledger report: hour 2026-11-30T06 UTC" in page
+    assert "2026-11-30T05" not in page
+    assert "No published request costs in this period." in page
+
+
+def test_page_is_self_contained(report: tuple[Path, str]) -> None:
+    _, page = report
+    assert not re.search(r"""(?:src|href)\s*=\s*["']?\s*https?://""", page, re.I)
+    assert "<script" not in page.lower() and "@import" not in page
+    assert not re.search(r"url\((?!#)", page)  # only references to the page's own clip paths
+    assert page.count("<svg") == 4  # two stacked bars, the resource shares, one bottleneck chart
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="headless Chromium is not installed")
+def test_renders_in_headless_chromium(report: tuple[Path, str], tmp_path: Path) -> None:
+    out, _ = report
+    png = tmp_path / "report.png"
+    subprocess.run(
+        [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--no-first-run", f"--screenshot={png}",
+         "--window-size=1400,3000", out.resolve().as_uri()],
+        check=True, capture_output=True, timeout=120,
+    )
+    from PIL import Image
+
+    with Image.open(png) as image:
+        assert image.size == (1400, 3000)
+        # A blank or failed page is one colour; the report has text and charts.
+        assert len(image.convert("RGB").getcolors(maxcolors=1 << 20)) > 50
+
+
+@pytest.mark.parametrize(
+    ("args", "exit_code", "message"),
+    [
+        (["--hour", "2026-11-30T05", "--day", "2026-11-30"], 2, "give --hour or --day, not both"),
+        (["--hour", "yesterday"], 2, "is not of the form YYYY-MM-DDTHH"),
+        (["--day", "2026-13-01"], 2, "is not of the form YYYY-MM-DD"),
+        (["--hour", "2026-12-01T00"], 1, "no invoiced hours in hour 2026-12-01T00 UTC"),
+    ],
+)
+def test_bad_input_says_what_to_do(fleet: Path, args: list[str], exit_code: int, message: str) -> None:
+    result = CliRunner().invoke(main, ["report", "--data", str(fleet), *args])
+    assert result.exit_code == exit_code
+    assert message in result.output
+
+
+def test_missing_warehouse_is_a_clear_error(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["report", "--data", str(tmp_path)])
+    assert result.exit_code == 1
+    assert f"{tmp_path / 'warehouse.duckdb'}: no warehouse file (run `stepledger demo` or `stepledger run` first)" in result.output
+
+
+def test_rendering_the_same_data_twice_gives_the_same_page(fleet: Path) -> None:
+    from datetime import datetime, timezone
+
+    pools = load_pools(fleet / "pools.yaml")
+    now = datetime(2026, 12, 1, tzinfo=timezone.utc)
+    pages = [render_html(load_report(fleet / "warehouse.duckdb", pools, fleet / "lake", Scope.everything(), now=now))
+             for _ in range(2)]
+    assert pages[0] == pages[1]
+
+
+def test_dollar_strings() -> None:
+    assert usd(1_234_567_890_123) == "$1,234.567890"
+    assert usd(-337_116_000) == "-$0.337116"
+    assert usd(500) == "$0.000000" and usd(1_500) == "$0.000002"   # half to even
+    assert usd_per(900_000_000, 1) == "$0.90000000"
+    assert usd_per(900_000_000_000, 1800) == "$0.50000000"
+    assert usd_per(5, 0) == "-"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(min_value=-(2**63), max_value=2**63 - 1))
+def test_nine_places_give_back_the_exact_nano_dollars(nano: int) -> None:
+    text = usd(nano, 9)
+    value = Decimal(text.replace("$", "").replace(",", ""))
+    assert int(value * 1_000_000_000) == nano
+
+
+def test_day_report_is_written_next_to_the_data_by_default(fleet: Path) -> None:
+    result = CliRunner().invoke(main, ["report", "--data", str(fleet), "--day", "2026-11-30"])
+    assert result.exit_code == 0, result.output
+    out = fleet / "report-2026-11-30.html"
+    assert result.output.strip() == str(out.resolve())
+    assert "stepledger report: day 2026-11-30 UTC" in out.read_text()
+
+
+def test_a_missing_lake_is_named_and_the_rest_still_renders(fleet: Path, tmp_path: Path) -> None:
+    pools = load_pools(fleet / "pools.yaml")
+    data = load_report(fleet / "warehouse.duckdb", pools, tmp_path / "no-lake", Scope.everything())
+    assert data.resources.is_empty()
+    assert data.notes == [
+        f"2026-11-30T05 chat-test: no slots in {tmp_path / 'no-lake'}, so its requests are missing from the resource breakdown",
+        f"2026-11-30T06 chat-test: no slots in {tmp_path / 'no-lake'}, so its requests are missing from the resource breakdown",
+    ]
+    page = render_html(data)
+    assert "No slots found in the lake for these hours." in page
+    assert "default" in data.sweeps[0].context_source and data.sweeps[0].context_tokens == 2048
+    assert re.findall(r">(\$[\d.,]+)<", _row(page, "acme-support"))[0] == "$0.900000"
+
+
+def test_names_from_the_gateway_are_escaped(fleet: Path) -> None:
+    from dataclasses import replace
+
+    import polars as pl
+
+    pools = load_pools(fleet / "pools.yaml")
+    data = load_report(fleet / "warehouse.duckdb", pools, fleet / "lake", Scope.everything())
+    hostile = replace(data, lines=data.lines.with_columns(
+        pl.when(pl.col("tenant") == "acme-support").then(pl.lit("<script>x</script>")).otherwise(pl.col("tenant"))
+        .alias("tenant")))
+    page = render_html(hostile)
+    assert "<script>" not in page
+    assert "<td>&lt;script&gt;x&lt;/script&gt;</td>" in page
+
+
+def test_the_attribution_examples_in_the_docs_still_hold(capsys: pytest.CaptureFixture[str]) -> None:
+    import runpy
+
+    runpy.run_path(str(Path(__file__).resolve().parents[3] / "docs" / "examples" / "policies.py"), run_name="__main__")
+    printed = capsys.readouterr().out
+    # Numbers quoted in docs/attribution.md.
+    for line in ("A        acme            39458        0        39458",       # the seed's step, alpha 1
+                 "B        acme             2908     7000         9908",       # alpha 0.8
+                 "H        globex              0     4098         4098",       # alpha from evidence: 0.75
+                 "A        acme            29021        0        29021",       # kernel weights
+                 "cache_credit   platform / (prefix-cache)             -7476",
+                 "headroom       support / (headroom)             2519910000"):
+        assert line in printed
+    assert printed.count("invoice                                         3600000000") == 11
