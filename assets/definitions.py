@@ -1,0 +1,41 @@
+"""The Dagster code location. `dagster dev -m assets.definitions` (or `stepledger dev`) loads it.
+
+Importing this module does no I/O: the pools file and the environment are read when Dagster
+loads the definitions (`defs`), or when a caller builds them with `build_definitions`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dagster as dg
+
+from assets.alerting import build_failure_pager
+from assets.jobs import build_jobs
+from assets.partitions import pool_hour_partitions
+from assets.pool_hour import build_pool_hour_assets
+from assets.reconciliation import build_reconciliation_checks
+from assets.resources import build_resources, data_dir_from_env, pools_file
+from assets.schedules import build_hourly_schedule
+from assets.sensors import build_new_segments_sensor
+from schemas.config import PoolsFile, load_pools
+
+
+def build_definitions(pools: PoolsFile, data_dir: Path, warehouse: Path | None = None) -> dg.Definitions:
+    partitions = pool_hour_partitions([p.name for p in pools.pools])
+    pool_hour_assets = build_pool_hour_assets(partitions, pools)
+    pool_hour_job, ingest_job = build_jobs()
+    return dg.Definitions(
+        assets=pool_hour_assets,
+        asset_checks=build_reconciliation_checks(pools),
+        jobs=[pool_hour_job, ingest_job],
+        schedules=[build_hourly_schedule(pools)],
+        sensors=[build_new_segments_sensor(pools), build_failure_pager(pool_hour_job)],
+        resources=build_resources(data_dir, warehouse),
+    )
+
+
+@dg.definitions
+def defs() -> dg.Definitions:
+    data_dir = data_dir_from_env()
+    return build_definitions(load_pools(pools_file(data_dir)), data_dir)

@@ -1,0 +1,82 @@
+"""Resources, chosen by environment: STEPLEDGER_DATA (the data directory: outboxes, gateway
+logs, DCGM scrapes, the Parquet lake) and STEPLEDGER_WAREHOUSE (the DuckDB file, by default
+`warehouse.duckdb` in the data directory)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import dagster as dg
+import duckdb
+from dagster_duckdb import DuckDBResource
+
+from pipeline.warehouse import apply_schema
+from schemas.config import DEFAULT_POOLS_PATH
+
+DATA_ENV = "STEPLEDGER_DATA"
+WAREHOUSE_ENV = "STEPLEDGER_WAREHOUSE"
+DEFAULT_DATA_DIR = "demo-run"
+
+
+class StepledgerData(dg.ConfigurableResource):
+    """Where one deployment's files live."""
+
+    data_dir: str
+
+    @property
+    def root(self) -> Path:
+        return Path(self.data_dir)
+
+    @property
+    def outbox(self) -> Path:
+        return self.root / "outbox"
+
+    @property
+    def gateway(self) -> Path:
+        return self.root / "gateway"
+
+    @property
+    def dcgm(self) -> Path:
+        return self.root / "dcgm"
+
+    @property
+    def lake(self) -> Path:
+        return self.root / "lake"
+
+    @property
+    def pools_file(self) -> Path:
+        return pools_file(self.root)
+
+
+def pools_file(data_dir: Path) -> Path:
+    """The data directory's own pools file, else the default pools."""
+    own = data_dir / "pools.yaml"
+    return own if own.is_file() else DEFAULT_POOLS_PATH
+
+
+def data_dir_from_env() -> Path:
+    return Path(os.environ.get(DATA_ENV, DEFAULT_DATA_DIR)).resolve()
+
+
+def warehouse_path(data_dir: Path) -> Path:
+    return Path(os.environ.get(WAREHOUSE_ENV, data_dir / "warehouse.duckdb")).resolve()
+
+
+def build_resources(data_dir: Path, warehouse: Path | None = None) -> dict[str, dg.ConfigurableResource]:
+    return {
+        "data": StepledgerData(data_dir=str(data_dir)),
+        "warehouse": DuckDBResource(database=str(warehouse or warehouse_path(data_dir))),
+    }
+
+
+@contextmanager
+def open_warehouse(warehouse: DuckDBResource) -> Iterator[duckdb.DuckDBPyConnection]:
+    """A read/write warehouse connection with the schema applied. The file's directory is
+    created first: DuckDBResource retries a failing connect for about 100 s before giving up."""
+    Path(warehouse.database).parent.mkdir(parents=True, exist_ok=True)
+    with warehouse.get_connection() as con:
+        apply_schema(con)
+        yield con

@@ -1,0 +1,44 @@
+"""A sensor that starts ingestion when new segments land in an outbox.
+
+The cursor is the newest segment modification time seen (ns). Ingestion itself skips what it
+has already ingested, so a file the cursor misses is picked up by the pool's next run.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+import dagster as dg
+
+from assets.jobs import INGEST_JOB
+from assets.partitions import completed_hour, partition_key
+from assets.resources import StepledgerData
+from pipeline.ingest import segment_files
+from schemas.config import PoolsFile
+
+
+def build_new_segments_sensor(pools: PoolsFile) -> dg.SensorDefinition:
+    pool_of_replica = {r.id: p.name for p in pools.pools for r in p.replicas}
+
+    @dg.sensor(name="new_segments", job_name=INGEST_JOB, minimum_interval_seconds=60)
+    def new_segments(context: dg.SensorEvaluationContext, data: StepledgerData) -> dg.SensorResult | dg.SkipReason:
+        seen_ns = int(context.cursor or 0)
+        newest_by_pool: dict[str, int] = {}
+        for path in segment_files(data.outbox, pool_of_replica):
+            mtime_ns = path.stat().st_mtime_ns
+            pool = pool_of_replica[path.parent.name]
+            if mtime_ns > seen_ns and mtime_ns > newest_by_pool.get(pool, 0):
+                newest_by_pool[pool] = mtime_ns
+        if not newest_by_pool:
+            return dg.SkipReason("no new segments")
+        # Ingestion takes every new segment of the pool; the partition only labels the run.
+        hour = completed_hour(datetime.now(timezone.utc))
+        return dg.SensorResult(
+            run_requests=[
+                dg.RunRequest(run_key=f"{pool}|{newest}", partition_key=partition_key(hour, pool))
+                for pool, newest in sorted(newest_by_pool.items())
+            ],
+            cursor=str(max(newest_by_pool.values())),
+        )
+
+    return new_segments

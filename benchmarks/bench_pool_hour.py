@@ -1,0 +1,105 @@
+"""One pool-hour from segments to ledger: 8 busy TP1 replicas through the Dagster job.
+
+The input is simulated once, outside the timing. The timed part runs in a fresh process (so
+its peak RSS is the pipeline's alone): ingest, request context, attribution, publishing and
+reconciliation of the hour, exactly as the hourly job runs them. QUICK simulates fewer
+replicas for fewer minutes: it first times an hour without steps (the fixed cost of any
+hour: kernel build, JIT compilation, run set-up), then the data's hour, and reports the fixed
+cost plus the data's time scaled to the full pool-hour (the peak RSS is the smaller run's).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+from benchmarks.figure import Figure
+from schemas.config import PoolsFile, load_pools
+
+REPLICAS = 8
+# Busy: twice the default chat pool's per-replica traffic.
+TRAFFIC_SCALE = 2.0 * REPLICAS / 4
+
+_TIMED = textwrap.dedent(
+    """
+    import json, resource, sys, time, warnings
+    from datetime import datetime, timezone
+    from pathlib import Path
+    warnings.filterwarnings("ignore")
+    import dagster as dg
+    from assets.definitions import build_definitions
+    from assets.partitions import partition_key
+    from schemas.config import load_pools
+
+    data, measure_fixed = Path(sys.argv[1]), sys.argv[2] == "fixed"
+    pools = load_pools(data / "pools.yaml")
+    instance = dg.DagsterInstance.ephemeral()
+
+    def run(data_dir, hour):
+        job = build_definitions(pools, data_dir).resolve_job_def("pool_hour_job")
+        started = time.perf_counter()
+        result = job.execute_in_process(
+            partition_key=partition_key(hour, pools.pools[0].name), instance=instance, raise_on_error=False,
+            run_config={"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}},
+        )
+        errors = [e.event_specific_data.error.message for e in result.get_step_failure_events()
+                  if e.event_specific_data.error.cls_name != "DagsterAssetCheckFailedError"]
+        return time.perf_counter() - started, errors
+
+    # An hour without steps first: what any hour costs (kernel build, JIT, run set-up).
+    # First an hour of an empty data directory: what any hour costs (kernel build, JIT, run set-up).
+    fixed_s, errors = run(data.parent / "empty", datetime(2026, 11, 30, tzinfo=timezone.utc)) if measure_fixed else (0.0, [])
+    wall_s, more_errors = run(data, datetime(2026, 11, 30, tzinfo=timezone.utc))
+    errors += more_errors
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"fixed_s": fixed_s, "wall_s": wall_s, "peak_kib": peak_kib, "errors": errors}))
+    """
+)
+
+
+def busy_pool(replicas: int) -> PoolsFile:
+    """The default chat pool (Llama 3.1 8B on H100, TP1) with `replicas` busy replicas."""
+    pools = load_pools()
+    chat = pools.pool("chat-8b")
+    template = chat.replicas[0]
+    replica_list = [
+        template.model_copy(update={"id": f"chat-8b-r{i}", "hostname": f"gpu-node-{i // 8 + 1:02d}",
+                                    "gpu_uuids": [f"GPU-5f1c2a10-0000-4000-8000-{i + 1:012d}"]})
+        for i in range(replicas)
+    ]
+    scale = TRAFFIC_SCALE * replicas / REPLICAS
+    tenants = [
+        tenant.model_copy(update={"features": [f.model_copy(update={"requests_per_s": f.requests_per_s * scale})
+                                               for f in tenant.features]})
+        for tenant in chat.workload.tenants
+    ]
+    chat = chat.model_copy(update={"replicas": replica_list,
+                                   "workload": chat.workload.model_copy(update={"tenants": tenants})})
+    return pools.model_copy(update={"pools": [chat]})
+
+
+def figures(quick: bool) -> list[Figure]:
+    from pipeline.simulator import simulate
+
+    # QUICK keeps enough work that the fixed cost (imports, kernel build) does not dominate.
+    replicas, minutes = (4, 10) if quick else (REPLICAS, 60)
+    scale = (REPLICAS / replicas) * (60 / minutes)
+    with tempfile.TemporaryDirectory(prefix="bench-pool-hour-") as tmp:
+        data = Path(tmp) / "run"
+        simulate(data, busy_pool(replicas), hours=minutes / 60, seed=11)
+        out = subprocess.run(
+            [sys.executable, "-c", _TIMED, str(data), "fixed" if quick else "cold"],
+            capture_output=True, text=True, check=True,
+        )
+    measured = json.loads(out.stdout.strip().splitlines()[-1])
+    if measured["errors"]:
+        raise RuntimeError(f"the pool-hour failed: {measured['errors'][0]}")
+    return [
+        # QUICK: the per-hour fixed cost once, the data-dependent rest scaled to the full pool-hour.
+        Figure("pool_hour_s", measured["fixed_s"] + measured["wall_s"] * scale, "s", 120.0, "max"),
+        Figure("pool_hour_peak_gib", measured["peak_kib"] / (1 << 20), "GiB", 4.0, "max"),
+    ]

@@ -1,0 +1,106 @@
+"""`stepledger costs`: the finance views as tables (or JSON), without writing SQL."""
+
+from __future__ import annotations
+
+import json
+from decimal import Decimal
+from pathlib import Path
+
+import click
+
+from pipeline.warehouse import WarehouseError, connect_read_only
+
+_COLUMNS = "amount_nano, amount_usd, requests, tokens, usd_per_request, usd_per_1k_tokens"
+QUERIES = {
+    "tenant": f"SELECT tenant, {_COLUMNS} FROM tenant_costs ORDER BY amount_nano DESC, tenant",
+    "feature": f"SELECT tenant, feature, {_COLUMNS} FROM feature_costs ORDER BY amount_nano DESC, tenant, feature",
+    "day": f"SELECT day, tenant, {_COLUMNS} FROM tenant_costs_daily ORDER BY day, amount_nano DESC, tenant",
+}
+HELD_BACK = "SELECT hour, pool, amount_nano, reason FROM held_back_hours ORDER BY hour, pool"
+
+
+def cost_report(warehouse: Path, by: str) -> dict[str, list[dict]]:
+    """The rows of one finance breakdown and the hours held back, as plain dicts."""
+    with connect_read_only(warehouse) as con:
+        report = {}
+        for name, sql in (("costs", QUERIES[by]), ("held_back", HELD_BACK)):
+            cursor = con.execute(sql)
+            columns = [d[0] for d in cursor.description]
+            report[name] = [dict(zip(columns, row, strict=True)) for row in cursor.fetchall()]
+    return report
+
+
+def _plain(value: object) -> object:
+    if isinstance(value, Decimal):
+        return str(value)
+    if hasattr(value, "isoformat"):
+        return value.isoformat()
+    return value
+
+
+def _cell(column: str, value: object) -> str:
+    if value is None:
+        return "-"
+    if column == "amount_usd":
+        return f"{value:,.2f}"
+    if column.startswith("usd_per"):
+        return f"{value:.6f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(_plain(value))
+
+
+# Column headings of the printed table; amount_nano is left to --json and SQL (it would not fit).
+HEADINGS = {
+    "day": "day", "tenant": "tenant", "feature": "feature", "amount_usd": "USD", "requests": "requests",
+    "tokens": "tokens", "usd_per_request": "USD/request", "usd_per_1k_tokens": "USD/1k tokens",
+}
+
+
+def print_report(report: dict[str, list[dict]], title: str) -> None:
+    from rich.console import Console
+    from rich.measure import Measurement
+    from rich.table import Table
+
+    console = Console()
+    if not report["costs"]:
+        console.print("[yellow]no published hours yet[/yellow]")
+    else:
+        columns = [c for c in report["costs"][0] if c in HEADINGS]
+        table = Table(title=title)
+        for column in columns:
+            name_column = column in ("tenant", "feature", "day")
+            table.add_column(HEADINGS[column], justify="left" if name_column else "right", no_wrap=True)
+        for row in report["costs"]:
+            table.add_row(*(_cell(c, row[c]) for c in columns))
+        # Never cut a name or a number: print wider than the terminal rather than wrap.
+        wide = Console(width=1 << 12)
+        needed = Measurement.get(wide, wide.options, table).maximum
+        Console(width=max(console.width, needed)).print(table)
+    if report["held_back"]:
+        held = Table(title="held back from the finance views")
+        for column in ("hour", "pool", "amount_nano", "reason"):
+            held.add_column(column)
+        for row in report["held_back"]:
+            held.add_row(*(_cell(c, row[c]) for c in ("hour", "pool", "amount_nano", "reason")))
+        console.print(held)
+
+
+@click.command("costs")
+@click.option("--data", "data_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("demo-run"),
+              show_default=True, help="data directory whose warehouse.duckdb to read")
+@click.option("--warehouse", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="the DuckDB file (default: DATA/warehouse.duckdb)")
+@click.option("--by", type=click.Choice(sorted(QUERIES)), default="tenant", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
+def costs_command(data_dir: Path, warehouse: Path | None, by: str, as_json: bool) -> None:
+    """What each tenant, feature or day cost, over the published (reconciled) hours."""
+    try:
+        report = cost_report(warehouse or data_dir / "warehouse.duckdb", by)
+    except WarehouseError as err:
+        raise click.ClickException(str(err)) from err
+    if as_json:
+        plain = {k: [{c: _plain(v) for c, v in row.items()} for row in rows] for k, rows in report.items()}
+        click.echo(json.dumps(plain, indent=2))
+    else:
+        print_report(report, f"costs by {by}")

@@ -1,0 +1,125 @@
+"""`stepledger run`: every pool-hour of a data directory through the Dagster definitions."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import click
+
+from pipeline.warehouse import hour_key, parse_hour_key
+
+# Dagster's console logger prints every step event; the CLI shows a progress bar instead.
+QUIET_RUN_CONFIG = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
+
+
+@dataclass(frozen=True)
+class PoolHourRun:
+    hour: datetime
+    pool: str
+    success: bool
+    failed_checks: list[str]   # "name: detail" of every failed check
+    error: str | None          # the first step failure, when a step raised
+
+
+def hours_in_data(data_dir: Path) -> list[datetime]:
+    """The hours the gateway logged requests for (one file per hour)."""
+    return sorted(parse_hour_key(p.stem) for p in (data_dir / "gateway").glob("*.jsonl"))
+
+
+def run_pool_hours(
+    data_dir: Path,
+    hours: list[datetime],
+    *,
+    warehouse: Path | None = None,
+    on_done: Callable[[PoolHourRun], None] | None = None,
+) -> list[PoolHourRun]:
+    """Materialize every (hour, pool) in order, in-process, on one ephemeral Dagster instance."""
+    import dagster as dg
+
+    from assets.definitions import build_definitions
+    from assets.partitions import partition_key
+    from assets.resources import pools_file
+    from schemas.config import load_pools
+
+    warnings.filterwarnings("ignore", module="dagster")
+    pools = load_pools(pools_file(data_dir))
+    defs = build_definitions(pools, data_dir.resolve(), warehouse.resolve() if warehouse else None)
+    job = defs.resolve_job_def("pool_hour_job")
+    runs = []
+    with dg.DagsterInstance.ephemeral() as instance:
+        for hour in hours:
+            for pool in pools.pools:
+                result = job.execute_in_process(
+                    partition_key=partition_key(hour, pool.name), instance=instance,
+                    run_config=QUIET_RUN_CONFIG, raise_on_error=False,
+                )
+                # A failed blocking check also fails its step; only other failures are errors.
+                failures = [
+                    e for e in result.get_step_failure_events()
+                    if e.event_specific_data.error.cls_name != "DagsterAssetCheckFailedError"
+                ]
+                run = PoolHourRun(
+                    hour=hour,
+                    pool=pool.name,
+                    success=result.success,
+                    failed_checks=[
+                        f"{e.check_name}: {e.metadata['detail'].value}"
+                        for e in result.get_asset_check_evaluations()
+                        if not e.passed
+                    ],
+                    error=failures[0].event_specific_data.error.message.strip() if failures else None,
+                )
+                runs.append(run)
+                if on_done:
+                    on_done(run)
+    return runs
+
+
+def run_with_progress(data_dir: Path, hours: list[datetime], warehouse: Path | None = None) -> list[PoolHourRun]:
+    """run_pool_hours with a rich progress bar and one line per finished pool-hour."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from assets.resources import pools_file
+    from schemas.config import load_pools
+
+    console = Console()
+    total = len(hours) * len(load_pools(pools_file(data_dir)).pools)
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("ledger", total=total)
+
+        def done(run: PoolHourRun) -> None:
+            status = "[green]published[/green]" if run.success and not run.error else "[red]held back[/red]"
+            if run.error:
+                status = f"[red]failed[/red]: {run.error.splitlines()[0]}"
+            console.print(f"{hour_key(run.hour)} {run.pool}: {status}")
+            for finding in run.failed_checks:
+                shown = finding if len(finding) <= 150 else finding[:149] + "…"
+                console.print(f"    [yellow]check failed[/yellow] {shown}", overflow="ellipsis", no_wrap=True)
+            progress.advance(task)
+
+        return run_pool_hours(data_dir, hours, warehouse=warehouse, on_done=done)
+
+
+@click.command("run")
+@click.option("--data", "data_dir", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="directory with outbox/, gateway/, dcgm/ and pools.yaml (as `stepledger simulate` writes)")
+@click.option("--hour", "hour_keys", multiple=True, metavar="YYYY-MM-DDTHH",
+              help="an hour to (re)run; repeatable (default: every hour with a gateway file)")
+@click.option("--warehouse", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="the DuckDB file (default: DATA/warehouse.duckdb)")
+def run_command(data_dir: Path, hour_keys: tuple[str, ...], warehouse: Path | None) -> None:
+    """Ingest, attribute, publish and reconcile every pool-hour of DATA."""
+    try:
+        hours = sorted({parse_hour_key(k) for k in hour_keys}) if hour_keys else hours_in_data(data_dir)
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--hour") from err
+    if not hours:
+        raise click.ClickException(f"{data_dir / 'gateway'}: no hourly gateway files, so no hours to run")
+    runs = run_with_progress(data_dir, hours, warehouse)
+    if any(r.error for r in runs):
+        raise click.ClickException("some pool-hours failed; see above")

@@ -1,0 +1,164 @@
+"""Gateway request context (tenant, feature, API key) into the warehouse `request_context` table.
+
+The gateway writes one JSON object per request per line into `gateway/<YYYY-MM-DDTHH>.jsonl`.
+API keys never reach the warehouse: each is replaced by a keyed hash (HMAC-SHA256 under the
+salt in `STEPLEDGER_KEY_SALT`), which identifies a key across hours without revealing it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Literal
+
+import duckdb
+import polars as pl
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError
+
+from pipeline.warehouse import hour_key, insert_frame, query_frame, transaction, utc_hour
+
+KEY_SALT_ENV = "STEPLEDGER_KEY_SALT"
+# Used when STEPLEDGER_KEY_SALT is unset, so the demo runs out of the box. Anyone who knows it
+# can test guessed keys against api_key_id: production must set its own secret salt.
+DEMO_KEY_SALT = "stepledger-demo-key-salt"
+
+
+class ContextError(ValueError):
+    """A gateway file is unreadable or malformed; the message names file, line and field."""
+
+
+class _GatewayLine(BaseModel):
+    # Unknown fields are ignored: the gateway may log more than stepledger needs.
+    model_config = ConfigDict(extra="ignore", strict=False)
+
+    request_id: str = Field(min_length=1)
+    tenant: str = Field(min_length=1)
+    feature: str = Field(min_length=1)
+    api_key: str = Field(min_length=1)
+    retry_of: str | None = None
+    retry_cause: Literal["client_timeout", "platform_timeout"] | None = None
+    received_at: AwareDatetime
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    loaded: list[Path]      # files (re)loaded into request_context
+    unchanged: list[Path]   # files already loaded with identical content
+    requests: int           # rows written by this call
+
+
+def key_salt() -> bytes:
+    return os.environ.get(KEY_SALT_ENV, DEMO_KEY_SALT).encode()
+
+
+def api_key_id(api_key: str, salt: bytes) -> str:
+    """The stored identity of an API key: 'key-' + the first 128 bits of HMAC-SHA256, in hex."""
+    return "key-" + hmac.new(salt, api_key.encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def read_gateway_file(path: Path, salt: bytes) -> pl.DataFrame:
+    """Validate a gateway file and return request_context rows (API keys hashed)."""
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ContextError(f"{path}: cannot read gateway file: {err.strerror}") from err
+    except UnicodeDecodeError as err:
+        raise ContextError(f"{path}: not UTF-8 text: {err}") from err
+    columns: dict[str, list] = {name: [] for name in _GatewayLine.model_fields}
+    first_line_of: dict[str, int] = {}
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = _GatewayLine.model_validate_json(line)
+        except ValidationError as err:
+            first = err.errors()[0]
+            field = ".".join(str(p) for p in first["loc"]) or "(line)"
+            raise ContextError(f"{path}:{number}: field {field}: {first['msg']}") from err
+        if record.request_id in first_line_of:
+            raise ContextError(
+                f"{path}:{number}: field request_id: {record.request_id!r} repeats line "
+                f"{first_line_of[record.request_id]}"
+            )
+        first_line_of[record.request_id] = number
+        for name in columns:
+            columns[name].append(getattr(record, name))
+    received = [t.astimezone(timezone.utc).replace(tzinfo=None) for t in columns["received_at"]]
+    hashed = {key: api_key_id(key, salt) for key in set(columns["api_key"])}
+    return pl.DataFrame(
+        {
+            "request_id": columns["request_id"],
+            "tenant": columns["tenant"],
+            "feature": columns["feature"],
+            "api_key_id": [hashed[key] for key in columns["api_key"]],
+            "retry_of": columns["retry_of"],
+            "retry_cause": columns["retry_cause"],
+            "received_at": received,
+            "source_file": [str(path)] * len(received),
+        },
+        schema={
+            "request_id": pl.String, "tenant": pl.String, "feature": pl.String, "api_key_id": pl.String,
+            "retry_of": pl.String, "retry_cause": pl.String, "received_at": pl.Datetime("us"),
+            "source_file": pl.String,
+        },
+    )
+
+
+def gateway_files_for_hour(gateway_dir: Path, hour: datetime) -> list[Path]:
+    """The gateway files that may hold context of requests running in `hour`: that hour's and
+    the previous hour's (a request received at 04:59 still decodes at 05:00)."""
+    hour = utc_hour(hour)
+    names = [f"{hour_key(hour - timedelta(hours=1))}.jsonl", f"{hour_key(hour)}.jsonl"]
+    return [gateway_dir / name for name in names if (gateway_dir / name).is_file()]
+
+
+def load_gateway_files(con: duckdb.DuckDBPyConnection, paths: list[Path], salt: bytes) -> LoadReport:
+    """Load gateway files into request_context, replacing each file's earlier rows exactly.
+
+    A file whose content hash is already recorded is skipped, so loading is idempotent and
+    cheap to repeat for every pool of an hour.
+    """
+    loaded: list[Path] = []
+    unchanged: list[Path] = []
+    written = 0
+    for path in paths:
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        known = con.execute("SELECT sha256 FROM context_files WHERE path = ?", [str(path)]).fetchone()
+        if known is not None and known[0] == digest:
+            unchanged.append(path)
+            continue
+        rows = read_gateway_file(path, salt)
+        with transaction(con):
+            con.execute("DELETE FROM request_context WHERE source_file = ?", [str(path)])
+            incoming_ids = rows.select("request_id").to_arrow()  # noqa: F841 (scanned by name)
+            clash = con.execute(
+                "SELECT c.request_id, c.source_file FROM request_context c JOIN incoming_ids USING (request_id) LIMIT 1"
+            ).fetchone()
+            if clash is not None:
+                raise ContextError(f"{path}: field request_id: {clash[0]!r} was already logged in {clash[1]}")
+            insert_frame(con, "request_context", rows)
+            con.execute(
+                "INSERT OR REPLACE INTO context_files VALUES (?, ?, ?, ?)",
+                [str(path), digest, rows.height, datetime.now(timezone.utc).replace(tzinfo=None)],
+            )
+        loaded.append(path)
+        written += rows.height
+    return LoadReport(loaded=loaded, unchanged=unchanged, requests=written)
+
+
+CONTEXT_COLUMNS = ("request_id", "tenant", "feature", "api_key_id", "retry_of", "retry_cause")
+
+
+def context_for_requests(con: duckdb.DuckDBPyConnection, request_ids: pl.Series) -> pl.DataFrame:
+    """request_context rows of the given requests (requests without context are absent)."""
+    columns = ", ".join(f"c.{name}" for name in CONTEXT_COLUMNS)
+    return query_frame(
+        con,
+        f"SELECT {columns} FROM request_context c JOIN (SELECT unnest(?) AS request_id) USING (request_id) "
+        "ORDER BY c.request_id",
+        [request_ids.unique().to_list()],
+    )

@@ -1,0 +1,263 @@
+"""One pool-hour end to end, as plain functions: the Dagster assets call these, so do the
+benchmark and anyone scripting the pipeline without Dagster.
+
+    load_hour      the hour's steps, slots and holders from the lake (plus steps that started
+                   in the previous hour and ran into this one)
+    charge_hour    request context + attribution -> the hour's charges (saved to the lake
+                   with save_charges)
+    publish_hour   the charges into the warehouse, replacing the hour exactly
+    reconcile_hour the hour's checks, recorded in the warehouse
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import duckdb
+import polars as pl
+
+from pipeline.context import context_for_requests
+from pipeline.ingest import LAKE_TABLES, STEP_KEY, partition_dir
+from pipeline.warehouse import HOUR_TABLES, hour_key, query_frame, record_checks, replace_hour, utc_hour
+from schemas.config import Pool, Settings
+
+@dataclass(frozen=True)
+class HourInput:
+    steps: pl.DataFrame
+    slots: pl.DataFrame
+    holders: pl.DataFrame
+
+
+@dataclass(frozen=True)
+class HourCharges:
+    """What one pool-hour costs, ready for the warehouse tables of the same names."""
+
+    hour: datetime
+    pool: str
+    invoices: pl.DataFrame       # one row
+    ledger_lines: pl.DataFrame
+    request_costs: pl.DataFrame
+
+    @property
+    def amount_nano(self) -> int:
+        return int(self.invoices["amount_nano"][0])
+
+
+def _partition_files(lake: Path, table: str, pool: str, hour: datetime) -> list[Path]:
+    directory = partition_dir(lake, table, pool, hour_key(hour))
+    return sorted(directory.glob("*.parquet")) if directory.is_dir() else []
+
+
+def _replica_of(part: Path) -> str:
+    # pipeline.ingest.part_name: <replica>.<first seq>.<batch>.parquet
+    return part.name.rsplit(".", 3)[0]
+
+
+def _read(files: list[Path], table: str) -> pl.DataFrame:
+    if not files:
+        return pl.from_arrow(LAKE_TABLES[table].empty_table())
+    return pl.read_parquet(files)
+
+
+def _read_partition(lake: Path, table: str, pool: str, hour: datetime, where: pl.Expr | None = None) -> pl.DataFrame:
+    """A lake partition, or the rows of it matching `where` (Parquet row-group statistics let
+    the scan skip the rest, so a few rows of a previous hour cost little)."""
+    files = _partition_files(lake, table, pool, hour)
+    if where is None or not files:
+        return _read(files, table)
+    return pl.scan_parquet(files).filter(where).collect()
+
+
+def load_hour(lake: Path, pool: str, hour: datetime) -> HourInput:
+    """The steps of `pool` that ran during `hour`, with their slots and holders, ordered by
+    replica and sequence number (so attribution need not sort tens of millions of rows)."""
+    hour = utc_hour(hour)
+    previous = hour - timedelta(hours=1)
+    hour_start_ns = int(hour.timestamp()) * 1_000_000_000
+    straddling_keys = _read_partition(lake, "steps", pool, previous, pl.col("end_utc_ns") > hour_start_ns).select(
+        STEP_KEY
+    )
+
+    def ordered(table: str) -> pl.DataFrame:
+        # Per replica: its rows of straddling steps, then its files of this hour. Rows of the
+        # hour's own files all belong to its steps (ingest placed them with their step).
+        earlier = _read([], table)
+        if straddling_keys.height:
+            # Sequence numbers grow within a replica: the scan skips all but the last row groups
+            # of the previous hour, and the join on the step keys makes the selection exact.
+            after = pl.col("seq") >= straddling_keys["seq"].min()
+            earlier = _read_partition(lake, table, pool, previous, after).join(straddling_keys, on=STEP_KEY, how="semi")
+        current = _partition_files(lake, table, pool, hour)
+        replicas = sorted({*earlier["replica"].unique().to_list(), *map(_replica_of, current)})
+        frames = [
+            frame
+            for replica in replicas
+            for frame in (
+                earlier.filter(pl.col("replica") == replica),
+                _read([f for f in current if _replica_of(f) == replica], table),
+            )
+        ]
+        return pl.concat(frames) if frames else _read([], table)
+
+    return HourInput(steps=ordered("steps"), slots=ordered("slots"), holders=ordered("holders"))
+
+
+CALIBRATION_FILE = "calibration.yaml"
+
+
+@functools.cache
+def _kernel_weights(pool_json: str):
+    # Keyed by the pool's JSON (Pool holds lists, so it is not hashable): building a kernel
+    # costs more than attributing a quiet hour.
+    from pipeline.attribution import KernelWeights
+
+    return KernelWeights.for_pool(Pool.model_validate_json(pool_json))
+
+
+def weight_source(con: duckdb.DuckDBPyConnection, pool: Pool, data_dir: Path):
+    """The pool's work weights: the pricing kernel, or (policy `fitted`) the coefficients
+    calibrated for the engine and driver version that logged most of the pool's steps, from
+    `<data_dir>/calibration.yaml`."""
+    if pool.policies.weights == "kernel":
+        return _kernel_weights(pool.model_dump_json())
+    from pipeline.attribution import CalibrationStore, FittedWeights
+
+    logged = con.execute(
+        "SELECT engine_version, driver_version FROM segments WHERE pool = ? "
+        "GROUP BY ALL ORDER BY sum(steps) DESC, engine_version, driver_version LIMIT 1",
+        [pool.name],
+    ).fetchone()
+    if logged is None:
+        raise ValueError(f"pool {pool.name!r}: no segments ingested, so no engine version to calibrate for")
+    store = CalibrationStore.load(data_dir / CALIBRATION_FILE)
+    return FittedWeights(store.require(pool.model, pool.gpu_type, *logged))
+
+
+def charge_hour(
+    con: duckdb.DuckDBPyConnection, lake: Path, pool: Pool, hour: datetime, weights
+) -> HourCharges:
+    """Attribute one pool-hour: the hour's steps, their requests' context, the pool's policies."""
+    from pipeline.attribution import attribute_hour
+
+    hour = utc_hour(hour)
+    data = load_hour(lake, pool.name, hour)
+    context = context_for_requests(
+        con, pl.concat([data.slots["request_id"].unique(), data.holders["request_id"].unique()])
+    )
+    # Every row is of this pool: without the constant column the attribution's joins copy less.
+    slots, holders = data.slots.drop("pool"), data.holders.drop("pool")
+    ledger = attribute_hour(hour, pool, data.steps, slots, holders, context, weights)
+    return charges_from_ledger(hour, pool.name, ledger)
+
+
+def charges_from_ledger(hour: datetime, pool: str, ledger) -> HourCharges:
+    """The attribution's HourLedger as warehouse rows, each stamped with its hour and pool."""
+    stamp = [pl.lit(hour.replace(tzinfo=None)).cast(pl.Datetime("us")).alias("hour"), pl.lit(pool).alias("pool")]
+    invoice = pl.DataFrame([ledger.invoice]).with_columns(stamp)
+    return HourCharges(
+        hour=hour,
+        pool=pool,
+        invoices=invoice,
+        ledger_lines=ledger.ledger_lines.with_columns(stamp),
+        request_costs=ledger.request_costs.with_columns(stamp),
+    )
+
+
+def charges_dir(lake: Path, pool: str, hour: datetime) -> Path:
+    return lake / "charges" / f"pool={pool}" / f"hour={hour_key(hour)}"
+
+
+def save_charges(lake: Path, charges: HourCharges) -> Path:
+    """Write an hour's charges to the lake (replacing an earlier attribution of the hour)."""
+    directory = charges_dir(lake, charges.pool, charges.hour)
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in HOUR_TABLES:
+        partial = directory / f"{name}.parquet.partial"
+        getattr(charges, name).write_parquet(partial)
+        partial.replace(directory / f"{name}.parquet")
+    return directory
+
+
+def load_charges(lake: Path, pool: str, hour: datetime) -> HourCharges:
+    hour = utc_hour(hour)
+    directory = charges_dir(lake, pool, hour)
+    missing = [n for n in HOUR_TABLES if not (directory / f"{n}.parquet").is_file()]
+    if missing:
+        raise FileNotFoundError(f"{directory}: no charges {missing} for pool {pool!r} hour {hour_key(hour)}")
+    frames = {name: pl.read_parquet(directory / f"{name}.parquet") for name in HOUR_TABLES}
+    return HourCharges(hour=hour, pool=pool, **frames)
+
+
+def publish_hour(con: duckdb.DuckDBPyConnection, charges: HourCharges) -> None:
+    """Replace the hour's invoice, ledger lines and request costs in one transaction.
+
+    Lines that do not add up to the invoice are still written: the money check then fails and
+    holds the hour back from the finance views, with the difference in its detail.
+    """
+    replace_hour(con, charges.hour, charges.pool, {name: getattr(charges, name) for name in HOUR_TABLES})
+
+
+# The reconciliation checks run on every pool-hour (pipeline.reconcile says which block).
+CHECKS = ("sequence", "time", "money", "plausibility", "unattributed")
+
+
+def _pool_rows(con: duckdb.DuckDBPyConnection, table: str, pool: Pool) -> pl.DataFrame:
+    """A warehouse table's rows for the pool's replicas (damage by the replica outbox holding the file)."""
+    if table == "damage":
+        return query_frame(
+            con,
+            "SELECT * FROM damage WHERE list_contains(?, regexp_extract(path, '([^/]+)/[^/]*$', 1))",
+            [[r.id for r in pool.replicas]],
+        )
+    return query_frame(con, f"SELECT * FROM {table} WHERE pool = ?", [pool.name])
+
+
+def last_seq_before(lake: Path, pool: str, hour: datetime) -> dict[str, int]:
+    """Each replica's last sequence number in the previous hour's partition."""
+    previous = _read_partition(lake, "steps", pool, utc_hour(hour) - timedelta(hours=1))
+    last = previous.group_by("replica").agg(pl.col("seq").max())
+    return dict(zip(last["replica"].to_list(), last["seq"].to_list(), strict=True))
+
+
+def reconcile_hour(
+    con: duckdb.DuckDBPyConnection, lake: Path, dcgm_dir: Path, pool: Pool, hour: datetime, settings: Settings
+) -> list:
+    """Run the CHECKS on one published pool-hour and record them (with alerts) in the warehouse."""
+    from pipeline import reconcile
+    from pipeline.dcgm import read_dcgm_hour
+
+    hour = utc_hour(hour)
+    steps = load_hour(lake, pool.name, hour).steps
+    at_hour = [hour.replace(tzinfo=None), pool.name]
+    invoices = query_frame(con, "SELECT * FROM invoices WHERE hour = ? AND pool = ?", at_hour)
+    lines = query_frame(con, "SELECT * FROM ledger_lines WHERE hour = ? AND pool = ?", at_hour)
+    results = [
+        *reconcile.check_sequence(
+            hour, pool, steps, _pool_rows(con, "drops", pool), _pool_rows(con, "damage", pool),
+            _pool_rows(con, "segments", pool), last_seq_before=last_seq_before(lake, pool.name, hour),
+        ),
+        *reconcile.check_time(hour, pool, steps, settings),
+        *reconcile.check_money(hour, pool, invoices, lines),
+        *reconcile.check_plausibility(hour, pool, steps, read_dcgm_hour(dcgm_dir, hour), settings),
+        *reconcile.check_unattributed(hour, pool, lines),
+    ]
+    record_checks(con, hour, pool.name, list(CHECKS), results)
+    return results
+
+
+def failed_checks(con: duckdb.DuckDBPyConnection, pool: str, hour: datetime) -> list:
+    """The hour's failed reconciliation results, as pipeline.reconcile.CheckResult."""
+    from pipeline.reconcile import CheckResult
+
+    rows = query_frame(
+        con,
+        "SELECT hour, pool, replica, check_name, passed, expected, observed, detail, severity, blocking, finding "
+        "FROM reconciliation WHERE hour = ? AND pool = ? AND NOT passed ORDER BY check_name, replica",
+        [utc_hour(hour).replace(tzinfo=None), pool],
+    )
+    return [
+        CheckResult(**{**row, "hour": row["hour"].replace(tzinfo=timezone.utc)}) for row in rows.iter_rows(named=True)
+    ]

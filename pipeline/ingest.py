@@ -1,0 +1,188 @@
+"""New step-log segments from the replicas' outboxes into the Parquet lake.
+
+Layout: `<lake>/<table>/pool=<pool>/hour=<YYYY-MM-DDTHH>/<replica>.<seq>.<batch>.parquet` for the tables
+`steps`, `slots` and `holders` (schemas.tables), a step placed in the UTC hour it started in.
+Each segment is ingested once: a file whose bytes were seen before, or that repeats a segment
+id already ingested, is recorded as a duplicate delivery and contributes nothing. What was
+ingested, and the damage and drops the decoder found, are recorded in the warehouse.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import duckdb
+import polars as pl
+import pyarrow as pa
+
+from pipeline.steplog import read_segments
+from pipeline.warehouse import hour_key, insert_frame, transaction
+from schemas.tables import HOLDERS, SLOTS, STEPS
+
+NS_PER_HOUR = 3_600_000_000_000
+LAKE_TABLES = {"steps": STEPS, "slots": SLOTS, "holders": HOLDERS}
+STEP_KEY = ["pool", "replica", "seq"]
+
+
+@dataclass(frozen=True)
+class IngestReport:
+    batch_id: str | None            # the last batch written; None when nothing new arrived
+    ingested_files: list[Path]
+    duplicate_files: list[Path]
+    steps: int
+    damage: int
+    # (pool, hour key) partitions that received steps: the hours to (re)attribute.
+    partitions: set[tuple[str, str]] = field(default_factory=set)
+
+
+def segment_files(outbox: Path, replicas: Iterable[str] | None = None) -> list[Path]:
+    """Every shipped segment (`*.seg`) under `outbox/<replica>/`, in a stable order."""
+    if not outbox.is_dir():
+        return []
+    dirs = [outbox / r for r in replicas] if replicas is not None else [d for d in outbox.iterdir() if d.is_dir()]
+    return sorted(p for d in dirs if d.is_dir() for p in d.glob("*.seg"))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def partition_dir(lake: Path, table: str, pool: str, hour_key: str) -> Path:
+    return lake / table / f"pool={pool}" / f"hour={hour_key}"
+
+
+def part_name(replica: str, part: pl.DataFrame, batch_id: str) -> str:
+    """`<replica>.<first seq>.<batch>.parquet`: sorted by name, a partition's files list each
+    replica's rows in sequence order, the order attribution works in."""
+    return f"{replica}.{part['seq'].min():012d}.{batch_id}.parquet"
+
+
+def _write_atomically(table: pa.Table, target: Path) -> None:
+    import pyarrow.parquet as pq
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".parquet.partial")
+    pq.write_table(table, partial)
+    os.replace(partial, target)
+
+
+def ingest_outbox(
+    con: duckdb.DuckDBPyConnection,
+    outbox: Path,
+    lake: Path,
+    *,
+    replicas: Iterable[str] | None = None,
+) -> IngestReport:
+    """Ingest the segments not seen before, one replica at a time; return what was written.
+
+    Decoding a replica at a time bounds memory to one replica's new segments, and keeps
+    each replica's segments together for the decoder, which bounds a torn segment by the
+    next one. Parquet files are named after the batch (a hash of its files' contents) and
+    written before the warehouse records the batch, so a crash between the two only leaves
+    files that the retried batch overwrites with identical content.
+    """
+    known_paths = {row[0] for row in con.execute("SELECT path FROM segment_files").fetchall()}
+    known_hashes = {
+        row[0] for row in con.execute("SELECT sha256 FROM segment_files WHERE status = 'ingested'").fetchall()
+    }
+    batches: dict[str, tuple[dict[Path, str], dict[Path, str]]] = {}
+    for path in segment_files(outbox, replicas):
+        if str(path) in known_paths:
+            continue
+        digest = _sha256(path)
+        fresh, duplicates = batches.setdefault(path.parent.name, ({}, {}))
+        if digest in known_hashes:
+            duplicates[path] = digest
+        else:
+            fresh[path] = digest
+            known_hashes.add(digest)
+    reports = [_ingest_batch(con, lake, fresh, duplicates) for fresh, duplicates in batches.values()]
+    return IngestReport(
+        batch_id=reports[-1].batch_id if reports else None,
+        ingested_files=[p for r in reports for p in r.ingested_files],
+        duplicate_files=[p for r in reports for p in r.duplicate_files],
+        steps=sum(r.steps for r in reports),
+        damage=sum(r.damage for r in reports),
+        partitions={p for r in reports for p in r.partitions},
+    )
+
+
+def _ingest_batch(
+    con: duckdb.DuckDBPyConnection, lake: Path, fresh: dict[Path, str], duplicates: dict[Path, str]
+) -> IngestReport:
+    """Decode `fresh` files into the lake and record them and `duplicates` in the warehouse."""
+    batch_id = hashlib.sha256("".join(sorted({*fresh.values(), *duplicates.values()})).encode()).hexdigest()[:16]
+    steps = slots = holders = None
+    decoded_segments = damage = drops = None
+    if fresh:
+        decoded = read_segments(list(fresh))
+        steps, slots, holders = (pl.from_arrow(t) for t in (decoded.steps, decoded.slots, decoded.holders))
+        decoded_segments = pl.from_arrow(decoded.segments)
+        damage = pl.from_arrow(decoded.damage)
+        drops = pl.from_arrow(decoded.drops)
+        # A segment id already ingested (a re-delivery with different bytes) is a duplicate.
+        known_ids = {row[0] for row in con.execute("SELECT segment_id FROM segments").fetchall()}
+        repeated = decoded_segments.filter(pl.col("segment_id").is_in(list(known_ids)))
+        if repeated.height:
+            for path in repeated["path"].to_list():
+                duplicates[Path(path)] = fresh.pop(Path(path))
+            decoded_segments = decoded_segments.filter(~pl.col("segment_id").is_in(list(known_ids)))
+            steps = steps.filter(~pl.col("segment_id").is_in(list(known_ids)))
+            kept = steps.select(STEP_KEY)
+            slots = slots.join(kept, on=STEP_KEY, how="semi")
+            holders = holders.join(kept, on=STEP_KEY, how="semi")
+
+    partitions: set[tuple[str, str]] = set()
+    if steps is not None and steps.height:
+        # The hour as an integer (hours since the epoch): a slot row carries 8 bytes, not a string.
+        hours = steps.select(*STEP_KEY, (pl.col("start_utc_ns") // NS_PER_HOUR).alias("_hour"))
+        for name, frame in (("steps", steps), ("slots", slots), ("holders", holders)):
+            placed = frame.join(hours, on=STEP_KEY, how="left")
+            for (pool, replica, hour_index), part in placed.group_by(["pool", "replica", "_hour"], maintain_order=True):
+                key = hour_key(datetime.fromtimestamp(hour_index * 3600, tz=timezone.utc))
+                table = part.drop("_hour").to_arrow().cast(LAKE_TABLES[name])
+                _write_atomically(table, partition_dir(lake, name, pool, key) / part_name(replica, part, batch_id))
+                partitions.add((pool, key))
+            del placed
+
+    now = datetime.now(timezone.utc).replace(tzinfo=None)
+    file_rows = pl.DataFrame(
+        {
+            "path": [str(p) for p in (*fresh, *duplicates)],
+            "sha256": [*fresh.values(), *duplicates.values()],
+            "bytes": [p.stat().st_size for p in (*fresh, *duplicates)],
+            "status": ["ingested"] * len(fresh) + ["duplicate"] * len(duplicates),
+            "batch_id": batch_id,
+            "ingested_at": now,
+        },
+        schema_overrides={"bytes": pl.Int64, "ingested_at": pl.Datetime("us")},
+    )
+    with transaction(con):
+        insert_frame(con, "segment_files", file_rows)
+        if decoded_segments is not None and decoded_segments.height:
+            hashes = pl.DataFrame({"path": [str(p) for p in fresh], "sha256": list(fresh.values())})
+            insert_frame(
+                con,
+                "segments",
+                decoded_segments.join(hashes, on="path", how="left").with_columns(batch_id=pl.lit(batch_id)),
+            )
+        for name, frame in (("damage", damage), ("drops", drops)):
+            if frame is not None and frame.height:
+                insert_frame(con, name, frame.with_columns(batch_id=pl.lit(batch_id)))
+    return IngestReport(
+        batch_id=batch_id,
+        ingested_files=list(fresh),
+        duplicate_files=list(duplicates),
+        steps=0 if steps is None else steps.height,
+        damage=0 if damage is None else damage.height,
+        partitions=partitions,
+    )

@@ -1,0 +1,150 @@
+-- Finance views over the ledger. They show only published hours: hours reconciled with no
+-- failed blocking check. `held_back_hours` lists every other invoiced hour and why.
+
+-- Sequence ranges missing between consecutive ingested segments of a replica.
+CREATE OR REPLACE VIEW sequence_gaps AS
+SELECT pool, replica, first_missing_seq, last_missing_seq,
+       last_missing_seq - first_missing_seq + 1 AS missing_steps
+FROM (
+    SELECT pool, replica,
+           max(last_seq) OVER (PARTITION BY pool, replica ORDER BY first_seq
+                               ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) + 1 AS first_missing_seq,
+           first_seq - 1 AS last_missing_seq
+    FROM segments
+)
+WHERE first_missing_seq IS NOT NULL AND last_missing_seq >= first_missing_seq;
+
+CREATE OR REPLACE VIEW published_hours AS
+SELECT i.hour, i.pool
+FROM invoices i
+WHERE EXISTS (SELECT 1 FROM reconciliation r WHERE r.hour = i.hour AND r.pool = i.pool)
+  AND NOT EXISTS (SELECT 1 FROM reconciliation r
+                  WHERE r.hour = i.hour AND r.pool = i.pool AND r.blocking AND NOT r.passed);
+
+CREATE OR REPLACE VIEW held_back_hours AS
+SELECT i.hour, i.pool, i.amount_nano,
+       CASE WHEN count(r.check_name) = 0 THEN 'not reconciled yet'
+            ELSE 'failed blocking checks: ' || string_agg(DISTINCT r.check_name, ', ' ORDER BY r.check_name)
+       END AS reason
+FROM invoices i
+LEFT JOIN reconciliation r
+       ON r.hour = i.hour AND r.pool = i.pool
+LEFT JOIN published_hours p ON p.hour = i.hour AND p.pool = i.pool
+WHERE p.hour IS NULL
+  AND (r.check_name IS NULL OR (r.blocking AND NOT r.passed))
+GROUP BY i.hour, i.pool, i.amount_nano;
+
+CREATE OR REPLACE VIEW published_ledger_lines AS
+SELECT l.*
+FROM ledger_lines l
+JOIN published_hours p ON p.hour = l.hour AND p.pool = l.pool;
+
+-- Exact dollars from nano-dollars (DECIMAL(38, 9)), and the unit costs derived from totals.
+CREATE OR REPLACE MACRO nano_to_usd(nano) AS CAST(nano AS DECIMAL(38, 0)) * 0.000000001;
+CREATE OR REPLACE MACRO usd_per(nano, units) AS nano_to_usd(nano) / nullif(units, 0);
+
+-- Totals per tenant (and feature), computed once for every breakdown the views offer.
+-- `tokens` are the tokens the GPUs computed (new_tokens); prefix-cache hits are reported
+-- apart as cached_tokens. Unit costs divide the totals.
+CREATE OR REPLACE VIEW cost_rollup AS
+SELECT hour, pool, day, tenant, feature,
+       GROUPING(hour, pool, day, tenant, feature) AS breakdown,
+       CAST(sum(amount_nano) AS BIGINT) AS amount_nano,
+       nano_to_usd(sum(amount_nano)) AS amount_usd,
+       CAST(sum(requests) AS BIGINT) AS requests,
+       CAST(sum(new_tokens) AS BIGINT) AS tokens,
+       CAST(sum(cached_tokens) AS BIGINT) AS cached_tokens,
+       usd_per(sum(amount_nano), sum(requests)) AS usd_per_request,
+       usd_per(sum(amount_nano) * 1000, sum(new_tokens)) AS usd_per_1k_tokens
+FROM (SELECT *, CAST(date_trunc('day', hour) AS DATE) AS day FROM published_ledger_lines)
+GROUP BY GROUPING SETS ((hour, pool, tenant), (day, tenant), (day, tenant, feature), (tenant), (tenant, feature));
+
+-- GROUPING() sets one bit per column left out, hour being the highest of the five.
+CREATE OR REPLACE VIEW tenant_costs_hourly AS
+SELECT * EXCLUDE (day, feature, breakdown)
+FROM cost_rollup WHERE breakdown = 5;   -- 0b00101: day and feature left out
+
+CREATE OR REPLACE VIEW tenant_costs_daily AS
+SELECT * EXCLUDE (hour, pool, feature, breakdown)
+FROM cost_rollup WHERE breakdown = 25;  -- 0b11001
+
+CREATE OR REPLACE VIEW feature_costs_daily AS
+SELECT * EXCLUDE (hour, pool, breakdown)
+FROM cost_rollup WHERE breakdown = 24;  -- 0b11000
+
+CREATE OR REPLACE VIEW tenant_costs AS
+SELECT * EXCLUDE (hour, pool, day, feature, breakdown)
+FROM cost_rollup WHERE breakdown = 29;  -- 0b11101: over all published hours
+
+CREATE OR REPLACE VIEW feature_costs AS
+SELECT * EXCLUDE (hour, pool, day, breakdown)
+FROM cost_rollup WHERE breakdown = 28;  -- 0b11100
+
+CREATE OR REPLACE VIEW cost_per_request AS
+SELECT c.hour, c.pool, c.request_id, c.tenant, c.feature, c.api_key_id,
+       c.amount_nano, nano_to_usd(c.amount_nano) AS amount_usd,
+       c.compute_nano, c.kv_nano, c.steps,
+       c.prompt_tokens, c.output_tokens, c.new_tokens, c.cached_tokens,
+       usd_per(c.amount_nano * 1000, c.new_tokens) AS usd_per_1k_tokens
+FROM request_costs c
+JOIN published_hours p ON p.hour = c.hour AND p.pool = c.pool;
+
+-- The ledger as a FOCUS 1.2 cost and usage dataset: all mandatory columns, the conditional
+-- ones that apply to an internal chargeback (sub account = feature, resource = pool, consumed
+-- quantity = tokens), and stepledger's own columns with the x_ prefix. Nothing is discounted,
+-- so BilledCost = EffectiveCost = ListCost = ContractedCost.
+CREATE OR REPLACE VIEW focus_costs AS
+SELECT
+    nano_to_usd(amount_nano)                                            AS BilledCost,
+    tenant                                                              AS BillingAccountId,
+    tenant                                                              AS BillingAccountName,
+    'Tenant'                                                            AS BillingAccountType,
+    'USD'                                                               AS BillingCurrency,
+    date_trunc('month', hour) + INTERVAL 1 MONTH                        AS BillingPeriodEnd,
+    date_trunc('month', hour)                                           AS BillingPeriodStart,
+    CASE WHEN line_kind = 'cache_credit' THEN 'Credit' ELSE 'Usage' END AS ChargeCategory,
+    CAST(NULL AS VARCHAR)                                               AS ChargeClass,
+    CASE line_kind
+        WHEN 'usage'          THEN 'GPU inference on pool ' || pool || ', measured engine steps'
+        WHEN 'idle'           THEN 'Idle GPU time on pool ' || pool || ', spread by usage'
+        WHEN 'headroom'       THEN 'Headroom GPU time on pool ' || pool || ' beyond target utilization'
+        WHEN 'unattributed'   THEN 'GPU inference on pool ' || pool || ' by requests without tenant context'
+        WHEN 'platform_retry' THEN 'GPU inference on pool ' || pool || ' retried after a platform timeout'
+        WHEN 'cache_credit'   THEN 'Prefix-cache read credit on pool ' || pool
+    END                                                                 AS ChargeDescription,
+    'Usage-Based'                                                       AS ChargeFrequency,
+    hour + INTERVAL 1 HOUR                                              AS ChargePeriodEnd,
+    hour                                                                AS ChargePeriodStart,
+    CASE WHEN line_kind = 'cache_credit' THEN NULL ELSE CAST(new_tokens AS DECIMAL(38, 0)) END
+                                                                        AS ConsumedQuantity,
+    CASE WHEN line_kind = 'cache_credit' THEN NULL ELSE 'Tokens' END    AS ConsumedUnit,
+    nano_to_usd(amount_nano)                                            AS ContractedCost,
+    nano_to_usd(amount_nano)                                            AS EffectiveCost,
+    'stepledger'                                                        AS InvoiceIssuerName,
+    tenant || '-' || strftime(hour, '%Y-%m')                            AS InvoiceId,
+    nano_to_usd(amount_nano)                                            AS ListCost,
+    CASE WHEN line_kind = 'cache_credit' THEN NULL ELSE 'Standard' END  AS PricingCategory,
+    CASE WHEN line_kind = 'cache_credit' THEN NULL ELSE CAST(new_tokens AS DECIMAL(38, 0)) END
+                                                                        AS PricingQuantity,
+    CASE WHEN line_kind = 'cache_credit' THEN NULL ELSE 'Tokens' END    AS PricingUnit,
+    'stepledger'                                                        AS ProviderName,
+    'stepledger'                                                        AS PublisherName,
+    pool                                                                AS ResourceId,
+    pool                                                                AS ResourceName,
+    'GPU inference pool'                                                AS ResourceType,
+    'AI and Machine Learning'                                           AS ServiceCategory,
+    'Generative AI'                                                     AS ServiceSubcategory,
+    'LLM inference'                                                     AS ServiceName,
+    tenant || '/' || feature                                            AS SubAccountId,
+    feature                                                             AS SubAccountName,
+    'Feature'                                                           AS SubAccountType,
+    json_object('stepledger/line_kind', line_kind, 'stepledger/feature', feature,
+                'stepledger/policy_version', policy_version,
+                'stepledger/weights_version', weights_version)          AS Tags,
+    line_kind                                                           AS x_LineKind,
+    amount_nano                                                         AS x_AmountNano,
+    requests                                                            AS x_Requests,
+    cached_tokens                                                       AS x_CachedTokens,
+    policy_version                                                      AS x_PolicyVersion,
+    weights_version                                                     AS x_WeightsVersion
+FROM published_ledger_lines;

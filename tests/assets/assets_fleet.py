@@ -1,0 +1,14 @@
+"""A small simulated fleet for the Dagster tests."""
+
+from __future__ import annotations
+
+from schemas.config import PoolsFile, load_pools
+
+HOURS = 0.05  # three simulated minutes: enough traffic for every kind of ledger line
+
+
+def small_pools() -> PoolsFile:
+    """The default pools cut to two chat replicas, so a simulated hour takes seconds."""
+    pools = load_pools()
+    chat = pools.pool("chat-8b")
+    return pools.model_copy(update={"pools": [chat.model_copy(update={"replicas": chat.replicas[:2]})]})

@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from assets_fleet import small_pools
+from click.testing import CliRunner
+
+from pipeline.cli import main
+from pipeline.cli.demo import DEMO_MARKER, prepare_out_dir
+
+
+def test_run_then_costs_without_sql(simulated: Path, tmp_path: Path) -> None:
+    data = tmp_path / "run"
+    shutil.copytree(simulated, data)
+    runner = CliRunner()
+    ran = runner.invoke(main, ["run", "--data", str(data), "--hour", "2026-11-30T00"])
+    assert ran.exit_code == 0, ran.output
+    assert "2026-11-30T00 chat-8b: published" in ran.output
+    report = json.loads(runner.invoke(main, ["costs", "--data", str(data), "--by", "feature", "--json"]).output)
+    assert sum(row["amount_nano"] for row in report["costs"]) == 2 * small_pools().pool("chat-8b").nano_per_gpu_hour
+    assert report["held_back"] == []
+    daily = json.loads(runner.invoke(main, ["costs", "--data", str(data), "--by", "day", "--json"]).output)
+    assert {row["day"] for row in daily["costs"]} == {"2026-11-30"}
+    table = runner.invoke(main, ["costs", "--data", str(data)])
+    assert table.exit_code == 0 and "costs by tenant" in table.output
+
+
+def test_run_rejects_a_malformed_hour(simulated: Path) -> None:
+    result = CliRunner().invoke(main, ["run", "--data", str(simulated), "--hour", "2026-11-30 00"])
+    assert result.exit_code == 2 and "YYYY-MM-DDTHH" in result.output
+
+
+def test_costs_without_a_warehouse_says_so(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["costs", "--data", str(tmp_path)])
+    assert result.exit_code == 1 and "no warehouse file" in result.output
+
+
+def test_demo_replaces_only_an_earlier_demo(tmp_path: Path) -> None:
+    earlier = tmp_path / "demo"
+    prepare_out_dir(earlier)
+    (earlier / "warehouse.duckdb").write_text("old")
+    prepare_out_dir(earlier)
+    assert sorted(p.name for p in earlier.iterdir()) == [DEMO_MARKER]
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "data.txt").write_text("keep")
+    with pytest.raises(Exception, match="is not an earlier demo run"):
+        prepare_out_dir(precious)
+    assert (precious / "data.txt").read_text() == "keep"

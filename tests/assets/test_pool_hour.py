@@ -1,0 +1,95 @@
+from __future__ import annotations
+
+import shutil
+from datetime import datetime, timezone
+from pathlib import Path
+
+import dagster as dg
+import duckdb
+import pytest
+from assets_fleet import small_pools
+
+from assets.definitions import build_definitions
+from assets.partitions import partition_key
+from assets.resources import StepledgerData
+from pipeline.ingest import segment_files
+
+HOUR = datetime(2026, 11, 30, 0, tzinfo=timezone.utc)
+QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
+
+
+def run_hour(data: Path, instance: dg.DagsterInstance) -> dg.ExecuteInProcessResult:
+    defs = build_definitions(small_pools(), data)
+    return defs.resolve_job_def("pool_hour_job").execute_in_process(
+        partition_key=partition_key(HOUR, "chat-8b"), instance=instance, run_config=QUIET, raise_on_error=False
+    )
+
+
+def snapshot(warehouse: Path) -> dict[str, list[tuple]]:
+    with duckdb.connect(str(warehouse), read_only=True) as con:
+        return {
+            table: con.execute(f"SELECT * EXCLUDE ({excluded}) FROM {table} ORDER BY ALL").fetchall()
+            for table, excluded in (
+                ("invoices", "gpus"), ("ledger_lines", "weights_version"), ("request_costs", "steps"),
+                ("reconciliation", "checked_at"), ("segments", "batch_id"), ("request_context", "received_at"),
+            )
+        }
+
+
+@pytest.fixture
+def data(simulated: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "run"
+    shutil.copytree(simulated, copy)
+    return copy
+
+
+def test_a_simulated_hour_end_to_end(data: Path) -> None:
+    result = run_hour(data, dg.DagsterInstance.ephemeral())
+    assert result.success
+    checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
+    assert checks["money"] and checks["sequence"] and checks["time"]
+    with duckdb.connect(str(data / "warehouse.duckdb"), read_only=True) as con:
+        invoice = con.execute("SELECT gpus, amount_nano FROM invoices").fetchall()
+        lines_total = con.execute("SELECT sum(amount_nano) FROM ledger_lines").fetchone()[0]
+        kinds = {r[0] for r in con.execute("SELECT DISTINCT line_kind FROM ledger_lines").fetchall()}
+        requests_total = con.execute("SELECT sum(amount_nano) FROM request_costs").fetchone()[0]
+        charged = con.execute(
+            "SELECT sum(amount_nano) FROM ledger_lines WHERE line_kind IN ('usage', 'unattributed', 'platform_retry')"
+        ).fetchone()[0]
+        published = con.execute("SELECT sum(amount_nano) FROM tenant_costs_hourly").fetchone()[0]
+        focus = con.execute("SELECT sum(x_AmountNano), min(ChargePeriodStart) FROM focus_costs").fetchone()
+    # Two one-GPU replicas for the hour, at the pool's GPU-hour price, to the nano-dollar.
+    expected = 2 * small_pools().pool("chat-8b").nano_per_gpu_hour
+    assert invoice == [(2, expected)]
+    assert lines_total == published == focus[0] == expected
+    assert focus[1] == HOUR.replace(tzinfo=None)
+    assert {"usage", "idle"} <= kinds
+    assert 0 < charged == requests_total < expected
+
+
+def test_rerunning_an_hour_and_redelivering_a_segment_change_nothing(data: Path) -> None:
+    instance = dg.DagsterInstance.ephemeral()
+    assert run_hour(data, instance).success
+    before = snapshot(data / "warehouse.duckdb")
+    assert run_hour(data, instance).success
+    assert snapshot(data / "warehouse.duckdb") == before
+    segment = segment_files(data / "outbox", ["chat-8b-r0"])[0]
+    shutil.copy(segment, segment.with_name("redelivered-" + segment.name))
+    assert run_hour(data, instance).success
+    assert snapshot(data / "warehouse.duckdb") == before
+    with duckdb.connect(str(data / "warehouse.duckdb"), read_only=True) as con:
+        assert con.execute("SELECT count(*) FROM segment_files WHERE status = 'duplicate'").fetchone() == (1,)
+
+
+def test_sensor_requests_ingestion_for_new_segments(data: Path) -> None:
+    defs = build_definitions(small_pools(), data)
+    sensor = defs.resolve_sensor_def("new_segments")
+    resources = {"data": StepledgerData(data_dir=str(data))}
+    with dg.build_sensor_context(resources=resources) as context:
+        first = sensor(context)
+    assert [r.run_key.split("|")[0] for r in first.run_requests] == ["chat-8b"]
+    assert [r.partition_key.keys_by_dimension["pool"] for r in first.run_requests] == ["chat-8b"]
+    newest = max(p.stat().st_mtime_ns for p in segment_files(data / "outbox"))
+    assert first.cursor == str(newest)
+    with dg.build_sensor_context(cursor=first.cursor, resources=resources) as context:
+        assert isinstance(sensor(context), dg.SkipReason)

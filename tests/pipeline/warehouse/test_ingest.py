@@ -1,0 +1,120 @@
+from __future__ import annotations
+
+import shutil
+from datetime import timedelta
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from pipeline.hourly import load_hour
+from pipeline.ingest import ingest_outbox, partition_dir, segment_files
+from pipeline.warehouse import connect
+from schemas.config import load_pools
+
+from warehouse_fleet import HOUR, NS, write_replica_log
+
+POOL = load_pools().pool("chat-8b")
+
+
+@pytest.fixture
+def outbox(tmp_path: Path) -> Path:
+    root = tmp_path / "outbox"
+    # r0: 120 steps of 1 s every 30 s from 04:30 -> 60 in hour 04, 60 in hour 05.
+    write_replica_log(root, POOL, "chat-8b-r0", start=HOUR - timedelta(minutes=30), steps=120, step_ns=NS,
+                      gap_ns=29 * NS, requests=["a", "b"])
+    # r1: 10 steps of 2 s every 10 s in hour 05.
+    write_replica_log(root, POOL, "chat-8b-r1", start=HOUR + timedelta(minutes=1), steps=10, step_ns=2 * NS,
+                      gap_ns=8 * NS, requests=["c"])
+    return root
+
+
+def lake_rows(lake: Path, table: str) -> int:
+    files = list((lake / table).rglob("*.parquet"))
+    return pl.read_parquet(files).height if files else 0
+
+
+def test_ingest_partitions_by_pool_and_hour(tmp_path: Path, outbox: Path) -> None:
+    lake = tmp_path / "lake"
+    with connect(tmp_path / "w.duckdb") as con:
+        report = ingest_outbox(con, outbox, lake)
+        assert report.steps == 130 and report.damage == 0
+        assert report.partitions == {("chat-8b", "2026-11-30T04"), ("chat-8b", "2026-11-30T05")}
+        assert con.execute("SELECT count(*), sum(steps) FROM segments").fetchone() == (2, 130)
+        assert con.execute("SELECT count(*) FROM sequence_gaps").fetchone() == (0,)
+    early = pl.read_parquet(list(partition_dir(lake, "steps", "chat-8b", "2026-11-30T04").glob("*.parquet")))
+    assert early.height == 60 and early["replica"].unique().to_list() == ["chat-8b-r0"]
+    assert lake_rows(lake, "slots") == 120 * 2 + 10
+
+
+def test_a_segment_delivered_twice_is_ingested_once(tmp_path: Path, outbox: Path) -> None:
+    lake = tmp_path / "lake"
+    with connect(tmp_path / "w.duckdb") as con:
+        ingest_outbox(con, outbox, lake)
+        before = {p: p.read_bytes() for p in lake.rglob("*.parquet")}
+        original = segment_files(outbox, ["chat-8b-r1"])[0]
+        shutil.copy(original, original.with_name("redelivered.seg"))
+        again = ingest_outbox(con, outbox, lake)
+        assert (again.ingested_files, again.duplicate_files, again.steps) == ([], [original.with_name("redelivered.seg")], 0)
+        assert ingest_outbox(con, outbox, lake).batch_id is None
+        assert con.execute("SELECT status, count(*) FROM segment_files GROUP BY status ORDER BY status").fetchall() == [
+            ("duplicate", 1), ("ingested", 2)]
+        assert con.execute("SELECT sum(steps) FROM segments").fetchone() == (130,)
+    assert {p: p.read_bytes() for p in lake.rglob("*.parquet")} == before
+
+
+def test_duplicates_in_one_batch_are_kept_once(tmp_path: Path, outbox: Path) -> None:
+    original = segment_files(outbox, ["chat-8b-r1"])[0]
+    shutil.copy(original, original.with_name("copy.seg"))
+    with connect(tmp_path / "w.duckdb") as con:
+        report = ingest_outbox(con, outbox, tmp_path / "lake")
+    assert report.steps == 130 and len(report.duplicate_files) == 1
+
+
+def test_torn_segment_damage_is_recorded(tmp_path: Path, outbox: Path) -> None:
+    victim = segment_files(outbox, ["chat-8b-r1"])[0]
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) - 40])
+    with connect(tmp_path / "w.duckdb") as con:
+        report = ingest_outbox(con, outbox, tmp_path / "lake")
+        damage = con.execute("SELECT kind, path FROM damage").fetchall()
+    assert report.damage >= 1
+    assert ("torn_tail", str(victim)) in damage
+
+
+def test_sequence_gaps_between_segments(tmp_path: Path) -> None:
+    outbox = tmp_path / "outbox"
+    first = write_replica_log(outbox, POOL, "chat-8b-r0", start=HOUR, steps=5, step_ns=NS, gap_ns=NS, requests=["a"])
+    with connect(tmp_path / "w.duckdb") as con:
+        ingest_outbox(con, outbox, tmp_path / "lake")
+        # A later segment of the same replica starting at seq 9: 5..8 never arrived.
+        con.execute("UPDATE segments SET first_seq = 9, last_seq = 12, segment_id = 'later' WHERE path = ?", [str(first[0])])
+        con.execute(
+            "INSERT INTO segments SELECT * REPLACE (0 AS first_seq, 4 AS last_seq, 'earlier' AS segment_id) "
+            "FROM segments WHERE segment_id = 'later'"
+        )
+        assert con.execute("SELECT replica, first_missing_seq, last_missing_seq, missing_steps FROM sequence_gaps").fetchall() == [
+            ("chat-8b-r0", 5, 8, 4)]
+
+
+def test_load_hour_includes_steps_running_into_the_hour(tmp_path: Path) -> None:
+    outbox = tmp_path / "outbox"
+    # Steps of 40 s every 60 s from 04:58:30: the one at 04:59:30 runs until 05:00:10.
+    for replica, requests in (("chat-8b-r1", ["c"]), ("chat-8b-r0", ["a", "b"])):
+        write_replica_log(outbox, POOL, replica, start=HOUR - timedelta(seconds=90), steps=4, step_ns=40 * NS,
+                          gap_ns=20 * NS, requests=requests)
+    lake = tmp_path / "lake"
+    with connect(tmp_path / "w.duckdb") as con:
+        ingest_outbox(con, outbox, lake)
+    data = load_hour(lake, "chat-8b", HOUR)
+    # Ordered by replica, then sequence: the straddling step first.
+    assert data.steps.select("replica", "seq").rows() == [
+        ("chat-8b-r0", 1), ("chat-8b-r0", 2), ("chat-8b-r0", 3),
+        ("chat-8b-r1", 1), ("chat-8b-r1", 2), ("chat-8b-r1", 3),
+    ]
+    assert data.slots.select("replica", "seq", "request_id").rows() == [
+        ("chat-8b-r0", 1, "a"), ("chat-8b-r0", 1, "b"), ("chat-8b-r0", 2, "a"), ("chat-8b-r0", 2, "b"),
+        ("chat-8b-r0", 3, "a"), ("chat-8b-r0", 3, "b"),
+        ("chat-8b-r1", 1, "c"), ("chat-8b-r1", 2, "c"), ("chat-8b-r1", 3, "c"),
+    ]
+    assert data.holders.height == 0

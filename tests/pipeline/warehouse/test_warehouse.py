@@ -1,0 +1,170 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+from decimal import Decimal
+from datetime import datetime, timezone
+from pathlib import Path
+
+import duckdb
+import polars as pl
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.warehouse import (
+    WarehouseError,
+    connect,
+    connect_read_only,
+    parse_hour_key,
+    record_checks,
+    replace_hour,
+)
+
+HOUR = datetime(2026, 11, 30, 5, tzinfo=timezone.utc)
+
+
+@dataclass(frozen=True)
+class Check:
+    hour: datetime
+    pool: str
+    replica: str | None
+    check_name: str
+    passed: bool
+    expected: str = "e"
+    observed: str = "o"
+    detail: str = "d"
+    severity: str = "ERROR"
+    blocking: bool = True
+    finding: str = ""
+
+
+def invoice(pool: str, amount: int, hour: datetime = HOUR) -> pl.DataFrame:
+    return pl.DataFrame({"hour": [hour], "pool": [pool], "gpus": [4], "usd_per_gpu_hour": [3.6], "amount_nano": [amount]})
+
+
+def lines(pool: str, rows: list[tuple[str, str, str, int, int, int]], hour: datetime = HOUR) -> pl.DataFrame:
+    tenant, feature, kind, amount, requests, tokens = (list(c) for c in zip(*rows, strict=True))
+    n = len(rows)
+    return pl.DataFrame(
+        {
+            "hour": [hour] * n, "pool": [pool] * n, "tenant": tenant, "feature": feature, "line_kind": kind,
+            "amount_nano": amount, "requests": requests, "new_tokens": tokens, "cached_tokens": [0] * n,
+            "weights_version": ["kernel-1"] * n, "policy_version": ["pol-1"] * n,
+        }
+    )
+
+
+def publish(con: duckdb.DuckDBPyConnection, pool: str, rows, amount: int, *, passed: bool = True, hour=HOUR) -> None:
+    replace_hour(con, hour, pool, {"invoices": invoice(pool, amount, hour), "ledger_lines": lines(pool, rows, hour)})
+    record_checks(con, hour, pool, ["money"], [Check(hour, pool, None, "money", passed)])
+
+
+def test_replace_hour_is_exact_and_leaves_other_hours(tmp_path: Path) -> None:
+    with connect(tmp_path / "w.duckdb") as con:
+        publish(con, "chat", [("acme", "bot", "usage", 900, 3, 30), ("acme", "bot", "idle", 100, 0, 0)], 1000)
+        publish(con, "other", [("globex", "q", "usage", 50, 1, 5)], 50)
+        publish(con, "chat", [("acme", "bot", "usage", 700, 2, 20), ("initech", "qa", "usage", 300, 1, 9)], 1000)
+        rows = con.execute("SELECT pool, tenant, amount_nano FROM ledger_lines ORDER BY pool, tenant").fetchall()
+        assert rows == [("chat", "acme", 700), ("chat", "initech", 300), ("other", "globex", 50)]
+        assert con.execute("SELECT count(*) FROM invoices").fetchone() == (2,)
+
+
+def test_failed_replace_keeps_the_previous_hour(tmp_path: Path) -> None:
+    with connect(tmp_path / "w.duckdb") as con:
+        publish(con, "chat", [("acme", "bot", "usage", 1000, 3, 30)], 1000)
+        bad = lines("chat", [("acme", "bot", "not_a_kind", 1000, 3, 30)])
+        with pytest.raises(duckdb.ConstraintException):
+            replace_hour(con, HOUR, "chat", {"invoices": invoice("chat", 1000), "ledger_lines": bad})
+        assert con.execute("SELECT line_kind, amount_nano FROM ledger_lines").fetchall() == [("usage", 1000)]
+
+
+def test_replace_hour_refuses_rows_of_another_hour(tmp_path: Path) -> None:
+    other = datetime(2026, 11, 30, 6, tzinfo=timezone.utc)
+    with connect(tmp_path / "w.duckdb") as con, pytest.raises(WarehouseError, match="outside hour 2026-11-30T05"):
+        replace_hour(con, HOUR, "chat", {"invoices": invoice("chat", 1, other)})
+
+
+def test_views_show_only_hours_whose_blocking_checks_passed(tmp_path: Path) -> None:
+    with connect(tmp_path / "w.duckdb") as con:
+        publish(con, "chat", [("acme", "bot", "usage", 3_000_000_000, 4, 2000)], 3_000_000_000)
+        publish(con, "other", [("acme", "bot", "usage", 5_000, 1, 10)], 5_000, passed=False)
+        replace_hour(con, HOUR, "unchecked", {"invoices": invoice("unchecked", 7), "ledger_lines": lines("unchecked", [("acme", "x", "usage", 7, 1, 1)])})
+        hourly = con.execute(
+            "SELECT pool, tenant, amount_nano, amount_usd, requests, tokens, usd_per_request, usd_per_1k_tokens "
+            "FROM tenant_costs_hourly"
+        ).fetchall()
+        assert [r[:6] for r in hourly] == [("chat", "acme", 3_000_000_000, pytest.approx(3), 4, 2000)]
+        assert str(hourly[0][3]) == "3.000000000"
+        assert hourly[0][6] == pytest.approx(0.75) and hourly[0][7] == pytest.approx(1.5)
+        held = con.execute("SELECT pool, reason FROM held_back_hours ORDER BY pool").fetchall()
+        assert held == [("other", "failed blocking checks: money"), ("unchecked", "not reconciled yet")]
+        assert con.execute("SELECT sum(BilledCost) FROM focus_costs").fetchone()[0] == 3
+
+
+def test_non_blocking_failure_still_publishes(tmp_path: Path) -> None:
+    with connect(tmp_path / "w.duckdb") as con:
+        publish(con, "chat", [("acme", "bot", "usage", 10, 1, 1)], 10)
+        record_checks(con, HOUR, "chat", ["plausibility"], [Check(HOUR, "chat", "r0", "plausibility", False, blocking=False)])
+        assert con.execute("SELECT count(*) FROM published_hours").fetchone() == (1,)
+
+
+def test_failed_check_alerts_once_per_finding(tmp_path: Path) -> None:
+    failing = [Check(HOUR, "chat", "r1", "sequence", False, detail="missing 10-19", finding="gap")]
+    with connect(tmp_path / "w.duckdb") as con:
+        for _ in range(3):
+            record_checks(con, HOUR, "chat", ["sequence"], failing)
+        assert con.execute("SELECT kind, replica, detail FROM alerts").fetchall() == [("sequence", "r1", "missing 10-19")]
+        assert con.execute("SELECT count(*) FROM reconciliation").fetchone() == (1,)
+
+
+def test_record_checks_refuses_unnamed_checks(tmp_path: Path) -> None:
+    with connect(tmp_path / "w.duckdb") as con, pytest.raises(WarehouseError, match="time"):
+        record_checks(con, HOUR, "chat", ["money"], [Check(HOUR, "chat", None, "time", True)])
+
+
+def test_focus_costs_has_the_mandatory_columns(tmp_path: Path) -> None:
+    mandatory = {
+        "BilledCost", "BillingAccountId", "BillingAccountName", "BillingCurrency", "BillingPeriodEnd",
+        "BillingPeriodStart", "ChargeCategory", "ChargeClass", "ChargeDescription", "ChargePeriodEnd",
+        "ChargePeriodStart", "ContractedCost", "EffectiveCost", "InvoiceIssuerName", "ListCost", "PricingQuantity",
+        "PricingUnit", "ProviderName", "PublisherName", "ServiceCategory", "ServiceName",
+    }
+    with connect(tmp_path / "w.duckdb") as con:
+        publish(con, "chat", [("acme", "bot", "usage", 2_500_000_001, 1, 1), ("acme", "bot", "cache_credit", -1, 0, 0)], 2_500_000_000)
+        frame = con.sql("SELECT * FROM focus_costs ORDER BY x_AmountNano").pl()
+    assert mandatory <= set(frame.columns)
+    assert frame["ChargeCategory"].to_list() == ["Credit", "Usage"]
+    assert frame["BilledCost"].to_list() == [Decimal("-0.000000001"), Decimal("2.500000001")]
+    assert frame["ChargePeriodStart"].to_list() == [HOUR.replace(tzinfo=None)] * 2
+    assert frame["BillingPeriodStart"][0] == datetime(2026, 11, 1)
+
+
+def test_read_only_connection_cannot_write(tmp_path: Path) -> None:
+    with connect(tmp_path / "w.duckdb"):
+        pass
+    with connect_read_only(tmp_path / "w.duckdb") as con, pytest.raises(duckdb.Error):
+        con.execute("DELETE FROM invoices")
+    with pytest.raises(WarehouseError, match="no warehouse file"):
+        with connect_read_only(tmp_path / "missing.duckdb"):
+            pass
+
+
+def test_parse_hour_key() -> None:
+    assert parse_hour_key("2026-11-30T05") == HOUR
+    assert parse_hour_key("2026-11-30-05:00") == HOUR
+    with pytest.raises(ValueError, match="YYYY-MM-DDTHH"):
+        parse_hour_key("2026-11-30 05")
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 10**12), min_size=1, max_size=5), min_size=1, max_size=4))
+def test_replaying_any_sequence_of_runs_leaves_the_last(tmp_path_factory, runs: list[list[int]]) -> None:
+    path = tmp_path_factory.mktemp("w") / "w.duckdb"
+    with connect(path) as con:
+        for amounts in runs:
+            rows = [("t", f"f{i}", "usage", a, 1, 1) for i, a in enumerate(amounts)]
+            publish(con, "chat", rows, sum(amounts))
+        stored = con.execute("SELECT amount_nano FROM ledger_lines ORDER BY feature").fetchall()
+        invoiced = con.execute("SELECT sum(amount_nano) FROM tenant_costs_hourly").fetchone()[0]
+    assert [r[0] for r in stored] == runs[-1]
+    assert invoiced == sum(runs[-1])
