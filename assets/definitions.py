@@ -11,6 +11,7 @@ from pathlib import Path
 import dagster as dg
 
 from assets.alerting import build_failure_pager
+from assets.deadman import build_deadman_sensor
 from assets.jobs import build_jobs
 from assets.partitions import pool_hour_partitions
 from assets.pool_hour import build_pool_hour_assets
@@ -30,7 +31,7 @@ def build_definitions(pools: PoolsFile, data_dir: Path, warehouse: Path | None =
         asset_checks=build_reconciliation_checks(pools),
         jobs=[pool_hour_job, ingest_job],
         schedules=[build_hourly_schedule(pools)],
-        sensors=[build_new_segments_sensor(pools), build_failure_pager(pool_hour_job)],
+        sensors=[build_new_segments_sensor(pools), build_failure_pager(pool_hour_job), build_deadman_sensor(pools)],
         resources=build_resources(data_dir, warehouse),
     )
 

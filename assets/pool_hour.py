@@ -8,6 +8,7 @@ the `duckdb` concurrency pool (limit 1 in dagster_home/dagster.yaml): DuckDB has
 # object, and a postponed (string) annotation fails that check.
 
 import dagster as dg
+import polars as pl
 from dagster_duckdb import DuckDBResource
 
 from assets.partitions import hour_and_pool
@@ -15,11 +16,52 @@ from assets.resources import StepledgerData, open_warehouse
 from pipeline import context as gateway_context
 from pipeline import hourly
 from pipeline.ingest import ingest_outbox
+from pipeline.reconcile import LINE_KINDS
+from pipeline.report.money import usd
 from pipeline.warehouse import hour_key
 from schemas.config import PoolsFile
 
 GROUP = "pool_hour"
 DUCKDB_POOL = "duckdb"
+# Tenants listed in the ledger's metadata table; the warehouse has them all.
+TOP_TENANTS = 10
+
+
+def top_tenants_table(ledger_lines: pl.DataFrame, invoice_nano: int, limit: int = TOP_TENANTS) -> str:
+    """Markdown: the hour's tenants by what they pay (every line kind), largest first."""
+    tenants = (
+        ledger_lines.group_by(pl.col("tenant").fill_null("(no tenant)"))
+        .agg(pl.col("amount_nano").sum(), pl.col("requests").sum(), pl.col("new_tokens").sum(),
+             pl.col("line_kind").unique().sort().str.join(", ").alias("line_kinds"))
+        .sort(["amount_nano", "tenant"], descending=[True, False])
+    )
+    rows = [
+        f"| {tenant} | {usd(amount)} | {f'{amount / invoice_nano:.1%}' if invoice_nano else '-'} | {requests:,} | "
+        f"{new_tokens:,} | {kinds} |"
+        for tenant, amount, requests, new_tokens, kinds in tenants.head(limit).iter_rows()
+    ]
+    more = [f"| and {tenants.height - limit} more | | | | | |"] if tenants.height > limit else []
+    header = ["| tenant | amount | share of invoice | requests | new tokens | line kinds |", "|---|---:|---:|---:|---:|---|"]
+    return "\n".join(header + rows + more)
+
+
+def ledger_metadata(charges: hourly.HourCharges) -> dict[str, object]:
+    """What the hour's published ledger holds: row counts, money totals by line kind (integer
+    nano-dollars, and dollars to read), and the top tenants."""
+    lines = charges.ledger_lines
+    by_kind = dict(lines.group_by("line_kind").agg(pl.col("amount_nano").sum()).iter_rows())
+    ledger_nano = int(lines["amount_nano"].sum())
+    return {
+        "invoice_nano": charges.amount_nano,
+        "invoice_usd": usd(charges.amount_nano),
+        "ledger_nano": ledger_nano,
+        "balanced": ledger_nano == charges.amount_nano,
+        **{f"{kind}_nano": int(by_kind.get(kind, 0)) for kind in LINE_KINDS},
+        "invoice_rows": charges.invoices.height,
+        "ledger_line_rows": lines.height,
+        "request_cost_rows": charges.request_costs.height,
+        "top_tenants": dg.MetadataValue.md(top_tenants_table(lines, charges.amount_nano)),
+    }
 
 
 def build_pool_hour_assets(partitions: dg.PartitionsDefinition, pools: PoolsFile) -> list[dg.AssetsDefinition]:
@@ -78,6 +120,6 @@ def build_pool_hour_assets(partitions: dg.PartitionsDefinition, pools: PoolsFile
         with open_warehouse(warehouse) as con:
             hourly.publish_hour(con, result)
         context.log.info(f"pool {pool_name} hour {hour_key(hour)}: {result.amount_nano} nano-dollars published")
-        return dg.MaterializeResult(metadata={"amount_nano": result.amount_nano})
+        return dg.MaterializeResult(metadata=ledger_metadata(result))
 
     return [step_log, request_context, charges, ledger]

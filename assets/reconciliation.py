@@ -20,6 +20,21 @@ from pipeline import hourly
 from schemas.config import PoolsFile
 
 
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def results_table(results: list) -> str:
+    """One markdown row per result (replica or pool): what was expected, observed, and why."""
+    header = "| scope | status | expected | observed | detail |\n|---|---|---|---|---|\n"
+    rows = [
+        f"| {r.replica or r.pool} | {'passed' if r.passed else r.severity} | {_cell(r.expected)} | "
+        f"{_cell(r.observed)} | {_cell(r.detail)} |"
+        for r in results
+    ]
+    return header + "\n".join(rows) if rows else "no results: the check does not apply to this pool-hour"
+
+
 def build_reconciliation_checks(pools: PoolsFile) -> list[dg.AssetChecksDefinition]:
     specs = [dg.AssetCheckSpec(name, asset="ledger", blocking=True) for name in hourly.CHECKS]
 
@@ -27,7 +42,8 @@ def build_reconciliation_checks(pools: PoolsFile) -> list[dg.AssetChecksDefiniti
     def reconciliation(context: dg.AssetCheckExecutionContext, data: StepledgerData, warehouse: DuckDBResource):
         hour, pool_name = hour_and_pool(context)
         with open_warehouse(warehouse) as con:
-            results = hourly.reconcile_hour(con, data.lake, data.dcgm, pools.pool(pool_name), hour, pools.settings)
+            results = hourly.reconcile_hour(con, data.lake, data.dcgm, pools.pool(pool_name), hour, pools.settings,
+                                            calibration_file=data.calibration_file)
         for name in hourly.CHECKS:
             mine = [r for r in results if r.check_name == name]
             failed = [r for r in mine if not r.passed]
@@ -42,6 +58,7 @@ def build_reconciliation_checks(pools: PoolsFile) -> list[dg.AssetChecksDefiniti
                     "results": len(mine),
                     "failed": len(failed),
                     "detail": "; ".join(f"{r.replica or pool_name}: {r.detail}" for r in (failed or mine)[:10]),
+                    "results_table": dg.MetadataValue.md(results_table(mine)),
                 },
             )
 

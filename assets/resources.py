@@ -13,6 +13,7 @@ import dagster as dg
 import duckdb
 from dagster_duckdb import DuckDBResource
 
+from pipeline.hourly import CALIBRATION_FILE
 from pipeline.warehouse import apply_schema
 from schemas.config import DEFAULT_POOLS_PATH
 
@@ -49,6 +50,10 @@ class StepledgerData(dg.ConfigurableResource):
     @property
     def pools_file(self) -> Path:
         return pools_file(self.root)
+
+    @property
+    def calibration_file(self) -> Path:
+        return self.root / CALIBRATION_FILE
 
 
 def pools_file(data_dir: Path) -> Path:

@@ -125,15 +125,16 @@ def weight_source(con: duckdb.DuckDBPyConnection, pool: Pool, data_dir: Path):
         return _kernel_weights(pool.model_dump_json())
     from pipeline.attribution import CalibrationStore, FittedWeights
 
+    # fetchall, not fetchone: a result left unfinished blocks the connection's next query.
     logged = con.execute(
         "SELECT engine_version, driver_version FROM segments WHERE pool = ? "
         "GROUP BY ALL ORDER BY sum(steps) DESC, engine_version, driver_version LIMIT 1",
         [pool.name],
-    ).fetchone()
-    if logged is None:
+    ).fetchall()
+    if not logged:
         raise ValueError(f"pool {pool.name!r}: no segments ingested, so no engine version to calibrate for")
     store = CalibrationStore.load(data_dir / CALIBRATION_FILE)
-    return FittedWeights(store.require(pool.model, pool.gpu_type, *logged))
+    return FittedWeights(store.require(pool.model, pool.gpu_type, *logged[0]))
 
 
 def charge_hour(
@@ -201,7 +202,7 @@ def publish_hour(con: duckdb.DuckDBPyConnection, charges: HourCharges) -> None:
 
 
 # The reconciliation checks run on every pool-hour (pipeline.reconcile says which block).
-CHECKS = ("sequence", "time", "money", "plausibility", "unattributed")
+CHECKS = ("sequence", "time", "money", "plausibility", "unattributed", "calibration", "calibration_drift")
 
 
 def _pool_rows(con: duckdb.DuckDBPyConnection, table: str, pool: Pool) -> pl.DataFrame:
@@ -222,15 +223,73 @@ def last_seq_before(lake: Path, pool: str, hour: datetime) -> dict[str, int]:
     return dict(zip(last["replica"].to_list(), last["seq"].to_list(), strict=True))
 
 
-def reconcile_hour(
-    con: duckdb.DuckDBPyConnection, lake: Path, dcgm_dir: Path, pool: Pool, hour: datetime, settings: Settings
+def check_calibration_of_hour(
+    con: duckdb.DuckDBPyConnection, pool: Pool, hour: datetime, data: HourInput, settings: Settings, store
 ) -> list:
-    """Run the CHECKS on one published pool-hour and record them (with alerts) in the warehouse."""
+    """The calibration check of one pool-hour: the engine and driver versions of the segments
+    the hour's steps came from, against the calibration `store` (a CalibrationStore) and the
+    engine release the pricing kernel's chip coefficients were measured on.
+
+    A kernel-weights pool passes for the kernel's own release and for any version with a
+    stored sweep; another version is a WARN (its charges stand, the kernel was not measured
+    on it). A fitted-weights pool needs stored coefficients for every version (ERROR
+    otherwise), and the hour's own steps are fitted afresh and compared with the stored fit
+    of the version that logged most of them (`calibration_drift`). Kernel-weights pools get
+    no drift row: their charges do not use the fit, and a linear fit's coefficients move with
+    the workload's batch mix (a few minutes' sweep against a busy hour differ by over 10%),
+    which would only warn about traffic."""
     from pipeline import reconcile
+    from pipeline.attribution import CalibrationError, fit_coefficients
+    from pricing import load_chip
+
+    segment_ids = data.steps["segment_id"].unique()
+    segments = _pool_rows(con, "segments", pool).filter(pl.col("segment_id").is_in(segment_ids.implode()))
+    key_columns = ["model", "gpu_type", "engine_version", "driver_version"]
+    versions = (
+        segments.group_by(key_columns).agg(pl.col("steps").sum(), pl.col("segment_id"))
+        .sort("steps", *key_columns, descending=[True, False, False, False, False])
+    )
+    stored_fit = fresh_fit = None
+    # Fit only the steps of the version that logged most of the hour among those with a
+    # stored fit: other versions' steps would blur the fresh fit.
+    calibrated = pool.policies.weights == "fitted" and next(
+        ((version, stored) for version in versions.iter_rows(named=True)
+         if (stored := store.lookup(*(version[c] for c in key_columns))) is not None),
+        None,
+    )
+    if calibrated:
+        version, stored = calibrated
+        steps = data.steps.filter(pl.col("segment_id").is_in(version["segment_id"]))
+        slots = data.slots.join(steps.select("replica", "seq"), on=["replica", "seq"], how="semi")
+        try:
+            fresh = fit_coefficients(steps, slots).coefficients
+        except CalibrationError:
+            pass  # too few or too uniform steps in the hour to fit: no drift to measure
+        else:
+            stored_fit, fresh_fit = ({n: getattr(c, n) for n in ("c0_ms", "a_ms", "b_ms")} for c in (stored, fresh))
+    return reconcile.check_calibration(
+        hour, pool, segments, [entry.key for entry in store.entries], settings,
+        kernel_engine_version=load_chip(pool.gpu_type).measured_engine.version,
+        stored_fit=stored_fit, fresh_fit=fresh_fit,
+    )
+
+
+def reconcile_hour(
+    con: duckdb.DuckDBPyConnection, lake: Path, dcgm_dir: Path, pool: Pool, hour: datetime, settings: Settings,
+    *, calibration_file: Path | None = None,
+) -> list:
+    """Run the CHECKS on one published pool-hour and record them (with alerts) in the warehouse.
+
+    `calibration_file`: the calibration store (`<data dir>/calibration.yaml`); without one no
+    engine version has been calibrated."""
+    from pipeline import reconcile
+    from pipeline.attribution import CalibrationStore
     from pipeline.dcgm import read_dcgm_hour
 
     hour = utc_hour(hour)
-    steps = load_hour(lake, pool.name, hour).steps
+    data = load_hour(lake, pool.name, hour)
+    steps = data.steps
+    store = CalibrationStore.load(calibration_file) if calibration_file is not None else CalibrationStore()
     at_hour = [hour.replace(tzinfo=None), pool.name]
     invoices = query_frame(con, "SELECT * FROM invoices WHERE hour = ? AND pool = ?", at_hour)
     lines = query_frame(con, "SELECT * FROM ledger_lines WHERE hour = ? AND pool = ?", at_hour)
@@ -243,6 +302,7 @@ def reconcile_hour(
         *reconcile.check_money(hour, pool, invoices, lines),
         *reconcile.check_plausibility(hour, pool, steps, read_dcgm_hour(dcgm_dir, hour), settings),
         *reconcile.check_unattributed(hour, pool, lines),
+        *check_calibration_of_hour(con, pool, hour, data, settings, store),
     ]
     record_checks(con, hour, pool.name, list(CHECKS), results)
     return results

@@ -43,6 +43,7 @@ from pricing.spec import (
     GemmNode,
     GroupedGemmNode,
     LayerKind,
+    MeasuredEngine,
     ModelSpec,
     PricingError,
     kv_bytes_per_token_layer,
@@ -383,6 +384,12 @@ class Kernel:
     @classmethod
     def build(cls, deployment: Deployment) -> Kernel:
         return cls(deployment, load_chip(deployment.chip), load_model(deployment.model))
+
+    @property
+    def measured_engine(self) -> MeasuredEngine:
+        """The engine release the chip's coefficients were measured on (the calibration check
+        compares the versions in a pool's log against it)."""
+        return self.chip.measured_engine
 
     # ------------------------------------------------------------------ KV memory
     def kv_bytes(self, context_tokens: ArrayLike) -> np.ndarray:

@@ -91,9 +91,18 @@ class HostBlock(_Strict):
     dispatch_per_kernel_us: float = Field(ge=0)
 
 
+class MeasuredEngine(_Strict):
+    """The engine release whose sweep the chip's GEMM coefficients were fitted on: logs from
+    another version are priced with coefficients nobody measured on it."""
+
+    name: str = Field(min_length=1)
+    version: str = Field(min_length=1)
+
+
 class ChipSpec(_Strict):
     name: str = Field(min_length=1)
     source: str = Field(min_length=1)
+    measured_engine: MeasuredEngine
     peak_tflops: dict[str, float] = Field(min_length=1)
     hbm_tb_s: float = Field(gt=0)
     memory_gib: float = Field(gt=0)

@@ -1,15 +1,21 @@
 """`stepledger demo`: simulate the default pools, run every hour through the Dagster
-definitions in-process, and print what each tenant cost and how reconciliation went."""
+definitions in-process, print what each tenant cost and how reconciliation went, and write
+the HTML report."""
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from pipeline.cli.costs import cost_report, print_report
 from pipeline.cli.run import run_with_progress
+
+if TYPE_CHECKING:
+    from pipeline.attribution import CalibrationEntry
+    from schemas.config import PoolsFile
 
 # Written into a demo's output directory, so a later demo may replace it (and nothing else).
 DEMO_MARKER = ".stepledger-demo"
@@ -25,20 +31,58 @@ def prepare_out_dir(out: Path) -> None:
     (out / DEMO_MARKER).write_text("created by `stepledger demo`; the next demo into this directory replaces it\n")
 
 
+# The calibration sweep before billing (at most as long as the billed span): long enough for
+# thousands of steps of every pool over mixed batch sizes, short enough to add seconds.
+CALIBRATION_SWEEP_HOURS = 2 / 60
+
+
+def calibrate_from_segments(segment_paths: list[Path], store_path: Path) -> list[CalibrationEntry]:
+    """Fit the work model per (model, GPU type, engine version, driver version) in the
+    segments and store each fit in `store_path` (what `stepledger calibrate` does)."""
+    import polars as pl
+
+    from pipeline.attribution.calibration import CalibrationStore, fit_by_version
+    from pipeline.steplog import read_segments
+
+    log = read_segments(segment_paths)
+    fits = fit_by_version(pl.from_arrow(log.steps), pl.from_arrow(log.slots), pl.from_arrow(log.segments))
+    store = CalibrationStore.load(store_path)
+    entries = [store.put(*key, fit) for key, fit in fits.items()]
+    store.save(store_path)
+    return entries
+
+
+def calibrate_fleet(out: Path, pools: PoolsFile, *, hours: float, seed: int, workers: int) -> list[CalibrationEntry]:
+    """Simulate a short clean sweep of the pools into `out/calibration-sweep` and store its
+    fits in `out/calibration.yaml`, as a production fleet is calibrated before its engines
+    bill: the calibration check then knows the fleet's engine version, and a version the
+    fleet starts to report later (fault `new-engine-version`) is one nobody calibrated."""
+    from pipeline.hourly import CALIBRATION_FILE
+    from pipeline.simulator import simulate
+
+    sweep = out / "calibration-sweep"
+    simulate(sweep, pools, hours=min(hours, CALIBRATION_SWEEP_HOURS), seed=seed + 1, workers=workers)
+    return calibrate_from_segments(sorted(sweep.glob("outbox/*/*.seg")), out / CALIBRATION_FILE)
+
+
 @click.command("demo")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("demo-run"), show_default=True,
-              help="directory for the simulated data, the Parquet lake and warehouse.duckdb")
+              help="directory for the simulated data, the Parquet lake, warehouse.duckdb and report.html")
 @click.option("--hours", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
               help="simulated hours (fractions allowed)")
 @click.option("--seed", type=int, default=1, show_default=True)
 @click.option("--fault", "faults", multiple=True, metavar="NAME[=VALUE]",
               help="inject a fault into the simulation (repeatable), e.g. drop-records=0.01")
-def demo_command(out: Path, hours: float, seed: int, faults: tuple[str, ...]) -> None:
-    """Simulate the default pools and bill them, hour by hour, through the Dagster pipeline."""
+@click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True,
+              help="processes simulating replicas in parallel (one per core)")
+def demo_command(out: Path, hours: float, seed: int, faults: tuple[str, ...], workers: int) -> None:
+    """Simulate the default pools, calibrate them, bill them hour by hour through the Dagster
+    pipeline, and write an HTML report (OUT/report.html)."""
     from rich.console import Console
     from rich.progress import Progress
 
     from pipeline.cli.run import hours_in_data
+    from pipeline.report import Scope, write_report
     from pipeline.simulator import FaultError, parse_fault, simulate
     from schemas.config import load_pools
 
@@ -47,11 +91,17 @@ def demo_command(out: Path, hours: float, seed: int, faults: tuple[str, ...]) ->
     except FaultError as err:
         raise click.BadParameter(str(err), param_hint="--fault") from err
     prepare_out_dir(out)
+    pools = load_pools()
     console = Console()
+    with console.status("calibrating: a short clean sweep of every pool"):
+        entries = calibrate_fleet(out, pools, hours=hours, seed=seed, workers=workers)
+    for entry in entries:
+        console.print(f"calibrated {entry.model} on {entry.gpu_type}, engine {entry.engine_version}, "
+                      f"driver {entry.driver_version}: R^2 {entry.r_squared:.3f} over {entry.n_steps:,} steps")
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task(f"simulating {hours:g} h", total=1.0)
         summary = simulate(
-            out, load_pools(), hours=hours, seed=seed, faults=fault_values,
+            out, pools, hours=hours, seed=seed, faults=fault_values, workers=workers,
             progress=lambda done, total: progress.update(task, completed=done / total),
         )
     console.print(f"simulated {summary.requests:,} requests, {summary.steps:,} steps into {out}")
@@ -64,3 +114,8 @@ def demo_command(out: Path, hours: float, seed: int, faults: tuple[str, ...]) ->
         f"{len(runs) - held} of {len(runs)} pool-hours published, {held} held back. "
         f"Query {out / 'warehouse.duckdb'} with DuckDB, or run `stepledger costs --data {out} --by feature`."
     )
+    report = out / "report.html"
+    with console.status("writing the report"):
+        write_report(out / "warehouse.duckdb", pools, out / "lake", Scope.everything(), report)
+    # Plain, unwrapped: the path is meant to be copied.
+    click.echo(f"report: {report}")

@@ -4,12 +4,15 @@ import json
 import shutil
 from pathlib import Path
 
+import duckdb
 import pytest
+import yaml
 from assets_fleet import small_pools
 from click.testing import CliRunner
 
 from pipeline.cli import main
 from pipeline.cli.demo import DEMO_MARKER, prepare_out_dir
+from pipeline.simulator.faults import ENGINE_VERSION
 
 
 def test_run_then_costs_without_sql(simulated: Path, tmp_path: Path) -> None:
@@ -50,3 +53,23 @@ def test_demo_replaces_only_an_earlier_demo(tmp_path: Path) -> None:
     with pytest.raises(Exception, match="is not an earlier demo run"):
         prepare_out_dir(precious)
     assert (precious / "data.txt").read_text() == "keep"
+
+
+def test_demo_calibrates_bills_and_writes_the_report(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    result = CliRunner().invoke(main, ["demo", "--out", str(out), "--hours", "0.01", "--workers", "2"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[-1] == f"report: {out / 'report.html'}"
+    page = (out / "report.html").read_text()
+    assert page.startswith("<!DOCTYPE html>") and "reason-dsv3" in page and "chat-8b" in page
+    assert "2 of 2 pool-hours published, 0 held back." in result.output
+    # A span shorter than the hour leaves the GPUs' DCGM activity above the engine's (a
+    # plausibility WARN); the fleet's own engine version is calibrated.
+    assert "check failed calibration" not in result.output
+    store = yaml.safe_load((out / "calibration.yaml").read_text())
+    assert sorted((e["model"], e["gpu_type"], e["engine_version"]) for e in store["entries"]) == [
+        ("deepseek-v3", "h200", ENGINE_VERSION), ("llama-3.1-8b-instruct", "h100", ENGINE_VERSION)]
+    with duckdb.connect(str(out / "warehouse.duckdb"), read_only=True) as con:
+        assert con.execute("SELECT count(*), bool_and(passed) FROM reconciliation WHERE check_name = 'calibration'"
+                           ).fetchone() == (5, True)

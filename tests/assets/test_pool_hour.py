@@ -93,3 +93,34 @@ def test_sensor_requests_ingestion_for_new_segments(data: Path) -> None:
     assert first.cursor == str(newest)
     with dg.build_sensor_context(cursor=first.cursor, resources=resources) as context:
         assert isinstance(sensor(context), dg.SkipReason)
+
+
+def test_the_ledger_materialization_tells_the_hour(data: Path) -> None:
+    result = run_hour(data, dg.DagsterInstance.ephemeral())
+    (materialization,) = result.asset_materializations_for_node("ledger")
+    metadata = {key: value.value for key, value in materialization.metadata.items()}
+    with duckdb.connect(str(data / "warehouse.duckdb"), read_only=True) as con:
+        by_kind = dict(con.execute("SELECT line_kind, sum(amount_nano)::BIGINT FROM ledger_lines GROUP BY ALL").fetchall())
+        rows = [con.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in ("invoices", "ledger_lines", "request_costs")]
+        tenants = con.execute(
+            "SELECT coalesce(tenant, '(no tenant)'), sum(amount_nano)::BIGINT, sum(requests)::BIGINT "
+            "FROM ledger_lines GROUP BY ALL ORDER BY 2 DESC, 1"
+        ).fetchall()
+    invoice = 2 * small_pools().pool("chat-8b").nano_per_gpu_hour
+    assert invoice == 7_200_000_000
+    assert {k: v for k, v in metadata.items() if k != "top_tenants"} == {
+        "invoice_nano": invoice, "invoice_usd": "$7.200000", "ledger_nano": invoice, "balanced": True,
+        **{f"{kind}_nano": by_kind.get(kind, 0) for kind in
+           ("usage", "idle", "headroom", "unattributed", "platform_retry", "cache_credit")},
+        "invoice_rows": rows[0], "ledger_line_rows": rows[1], "request_cost_rows": rows[2],
+    }
+    table = metadata["top_tenants"].splitlines()
+    assert table[:2] == ["| tenant | amount | share of invoice | requests | new tokens | line kinds |",
+                         "|---|---:|---:|---:|---:|---|"]
+    assert [line.split(" | ")[0].removeprefix("| ") for line in table[2:]] == [t for t, _, _ in tenants]
+    top, amount, requests = tenants[0]
+    assert table[2].startswith(f"| {top} | ${amount / 1e9:,.6f} | {amount / invoice:.1%} | {requests:,} | ")
+    checks = {e.check_name: e.metadata for e in result.get_asset_check_evaluations()}
+    money = checks["money"]["results_table"].value.splitlines()
+    assert money[0] == "| scope | status | expected | observed | detail |"
+    assert money[2].startswith(f"| chat-8b | passed | {invoice} nano-dollars (invoice) | {invoice} nano-dollars in ")

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pricing import Deployment, Kernel, PricingError, deployment_for_pool
-from pricing.spec import ChipSpec, ModelSpec, _load
+from pricing.spec import ChipSpec, ModelSpec, _load, chip_names, load_chip
 from schemas.config import load_pools
 
 DEPLOYMENTS = [
@@ -268,3 +268,23 @@ def test_go_compat_keeps_the_single_step_ramp_on_prefill_attention():
     assert go.price(*with_decode).nooverlap_us < go.price(*chunk).nooverlap_us
     physics = Kernel.build(deployment)
     assert physics.price(*with_decode).nooverlap_us > physics.price(*chunk).nooverlap_us
+
+
+def test_each_chip_names_the_engine_release_its_coefficients_were_measured_on():
+    measured = {name: load_chip(name).measured_engine for name in chip_names()}
+    assert {name: (engine.name, engine.version) for name, engine in measured.items()} == {
+        "a100": ("vllm", "0.14.0"), "b200": ("vllm", "0.27.1"), "h100": ("vllm", "0.25.0"), "h200": ("vllm", "0.25.0"),
+    }
+    kernel = Kernel.build(Deployment(model="llama-3.1-8b-instruct", chip="h200"))
+    assert (kernel.measured_engine.name, kernel.measured_engine.version) == ("vllm", "0.25.0")
+
+
+def test_a_chip_without_its_measured_engine_is_refused(tmp_path: Path):
+    good = (Path(__file__).resolve().parents[2] / "pricing" / "chips" / "h100.yaml").read_text()
+    without = "".join(line for line in good.splitlines(keepends=True) if not line.startswith("measured_engine:"))
+    (tmp_path / "x2.yaml").write_text(without.replace("name: h100", "name: x2"))
+    with pytest.raises(PricingError, match=r"x2.yaml: field measured_engine: Field required"):
+        _load(tmp_path, "x2", "chip", ChipSpec)
+    (tmp_path / "x3.yaml").write_text(good.replace("name: h100", "name: x3").replace('version: "0.25.0"', 'version: ""'))
+    with pytest.raises(PricingError, match=r"x3.yaml: field measured_engine.version: String should have at least 1 character"):
+        _load(tmp_path, "x3", "chip", ChipSpec)

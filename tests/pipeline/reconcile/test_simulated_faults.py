@@ -23,6 +23,7 @@ from pipeline.reconcile import (
 from pipeline.simulator import DEFAULT_START, simulate
 from pipeline.simulator.faults import DRIVER_VERSION, ENGINE_VERSION, UNCALIBRATED_ENGINE_VERSION
 from pipeline.steplog import read_segments
+from pricing import load_chip
 from schemas.config import PoolsFile, load_pools
 
 HOUR = DEFAULT_START
@@ -68,6 +69,7 @@ def simulate_and_check(out_dir: Path, faults: dict[str, float | None]) -> Run:
     lines = ledger.ledger_lines.with_columns(stamp)
     invoices = pl.DataFrame([ledger.invoice]).with_columns(stamp)
     settings = pools.settings
+    # What a calibration sweep of the fleet before the hour stored (as `stepledger demo` does).
     known = {(pool.model, pool.gpu_type, ENGINE_VERSION, DRIVER_VERSION)}
     results = [
         *check_sequence(HOUR, pool, steps, drops, damage, segments),
@@ -75,7 +77,8 @@ def simulate_and_check(out_dir: Path, faults: dict[str, float | None]) -> Run:
         *check_money(HOUR, pool, invoices, lines),
         *check_plausibility(HOUR, pool, steps, read_dcgm_hour(out_dir / "dcgm", HOUR), settings),
         *check_unattributed(HOUR, pool, lines),
-        *check_calibration(HOUR, pool, segments, known, settings, kernel_engine_version=ENGINE_VERSION),
+        *check_calibration(HOUR, pool, segments, known, settings,
+                           kernel_engine_version=load_chip(pool.gpu_type).measured_engine.version),
     ]
     return Run(results, drops)
 
@@ -132,7 +135,20 @@ def test_host_stall_fails_plausibility(faulty: Run):
 def test_new_engine_version_warns_in_calibration(faulty: Run):
     result = faulty.of("calibration", "q-r0")
     assert not result.passed and result.severity == "WARN" and result.finding == "new_engine_version"
-    assert result.detail.startswith(f"the log reports vllm {UNCALIBRATED_ENGINE_VERSION} / driver {DRIVER_VERSION}")
+    assert result.detail == (
+        f"the log reports vllm {UNCALIBRATED_ENGINE_VERSION} / driver {DRIVER_VERSION}, the kernel's coefficients "
+        f"were measured on vLLM 0.25.0 and stored coefficients are for {ENGINE_VERSION} / driver {DRIVER_VERSION} "
+        "only (stale): run a calibration sweep to confirm the kernel's weights still hold"
+    )
+    assert not result.blocking and result.observed == f"vllm {UNCALIBRATED_ENGINE_VERSION} / driver {DRIVER_VERSION}"
+
+
+def test_the_fleet_version_passes_calibration_though_the_kernel_was_measured_on_another(clean: Run):
+    # The kernel's h100 coefficients come from a vLLM 0.25.0 sweep; the fleet's own sweep
+    # covers the version it runs.
+    assert load_chip("h100").measured_engine.version == "0.25.0" != ENGINE_VERSION
+    result = clean.of("calibration", "q-r0")
+    assert result.passed and result.detail == f"coefficients known for vllm {ENGINE_VERSION} / driver {DRIVER_VERSION}"
 
 
 def test_missing_context_fails_unattributed_while_money_still_reconciles(faulty: Run):
