@@ -42,7 +42,7 @@ def _cell(column: str, value: object) -> str:
     if value is None:
         return "-"
     if column == "amount_usd":
-        return f"{value:,.2f}"
+        return f"{value:,.6f}"
     if column.startswith("usd_per"):
         return f"{value:.6f}"
     if isinstance(value, int):
