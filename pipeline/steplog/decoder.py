@@ -37,6 +37,7 @@ from schemas.records import (
 from schemas.tables import DAMAGE, DROPS, HOLDER_STATES, HOLDERS, SEGMENTS, SLOTS, STEPS
 
 _KINDS = frozenset(int(kind) for kind in FrameKind)
+_INT64_LIMIT = 1 << 63
 _HOLDER_STATE_NAMES = pa.array(HOLDER_STATES, pa.string())
 
 
@@ -162,6 +163,12 @@ def _read_header(decoded: _File, buf: memoryview, data: bytes) -> int | None:
                 f"{FORMAT_VERSION}'s",
             )
         )
+        return None
+    # Numbers past int64 cannot reach the int64 columns (and would overflow the UTC shift).
+    numbers = (header.first_seq, header.mono_anchor_ns, header.wall_anchor_ns, header.wall_anchor_ns - header.mono_anchor_ns)
+    if not all(-_INT64_LIMIT <= value < _INT64_LIMIT for value in numbers):
+        why = "segment header: first_seq or a clock anchor exceeds int64"
+        decoded.damage.append(_Damage("bad_header", PREAMBLE.size, size - PREAMBLE.size, why))
         return None
     decoded.header = header
     return end

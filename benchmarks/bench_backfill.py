@@ -1,0 +1,211 @@
+"""A 24-hour backfill of the default pools through the Dagster definitions, with the
+multiprocess executor: wall time and the peak memory of the whole process tree.
+
+The input is simulated once, outside the timing, and kept in STEPLEDGER_BENCH_CACHE (by
+default `stepledger-bench-cache` in the system temp directory; keyed by hours, seed and the
+pools file), so a second `make bench` times the backfill alone.
+
+How it runs, as production would on one machine: a persistent Dagster instance (SQLite
+storage, the `duckdb` concurrency pool limited to 1 as in dagster_home/dagster.yaml), and
+LANES launcher processes that each execute their share of the pool-hour runs, hours in
+order, with the multiprocess executor (every step its own process). Runs of different lanes
+overlap wherever their steps do not hold the DuckDB file; every step that does is in the
+`duckdb` pool, so DuckDB sees one writer at a time. Today every step of the pool-hour chain
+holds the file (the attribution runs inside `charges`, connection open), so a second lane
+only waits for the pool: on 2 cores the QUICK hour took 82 s with two lanes against 52 s
+with one. LANES is therefore 1; STEPLEDGER_BACKFILL_LANES overrides it, to measure again
+once the attribution leaves the pool (docs/scale-out.md). Each step ingests whatever its
+pool's outbox holds, so the order of hours does not change the ledger.
+
+Peak memory is the largest sum of resident set sizes over the launchers and all their step
+processes, sampled every 0.2 s from /proc.
+
+QUICK runs QUICK_HOURS (one) hour and scales the wall time by HOURS / QUICK_HOURS: pool-hours are
+independent runs of the same size, so the backfill is linear in hours. The peak memory is
+the shorter run's, unscaled: it is set by the largest steps running at once, not by how
+many hours follow one another.
+
+Target: 1800 s, a day of backfill in half an hour (48 times faster than the hours arrive):
+after a day-long outage the pipeline is current again before the next hour is due; that is
+37.5 s per pool-hour on 2 cores. Peak memory: 8 GiB.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from benchmarks.figure import Figure
+
+HOURS = 24
+QUICK_HOURS = 1
+SEED = 5
+LANES = int(os.environ.get("STEPLEDGER_BACKFILL_LANES", "1"))
+STEP_PROCESSES_PER_RUN = 2
+TARGET_WALL_S = 1800.0
+TARGET_PEAK_GIB = 8.0
+CACHE = Path(os.environ.get("STEPLEDGER_BENCH_CACHE", Path(tempfile.gettempdir()) / "stepledger-bench-cache"))
+REPO = Path(__file__).resolve().parent.parent
+SAMPLE_SECONDS = 0.2
+_INSTANCE_YAML = """\
+concurrency:
+  pools:
+    default_limit: 1
+telemetry:
+  enabled: false
+"""
+
+_LANE = textwrap.dedent(
+    """
+    import json, sys, warnings
+    warnings.filterwarnings("ignore")
+    import dagster as dg
+    from benchmarks.bench_backfill import backfill_job, run_tags
+
+    failures = []
+    with dg.DagsterInstance.get() as instance:
+        for hour_key, pool in json.loads(sys.argv[1]):
+            result = dg.execute_job(
+                dg.reconstructable(backfill_job), instance=instance, tags=run_tags(hour_key, pool),
+                run_config={"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}},
+            )
+            if not result.success:
+                why = [e.message for e in result.all_events if e.is_failure or e.event_type_value == "RUN_FAILURE"]
+                failures.append(f"{hour_key} {pool}: {why}")
+    print(json.dumps({"failures": failures}))
+    """
+)
+
+
+def backfill_job():
+    """The pool-hour job of the definitions for STEPLEDGER_DATA, on the multiprocess executor.
+
+    Module level, so `dg.reconstructable` can rebuild it in every step process.
+    """
+    import dagster as dg
+
+    from assets.definitions import build_definitions
+    from assets.resources import data_dir_from_env, pools_file
+    from schemas.config import load_pools
+
+    data = data_dir_from_env()
+    job = build_definitions(load_pools(pools_file(data)), data).resolve_job_def("pool_hour_job")
+    return job.with_executor_def(dg.multiprocess_executor.configured({"max_concurrent": STEP_PROCESSES_PER_RUN}))
+
+
+def run_tags(hour_key: str, pool: str) -> dict[str, str]:
+    """The tags Dagster gives a run of one (hour, pool) partition."""
+    from assets.partitions import partition_key
+    from pipeline.warehouse import parse_hour_key
+
+    key = partition_key(parse_hour_key(hour_key), pool)
+    return {
+        "dagster/partition": str(key),
+        **{f"dagster/partition/{dimension}": value for dimension, value in key.keys_by_dimension.items()},
+    }
+
+
+def simulated_input(hours: int) -> Path:
+    """The default pools simulated for `hours` hours, from the cache when already there."""
+    from pipeline.simulator import simulate
+    from schemas.config import DEFAULT_POOLS_PATH, load_pools
+
+    pools_digest = hashlib.sha256(DEFAULT_POOLS_PATH.read_bytes()).hexdigest()[:12]
+    data = CACHE / f"backfill-{hours}h-seed{SEED}-{pools_digest}"
+    if not (data / "complete").is_file():
+        shutil.rmtree(data, ignore_errors=True)
+        simulate(data, load_pools(), hours=hours, seed=SEED, workers=os.cpu_count() or 1)
+        (data / "complete").write_text("simulated\n")
+    return data
+
+
+def _tree_rss_bytes(root_pids: list[int]) -> int:
+    """Resident memory of the processes `root_pids` and all their descendants."""
+    total, pending, seen = 0, list(root_pids), set()
+    while pending:
+        pid = pending.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                pending.extend(int(child) for child in (task / "children").read_text().split())
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        rss_kib = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+        total += rss_kib * 1024
+    return total
+
+
+def backfill(data: Path, hours: int) -> tuple[float, int]:
+    """Run every pool-hour of `data` in a fresh copy of its outputs; (wall seconds, peak bytes)."""
+    from pipeline.simulator import DEFAULT_START
+    from pipeline.warehouse import hour_key
+    from schemas.config import load_pools
+
+    pools = load_pools(data / "pools.yaml")
+    partitions = [(hour_key(DEFAULT_START + timedelta(hours=h)), p.name) for h in range(hours) for p in pools.pools]
+    with tempfile.TemporaryDirectory(prefix="bench-backfill-") as tmp:
+        run = Path(tmp) / "run"
+        run.mkdir()
+        for name in ("outbox", "gateway", "dcgm", "pools.yaml"):
+            (run / name).symlink_to(data / name)
+        home = Path(tmp) / "dagster_home"
+        home.mkdir()
+        (home / "dagster.yaml").write_text(_INSTANCE_YAML)
+        # Create the SQLite storage before the launchers start: two of them creating it at
+        # once collide on its schema.
+        import dagster as dg
+
+        with dg.DagsterInstance.from_config(str(home)):
+            pass
+        environment = {**os.environ, "DAGSTER_HOME": str(home), "STEPLEDGER_DATA": str(run),
+                       "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        started = time.perf_counter()
+        lanes = [
+            subprocess.Popen([sys.executable, "-c", _LANE, json.dumps(partitions[lane::LANES])], cwd=REPO,
+                             env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for lane in range(LANES)
+        ]
+        peak = 0
+        done = threading.Event()
+
+        def sample() -> None:
+            nonlocal peak
+            while not done.wait(SAMPLE_SECONDS):
+                peak = max(peak, _tree_rss_bytes([lane.pid for lane in lanes]))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        outputs = [lane.communicate() for lane in lanes]
+        wall_s = time.perf_counter() - started
+        done.set()
+        sampler.join()
+    failures = []
+    for lane, (stdout, stderr) in zip(lanes, outputs, strict=True):
+        if lane.returncode != 0:
+            raise RuntimeError(f"a backfill launcher failed: {stderr[-2000:]}")
+        failures += json.loads(stdout.strip().splitlines()[-1])["failures"]
+    if failures:
+        raise RuntimeError(f"{len(failures)} pool-hours failed, first: {failures[0]}")
+    return wall_s, peak
+
+
+def figures(quick: bool) -> list[Figure]:
+    hours = QUICK_HOURS if quick else HOURS
+    wall_s, peak_bytes = backfill(simulated_input(hours), hours)
+    return [
+        Figure("backfill_24h_s", wall_s * HOURS / hours, "s", TARGET_WALL_S, "max"),
+        Figure("backfill_24h_peak_gib", peak_bytes / (1 << 30), "GiB", TARGET_PEAK_GIB, "max"),
+    ]

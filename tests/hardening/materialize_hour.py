@@ -1,0 +1,62 @@
+"""Materialize one pool-hour of a data directory in this process, for the crash tests.
+
+    python materialize_hour.py DATA POOL YYYY-MM-DDTHH [--die-before-ingest-commit]
+
+Prints "ready" once the definitions are built, "stage <name>" as each stage of the hour
+begins (so a test can aim a kill at any of them), then "done" when the run has finished.
+`--die-before-ingest-commit` SIGKILLs the process at the moment ingestion has written its
+Parquet files and is about to record them in the warehouse.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def announced(name: str, function):
+    def stage(*args, **kwargs):
+        print(f"stage {name}", flush=True)
+        return function(*args, **kwargs)
+
+    return stage
+
+
+def main(argv: list[str]) -> None:
+    import dagster as dg
+    from hardening_fleet import QUIET
+
+    from assets import pool_hour
+    from assets.definitions import build_definitions
+    from assets.partitions import partition_key
+    from assets.resources import pools_file
+    from pipeline import context, hourly, ingest
+    from pipeline.warehouse import parse_hour_key
+    from schemas.config import load_pools
+
+    warnings.filterwarnings("ignore")
+    data, pool, hour = Path(argv[0]), argv[1], parse_hour_key(argv[2])
+    if "--die-before-ingest-commit" in argv:
+        def die(con):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        ingest.transaction = die
+    stages = [(pool_hour, "ingest_outbox"), (context, "load_gateway_files"), (hourly, "charge_hour"),
+              (hourly, "save_charges"), (hourly, "publish_hour"), (hourly, "reconcile_hour")]
+    for module, name in stages:
+        setattr(module, name, announced(name, getattr(module, name)))
+    job = build_definitions(load_pools(pools_file(data)), data).resolve_job_def("pool_hour_job")
+    print("ready", flush=True)
+    job.execute_in_process(partition_key=partition_key(hour, pool), instance=dg.DagsterInstance.ephemeral(),
+                           run_config=QUIET, raise_on_error=False)
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

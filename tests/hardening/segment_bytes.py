@@ -1,0 +1,90 @@
+"""Real segments written by the StepRecorder, and the frame-level surgery the fuzzers apply."""
+
+from __future__ import annotations
+
+import tempfile
+from functools import cache
+from pathlib import Path
+
+from pipeline.steplog import SegmentHeader, StepRecorder
+from pipeline.steplog.format import frame_crc
+from schemas.records import FRAME_CHECKED_BYTES, FRAME_PREFIX, PREAMBLE
+
+HEADER = SegmentHeader(
+    pool="chat-8b",
+    replica="chat-8b-r0",
+    engine_name="vllm",
+    engine_version="0.11.0",
+    driver_version="550.54.15",
+    model="llama-3.1-8b-instruct",
+    gpu_type="h100",
+    gpus_per_replica=1,
+    kv_block_size=16,
+)
+MONO_ANCHOR = 5_000_000_000
+WALL_ANCHOR = 1_796_014_800_000_000_000  # 2026-11-30T05:00:00Z
+# Ids a hostile client could choose: quotes, SQL, control characters, non-ASCII.
+HOSTILE_IDS = ("req-'\"", "'); DROP TABLE ledger_lines; --", "a\nb\r\0\x1b[31m", "日本語-é-\u2028-🙂")
+
+
+def record_steps(recorder: StepRecorder, first: int, count: int) -> None:
+    """`count` steps, two slots and one holder each, every value derived from the step number."""
+    for step in range(first, first + count):
+        hostile = HOSTILE_IDS[step % len(HOSTILE_IDS)]
+        recorder.record_step(
+            MONO_ANCHOR + step * 1000,
+            MONO_ANCHOR + step * 1000 + 700,
+            [f"req-{step}", f"{hostile}-{step}"],
+            [step + 1, 1],
+            [step * 10, 5],
+            [0.5, 1.25],
+            [100, 7],
+            [16, 0],
+            [1, 0],
+            [1, 0],
+            holder_ids=[f"wait-{step}"],
+            holder_blocks=[3.0],
+            holder_states=["preempted" if step % 2 else "waiting"],
+            admission_blocked=step % 3 == 0,
+            free_blocks=100 - step % 100,
+            total_blocks=100,
+        )
+
+
+@cache
+def recorded_segments(steps: int = 24, rotate_bytes: int = 2500) -> tuple[bytes, ...]:
+    """The bytes of the segments a recorder ships for `steps` steps (with one counted drop)."""
+    with tempfile.TemporaryDirectory(prefix="hardening-segments-") as tmp:
+        clocks = {"mono_clock": lambda: MONO_ANCHOR, "wall_clock": lambda: WALL_ANCHOR}
+        with StepRecorder(Path(tmp), HEADER, overflow="block", rotate_bytes=rotate_bytes, **clocks) as recorder:
+            record_steps(recorder, 0, steps // 2)
+            recorder.drop_step()
+            record_steps(recorder, steps // 2 + 1, steps - steps // 2 - 1)
+        return tuple(path.read_bytes() for path in recorder.shipped_segments)
+
+
+def frame_spans(data: bytes) -> list[tuple[int, int]]:
+    """(start, end) of every frame after the preamble of an intact segment."""
+    spans, pos = [], PREAMBLE.size
+    while pos < len(data):
+        length = FRAME_PREFIX.unpack_from(data, pos)[4]
+        spans.append((pos, pos + FRAME_PREFIX.size + length))
+        pos = spans[-1][1]
+    return spans
+
+
+def with_length(data: bytes, frame_start: int, length: int) -> bytes:
+    """The segment with one frame's declared payload length replaced (checksum left as is)."""
+    patched = bytearray(data)
+    patched[frame_start + 8 : frame_start + 12] = length.to_bytes(4, "little")
+    return bytes(patched)
+
+
+def resealed(data: bytes, frame_start: int, payload: bytes) -> bytes:
+    """The segment with one frame's payload replaced and its length and checksum made valid
+    again, so the decoder must judge the contents rather than reject a checksum."""
+    end = frame_start + FRAME_PREFIX.size + FRAME_PREFIX.unpack_from(data, frame_start)[4]
+    checked = bytearray(data[frame_start : frame_start + FRAME_CHECKED_BYTES])
+    checked[8:12] = len(payload).to_bytes(4, "little")
+    crc = frame_crc(bytes(checked), payload).to_bytes(4, "little")
+    return data[:frame_start] + bytes(checked) + crc + payload + data[end:]
