@@ -201,6 +201,8 @@ def _line_of(text: str, loc: tuple) -> int | None:
         node = yaml.compose(text)
     except yaml.YAMLError:
         return None
+    if node is None:
+        return None
     for key in loc:
         if isinstance(node, yaml.MappingNode) and isinstance(key, str):
             match = [v for k, v in node.value if getattr(k, "value", None) == key]
@@ -218,9 +220,11 @@ def load_pools(path: str | Path = DEFAULT_POOLS_PATH) -> PoolsFile:
     """Read and validate a pools file; errors name the file, line and field."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as err:
         raise ConfigError(f"{path}: cannot read pools file: {err.strerror}") from err
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}): {err.reason}") from err
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as err:

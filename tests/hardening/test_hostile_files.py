@@ -141,8 +141,6 @@ def test_hostile_pools_files_name_file_line_and_field(tmp_path, content, message
         load_pools(path)
 
 
-@pytest.mark.xfail(strict=True, raises=(AttributeError, UnicodeDecodeError),
-                   reason="schemas/config.py: _line_of assumes a YAML node; read_text decode errors escape")
 @pytest.mark.parametrize("content", [b"", b"# only a comment\n", b"pools:\n  - name: caf\xe9\n"],
                          ids=["empty", "comment-only", "latin-1"])
 def test_empty_and_non_utf8_pools_files_are_config_errors(tmp_path, content):

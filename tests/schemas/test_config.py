@@ -62,3 +62,15 @@ def test_invalid_yaml_names_line(tmp_path):
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="cannot read pools file: No such file or directory"):
         load_pools(tmp_path / "absent.yaml")
+
+
+def test_empty_file_says_what_is_missing(tmp_path):
+    with pytest.raises(ConfigError, match=r"pools\.yaml: field \(top level\): Input should be a valid dictionary"):
+        load_pools(_write(tmp_path, "# only a comment\n"))
+
+
+def test_non_utf8_file_names_the_byte(tmp_path):
+    path = tmp_path / "pools.yaml"
+    path.write_bytes(b"pools:\n  - name: caf\xe9\n")
+    with pytest.raises(ConfigError, match=r"pools\.yaml: not UTF-8 text \(byte 20\): invalid continuation byte"):
+        load_pools(path)
