@@ -11,6 +11,7 @@ import json
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import compress
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +39,10 @@ from schemas.tables import DAMAGE, DROPS, HOLDER_STATES, HOLDERS, SEGMENTS, SLOT
 
 _KINDS = frozenset(int(kind) for kind in FrameKind)
 _INT64_LIMIT = 1 << 63
+# Checksummed bytes a file may cost, per byte of file. Intact frames are checksummed once, so
+# this leaves a file's size again for frames that fail; hostile input (markers everywhere, each
+# declaring a frame that reaches the end of the file) would otherwise cost quadratic time.
+CRC_BYTES_PER_FILE_BYTE = 2
 _HOLDER_STATE_NAMES = pa.array(HOLDER_STATES, pa.string())
 
 
@@ -67,6 +72,8 @@ class _File:
 
     path: Path
     data: bytes
+    # Bytes still allowed through zlib.crc32, see CRC_BYTES_PER_FILE_BYTE.
+    crc_budget: int
     header: HeaderFrame | None = None
     damage: list[_Damage] = field(default_factory=list)
     step_offsets: list[int] = field(default_factory=list)
@@ -91,8 +98,37 @@ class _File:
         return len(self.data)
 
 
-def _check_frame(buf: memoryview, pos: int) -> tuple[int, int] | str:
-    """(kind, end) of a valid frame at `pos`, or why there is none: 'truncated' or 'invalid'."""
+def _new_file(path: Path, data: bytes) -> _File:
+    return _File(path=path, data=data, crc_budget=CRC_BYTES_PER_FILE_BYTE * len(data))
+
+
+class _ResyncGaveUp(Exception):
+    """Checking the next candidate frame would exceed the file's checksum budget."""
+
+
+def _fits_its_kind(buf: memoryview, kind: int, payload: int, end: int) -> bool:
+    """Whether the payload length agrees with what the frame's kind says it holds.
+
+    Checked before the CRC because it costs a few bytes, not the whole payload: random bytes
+    that look like a frame marker almost never pass it.
+    """
+    length = end - payload
+    if kind == FrameKind.DROP:
+        return length == DROP_STRUCT.size
+    if kind != FrameKind.STEP:
+        return True
+    if length < STEP_STRUCT.size:
+        return False
+    *_, n_slots, n_holders, id_bytes, holder_id_bytes, blocked = STEP_STRUCT.unpack_from(buf, payload)
+    records = n_slots * SLOT_DTYPE.itemsize + id_bytes + n_holders * HOLDER_DTYPE.itemsize + holder_id_bytes
+    return blocked <= 1 and STEP_STRUCT.size + records == length
+
+
+def _check_frame(decoded: _File, buf: memoryview, pos: int) -> tuple[int, int] | str:
+    """(kind, end) of a valid frame at `pos`, or why there is none: 'truncated' or 'invalid'.
+
+    Raises _ResyncGaveUp when the checksum would exceed what is left of the file's budget.
+    """
     size = len(buf)
     if size - pos < FRAME_PREFIX.size:
         tail = bytes(buf[pos : pos + len(FRAME_MARKER)])
@@ -100,22 +136,29 @@ def _check_frame(buf: memoryview, pos: int) -> tuple[int, int] | str:
     marker, kind, flags, reserved, length, crc = FRAME_PREFIX.unpack_from(buf, pos)
     if marker != FRAME_MARKER or kind not in _KINDS or flags or reserved or length > MAX_FRAME_PAYLOAD:
         return "invalid"
-    end = pos + FRAME_PREFIX.size + length
+    payload = pos + FRAME_PREFIX.size
+    end = payload + length
     if end > size:
         return "truncated"
+    if not _fits_its_kind(buf, kind, payload, end):
+        return "invalid"
+    decoded.crc_budget -= FRAME_CHECKED_BYTES + length
+    if decoded.crc_budget < 0:
+        raise _ResyncGaveUp
     checked = zlib.crc32(buf[pos : pos + FRAME_CHECKED_BYTES])
-    if zlib.crc32(buf[pos + FRAME_PREFIX.size : end], checked) != crc:
+    if zlib.crc32(buf[payload:end], checked) != crc:
         return "invalid"
     return kind, end
 
 
-def _next_frame(buf: memoryview, data: bytes, pos: int) -> int | None:
-    """Offset of the next valid frame after damage at `pos`: scan for markers, verify each."""
-    candidate = data.find(FRAME_MARKER, pos + 1)
+def _next_frame(decoded: _File, buf: memoryview, pos: int) -> tuple[int, tuple[int, int]] | None:
+    """The next valid frame after damage at `pos` (its offset, kind and end): scan for markers, verify each."""
+    candidate = decoded.data.find(FRAME_MARKER, pos + 1)
     while candidate != -1:
-        if not isinstance(_check_frame(buf, candidate), str):
-            return candidate
-        candidate = data.find(FRAME_MARKER, candidate + 1)
+        checked = _check_frame(decoded, buf, candidate)
+        if not isinstance(checked, str):
+            return candidate, checked
+        candidate = decoded.data.find(FRAME_MARKER, candidate + 1)
     return None
 
 
@@ -137,8 +180,8 @@ def _read_header(decoded: _File, buf: memoryview, data: bytes) -> int | None:
             _Damage("unknown_version", 0, size, f"format version {version}; this decoder reads version {FORMAT_VERSION}")
         )
         return None
-    checked = _check_frame(buf, PREAMBLE.size)
-    if checked == "truncated" and _next_frame(buf, data, PREAMBLE.size) is None:
+    checked = _check_frame(decoded, buf, PREAMBLE.size)
+    if checked == "truncated" and not _frames_follow(decoded, buf, PREAMBLE.size):
         decoded.damage.append(
             _Damage("torn_tail", PREAMBLE.size, size - PREAMBLE.size, "file ends inside the segment header frame")
         )
@@ -174,20 +217,26 @@ def _read_header(decoded: _File, buf: memoryview, data: bytes) -> int | None:
     return end
 
 
+def _frames_follow(decoded: _File, buf: memoryview, pos: int) -> bool:
+    """Whether a valid frame may follow `pos`: one that could not be checked counts."""
+    try:
+        return _next_frame(decoded, buf, pos) is not None
+    except _ResyncGaveUp:
+        return True
+
+
 def _first_error(err: ValidationError) -> str:
     first = err.errors()[0]
     return f"field {'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
 
 
-def _read_step(decoded: _File, buf: memoryview, pos: int, start: int, end: int) -> bool:
-    """Slice one step frame's parts; False when its lengths disagree with the payload."""
-    seq, _, _, _, _, n_slots, n_holders, id_bytes, holder_id_bytes, blocked = STEP_STRUCT.unpack_from(buf, start)
+def _read_step(decoded: _File, buf: memoryview, pos: int, start: int, end: int) -> None:
+    """Slice one step frame's parts (their lengths already agree with the payload, see _fits_its_kind)."""
+    seq, _, _, _, _, n_slots, n_holders, id_bytes, _, _ = STEP_STRUCT.unpack_from(buf, start)
     slots_at = start + STEP_STRUCT.size
     ids_at = slots_at + n_slots * SLOT_DTYPE.itemsize
     holders_at = ids_at + id_bytes
     holder_ids_at = holders_at + n_holders * HOLDER_DTYPE.itemsize
-    if holder_ids_at + holder_id_bytes != end or blocked > 1:
-        return False
     decoded.step_offsets.append(pos)
     decoded.step_fixed.append(buf[start:slots_at])
     decoded.slot_records.append(buf[slots_at:ids_at])
@@ -195,43 +244,57 @@ def _read_step(decoded: _File, buf: memoryview, pos: int, start: int, end: int) 
     decoded.holder_records.append(buf[holders_at:holder_ids_at])
     decoded.holder_ids.append(buf[holder_ids_at:end])
     decoded.seq_marks.append((pos, seq, seq))
-    return True
 
 
-def _read_body(decoded: _File, buf: memoryview, data: bytes, pos: int) -> None:
-    size = len(data)
-    while pos < size:
-        checked = _check_frame(buf, pos)
-        if not isinstance(checked, str):
-            kind, end = checked
-            payload = pos + FRAME_PREFIX.size
-            if kind == FrameKind.STEP and end - payload >= STEP_STRUCT.size:
-                if _read_step(decoded, buf, pos, payload, end):
-                    pos = end
-                    continue
-            elif kind == FrameKind.DROP and end - payload == DROP_STRUCT.size:
-                first, last = DROP_STRUCT.unpack_from(buf, payload)
-                if first <= last:
-                    decoded.drops.append((first, last))
-                    decoded.seq_marks.append((pos, first, last))
-                    pos = end
-                    continue
-            why = "a second segment header frame" if kind == FrameKind.HEADER else f"{FrameKind(kind).name.lower()} frame with inconsistent lengths"
-            decoded.damage.append(_Damage("corrupt_frame", pos, end - pos, why))
-            pos = end
-            continue
-        following = _next_frame(buf, data, pos)
-        damage_end = size if following is None else following
-        torn = following is None and checked == "truncated"
-        decoded.damage.append(
-            _Damage(
-                "torn_tail" if torn else "corrupt_frame",
-                pos,
-                damage_end - pos,
-                "file ends inside a frame" if torn else "bad frame marker, length or checksum",
+def _read_body(decoded: _File, buf: memoryview, pos: int) -> None:
+    size = decoded.size
+    try:
+        checked = _check_frame(decoded, buf, pos)
+        while pos < size:
+            if not isinstance(checked, str):
+                pos = _read_frame(decoded, buf, pos, *checked)
+                checked = _check_frame(decoded, buf, pos)
+                continue
+            following = _next_frame(decoded, buf, pos)
+            damage_end = size if following is None else following[0]
+            torn = following is None and checked == "truncated"
+            decoded.damage.append(
+                _Damage(
+                    "torn_tail" if torn else "corrupt_frame",
+                    pos,
+                    damage_end - pos,
+                    "file ends inside a frame" if torn else "bad frame marker, length or checksum",
+                )
             )
+            pos = damage_end
+            if following is not None:
+                # Already checked: checksumming the frame again would double its cost.
+                checked = following[1]
+    except _ResyncGaveUp:
+        why = (
+            f"resynchronisation gave up at byte {pos}: checking further frames would checksum more than "
+            f"{CRC_BYTES_PER_FILE_BYTE}x the file's {size} bytes; the remaining {size - pos} bytes are not read"
         )
-        pos = damage_end
+        decoded.damage.append(_Damage("corrupt_frame", pos, size - pos, why))
+
+
+def _read_frame(decoded: _File, buf: memoryview, pos: int, kind: int, end: int) -> int:
+    """Take in one valid frame; the offset after it."""
+    payload = pos + FRAME_PREFIX.size
+    if kind == FrameKind.STEP:
+        _read_step(decoded, buf, pos, payload, end)
+        return end
+    if kind == FrameKind.DROP:
+        first, last = DROP_STRUCT.unpack_from(buf, payload)
+        if first <= last:
+            decoded.drops.append((first, last))
+            decoded.seq_marks.append((pos, first, last))
+            return end
+        why = f"drop frame whose first_seq {first} exceeds its last_seq {last}"
+    else:
+        why = "a second segment header frame"
+    decoded.damage.append(_Damage("corrupt_frame", pos, end - pos, why))
+    return end
 
 
 def _bound_damage(decoded: _File) -> None:
@@ -249,14 +312,14 @@ def _bound_damage(decoded: _File) -> None:
 
 def _decode_file(path: Path) -> _File:
     data = path.read_bytes()
-    decoded = _File(path=path, data=data)
+    decoded = _new_file(path, data)
     buf = memoryview(data)
     if not data:
         decoded.damage.append(_Damage("torn_tail", 0, 0, "empty file"))
         return decoded
     body = _read_header(decoded, buf, data)
     if body is not None:
-        _read_body(decoded, buf, data, body)
+        _read_body(decoded, buf, body)
         _bound_damage(decoded)
     elif decoded.damage[-1].kind == "bad_header" and decoded.damage[-1].byte_offset == PREAMBLE.size:
         # The preamble vouches for the framing, so intact frames can at least be counted.
@@ -266,11 +329,15 @@ def _decode_file(path: Path) -> _File:
 
 def _note_unreadable_seqs(decoded: _File, buf: memoryview, data: bytes) -> None:
     """Without a usable header nothing can be attributed; still say which steps are in the file."""
-    probe = _File(path=decoded.path, data=data)
-    start = _next_frame(buf, data, PREAMBLE.size)
-    if start is None:
+    probe = _new_file(decoded.path, data)
+    probe.crc_budget = decoded.crc_budget
+    try:
+        following = _next_frame(probe, buf, PREAMBLE.size)
+    except _ResyncGaveUp:
         return
-    _read_body(probe, buf, data, start)
+    if following is None:
+        return
+    _read_body(probe, buf, following[0])
     if probe.seq_marks:
         decoded.damage[-1].first_seq = min(mark[1] for mark in probe.seq_marks)
         decoded.damage[-1].last_seq = max(mark[2] for mark in probe.seq_marks)
@@ -339,14 +406,23 @@ def _tables(decoded: _File) -> tuple[pa.Table, pa.Table, pa.Table]:
         except pa.ArrowInvalid:
             bad = np.array([not _utf8(a) or not _utf8(b) for a, b in zip(decoded.slot_ids, decoded.holder_ids)])
     if bad.any():
-        _discard_steps(decoded, np.flatnonzero(bad), fixed["seq"])
+        why = "step frame whose id lengths, ids or holder states disagree with its counts"
+        _discard_steps(decoded, bad, fixed["seq"], why)
+        return _tables(decoded)
+    shift = header.wall_anchor_ns - header.mono_anchor_ns
+    overflows = _utc_overflows(fixed, shift)
+    if overflows.any():
+        why = (
+            f"step start or end time plus the header's clock anchor shift (wall_anchor_ns - mono_anchor_ns = "
+            f"{shift}) is outside int64 nanoseconds, so the step has no UTC time"
+        )
+        _discard_steps(decoded, overflows, fixed["seq"], why)
         return _tables(decoded)
     slot_counts = fixed["num_slots"].astype(np.int64)
     holder_counts = fixed["num_holders"].astype(np.int64)
 
     n_steps = len(fixed)
     seq = fixed["seq"]
-    shift = header.wall_anchor_ns - header.mono_anchor_ns
     steps = pa.table(
         [
             _constant(header.pool, n_steps),
@@ -399,22 +475,47 @@ def _utf8(blob: memoryview) -> bool:
     return True
 
 
-def _discard_steps(decoded: _File, indexes: np.ndarray, seqs: np.ndarray) -> None:
-    """Report step frames that passed their checksum but contradict themselves, and drop them."""
-    for index in indexes[::-1]:
-        seq = int(seqs[index])
-        decoded.damage.append(
-            _Damage(
-                "corrupt_frame",
-                decoded.step_offsets[index],
-                FRAME_PREFIX.size + sum(len(part[index]) for part in decoded.step_parts()),
-                "step frame whose id lengths, ids or holder states disagree with its counts",
-                seq,
-                seq,
+def _utc_overflows(fixed: np.ndarray, shift: int) -> np.ndarray:
+    """Steps whose start or end would leave int64 when shifted to UTC; numpy would wrap silently.
+
+    Compares against the limit before adding, so nothing overflows on the way.
+    """
+    if shift >= 0:
+        latest = np.int64(_INT64_LIMIT - 1 - shift)
+        return (fixed["start_ns"] > latest) | (fixed["end_ns"] > latest)
+    earliest = np.int64(-_INT64_LIMIT - shift)
+    return (fixed["start_ns"] < earliest) | (fixed["end_ns"] < earliest)
+
+
+def _discard_steps(decoded: _File, discard: np.ndarray, seqs: np.ndarray, why: str) -> None:
+    """Report step frames that passed their checksum but cannot be decoded, and drop them.
+
+    Byte-adjacent discarded frames are one damaged region, so a file whose steps all fail is
+    one row and the cost stays linear in the number of steps.
+    """
+    indexes = np.flatnonzero(discard)
+    starts = [decoded.step_offsets[index] for index in indexes]
+    ends = [
+        start + FRAME_PREFIX.size + sum(len(part[index]) for part in decoded.step_parts())
+        for start, index in zip(starts, indexes, strict=True)
+    ]
+    run_first = 0
+    for position in range(len(indexes)):
+        if position + 1 == len(indexes) or starts[position + 1] != ends[position]:
+            decoded.damage.append(
+                _Damage(
+                    "corrupt_frame",
+                    starts[run_first],
+                    ends[position] - starts[run_first],
+                    why,
+                    int(seqs[indexes[run_first]]),
+                    int(seqs[indexes[position]]),
+                )
             )
-        )
-        for parts in (decoded.step_offsets, *decoded.step_parts()):
-            del parts[index]
+            run_first = position + 1
+    keep = (~discard).tolist()
+    for parts in (decoded.step_offsets, *decoded.step_parts()):
+        parts[:] = compress(parts, keep)
 
 
 def _seq_range(decoded: _File) -> tuple[int | None, int | None]:

@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
+import zlib
 from pathlib import Path
 
 import hypothesis.strategies as st
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 
-from pipeline.steplog import StepRecorder, read_segments
-from schemas.records import FRAME_PREFIX, PREAMBLE
+from pipeline.steplog import StepRecorder, decoder, read_segments
+from pipeline.steplog.format import frame
+from schemas.records import (
+    DROP_STRUCT,
+    FRAME_CHECKED_BYTES,
+    FRAME_MARKER,
+    FRAME_PREFIX,
+    PREAMBLE,
+    STEP_STRUCT,
+    FrameKind,
+)
 
 
 def frame_spans(data: bytes) -> list[tuple[int, int]]:
@@ -241,3 +252,183 @@ def test_any_damage_is_reported_and_only_true_rows_come_back(tmp_path, clean_seg
     assert all(row in holders for row in decoded.holders.to_pylist())
     if bytes(data) != original:
         assert decoded.damage.num_rows >= 1
+
+
+# --- inputs built to make the decoder wrong or slow ------------------------------------------
+INT64_MAX = 2**63 - 1
+MONO_ANCHOR = 5_000_000_000
+OVERFLOW_DETAIL = (
+    "step start or end time plus the header's clock anchor shift (wall_anchor_ns - mono_anchor_ns = {shift}) "
+    "is outside int64 nanoseconds, so the step has no UTC time"
+)
+HYPOTHESIS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def with_header_fields(data: bytes, **fields) -> bytes:
+    """The segment with fields of its header JSON replaced, framed with a valid checksum."""
+    start, end = frame_spans(data)[0]
+    header = json.loads(data[start + FRAME_PREFIX.size : end])
+    return data[:start] + frame(FrameKind.HEADER, json.dumps({**header, **fields}).encode()) + data[end:]
+
+
+def test_steps_whose_utc_time_overflows_are_reported_and_the_rest_decoded(tmp_path, small_segment):
+    # Step k ends at MONO_ANCHOR + 1000 k + 700: step 0 ends exactly at the largest int64 in UTC.
+    wall_anchor = INT64_MAX - 700
+    data = with_header_fields(small_segment.read_bytes(), wall_anchor_ns=wall_anchor)
+    spans = frame_spans(data)
+    decoded = decode_bytes(tmp_path, data)
+    (step,) = decoded.steps.to_pylist()
+    assert (step["seq"], step["start_utc_ns"], step["end_utc_ns"]) == (0, INT64_MAX - 700, INT64_MAX)
+    assert decoded.slots.column("seq").to_pylist() == [0, 0]
+    assert decoded.holders.column("seq").to_pylist() == [0]
+    detail = OVERFLOW_DETAIL.format(shift=wall_anchor - MONO_ANCHOR)
+    # Steps 1 and 3 are separated by the drop frame of step 2: two damaged regions.
+    assert decoded.damage.to_pylist() == [
+        {
+            "path": str(tmp_path / "damaged.seg"),
+            "kind": "corrupt_frame",
+            "byte_offset": start,
+            "byte_length": end - start,
+            "first_seq": seq,
+            "last_seq": seq,
+            "detail": detail,
+        }
+        for (start, end), seq in ((spans[2], 1), (spans[4], 3))
+    ]
+
+
+def test_adjacent_overflowing_steps_are_one_damaged_region(tmp_path, write_segment):
+    (path,) = write_segment(40)
+    data = with_header_fields(path.read_bytes(), wall_anchor_ns=INT64_MAX)
+    spans = frame_spans(data)
+    decoded = decode_bytes(tmp_path, data)
+    assert decoded.steps.num_rows == decoded.slots.num_rows == decoded.holders.num_rows == 0
+    (row,) = decoded.damage.to_pylist()
+    steps_start = spans[1][0]
+    assert (row["kind"], row["byte_offset"], row["byte_length"]) == ("corrupt_frame", steps_start, len(data) - steps_start)
+    assert (row["first_seq"], row["last_seq"]) == (0, 39)
+    assert row["detail"] == OVERFLOW_DETAIL.format(shift=INT64_MAX - MONO_ANCHOR)
+
+
+@HYPOTHESIS
+@given(
+    mono_anchor=st.integers(-(2**63), INT64_MAX),
+    shift=st.one_of(st.integers(-(2**63), INT64_MAX), st.integers(INT64_MAX - 10_000, INT64_MAX)),
+)
+def test_every_step_is_either_shifted_exactly_or_reported(tmp_path, small_segment, mono_anchor, shift):
+    data = small_segment.read_bytes()
+    wall_anchor = mono_anchor + shift
+    assume(-(2**63) <= wall_anchor <= INT64_MAX)
+    decoded = decode_bytes(tmp_path, with_header_fields(data, mono_anchor_ns=mono_anchor, wall_anchor_ns=wall_anchor))
+    steps = decoded.steps.to_pylist()
+    for step in steps:
+        assert (step["start_utc_ns"], step["end_utc_ns"]) == (step["start_ns"] + shift, step["end_ns"] + shift)
+    reported = [
+        seq
+        for row in decoded.damage.to_pylist()
+        if row["detail"] == OVERFLOW_DETAIL.format(shift=shift)
+        for seq in range(row["first_seq"], row["last_seq"] + 1)
+    ]
+    assert sorted([step["seq"] for step in steps] + reported) == [0, 1, 3]
+
+
+class CountingZlib:
+    """Stands in for the decoder's zlib and counts the bytes it checksums."""
+
+    def __init__(self) -> None:
+        self.checksummed = 0
+
+    def crc32(self, data, value: int = 0) -> int:
+        self.checksummed += len(data)
+        return zlib.crc32(data, value)
+
+
+@pytest.fixture
+def counting_zlib(monkeypatch) -> CountingZlib:
+    counting = CountingZlib()
+    monkeypatch.setattr(decoder, "zlib", counting)
+    return counting
+
+
+def consistent_storm(count: int) -> bytes:
+    """`count` step frame prefixes, each declaring a frame to the end of the data whose request
+    id bytes swallow the rest: every one passes the structural checks, none its checksum."""
+    size = FRAME_PREFIX.size + STEP_STRUCT.size
+    return b"".join(
+        FRAME_PREFIX.pack(FRAME_MARKER, FrameKind.STEP, 0, 0, (count - i) * size - FRAME_PREFIX.size, 0)
+        + STEP_STRUCT.pack(0, 0, 0, 0, 0, 0, 0, (count - i - 1) * size, 0, 0)
+        for i in range(count)
+    )
+
+
+def test_every_frame_is_checksummed_once(tmp_path, small_segment, counting_zlib):
+    data = small_segment.read_bytes()
+    cut = frame_spans(data)[2][0]
+    # Markers whose lengths run to the end of the file but whose step counts cannot fit them.
+    junk = b"".join(FRAME_PREFIX.pack(FRAME_MARKER, FrameKind.STEP, 0, 0, 10**5, 0) for _ in range(64))
+    decoded = decode_bytes(tmp_path, data[:cut] + junk + data[cut:])
+    assert decoded.steps.column("seq").to_pylist() == [0, 1, 3]
+    (row,) = decoded.damage.to_pylist()
+    assert (row["kind"], row["byte_offset"], row["byte_length"]) == ("corrupt_frame", cut, len(junk))
+    # The prefix's own CRC field is the only part of a frame not checksummed.
+    crc_field = FRAME_PREFIX.size - FRAME_CHECKED_BYTES
+    assert counting_zlib.checksummed == sum(end - start - crc_field for start, end in frame_spans(data))
+
+
+def test_resynchronisation_gives_up_past_the_checksum_budget(tmp_path, small_segment, counting_zlib):
+    data = small_segment.read_bytes()
+    storm = consistent_storm(2000)
+    hostile = data + storm
+    decoded = decode_bytes(tmp_path, hostile)
+    assert decoded.steps.column("seq").to_pylist() == [0, 1, 3]
+    assert counting_zlib.checksummed <= decoder.CRC_BYTES_PER_FILE_BYTE * len(hostile)
+    assert decoded.damage.to_pylist() == [
+        {
+            "path": str(tmp_path / "damaged.seg"),
+            "kind": "corrupt_frame",
+            "byte_offset": len(data),
+            "byte_length": len(storm),
+            "first_seq": 4,
+            "last_seq": None,
+            "detail": f"resynchronisation gave up at byte {len(data)}: checking further frames would checksum more "
+            f"than 2x the file's {len(hostile)} bytes; the remaining {len(storm)} bytes are not read",
+        }
+    ]
+
+
+@HYPOTHESIS
+@given(
+    pieces=st.lists(
+        st.one_of(
+            st.integers(1, 4).map(lambda index: ("frame", index)),
+            st.integers(1, 300).map(lambda count: ("storm", count)),
+            st.binary(min_size=1, max_size=64).map(lambda blob: ("bytes", blob)),
+        ),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_checksumming_is_bounded_by_the_file_size(tmp_path, small_segment, monkeypatch, pieces):
+    counting = CountingZlib()
+    monkeypatch.setattr(decoder, "zlib", counting)
+    data = small_segment.read_bytes()
+    spans = frame_spans(data)
+    hostile = data[: spans[1][0]] + b"".join(
+        data[slice(*spans[value])] if what == "frame" else consistent_storm(value) if what == "storm" else value
+        for what, value in pieces
+    )
+    decoded = decode_bytes(tmp_path, hostile)
+    assert counting.checksummed <= decoder.CRC_BYTES_PER_FILE_BYTE * len(hostile)
+    assert set(decoded.steps.column("seq").to_pylist()) <= {0, 1, 3}
+
+
+def test_a_drop_frame_naming_a_backwards_range_is_reported(tmp_path, small_segment):
+    data = small_segment.read_bytes()
+    start, end = frame_spans(data)[3]
+    decoded = decode_bytes(tmp_path, data[:start] + frame(FrameKind.DROP, DROP_STRUCT.pack(5, 2)) + data[end:])
+    assert decoded.steps.column("seq").to_pylist() == [0, 1, 3]
+    assert decoded.drops.num_rows == 0
+    (row,) = decoded.damage.to_pylist()
+    assert (row["kind"], row["byte_offset"], row["byte_length"]) == ("corrupt_frame", start, end - start)
+    assert (row["first_seq"], row["last_seq"]) == (2, 2)
+    assert row["detail"] == "drop frame whose first_seq 5 exceeds its last_seq 2"
