@@ -12,6 +12,7 @@ benchmark and anyone scripting the pipeline without Dagster.
 from __future__ import annotations
 
 import functools
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -20,7 +21,7 @@ import duckdb
 import polars as pl
 
 from pipeline.context import context_for_requests
-from pipeline.ingest import LAKE_TABLES, STEP_KEY, partition_dir
+from pipeline.ingest import LAKE_TABLES, STEP_KEY, batch_of, committed_batches, partition_dir
 from pipeline.warehouse import HOUR_TABLES, hour_key, query_frame, record_checks, replace_hour, utc_hour
 from schemas.config import Pool, Settings
 
@@ -46,9 +47,10 @@ class HourCharges:
         return int(self.invoices["amount_nano"][0])
 
 
-def _partition_files(lake: Path, table: str, pool: str, hour: datetime) -> list[Path]:
+def _partition_files(lake: Path, table: str, pool: str, hour: datetime, batches: Collection[str] | None) -> list[Path]:
     directory = partition_dir(lake, table, pool, hour_key(hour))
-    return sorted(directory.glob("*.parquet")) if directory.is_dir() else []
+    files = sorted(directory.glob("*.parquet")) if directory.is_dir() else []
+    return files if batches is None else [f for f in files if batch_of(f) in batches]
 
 
 def _replica_of(part: Path) -> str:
@@ -62,24 +64,30 @@ def _read(files: list[Path], table: str) -> pl.DataFrame:
     return pl.read_parquet(files)
 
 
-def _read_partition(lake: Path, table: str, pool: str, hour: datetime, where: pl.Expr | None = None) -> pl.DataFrame:
+def _read_partition(
+    lake: Path, table: str, pool: str, hour: datetime, batches: Collection[str] | None, where: pl.Expr | None = None
+) -> pl.DataFrame:
     """A lake partition, or the rows of it matching `where` (Parquet row-group statistics let
     the scan skip the rest, so a few rows of a previous hour cost little)."""
-    files = _partition_files(lake, table, pool, hour)
+    files = _partition_files(lake, table, pool, hour, batches)
     if where is None or not files:
         return _read(files, table)
     return pl.scan_parquet(files).filter(where).collect()
 
 
-def load_hour(lake: Path, pool: str, hour: datetime) -> HourInput:
+def load_hour(lake: Path, pool: str, hour: datetime, batches: Collection[str] | None = None) -> HourInput:
     """The steps of `pool` that ran during `hour`, with their slots and holders, ordered by
-    replica and sequence number (so attribution need not sort tens of millions of rows)."""
+    replica and sequence number (so attribution need not sort tens of millions of rows).
+
+    `batches`: the ingest batches to read (`pipeline.ingest.committed_batches`), so that the
+    files of a batch still being ingested, or of one that died before its commit, are not
+    read; None reads every file in the lake."""
     hour = utc_hour(hour)
     previous = hour - timedelta(hours=1)
     hour_start_ns = int(hour.timestamp()) * 1_000_000_000
-    straddling_keys = _read_partition(lake, "steps", pool, previous, pl.col("end_utc_ns") > hour_start_ns).select(
-        STEP_KEY
-    )
+    straddling_keys = _read_partition(
+        lake, "steps", pool, previous, batches, pl.col("end_utc_ns") > hour_start_ns
+    ).select(STEP_KEY)
 
     def ordered(table: str) -> pl.DataFrame:
         # Per replica: its rows of straddling steps, then its files of this hour. Rows of the
@@ -89,8 +97,10 @@ def load_hour(lake: Path, pool: str, hour: datetime) -> HourInput:
             # Sequence numbers grow within a replica: the scan skips all but the last row groups
             # of the previous hour, and the join on the step keys makes the selection exact.
             after = pl.col("seq") >= straddling_keys["seq"].min()
-            earlier = _read_partition(lake, table, pool, previous, after).join(straddling_keys, on=STEP_KEY, how="semi")
-        current = _partition_files(lake, table, pool, hour)
+            earlier = _read_partition(lake, table, pool, previous, batches, after).join(
+                straddling_keys, on=STEP_KEY, how="semi"
+            )
+        current = _partition_files(lake, table, pool, hour, batches)
         replicas = sorted({*earlier["replica"].unique().to_list(), *map(_replica_of, current)})
         frames = [
             frame
@@ -144,7 +154,7 @@ def charge_hour(
     from pipeline.attribution import attribute_hour
 
     hour = utc_hour(hour)
-    data = load_hour(lake, pool.name, hour)
+    data = load_hour(lake, pool.name, hour, committed_batches(con))
     context = context_for_requests(
         con, pl.concat([data.slots["request_id"].unique(), data.holders["request_id"].unique()])
     )
@@ -216,9 +226,10 @@ def _pool_rows(con: duckdb.DuckDBPyConnection, table: str, pool: Pool) -> pl.Dat
     return query_frame(con, f"SELECT * FROM {table} WHERE pool = ?", [pool.name])
 
 
-def last_seq_before(lake: Path, pool: str, hour: datetime) -> dict[str, int]:
-    """Each replica's last sequence number in the previous hour's partition."""
-    previous = _read_partition(lake, "steps", pool, utc_hour(hour) - timedelta(hours=1))
+def last_seq_before(lake: Path, pool: str, hour: datetime, batches: Collection[str] | None = None) -> dict[str, int]:
+    """Each replica's last sequence number in the previous hour's partition (of `batches`, as
+    in `load_hour`)."""
+    previous = _read_partition(lake, "steps", pool, utc_hour(hour) - timedelta(hours=1), batches)
     last = previous.group_by("replica").agg(pl.col("seq").max())
     return dict(zip(last["replica"].to_list(), last["seq"].to_list(), strict=True))
 
@@ -287,7 +298,8 @@ def reconcile_hour(
     from pipeline.dcgm import read_dcgm_hour
 
     hour = utc_hour(hour)
-    data = load_hour(lake, pool.name, hour)
+    batches = committed_batches(con)
+    data = load_hour(lake, pool.name, hour, batches)
     steps = data.steps
     store = CalibrationStore.load(calibration_file) if calibration_file is not None else CalibrationStore()
     at_hour = [hour.replace(tzinfo=None), pool.name]
@@ -296,7 +308,7 @@ def reconcile_hour(
     results = [
         *reconcile.check_sequence(
             hour, pool, steps, _pool_rows(con, "drops", pool), _pool_rows(con, "damage", pool),
-            _pool_rows(con, "segments", pool), last_seq_before=last_seq_before(lake, pool.name, hour),
+            _pool_rows(con, "segments", pool), last_seq_before=last_seq_before(lake, pool.name, hour, batches),
         ),
         *reconcile.check_time(hour, pool, steps, settings),
         *reconcile.check_money(hour, pool, invoices, lines),

@@ -5,13 +5,24 @@ Layout: `<lake>/<table>/pool=<pool>/hour=<YYYY-MM-DDTHH>/<replica>.<seq>.<batch>
 Each segment is ingested once: a file whose bytes were seen before, or that repeats a segment
 id already ingested, is recorded as a duplicate delivery and contributes nothing. What was
 ingested, and the damage and drops the decoder found, are recorded in the warehouse.
+
+A batch's lake files count only once the warehouse has committed the batch (`segment_files`):
+readers take the committed batch ids (`committed_batches`) and skip other files. Before writing
+them, an ingest leaves an intent (`<lake>/_ingest/<batch>.json`, the partitions it is about to
+write); the next ingest removes the files of every intent whose batch never committed, so a
+crash between the lake and the warehouse leaves nothing behind for long.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import fcntl
 import hashlib
+import json
+import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -27,6 +38,10 @@ from schemas.tables import HOLDERS, SLOTS, STEPS
 NS_PER_HOUR = 3_600_000_000_000
 LAKE_TABLES = {"steps": STEPS, "slots": SLOTS, "holders": HOLDERS}
 STEP_KEY = ["pool", "replica", "seq"]
+# Under the lake: the ingest lock and the intents of batches being written.
+INTENTS_DIR = "_ingest"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -38,6 +53,8 @@ class IngestReport:
     damage: int
     # (pool, hour key) partitions that received steps: the hours to (re)attribute.
     partitions: set[tuple[str, str]] = field(default_factory=set)
+    # Lake files of batches an earlier, interrupted ingest wrote but never committed.
+    uncommitted_removed: list[Path] = field(default_factory=list)
 
 
 def segment_files(outbox: Path, replicas: Iterable[str] | None = None) -> list[Path]:
@@ -66,6 +83,16 @@ def part_name(replica: str, part: pl.DataFrame, batch_id: str) -> str:
     return f"{replica}.{part['seq'].min():012d}.{batch_id}.parquet"
 
 
+def batch_of(part: Path) -> str:
+    """The batch id in a lake file's name (`part_name`)."""
+    return part.name.removesuffix(".parquet").rsplit(".", 1)[-1]
+
+
+def committed_batches(con: duckdb.DuckDBPyConnection) -> set[str]:
+    """The batches the warehouse has recorded: the only ones whose lake files are data."""
+    return {row[0] for row in con.execute("SELECT DISTINCT batch_id FROM segment_files").fetchall()}
+
+
 def _write_atomically(table: pa.Table, target: Path) -> None:
     import pyarrow.parquet as pq
 
@@ -73,6 +100,54 @@ def _write_atomically(table: pa.Table, target: Path) -> None:
     partial = target.with_suffix(".parquet.partial")
     pq.write_table(table, partial)
     os.replace(partial, target)
+
+
+@contextmanager
+def _ingest_lock(lake: Path) -> Iterator[Path]:
+    """Hold the lake's ingest lock; yields the intents directory.
+
+    Removing an uncommitted batch's files is only safe while no other ingest is between
+    writing its files and committing them; the lock (released by the kernel, should the
+    holder die) makes ingests of one lake take turns."""
+    intents = lake / INTENTS_DIR
+    intents.mkdir(parents=True, exist_ok=True)
+    with (intents / "lock").open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield intents
+
+
+def _write_intent(lake: Path, intents: Path, batch_id: str, directories: set[Path]) -> None:
+    target = intents / f"{batch_id}.json"
+    partial = target.with_suffix(".json.partial")
+    partial.write_text(json.dumps(sorted(str(d.relative_to(lake)) for d in directories)))
+    os.replace(partial, target)
+
+
+def remove_uncommitted(con: duckdb.DuckDBPyConnection, lake: Path, intents: Path) -> list[Path]:
+    """Settle the intents left by earlier ingests: delete the lake files of each batch the
+    warehouse never committed, then the intent. Returns the files removed."""
+    committed = committed_batches(con)
+    removed: list[Path] = []
+    # A torn intent was never followed by lake writes.
+    for torn in intents.glob("*.json.partial"):
+        torn.unlink()
+    for intent in sorted(intents.glob("*.json")):
+        batch_id = intent.stem
+        if batch_id not in committed:
+            parts = [
+                part
+                for directory in json.loads(intent.read_text())
+                for part in sorted((lake / directory).glob(f"*.{batch_id}.parquet*"))
+            ]
+            for part in parts:
+                part.unlink()
+            log.warning(
+                "batch %s was written to the lake but never committed to the warehouse; removed %d file(s): %s",
+                batch_id, len(parts), ", ".join(map(str, parts)) or "none",
+            )
+            removed.extend(parts)
+        intent.unlink()
+    return removed
 
 
 def ingest_outbox(
@@ -87,9 +162,18 @@ def ingest_outbox(
     Decoding a replica at a time bounds memory to one replica's new segments, and keeps
     each replica's segments together for the decoder, which bounds a torn segment by the
     next one. Parquet files are named after the batch (a hash of its files' contents) and
-    written before the warehouse records the batch, so a crash between the two only leaves
-    files that the retried batch overwrites with identical content.
+    written before the warehouse records the batch; the files of a batch that never committed
+    (the process died in between) are removed first, whatever arrived in the outbox since.
     """
+    with _ingest_lock(lake) as intents:
+        removed = remove_uncommitted(con, lake, intents)
+        report = _ingest_new(con, outbox, lake, intents, replicas)
+    return dataclasses.replace(report, uncommitted_removed=removed)
+
+
+def _ingest_new(
+    con: duckdb.DuckDBPyConnection, outbox: Path, lake: Path, intents: Path, replicas: Iterable[str] | None
+) -> IngestReport:
     known_paths = {row[0] for row in con.execute("SELECT path FROM segment_files").fetchall()}
     known_hashes = {
         row[0] for row in con.execute("SELECT sha256 FROM segment_files WHERE status = 'ingested'").fetchall()
@@ -105,7 +189,7 @@ def ingest_outbox(
         else:
             fresh[path] = digest
             known_hashes.add(digest)
-    reports = [_ingest_batch(con, lake, fresh, duplicates) for fresh, duplicates in batches.values()]
+    reports = [_ingest_batch(con, lake, intents, fresh, duplicates) for fresh, duplicates in batches.values()]
     return IngestReport(
         batch_id=reports[-1].batch_id if reports else None,
         ingested_files=[p for r in reports for p in r.ingested_files],
@@ -116,8 +200,13 @@ def ingest_outbox(
     )
 
 
+def _hour_key(hour_index: int) -> str:
+    """The hour key of an hour counted from the epoch."""
+    return hour_key(datetime.fromtimestamp(hour_index * 3600, tz=timezone.utc))
+
+
 def _ingest_batch(
-    con: duckdb.DuckDBPyConnection, lake: Path, fresh: dict[Path, str], duplicates: dict[Path, str]
+    con: duckdb.DuckDBPyConnection, lake: Path, intents: Path, fresh: dict[Path, str], duplicates: dict[Path, str]
 ) -> IngestReport:
     """Decode `fresh` files into the lake and record them and `duplicates` in the warehouse."""
     batch_id = hashlib.sha256("".join(sorted({*fresh.values(), *duplicates.values()})).encode()).hexdigest()[:16]
@@ -145,13 +234,17 @@ def _ingest_batch(
     if steps is not None and steps.height:
         # The hour as an integer (hours since the epoch): a slot row carries 8 bytes, not a string.
         hours = steps.select(*STEP_KEY, (pl.col("start_utc_ns") // NS_PER_HOUR).alias("_hour"))
+        partitions = {
+            (pool, _hour_key(hour_index)) for pool, hour_index in hours.select("pool", "_hour").unique().iter_rows()
+        }
+        directories = {partition_dir(lake, name, *partition) for name in LAKE_TABLES for partition in partitions}
+        _write_intent(lake, intents, batch_id, directories)
         for name, frame in (("steps", steps), ("slots", slots), ("holders", holders)):
             placed = frame.join(hours, on=STEP_KEY, how="left")
             for (pool, replica, hour_index), part in placed.group_by(["pool", "replica", "_hour"], maintain_order=True):
-                key = hour_key(datetime.fromtimestamp(hour_index * 3600, tz=timezone.utc))
                 table = part.drop("_hour").to_arrow().cast(LAKE_TABLES[name])
-                _write_atomically(table, partition_dir(lake, name, pool, key) / part_name(replica, part, batch_id))
-                partitions.add((pool, key))
+                directory = partition_dir(lake, name, pool, _hour_key(hour_index))
+                _write_atomically(table, directory / part_name(replica, part, batch_id))
             del placed
 
     now = datetime.now(timezone.utc).replace(tzinfo=None)
@@ -178,6 +271,9 @@ def _ingest_batch(
         for name, frame in (("damage", damage), ("drops", drops)):
             if frame is not None and frame.height:
                 insert_frame(con, name, frame.with_columns(batch_id=pl.lit(batch_id)))
+    # Committed: the intent is settled (should the process die first, the next ingest finds
+    # the batch committed and drops the intent alone).
+    (intents / f"{batch_id}.json").unlink(missing_ok=True)
     return IngestReport(
         batch_id=batch_id,
         ingested_files=list(fresh),

@@ -102,7 +102,6 @@ def test_sigkill_anywhere_then_rerun_gives_the_uninterrupted_ledger(simulated, u
             assert snapshot(data) == expected, f"killed {delay:.2f} s into {stage}"
 
 
-@pytest.mark.xfail(strict=True, reason="pipeline/ingest.py leaves the dead batch's Parquet files in the lake")
 def test_killed_between_lake_write_and_warehouse_commit_then_more_segments_arrive(simulated, uninterrupted, tmp_path):
     # The lake files of an ingest batch are written before the warehouse records the batch. A
     # crash in between, followed by a new segment arriving before the retry, gives the retry
@@ -119,7 +118,6 @@ def test_killed_between_lake_write_and_warehouse_commit_then_more_segments_arriv
     held_back.rename(late)
     with dg.DagsterInstance.ephemeral() as instance:
         (result,) = bill(data, small_pools(), instance)
-    # Today the retry fails: attribution finds every step of the first batch twice.
     assert result.success, [e.event_specific_data.error.message for e in result.get_step_failure_events()]
     got = snapshot(data)
     assert got["lake/steps"] == expected["lake/steps"]

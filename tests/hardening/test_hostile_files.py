@@ -150,8 +150,6 @@ def test_empty_and_non_utf8_pools_files_are_config_errors(tmp_path, content):
         load_pools(path)
 
 
-@pytest.mark.xfail(strict=True, raises=ContextError,
-                   reason="pipeline/context.py splits lines with str.splitlines, which also breaks at U+2028, U+0085")
 @pytest.mark.parametrize("separator", ["\u2028", "\u2029", "\x85", "\x1c"])
 def test_a_tenant_name_with_a_unicode_line_separator_is_read_verbatim(tmp_path, separator):
     # JSON allows these characters raw inside strings, and many encoders write them raw.

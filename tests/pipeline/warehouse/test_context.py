@@ -86,6 +86,22 @@ def test_malformed_lines_name_file_line_and_field(tmp_path: Path, bad: str, mess
         read_gateway_file(path, SALT)
 
 
+def test_line_numbers_count_newlines_only(tmp_path: Path) -> None:
+    # U+2028, U+0085 and a raw \x1e inside strings, and Windows line ends, are no line breaks.
+    path = tmp_path / "g.jsonl"
+    lines = [line("r1", tenant="acme\u2028emea"), line("r2", feature="a\x85b"), line("r3", tenant="x\x1ey")]
+    # json.dumps escapes control characters whatever ensure_ascii says: unescape \x1e by hand.
+    raw = [json.dumps(json.loads(text), ensure_ascii=False).replace("\\u001e", "\x1e") for text in lines]
+    path.write_bytes(("\r\n".join(raw) + "\r\n").encode())
+    assert path.read_bytes().count(b"\x1e") == 1
+    rows = read_gateway_file(path, SALT)
+    assert rows.select("request_id", "tenant", "feature").rows() == [
+        ("r1", "acme\u2028emea", "bot"), ("r2", "acme", "a\x85b"), ("r3", "x\x1ey", "bot")]
+    path.write_bytes(path.read_bytes() + b"{not json\r\n")
+    with pytest.raises(ContextError, match=r"g.jsonl:4: field \(line\): Invalid JSON: key must be a string at line 1 column 2"):
+        read_gateway_file(path, SALT)
+
+
 def test_loading_is_idempotent_and_replaces_a_changed_file(tmp_path: Path) -> None:
     path = write(tmp_path / "2026-11-30T05.jsonl", [line("r1"), line("r2")])
     with connect(tmp_path / "w.duckdb") as con:

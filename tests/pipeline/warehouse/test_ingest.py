@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import fcntl
+import logging
 import shutil
+import threading
 from datetime import timedelta
 from pathlib import Path
 
@@ -8,7 +11,8 @@ import polars as pl
 import pytest
 
 from pipeline.hourly import load_hour
-from pipeline.ingest import ingest_outbox, partition_dir, segment_files
+from pipeline import ingest
+from pipeline.ingest import INTENTS_DIR, batch_of, committed_batches, ingest_outbox, partition_dir, segment_files
 from pipeline.warehouse import connect
 from schemas.config import load_pools
 
@@ -27,6 +31,14 @@ def outbox(tmp_path: Path) -> Path:
     write_replica_log(root, POOL, "chat-8b-r1", start=HOUR + timedelta(minutes=1), steps=10, step_ns=2 * NS,
                       gap_ns=8 * NS, requests=["c"])
     return root
+
+
+class Killed(Exception):
+    """Stands in for the process dying as the warehouse is about to record a batch."""
+
+
+def die_before_commit(con):
+    raise Killed
 
 
 def lake_rows(lake: Path, table: str) -> int:
@@ -118,3 +130,69 @@ def test_load_hour_includes_steps_running_into_the_hour(tmp_path: Path) -> None:
         ("chat-8b-r1", 1, "c"), ("chat-8b-r1", 2, "c"), ("chat-8b-r1", 3, "c"),
     ]
     assert data.holders.height == 0
+
+
+def ingest_until_killed(monkeypatch: pytest.MonkeyPatch, con, outbox: Path, lake: Path, replica: str) -> list[Path]:
+    """Ingest `replica` up to its warehouse commit, then die; return the lake files it left."""
+    before = set(lake.rglob("*.parquet"))
+    with monkeypatch.context() as patch:
+        patch.setattr(ingest, "transaction", die_before_commit)
+        with pytest.raises(Killed):
+            ingest_outbox(con, outbox, lake, replicas=[replica])
+    return sorted(set(lake.rglob("*.parquet")) - before)
+
+
+def test_a_batch_that_died_before_its_commit_is_removed_by_the_next_ingest(
+    tmp_path: Path, outbox: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    lake = tmp_path / "lake"
+    with connect(tmp_path / "w.duckdb") as con:
+        dead = ingest_until_killed(monkeypatch, con, outbox, lake, "chat-8b-r0")
+        # r0's steps fall in hours 04 and 05, its slots too; it logged no holders.
+        assert len(dead) == 4 and len({batch_of(p) for p in dead}) == 1
+        # r0 ships another segment before the retry, so the retried batch gets another id.
+        write_replica_log(outbox, POOL, "chat-8b-r0", start=HOUR + timedelta(minutes=30), steps=5, step_ns=NS,
+                          gap_ns=29 * NS, requests=["a", "b"], first_seq=120)
+        with caplog.at_level(logging.WARNING, logger="pipeline.ingest"):
+            report = ingest_outbox(con, outbox, lake)
+        assert report.uncommitted_removed == dead
+        assert batch_of(dead[0]) not in committed_batches(con)
+        assert con.execute("SELECT sum(steps) FROM segments").fetchone() == (135,)
+    assert f"batch {batch_of(dead[0])} was written to the lake but never committed" in caplog.text
+    assert not any(path.exists() for path in dead)
+    steps = pl.read_parquet(list((lake / "steps").rglob("*.parquet")))
+    assert steps.height == 135 and steps.select("replica", "seq").is_unique().all()
+    assert lake_rows(lake, "slots") == 125 * 2 + 10
+    assert list((lake / INTENTS_DIR).glob("*.json*")) == []
+
+
+def test_readers_of_committed_batches_skip_a_batch_not_yet_committed(
+    tmp_path: Path, outbox: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lake = tmp_path / "lake"
+    with connect(tmp_path / "w.duckdb") as con:
+        ingest_outbox(con, outbox, lake, replicas=["chat-8b-r1"])
+        # r0's files are in the lake, as they are while its ingest is still running.
+        assert ingest_until_killed(monkeypatch, con, outbox, lake, "chat-8b-r0")
+        committed = committed_batches(con)
+    data = load_hour(lake, "chat-8b", HOUR, committed)
+    assert data.steps.select("replica", "seq").rows() == [("chat-8b-r1", seq) for seq in range(10)]
+    assert data.slots.height == 10 and data.holders.height == 0
+    assert load_hour(lake, "chat-8b", HOUR).steps.height == 10 + 60
+
+
+def test_an_ingest_waits_for_the_lake_lock(tmp_path: Path, outbox: Path) -> None:
+    # Another ingest between its lake writes and its commit must not see its files removed.
+    lake = tmp_path / "lake"
+    (lake / INTENTS_DIR).mkdir(parents=True)
+    reports = []
+    with connect(tmp_path / "w.duckdb") as con, (lake / INTENTS_DIR / "lock").open("a") as other:
+        fcntl.flock(other, fcntl.LOCK_EX)
+        waiting = threading.Thread(target=lambda: reports.append(ingest_outbox(con, outbox, lake)))
+        waiting.start()
+        waiting.join(timeout=0.5)
+        assert waiting.is_alive() and not list(lake.rglob("*.parquet"))
+        fcntl.flock(other, fcntl.LOCK_UN)
+        waiting.join(timeout=60)
+        assert not waiting.is_alive()
+    assert reports[0].steps == 130

@@ -24,9 +24,11 @@ def write_replica_log(
     gap_ns: int,
     requests: list[str],
     rotate_seconds: float = 600.0,
+    first_seq: int = 0,
 ) -> list[Path]:
-    """Log `steps` equal steps from `start`, each batching every request of `requests`
-    (decode slots with growing context); segments rotate every `rotate_seconds`."""
+    """Log `steps` equal steps from `start`, numbered from `first_seq`, each batching every
+    request of `requests` (decode slots with growing context); segments rotate every
+    `rotate_seconds`."""
     directory = outbox / replica
     directory.mkdir(parents=True, exist_ok=True)
     clock = {"mono": 10 * NS}
@@ -38,7 +40,7 @@ def write_replica_log(
     )
     recorder = StepRecorder(
         directory, header, overflow="block", rotate_seconds=rotate_seconds,
-        mono_clock=lambda: clock["mono"], wall_clock=lambda: clock["mono"] + wall_offset,
+        mono_clock=lambda: clock["mono"], wall_clock=lambda: clock["mono"] + wall_offset, first_seq=first_seq,
     )
     with recorder:
         for index in range(steps):
