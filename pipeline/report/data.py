@@ -204,7 +204,9 @@ def _resource_breakdown(
     """
     from pipeline.attribution import largest_remainder
     from pipeline.hourly import load_hour
+    from pipeline.ingest import committed_batches
 
+    batches = committed_batches(con)
     per_request = []
     decode_contexts: dict[str, list[np.ndarray]] = {}
     for hour, pool_name in invoices.select("hour", "pool").iter_rows():
@@ -214,7 +216,7 @@ def _resource_breakdown(
         except KeyError:
             notes.append(f"pool {pool_name} is not in the pools file: no resource breakdown for it")
             continue
-        data = load_hour(lake, pool_name, hour)
+        data = load_hour(lake, pool_name, hour, batches)
         costs = query_frame(con, _REQUEST_COSTS, [hour.replace(tzinfo=None), pool_name])
         if data.slots.is_empty():
             if costs.height:
