@@ -26,11 +26,18 @@ NANO_PER_USD = 1_000_000_000
 MS_PER_HOUR = 3_600_000
 # Kernel return code for a negative or non-finite weight (group indices are >= 0, -1 is success).
 _BAD_VALUE = -2
+# Boundary buckets of up to this many rows are ranked in place; bigger ones (many rows with
+# near-equal remainders) by a sort.
+_INSERTION_SORT_ROWS = 32
 
 
 class AllocationError(ValueError):
     """A group cannot be split: a positive total with no positive weight, or bad inputs."""
 
+
+# The kernels use numba's IEEE error model: every division below is by a sum checked to be
+# positive, and the default model's zero-divisor check on each division adds a branch that
+# keeps the loops from vectorising.
 
 # Remainders are ranked by bucketing their leading bits (at least as many buckets as rows):
 # every row in a bucket above the boundary bucket gets a unit, and only the boundary bucket,
@@ -38,15 +45,15 @@ class AllocationError(ValueError):
 # and without the mispredicted branches of a comparison sort.
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
+@numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def _bucket_count(size: int) -> int:
-    n_buckets = 64
+    n_buckets = 8
     while n_buckets < size:
         n_buckets *= 2
     return n_buckets
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
+@numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def _place(
     value: float, i: int, lo: int, n_buckets: int, exact: np.ndarray, shares: np.ndarray, buckets: np.ndarray,
     counts: np.ndarray,
@@ -61,7 +68,7 @@ def _place(
     return floor
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, error_model="numpy")
 def _top_up(
     left: int, lo: int, hi: int, n_buckets: int, exact: np.ndarray, shares: np.ndarray, buckets: np.ndarray,
     counts: np.ndarray,
@@ -86,18 +93,32 @@ def _top_up(
         shares[lo + j] += (buckets[j] > boundary) | (whole_boundary & (buckets[j] == boundary))
     if whole_boundary:
         return True
-    members = np.empty(counts[boundary], dtype=np.int64)
-    negated = np.empty(counts[boundary])
+    # The boundary bucket's rows, in position order, moved to the front of `buckets` (their
+    # buckets are no longer needed), then ranked by remainder, earliest on ties.
     found = 0
     for j in range(size):
         if buckets[j] == boundary:
-            members[found] = lo + j
-            negated[found] = shares[lo + j] - exact[lo + j]
+            buckets[found] = lo + j
             found += 1
-    # mergesort is stable: equal remainders keep their position order.
-    ranked = np.argsort(negated, kind="mergesort")
+    if found > _INSERTION_SORT_ROWS:
+        negated = np.empty(found)
+        for m in range(found):
+            negated[m] = shares[buckets[m]] - exact[buckets[m]]
+        # mergesort is stable: equal remainders keep their position order.
+        ranked = np.argsort(negated, kind="mergesort")
+        for m in range(need):
+            shares[buckets[ranked[m]]] += 1
+        return True
+    # Usually two or three rows: a (stable) insertion sort, without allocating.
+    for m in range(1, found):
+        row = buckets[m]
+        k = m
+        while k > 0 and shares[buckets[k - 1]] - exact[buckets[k - 1]] > shares[row] - exact[row]:
+            buckets[k] = buckets[k - 1]
+            k -= 1
+        buckets[k] = row
     for m in range(need):
-        shares[members[ranked[m]]] += 1
+        shares[buckets[m]] += 1
     return True
 
 
@@ -106,7 +127,7 @@ def _scratch(offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.empty(max(largest, 1), dtype=np.int64), np.empty(max(64, 2 * largest), dtype=np.int64)
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, error_model="numpy")
 def _largest_remainder_sorted(
     totals: np.ndarray,
     offsets: np.ndarray,
@@ -148,7 +169,7 @@ def _largest_remainder_sorted(
     return -1
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
+@numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def _blend_group(
     total: int,
     lo: int,
@@ -187,18 +208,27 @@ def _blend_group(
     with_parts = compute_part.shape[0] > 0
     n_buckets = _bucket_count(hi - lo)
     counts[:n_buckets] = 0
+    # The exact shares first, in a loop of arithmetic alone (the compiler vectorises its
+    # divisions), then their floors and buckets.
+    compute_scale = group_alpha if compute_sum > 0.0 else 0.0
+    kv_scale = 1.0 - group_alpha if kv_sum > 0.0 else 0.0
+    compute_divisor = compute_sum if compute_sum > 0.0 else 1.0
+    kv_divisor = kv_sum if kv_sum > 0.0 else 1.0
+    if with_parts:
+        for i in range(lo, hi):
+            compute_part[i] = compute_scale * work[i - work_offset] / compute_divisor
+            kv_part[i] = kv_scale * kv[i] / kv_divisor
+            exact[i] = (compute_part[i] + kv_part[i]) * total
+    else:
+        for i in range(lo, hi):
+            exact[i] = (compute_scale * work[i - work_offset] / compute_divisor + kv_scale * kv[i] / kv_divisor) * total
     given = 0
     for i in range(lo, hi):
-        c = group_alpha * work[i - work_offset] / compute_sum if compute_sum > 0.0 else 0.0
-        k = (1.0 - group_alpha) * kv[i] / kv_sum if kv_sum > 0.0 else 0.0
-        if with_parts:
-            compute_part[i] = c
-            kv_part[i] = k
-        given += _place((c + k) * total, i, lo, n_buckets, exact, shares, buckets, counts)
+        given += _place(exact[i], i, lo, n_buckets, exact, shares, buckets, counts)
     return 0 if _top_up(total - given, lo, hi, n_buckets, exact, shares, buckets, counts) else 1
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, error_model="numpy")
 def _blend_allocate_sorted(
     totals: np.ndarray,
     offsets: np.ndarray,
@@ -226,13 +256,13 @@ def _blend_allocate_sorted(
 
 # The fitted work model's per-row formula lives beside the kernels so the fused fitted path
 # inlines it; workmodel.fitted_work_ms uses the same functions, so both paths agree bit for bit.
-@numba.njit(cache=True, nogil=True, inline="always")
+@numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def fitted_slot_work(fixed: float, t: float, context: float, a: float, b: float) -> float:
     """fixed + (a t + b t (L + (t + 1) / 2)), in the reference allocator's operation order."""
     return fixed + (a * t + b * (t * (context + (t + 1.0) / 2.0)))
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
+@numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def fitted_group_work(
     lo: int, hi: int, new_tokens: np.ndarray, context: np.ndarray, c0: float, a: float, b: float, per_token: bool,
     out: np.ndarray, out_offset: int,
@@ -248,7 +278,7 @@ def fitted_group_work(
         out[i - out_offset] = fitted_slot_work(fixed, t, context[i], a, b)
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, error_model="numpy")
 def _fitted_allocate_sorted(
     totals: np.ndarray,
     offsets: np.ndarray,
@@ -279,7 +309,7 @@ def _fitted_allocate_sorted(
     return -1
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, error_model="numpy")
 def _offsets_if_ordered(groups: np.ndarray, offsets: np.ndarray) -> bool:
     """Fill `offsets` (n_groups + 1) when groups are non-decreasing and in range; else False."""
     n_groups = offsets.shape[0] - 1
@@ -417,7 +447,7 @@ def blend_and_allocate(
     return BlendedSplit(*_unpermute(permutation, shares, exact, compute_part, kv_part))
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, error_model="numpy")
 def _split_compute_kv(amount: np.ndarray, compute_part: np.ndarray, kv_part: np.ndarray, compute: np.ndarray) -> None:
     for i in range(amount.shape[0]):
         both = compute_part[i] + kv_part[i]

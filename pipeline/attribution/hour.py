@@ -31,6 +31,8 @@ import polars as pl
 from pipeline.attribution.allocator import blend_and_allocate, largest_remainder, split_compute_kv
 from pipeline.attribution.clock import HOUR_NS, hour_start_ns, step_costs_in_hour
 from pipeline.attribution.kv import alpha_for_period, first_writer_blocks, holder_blocks
+from pipeline.attribution.layout import AttributionError, StepKeys, gather, lay_out_rows
+from pipeline.attribution.rollup import RequestTotals, largest_per_request
 from pipeline.attribution.workmodel import SlotBatch, WeightSource
 from schemas.config import Pool
 
@@ -81,10 +83,12 @@ REPLICA_FACTS_SCHEMA = {
     "admission_blocked_steps": pl.Int64,
 }
 CONTEXT_COLUMNS = ("request_id", "tenant", "feature", "api_key_id", "retry_of", "retry_cause")
-
-
-class AttributionError(ValueError):
-    """The hour's tables cannot be attributed; the message names the table, row and field."""
+STEP_COLUMNS = ("pool", "replica", "seq", "start_utc_ns", "end_utc_ns", "admission_blocked")
+SLOT_COLUMNS = ("new_tokens", "context_tokens", "kv_blocks", "prompt_tokens", "prefix_hit_tokens", "spec_drafted",
+                "spec_accepted")
+# Slot and holder rows allocated at a time: bounds the working memory (the pricing kernel's
+# per-slot terms are a few hundred bytes a row) while keeping per-batch overhead negligible.
+_ROWS_PER_BATCH = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -132,16 +136,21 @@ def _require_columns(frame: pl.DataFrame, name: str, columns: tuple[str, ...]) -
         raise AttributionError(f"{name} table lacks column(s) {missing}; it has {frame.columns}")
 
 
-def _hour_steps(hour_start_utc_ns: int, pool: Pool, steps: pl.DataFrame) -> pl.DataFrame:
-    """The steps overlapping the hour, validated, ordered, with `step` = their index."""
-    _require_columns(steps, "steps", ("pool", "replica", "seq", "start_utc_ns", "end_utc_ns", "admission_blocked"))
+def _hour_steps(hour_start_utc_ns: int, pool: Pool, steps: pl.DataFrame) -> tuple[pl.DataFrame, StepKeys]:
+    """The steps overlapping the hour, validated and ordered (replica, start, seq), with the
+    keys of every logged step (the hour's and its neighbours')."""
+    _require_columns(steps, "steps", STEP_COLUMNS)
+    for column in STEP_COLUMNS:
+        missing = steps[column].null_count()
+        if missing:
+            raise AttributionError(f"steps: {missing} row(s) have no {column}")
     other_pools = steps.filter(pl.col("pool") != pool.name)["pool"].unique().to_list()
     if other_pools:
         raise AttributionError(f"steps table holds rows of pool(s) {sorted(other_pools)}, attributing pool {pool.name!r}")
-    known = {r.id for r in pool.replicas}
-    unknown = sorted(set(steps["replica"].unique().to_list()) - known)
+    replicas = sorted(r.id for r in pool.replicas)
+    unknown = sorted(set(steps["replica"].unique().to_list()) - set(replicas))
     if unknown:
-        raise AttributionError(f"steps table names replica(s) {unknown} not in pool {pool.name!r} ({sorted(known)})")
+        raise AttributionError(f"steps table names replica(s) {unknown} not in pool {pool.name!r} ({replicas})")
     backwards = steps.filter(pl.col("end_utc_ns") < pl.col("start_utc_ns"))
     if backwards.height:
         row = backwards.row(0, named=True)
@@ -149,126 +158,113 @@ def _hour_steps(hour_start_utc_ns: int, pool: Pool, steps: pl.DataFrame) -> pl.D
             f"steps: replica {row['replica']} seq {row['seq']} ends before it starts "
             f"({row['start_utc_ns']} > {row['end_utc_ns']}); {backwards.height} such step(s)"
         )
+    # Only the columns attribution reads: the hour's copy stays small.
+    keyed = steps.select(
+        pl.col("replica").replace_strict(replicas, range(len(replicas)), return_dtype=pl.Int64).alias("replica_code"),
+        *STEP_COLUMNS[1:],
+    ).with_row_index("row")
     hour_end = hour_start_utc_ns + HOUR_NS
-    inside = steps.filter(
+    # Codes follow the names' sorted order, so this is the order by replica name.
+    inside = keyed.filter(
         (pl.col("start_utc_ns") < hour_end)
         & ((pl.col("end_utc_ns") > hour_start_utc_ns) | (pl.col("start_utc_ns") >= hour_start_utc_ns))
-    ).sort("replica", "start_utc_ns", "seq")
-    duplicated = inside.filter(pl.struct("replica", "seq").is_duplicated())
-    if duplicated.height:
-        row = duplicated.row(0, named=True)
-        raise AttributionError(f"steps: replica {row['replica']} seq {row['seq']} appears more than once")
-    return inside.with_row_index("step").with_columns(pl.col("step").cast(pl.Int64))
+    ).sort("replica_code", "start_utc_ns", "seq")
+    hour_step = np.full(steps.height, -1, dtype=np.int64)
+    hour_step[inside["row"].to_numpy()] = np.arange(inside.height)
+    keys = StepKeys.build(replicas, keyed["replica_code"].to_numpy(), keyed["seq"].to_numpy(), hour_step)
+    duplicate = keys.duplicate_in_hour()
+    if duplicate:
+        raise AttributionError(f"steps: replica {duplicate[0]} seq {duplicate[1]} appears more than once")
+    return inside.drop("row", "replica_code"), keys
 
 
-def _rows_of(table: pl.DataFrame, name: str, hour_steps: pl.DataFrame, all_steps: pl.DataFrame, index: str) -> pl.DataFrame:
-    """The table's rows of the hour's steps, ordered by step then position; orphans are an error."""
-    keys = all_steps.select("replica", "seq", pl.lit(True).alias("logged")).join(
-        hour_steps.select("replica", "seq", "step"), on=["replica", "seq"], how="left"
-    )
-    joined = table.join(keys, on=["replica", "seq"], how="left", maintain_order="left")
-    orphans = joined.filter(pl.col("logged").is_null())
-    if orphans.height:
-        row = orphans.row(0, named=True)
-        raise AttributionError(
-            f"{name}: {orphans.height} row(s) belong to no logged step, e.g. replica {row['replica']} seq {row['seq']}"
-        )
-    rows = joined.filter(pl.col("step").is_not_null()).drop("logged")
-    step = rows["step"].to_numpy()
-    position = rows[index].to_numpy()
-    # Decoded tables usually arrive in step order already; sorting 10^7 rows is then wasted.
-    in_order = rows.height < 2 or bool(
-        ((step[1:] > step[:-1]) | ((step[1:] == step[:-1]) & (position[1:] > position[:-1]))).all()
-    )
-    return rows if in_order else rows.sort("step", index)
+def _step_batches(row_offsets: np.ndarray) -> list[tuple[int, int]]:
+    """Consecutive step ranges of about _ROWS_PER_BATCH rows each (a bigger step is a batch alone).
+
+    `row_offsets[s]` is the number of rows before step s."""
+    cuts = np.searchsorted(row_offsets, np.arange(_ROWS_PER_BATCH, int(row_offsets[-1]), _ROWS_PER_BATCH))
+    bounds = np.unique(np.concatenate([[0], cuts, [row_offsets.shape[0] - 1]]))
+    return list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
 
 
-def _per_step_kv(pool: Pool, slots: pl.DataFrame) -> np.ndarray:
-    """Each slot's KV weight in blocks under the pool's prefix-cache policy."""
-    if pool.policies.prefix_cache != "first_writer":
-        return slots["kv_blocks"].to_numpy().astype(np.float64)
-    request_hits = slots.select(pl.col("prefix_hit_tokens").max().over("request_id"))["prefix_hit_tokens"]
+def _slot_kv_blocks(pool: Pool, slots: dict[str, np.ndarray], request_hits: np.ndarray | None) -> np.ndarray:
+    """Each slot's KV weight in blocks under the pool's prefix-cache policy (`request_hits`:
+    each slot's request's prefix-hit tokens, for first_writer)."""
+    if request_hits is None:
+        return slots["kv_blocks"].astype(np.float64)
     return first_writer_blocks(
-        slots["context_tokens"].to_numpy().astype(np.float64),
-        slots["new_tokens"].to_numpy().astype(np.float64),
-        request_hits.to_numpy().astype(np.float64),
+        slots["context_tokens"].astype(np.float64),
+        slots["new_tokens"].astype(np.float64),
+        request_hits.astype(np.float64),
         pool.kv_block_size,
     )
 
 
-def _allocate_rows(
-    pool: Pool, hour_steps: pl.DataFrame, slots: pl.DataFrame, holders: pl.DataFrame, weights: WeightSource, alpha: float
+def _attribute_rows(
+    pool: Pool, hour_steps: pl.DataFrame, keys: StepKeys, slots: pl.DataFrame, holders: pl.DataFrame,
+    weights: WeightSource, alpha: float,
 ) -> pl.DataFrame:
-    """One row per (step, slot or holder) with its integer amount and compute/KV split."""
-    n_steps = hour_steps.height
-    slot_step = slots["step"].to_numpy()
-    batch = SlotBatch(
-        step_index=slot_step,
-        n_steps=n_steps,
-        new_tokens=slots["new_tokens"].to_numpy().astype(np.int64),
-        context_tokens=slots["context_tokens"].to_numpy().astype(np.int64),
-        prompt_tokens=slots["prompt_tokens"].to_numpy().astype(np.int64),
-    )
-    compute_work = np.concatenate([weights.compute_work(batch, pool.policies.fixed_cost), np.zeros(holders.height)])
-    kv_weight = np.concatenate(
-        [_per_step_kv(pool, slots), holder_blocks(holders["kv_blocks"].to_numpy(), holders["state"].to_numpy())]
-    )
-    # Slots first, then holders: the allocator orders rows by step stably, so within a step
-    # slots precede holders (the tie-break by position) and results come back in this order.
-    row_step = np.concatenate([slot_step, holders["step"].to_numpy()])
-    # A step with nobody to carry it (no slot work, no blocks held) is idle time.
-    carried = (np.bincount(row_step, weights=compute_work, minlength=n_steps) > 0) | (
-        np.bincount(row_step, weights=kv_weight, minlength=n_steps) > 0
-    )
-    totals = np.where(carried, hour_steps["cost_nano"].to_numpy(), 0)
-    split = blend_and_allocate(totals, row_step, compute_work, kv_weight, alpha)
-    compute_nano, kv_nano = split_compute_kv(split.shares, split.compute_part, split.kv_part)
-    block_seconds = kv_weight * hour_steps["busy_ns"].to_numpy()[row_step] / 1e9
-    slot_rows = slots.select(
-        "request_id", "new_tokens", "context_tokens", "prompt_tokens", "prefix_hit_tokens", "spec_drafted", "spec_accepted"
-    )
-    padding = pl.DataFrame({"request_id": holders["request_id"]}).with_columns(
-        pl.lit(0, dtype=pl.Int32).alias(c)
-        for c in ("new_tokens", "context_tokens", "prompt_tokens", "prefix_hit_tokens", "spec_drafted", "spec_accepted")
-    )
-    rows = pl.concat([slot_rows.cast({c: pl.Int32 for c in padding.columns[1:]}), padding])
-    return rows.with_columns(
-        pl.Series("is_slot", np.arange(rows.height) < slots.height),
-        pl.Series("amount_nano", split.shares),
-        pl.Series("exact_nano", split.exact),
-        pl.Series("compute_nano", compute_nano),
-        pl.Series("kv_nano", kv_nano),
-        pl.Series("kv_block_seconds", block_seconds),
-    )
+    """Split every step's cost among its slots and holders and total the rows per request.
 
-
-def _per_request(rows: pl.DataFrame) -> pl.DataFrame:
-    """Roll rows up to requests.
-
-    A slot produces output when its verified tokens reach the end of the prompt: one sampled
-    token plus the accepted drafts (a chunk still inside the prompt produces none).
+    Steps are independent, so the hour is processed a batch of steps at a time: memory stays
+    bounded by the batch, not the hour's tens of millions of rows. Within a step slots come
+    first, then holders (the allocator's tie-break by position).
+    Returns one row per request: request_id, rollup.INTEGER_TOTALS but `rows`, rollup.REAL_TOTALS.
     """
-    verified_end = pl.col("context_tokens") + pl.col("new_tokens") - pl.col("spec_drafted")
-    produces = pl.col("is_slot") & (verified_end >= pl.col("prompt_tokens"))
-    prefill = pl.col("is_slot") & (pl.col("context_tokens") < pl.col("prompt_tokens"))
-    # Row-wise terms first, so the group-by only sums (much faster than conditional aggregations).
-    terms = rows.select(
-        "request_id",
-        "compute_nano",
-        "kv_nano",
-        "amount_nano",
-        "exact_nano",
-        "kv_block_seconds",
-        pl.col("is_slot").cast(pl.Int64).alias("steps"),
-        pl.col("new_tokens").cast(pl.Int64),
-        pl.col("prefix_hit_tokens").cast(pl.Int64).alias("cached_tokens"),
-        pl.col("prompt_tokens").cast(pl.Int64),
-        pl.when(produces).then(1 + pl.col("spec_accepted").cast(pl.Int64)).otherwise(0).alias("output_tokens"),
-        pl.when(prefill).then(pl.col("new_tokens").cast(pl.Int64)).otherwise(0).alias("prefill_tokens"),
-        pl.when(prefill).then(pl.col("compute_nano")).otherwise(0).alias("prefill_compute_nano"),
+    n_steps = hour_steps.height
+    request_ids = pl.concat([slots["request_id"].cast(pl.String), holders["request_id"].cast(pl.String)]).unique(
+        maintain_order=True
     )
-    summed = [c for c in terms.columns if c not in ("request_id", "prompt_tokens")]
-    return terms.group_by("request_id").agg(pl.col(summed).sum(), pl.col("prompt_tokens").max())
+    slot_layout = lay_out_rows(slots, "slots", "slot_index", keys, n_steps, request_ids)
+    holder_layout = lay_out_rows(holders, "holders", "holder_index", keys, n_steps, request_ids)
+    prefix_hits = None
+    if pool.policies.prefix_cache == "first_writer":
+        prefix_hits = largest_per_request(slot_layout, slots["prefix_hit_tokens"].to_numpy(), len(request_ids))
+    cost = hour_steps["cost_nano"].to_numpy()
+    busy = hour_steps["busy_ns"].to_numpy()
+    totals = RequestTotals(len(request_ids))
+    # Holder rows are totalled after every slot row, as the rows of the whole hour are ordered.
+    n_holders = int(holder_layout.offsets[-1])
+    held = {"amount": np.empty(n_holders, dtype=np.int64), "compute": np.empty(n_holders, dtype=np.int64),
+            "exact": np.empty(n_holders), "block_seconds": np.empty(n_holders)}
+    for first, end in _step_batches(slot_layout.offsets + holder_layout.offsets):
+        slot_rows, holder_rows = slot_layout.rows(first, end), holder_layout.rows(first, end)
+        slot_columns = gather(slots, list(SLOT_COLUMNS), slot_rows)
+        holder_columns = gather(holders, ["kv_blocks", "state"], holder_rows)
+        slot_step = slot_layout.step[slot_rows] - first
+        slot_request = slot_layout.request[slot_rows]
+        batch = SlotBatch(
+            step_index=slot_step,
+            n_steps=end - first,
+            new_tokens=slot_columns["new_tokens"].astype(np.int64),
+            context_tokens=slot_columns["context_tokens"].astype(np.int64),
+            prompt_tokens=slot_columns["prompt_tokens"].astype(np.int64),
+        )
+        n_slots = slot_step.shape[0]
+        compute_work = np.concatenate(
+            [weights.compute_work(batch, pool.policies.fixed_cost), np.zeros(holder_columns["kv_blocks"].shape[0])]
+        )
+        kv_weight = np.concatenate([
+            _slot_kv_blocks(pool, slot_columns, None if prefix_hits is None else prefix_hits[slot_request]),
+            holder_blocks(holder_columns["kv_blocks"], holder_columns["state"]),
+        ])
+        row_step = np.concatenate([slot_step, holder_layout.step[holder_rows] - first])
+        # A step with nobody to carry it (no slot work, no blocks held) is idle time.
+        carried = (np.bincount(row_step, weights=compute_work, minlength=end - first) > 0) | (
+            np.bincount(row_step, weights=kv_weight, minlength=end - first) > 0
+        )
+        split = blend_and_allocate(np.where(carried, cost[first:end], 0), row_step, compute_work, kv_weight, alpha)
+        compute_nano, _ = split_compute_kv(split.shares, split.compute_part, split.kv_part)
+        block_seconds = kv_weight * busy[first:end][row_step] / 1e9
+        totals.add_rows(slot_request, split.shares[:n_slots], compute_nano[:n_slots], split.exact[:n_slots],
+                        block_seconds[:n_slots])
+        totals.add_slot_tokens(slot_request, compute_nano[:n_slots], slot_columns)
+        held_rows = slice(int(holder_layout.offsets[first]), int(holder_layout.offsets[end]))
+        for name, values in zip(held, (split.shares, compute_nano, split.exact, block_seconds)):
+            held[name][held_rows] = values[n_slots:]
+    holder_request = holder_layout.request[holder_layout.rows(0, n_steps)]
+    totals.add_rows(holder_request, held["amount"], held["compute"], held["exact"], held["block_seconds"])
+    return totals.frame(request_ids)
 
 
 def _cache_read_charges(requests: pl.DataFrame, fraction: float) -> tuple[pl.DataFrame, int]:
@@ -400,24 +396,19 @@ def attribute_hour(
     """
     start_ns = hour_start_ns(hour_start)
     hour_value = hour_start.astimezone(timezone.utc).replace(tzinfo=None)
-    _require_columns(slots, "slots", ("replica", "seq", "slot_index", "request_id", "new_tokens", "context_tokens",
-                                      "kv_blocks", "prompt_tokens", "prefix_hit_tokens", "spec_drafted", "spec_accepted"))
+    _require_columns(slots, "slots", ("replica", "seq", "slot_index", "request_id", *SLOT_COLUMNS))
     _require_columns(holders, "holders", ("replica", "seq", "holder_index", "request_id", "kv_blocks", "state"))
     replica_price = pool.gpus_per_replica * pool.nano_per_gpu_hour
     invoice_nano = replica_price * len(pool.replicas)
     policy_version = pool.policies.version()
 
-    hour_steps = _hour_steps(start_ns, pool, steps)
+    hour_steps, keys = _hour_steps(start_ns, pool, steps)
     cost, busy = step_costs_in_hour(
         hour_steps["start_utc_ns"].to_numpy(), hour_steps["end_utc_ns"].to_numpy(), start_ns, replica_price
     )
     hour_steps = hour_steps.with_columns(pl.Series("cost_nano", cost), pl.Series("busy_ns", busy))
     alpha, blocked_fraction = alpha_for_period(pool.policies, hour_steps["admission_blocked"].to_numpy())
-    hour_slots = _rows_of(slots, "slots", hour_steps, steps, "slot_index")
-    hour_holders = _rows_of(holders, "holders", hour_steps, steps, "holder_index")
-    rows = _allocate_rows(pool, hour_steps, hour_slots, hour_holders, weights, alpha)
-
-    requests = _per_request(rows)
+    requests = _attribute_rows(pool, hour_steps, keys, slots, holders, weights, alpha)
     cache_saving = 0
     if pool.policies.prefix_cache == "cache_read":
         requests, cache_saving = _cache_read_charges(requests, pool.policies.cache_read_fraction)

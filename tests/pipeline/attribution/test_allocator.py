@@ -69,6 +69,15 @@ def test_ties_go_to_the_earlier_position_even_with_many_leftovers():
     assert shares.tolist() == [1, 0, 0, 0, 0, 0, 0, 0, 0]
 
 
+def test_the_largest_remainder_wins_within_a_crowded_bucket():
+    # Remainders .26, .27 and .30 share a bucket: the leftover unit goes to the largest.
+    shares, _ = largest_remainder(np.array([4]), np.zeros(4, dtype=np.int64), np.array([1.26, 1.27, 1.30, 0.17]))
+    assert shares.tolist() == [1, 1, 2, 0]
+    # Seventy equal remainders in one bucket: the 30 leftover units go to the first 30 rows.
+    shares, _ = largest_remainder(np.array([100]), np.zeros(70, dtype=np.int64), np.ones(70))
+    assert shares.tolist() == [2] * 30 + [1] * 40
+
+
 def test_unsorted_groups_match_sorted_layout():
     shares, exact = largest_remainder(np.array([10, 7]), np.array([1, 0, 1, 0, 0]), np.array([2.0, 1.0, 1.0, 1.0, 1.0]))
     assert shares.tolist() == [5, 4, 2, 3, 3]
