@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,20 +81,26 @@ def run_pool_hours(
     return runs
 
 
-def run_with_progress(data_dir: Path, hours: list[datetime], warehouse: Path | None = None) -> list[PoolHourRun]:
-    """run_pool_hours with a rich progress bar and one line per finished pool-hour."""
+def run_with_progress(
+    data_dir: Path, hours: list[datetime], warehouse: Path | None = None, *, quiet: bool = False
+) -> list[PoolHourRun]:
+    """run_pool_hours with a rich progress bar and, unless quiet, one line per finished pool-hour."""
     from rich.console import Console
     from rich.progress import Progress
 
     from assets.resources import pools_file
     from schemas.config import load_pools
 
-    console = Console()
+    # Quiet runs keep standard output for machine-readable results: the bar goes to stderr.
+    console = Console(stderr=quiet)
     total = len(hours) * len(load_pools(pools_file(data_dir)).pools)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("ledger", total=total)
 
         def done(run: PoolHourRun) -> None:
+            progress.advance(task)
+            if quiet:
+                return
             status = "[green]published[/green]" if run.success and not run.error else "[red]held back[/red]"
             if run.error:
                 status = f"[red]failed[/red]: {run.error.splitlines()[0]}"
@@ -100,7 +108,6 @@ def run_with_progress(data_dir: Path, hours: list[datetime], warehouse: Path | N
             for finding in run.failed_checks:
                 shown = finding if len(finding) <= 150 else finding[:149] + "…"
                 console.print(f"    [yellow]check failed[/yellow] {shown}", overflow="ellipsis", no_wrap=True)
-            progress.advance(task)
 
         return run_pool_hours(data_dir, hours, warehouse=warehouse, on_done=done)
 
@@ -112,7 +119,8 @@ def run_with_progress(data_dir: Path, hours: list[datetime], warehouse: Path | N
               help="an hour to (re)run; repeatable (default: every hour with a gateway file)")
 @click.option("--warehouse", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="the DuckDB file (default: DATA/warehouse.duckdb)")
-def run_command(data_dir: Path, hour_keys: tuple[str, ...], warehouse: Path | None) -> None:
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object per pool-hour run, as an array")
+def run_command(data_dir: Path, hour_keys: tuple[str, ...], warehouse: Path | None, as_json: bool) -> None:
     """Ingest, attribute, publish and reconcile every pool-hour of DATA."""
     try:
         hours = sorted({parse_hour_key(k) for k in hour_keys}) if hour_keys else hours_in_data(data_dir)
@@ -120,6 +128,8 @@ def run_command(data_dir: Path, hour_keys: tuple[str, ...], warehouse: Path | No
         raise click.BadParameter(str(err), param_hint="--hour") from err
     if not hours:
         raise click.ClickException(f"{data_dir / 'gateway'}: no hourly gateway files, so no hours to run")
-    runs = run_with_progress(data_dir, hours, warehouse)
+    runs = run_with_progress(data_dir, hours, warehouse, quiet=as_json)
+    if as_json:
+        click.echo(json.dumps([dataclasses.asdict(r) | {"hour": hour_key(r.hour)} for r in runs], indent=2))
     if any(r.error for r in runs):
         raise click.ClickException("some pool-hours failed; see above")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -44,8 +46,9 @@ def _parse_start(ctx: click.Context, param: click.Parameter, value: str) -> date
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
               help="Processes simulating replicas side by side (the data does not depend on it).")
 @click.option("--fault", "fault_texts", multiple=True, metavar="NAME[=VALUE]", help=_fault_help())
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object instead of a table.")
 def simulate_command(out_dir: Path, hours: float, seed: int, pools_path: Path, start: datetime, workers: int,
-                     fault_texts: tuple[str, ...]) -> None:
+                     fault_texts: tuple[str, ...], as_json: bool) -> None:
     """Simulate inference pools: step segments per replica (through the real StepRecorder),
     gateway request context and DCGM exporter scrapes, as production would deliver them.
 
@@ -64,7 +67,8 @@ def simulate_command(out_dir: Path, hours: float, seed: int, pools_path: Path, s
     except (FaultError, ConfigError) as err:
         raise click.ClickException(str(err)) from err
 
-    console = Console()
+    # With --json, standard output carries only the JSON; the progress bar goes to stderr.
+    console = Console(stderr=as_json)
     if not console.is_terminal:
         console.width = 160
     columns = (TextColumn("simulating"), BarColumn(), TextColumn("{task.completed:,.0f}/{task.total:,.0f} replica-s"),
@@ -81,6 +85,9 @@ def simulate_command(out_dir: Path, hours: float, seed: int, pools_path: Path, s
         except (FaultError, FileExistsError, ValueError) as err:
             raise click.ClickException(str(err)) from err
 
+    if as_json:
+        click.echo(json.dumps(dataclasses.asdict(summary), default=str, indent=2))
+        return
     table = Table(title=f"{summary.requests:,} requests, {summary.steps:,} steps -> {out_dir}")
     for column in ("pool", "replica", "requests", "finished", "steps", "dropped", "busy", "gpu busy",
                    "preempted", "blocked steps"):

@@ -22,6 +22,14 @@ def test_run_then_costs_without_sql(simulated: Path, tmp_path: Path) -> None:
     ran = runner.invoke(main, ["run", "--data", str(data), "--hour", "2026-11-30T00"])
     assert ran.exit_code == 0, ran.output
     assert "2026-11-30T00 chat-8b: published" in ran.output
+    rerun = runner.invoke(main, ["run", "--data", str(data), "--hour", "2026-11-30T00", "--json"])
+    assert rerun.exit_code == 0, rerun.output
+    runs = json.loads(rerun.stdout)
+    assert [(r["hour"], r["pool"], r["success"], r["error"]) for r in runs] == [
+        ("2026-11-30T00", pool.name, True, None) for pool in small_pools().pools
+    ]
+    # The short fixture hour warns (plausibility, calibration) without holding the hour back.
+    assert all(isinstance(r["failed_checks"], list) for r in runs)
     report = json.loads(runner.invoke(main, ["costs", "--data", str(data), "--by", "feature", "--json"]).output)
     assert sum(row["amount_nano"] for row in report["costs"]) == 2 * small_pools().pool("chat-8b").nano_per_gpu_hour
     assert report["held_back"] == []

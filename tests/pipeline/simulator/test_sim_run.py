@@ -262,6 +262,13 @@ def test_cli_simulates_and_reports(tmp_path):
     assert "chat-8b-r0" in result.output and "reason-dsv3-r0" in result.output
     assert "fault new-engine-version: chat-8b-r0: reports engine version 0.12.0rc2" in result.output
     assert (tmp_path / "run" / "gateway" / "2026-12-01T03.jsonl").exists()
+    as_json = CliRunner().invoke(main, ["simulate", "--out", str(tmp_path / "run2"), "--hours", "0.005", "--seed", "2",
+                                        "--pools", str(pools_path), "--start", "2026-12-01T03:00Z", "--json"])
+    assert as_json.exit_code == 0, as_json.output
+    summary = json.loads(as_json.stdout)
+    assert (summary["seed"], summary["start"]) == (2, "2026-12-01 03:00:00+00:00")
+    assert [r["replica"] for r in summary["replicas"]] == [r.id for p in small_pools().pools for r in p.replicas]
+    assert summary["steps"] == sum(r["steps"] for r in summary["replicas"])
     bad = CliRunner().invoke(main, ["simulate", "--out", str(tmp_path / "x"), "--hours", "1", "--seed", "1",
                                     "--fault", "host-stall=-1"])
     assert bad.exit_code != 0 and "fault 'host-stall': fraction -1.0 must be positive" in bad.output
