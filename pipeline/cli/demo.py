@@ -4,6 +4,8 @@ the HTML report."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -12,6 +14,7 @@ import click
 
 from pipeline.cli.costs import cost_report, print_report
 from pipeline.cli.run import run_with_progress
+from pipeline.warehouse import hour_key
 
 if TYPE_CHECKING:
     from pipeline.attribution import CalibrationEntry
@@ -75,7 +78,9 @@ def calibrate_fleet(out: Path, pools: PoolsFile, *, hours: float, seed: int, wor
               help="inject a fault into the simulation (repeatable), e.g. drop-records=0.01")
 @click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True,
               help="processes simulating replicas in parallel (one per core)")
-def demo_command(out: Path, hours: float, seed: int, faults: tuple[str, ...], workers: int) -> None:
+@click.option("--json", "as_json", is_flag=True,
+              help="print one JSON object (calibration, simulation, runs, costs, report path) instead of tables")
+def demo_command(out: Path, hours: float, seed: int, faults: tuple[str, ...], workers: int, as_json: bool) -> None:
     """Simulate the default pools, calibrate them, bill them hour by hour through the Dagster
     pipeline, and write an HTML report (OUT/report.html)."""
     from rich.console import Console
@@ -92,7 +97,8 @@ def demo_command(out: Path, hours: float, seed: int, faults: tuple[str, ...], wo
         raise click.BadParameter(str(err), param_hint="--fault") from err
     prepare_out_dir(out)
     pools = load_pools()
-    console = Console()
+    # With --json, standard output carries only the JSON; progress and status go to stderr.
+    console = Console(stderr=as_json, quiet=as_json)
     with console.status("calibrating: a short clean sweep of every pool"):
         entries = calibrate_fleet(out, pools, hours=hours, seed=seed, workers=workers)
     for entry in entries:
@@ -107,8 +113,10 @@ def demo_command(out: Path, hours: float, seed: int, faults: tuple[str, ...], wo
     console.print(f"simulated {summary.requests:,} requests, {summary.steps:,} steps into {out}")
     for name, what in summary.faults.items():
         console.print(f"  [yellow]fault[/yellow] {name}: {what}")
-    runs = run_with_progress(out, hours_in_data(out))
-    print_report(cost_report(out / "warehouse.duckdb", "tenant"), "costs by tenant (published hours)")
+    runs = run_with_progress(out, hours_in_data(out), quiet=as_json)
+    costs = cost_report(out / "warehouse.duckdb", "tenant")
+    if not as_json:
+        print_report(costs, "costs by tenant (published hours)")
     held = sum(1 for r in runs if not r.success)
     console.print(
         f"{len(runs) - held} of {len(runs)} pool-hours published, {held} held back. "
@@ -117,5 +125,14 @@ def demo_command(out: Path, hours: float, seed: int, faults: tuple[str, ...], wo
     report = out / "report.html"
     with console.status("writing the report"):
         write_report(out / "warehouse.duckdb", pools, out / "lake", Scope.everything(), report)
+    if as_json:
+        click.echo(json.dumps({
+            "calibration": [dataclasses.asdict(e) for e in entries],
+            "simulation": dataclasses.asdict(summary),
+            "runs": [dataclasses.asdict(r) | {"hour": hour_key(r.hour)} for r in runs],
+            "costs": costs,
+            "report": str(report),
+        }, default=str, indent=2))
+        return
     # Plain, unwrapped: the path is meant to be copied.
     click.echo(f"report: {report}")

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from pipeline.cli import main
 from pipeline.cli.demo import DEMO_MARKER, prepare_out_dir
 from pipeline.simulator.faults import ENGINE_VERSION
+from schemas.config import load_pools
 
 
 def test_run_then_costs_without_sql(simulated: Path, tmp_path: Path) -> None:
@@ -81,3 +82,16 @@ def test_demo_calibrates_bills_and_writes_the_report(tmp_path: Path) -> None:
     with duckdb.connect(str(out / "warehouse.duckdb"), read_only=True) as con:
         assert con.execute("SELECT count(*), bool_and(passed) FROM reconciliation WHERE check_name = 'calibration'"
                            ).fetchone() == (5, True)
+
+
+def test_demo_json_is_one_object_on_stdout(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    result = CliRunner().invoke(main, ["demo", "--out", str(out), "--hours", "0.005", "--workers", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    demo = json.loads(result.stdout)
+    assert demo["report"] == str(out / "report.html")
+    assert [(r["hour"], r["pool"], r["success"]) for r in demo["runs"]] == [
+        ("2026-11-30T00", "chat-8b", True), ("2026-11-30T00", "reason-dsv3", True)]
+    invoiced = sum(p.nano_per_gpu_hour * p.gpus_per_replica * len(p.replicas) for p in load_pools().pools)
+    assert sum(row["amount_nano"] for row in demo["costs"]["costs"]) == invoiced
+    assert {e["model"] for e in demo["calibration"]} == {"deepseek-v3", "llama-3.1-8b-instruct"}
