@@ -37,7 +37,24 @@ class _LazyGroup(click.Group):
         return getattr(importlib.import_module(module_name), attribute)
 
 
-@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(
+    cls=_LazyGroup,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+    epilog="""\b
+Environment:
+  STEPLEDGER_DATA                 data directory of the Dagster code location (default demo-run)
+  STEPLEDGER_WAREHOUSE            the DuckDB file (default DATA/warehouse.duckdb)
+  STEPLEDGER_FIRST_HOUR           first hourly partition, YYYY-MM-DDTHH
+  STEPLEDGER_KEY_SALT             key of the HMAC that turns API keys into api_key_id
+  STEPLEDGER_ALERT_WEBHOOK_URL    page through a webhook (never logged)
+  STEPLEDGER_ALERT_FORMAT         pagerduty or slack
+  STEPLEDGER_PAGERDUTY_ROUTING_KEY  PagerDuty Events v2 routing key (never logged)
+  STEPLEDGER_ALERT_FILE           JSON-lines file for alerts when no webhook is set (default stdout)
+  STEPLEDGER_OUTBOX, STEPLEDGER_REPLICA, STEPLEDGER_POOLS, STEPLEDGER_DRIVER_VERSION
+                                  the vLLM hook's outbox, replica id, pools file and driver version
+
+Documentation: docs/README.md. Every command takes --help.""",
+)
 @click.version_option(package_name="stepledger")
 def main() -> None:
     """stepledger: what each tenant, feature and request cost on shared inference GPUs.
@@ -45,5 +62,20 @@ def main() -> None:
     An engine hook writes binary step records; stepledger decodes them, prices each slot's
     work with a per-layer GPU kernel model, splits every measured step among its requests in
     integer nano-dollars, labels idle and headroom, and reconciles every hour.
-    """
 
+    \b
+    Try it:
+      stepledger demo                        simulate the default pools and bill one hour
+      stepledger costs --by feature          what each tenant and feature cost (published hours)
+      stepledger report                      an HTML report that opens offline
+    \b
+    On your own data:
+      stepledger inspect OUTBOX              what the step segments hold, gaps and damage
+      stepledger run --data DIR              ingest, attribute, publish and reconcile every hour
+      stepledger calibrate --data DIR        fit the work model for an engine version
+      stepledger dev --data DIR              the Dagster UI, schedules and sensors
+    \b
+    Understand a number:
+      stepledger price --model M --gpu G --tp N --decode B --context L
+      stepledger explain-step STEP.json      how one step was split, and why
+    """
