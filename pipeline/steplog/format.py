@@ -5,6 +5,7 @@ from __future__ import annotations
 import struct
 import zlib
 from collections.abc import Sequence
+from itertools import chain
 
 import numpy as np
 import pyarrow as pa
@@ -22,6 +23,7 @@ from schemas.records import (
     MAX_FRAME_PAYLOAD,
     PREAMBLE,
     SLOT_DTYPE,
+    STEP_DTYPE,
     STEP_STRUCT,
     FrameKind,
     HeaderFrame,
@@ -174,3 +176,182 @@ def step_frame(
     except struct.error as err:
         raise InvalidStep(f"step fields do not fit the record (seq, start_ns, end_ns are int64): {err}") from err
     return frame(FrameKind.STEP, b"".join((fixed, slots.tobytes(), id_blob, holders.tobytes(), holder_blob)))
+
+
+# Positions in a step tuple: step_frame's positional arguments, in order.
+_SEQ, _START, _END, _REQUEST_IDS = 0, 1, 2, 3
+_COUNT_COLUMNS = (
+    (4, "new_tokens"),
+    (5, "context_tokens"),
+    (7, "prompt_tokens"),
+    (8, "prefix_hit_tokens"),
+    (9, "spec_drafted"),
+    (10, "spec_accepted"),
+)
+_KV_BLOCKS, _HOLDER_IDS, _HOLDER_BLOCKS, _HOLDER_STATES = 6, 11, 12, 13
+_ADMISSION_BLOCKED, _FREE_BLOCKS, _TOTAL_BLOCKS = 14, 15, 16
+_STEP_PAYLOAD_FIXED = STEP_STRUCT.size
+
+
+def step_frames(steps: Sequence[tuple]) -> list[bytes | Exception]:
+    """Frames for many steps, each given as step_frame's positional arguments: the frame's
+    bytes, or the error that makes the step unrecordable (InvalidStep, TypeError, ValueError).
+
+    The bytes equal step_frame's. Numpy's fixed cost per call dwarfs the work of one step,
+    so the whole batch is checked and packed column by column; a batch holding anything the
+    vectorised checks do not accept is encoded step by step, which names each bad field.
+    """
+    frames = _batch_frames(steps)
+    if frames is not None:
+        return frames
+    encoded: list[bytes | Exception] = []
+    for step in steps:
+        try:
+            encoded.append(step_frame(*step))
+        except (InvalidStep, TypeError, ValueError) as err:
+            encoded.append(err)
+    return encoded
+
+
+def _batch_column(columns: list, lengths: list[int], kinds: str) -> np.ndarray | None:
+    """One step's values after another, or None unless every step has one value per entry
+    of a dtype kind in `kinds` (an empty step's dtype is free, as in step_frame)."""
+    arrays = [np.asarray(values) for values in columns]
+    if any(array.shape != (n,) for array, n in zip(arrays, lengths)):
+        return None
+    if any(array.dtype.kind not in kinds for array in arrays if array.size):
+        return None
+    return np.concatenate(arrays)
+
+
+def _batch_ids(columns: list) -> tuple[np.ndarray, np.ndarray, memoryview] | None:
+    """Entries per step, byte offsets of the ids of all steps in order, and their UTF-8."""
+    if not all(type(ids) is list or type(ids) is tuple for ids in columns):
+        return None
+    array = pa.array(list(chain.from_iterable(columns)), pa.string())
+    # Arrow returns a chunked array when the ids overflow 32-bit offsets.
+    if not isinstance(array, pa.Array) or array.null_count:
+        return None
+    entries = np.fromiter(map(len, columns), np.int64, len(columns))
+    offsets = np.frombuffer(array.buffers()[1], np.int32, count=len(array) + 1, offset=array.offset * 4)
+    offsets = offsets.astype(np.int64)
+    data = array.buffers()[2]
+    blob = memoryview(data if data is not None else b"")
+    return entries, offsets, blob
+
+
+def _in_int32_range(values: np.ndarray) -> bool:
+    return values.size == 0 or (int(values.min()) >= 0 and int(values.max()) <= INT32_MAX)
+
+
+def _valid_blocks(values: np.ndarray | None) -> bool:
+    return values is not None and bool(np.all(np.isfinite(values))) and not np.any(values < 0)
+
+
+def _batch_frames(steps: Sequence[tuple]) -> list[bytes | Exception] | None:
+    """All of `steps` encoded together, or None when any of them needs step_frame's checks."""
+    try:
+        return _pack_batch(steps)
+    except (TypeError, ValueError, OverflowError):
+        # Values numpy or Arrow cannot take whole (ValueError covers ArrowInvalid).
+        return None
+
+
+def _pack_batch(steps: Sequence[tuple]) -> list[bytes | Exception] | None:
+    """step_frame's checks over whole columns; None as soon as any step fails one."""
+    columns = list(zip(*steps))
+    if not columns:
+        return []
+    ids = _batch_ids(columns[_REQUEST_IDS])
+    holder_ids = _batch_ids(columns[_HOLDER_IDS])
+    if ids is None or holder_ids is None:
+        return None
+    entries, id_offsets, id_blob = ids
+    holder_entries, holder_offsets, holder_blob = holder_ids
+    lengths, holder_lengths = entries.tolist(), holder_entries.tolist()
+
+    slots = np.empty(len(id_offsets) - 1, SLOT_DTYPE)
+    slots["request_id_len"] = np.diff(id_offsets)
+    for position, name in _COUNT_COLUMNS:
+        values = _batch_column(columns[position], lengths, "iu")
+        if values is None or not _in_int32_range(values):
+            return None
+        slots[name] = values
+    kv_blocks = _batch_column(columns[_KV_BLOCKS], lengths, "iuf")
+    if not _valid_blocks(kv_blocks):
+        return None
+    slots["kv_blocks"] = kv_blocks
+    if np.any(slots["spec_drafted"] > slots["new_tokens"]) or np.any(slots["spec_accepted"] > slots["spec_drafted"]):
+        return None
+
+    holders = np.empty(len(holder_offsets) - 1, HOLDER_DTYPE)
+    holders["request_id_len"] = np.diff(holder_offsets)
+    holder_blocks = _batch_column(columns[_HOLDER_BLOCKS], holder_lengths, "iuf")
+    if not _valid_blocks(holder_blocks):
+        return None
+    holders["kv_blocks"] = holder_blocks
+    states = columns[_HOLDER_STATES]
+    if not all(type(s) is list or type(s) is tuple for s in states) or list(map(len, states)) != holder_lengths:
+        return None
+    codes = pc.index_in(pa.array(list(chain.from_iterable(states)), pa.string()), value_set=_HOLDER_STATE_VALUES)
+    if codes.null_count:
+        return None
+    holders["state"] = codes.to_numpy(zero_copy_only=False)
+
+    fixed = np.empty(len(steps), STEP_DTYPE)
+    for field, position in (("seq", _SEQ), ("start_ns", _START), ("end_ns", _END)):
+        values = np.array(columns[position])
+        if values.dtype != np.int64:
+            return None
+        fixed[field] = values
+    if np.any(fixed["end_ns"] < fixed["start_ns"]):
+        return None
+    for field, position in (("free_blocks", _FREE_BLOCKS), ("total_blocks", _TOTAL_BLOCKS)):
+        if not all(isinstance(value, (int, np.integer)) for value in columns[position]):
+            return None
+        values = np.array(columns[position])
+        if values.dtype.kind not in "iu" or not _in_int32_range(values):
+            return None
+        fixed[field] = values
+    slot_bounds = np.concatenate(([0], np.cumsum(entries)))
+    holder_bounds = np.concatenate(([0], np.cumsum(holder_entries)))
+    id_bounds = id_offsets[slot_bounds] - id_offsets[0]
+    holder_id_bounds = holder_offsets[holder_bounds] - holder_offsets[0]
+    fixed["num_slots"] = entries
+    fixed["num_holders"] = holder_entries
+    fixed["request_id_bytes"] = np.diff(id_bounds)
+    fixed["holder_id_bytes"] = np.diff(holder_id_bounds)
+    fixed["admission_blocked"] = np.fromiter(map(bool, columns[_ADMISSION_BLOCKED]), np.bool_, len(steps))
+
+    payload_bytes = (
+        _STEP_PAYLOAD_FIXED
+        + entries * SLOT_DTYPE.itemsize
+        + np.diff(id_bounds)
+        + holder_entries * HOLDER_DTYPE.itemsize
+        + np.diff(holder_id_bounds)
+    )
+    if int(payload_bytes.max()) > MAX_FRAME_PAYLOAD:
+        return None
+
+    # One buffer per part for the whole batch; each frame joins its slices of them.
+    fixed_view = memoryview(fixed.tobytes())
+    slot_view = memoryview(slots.tobytes())
+    holder_view = memoryview(holders.tobytes())
+    id_blob = id_blob[int(id_offsets[0]) :]
+    holder_blob = holder_blob[int(holder_offsets[0]) :]
+    slot_cuts = (slot_bounds * SLOT_DTYPE.itemsize).tolist()
+    holder_cuts = (holder_bounds * HOLDER_DTYPE.itemsize).tolist()
+    id_cuts, holder_id_cuts = id_bounds.tolist(), holder_id_bounds.tolist()
+    frames: list[bytes | Exception] = []
+    for i in range(len(steps)):
+        payload = b"".join(
+            (
+                fixed_view[i * _STEP_PAYLOAD_FIXED : (i + 1) * _STEP_PAYLOAD_FIXED],
+                slot_view[slot_cuts[i] : slot_cuts[i + 1]],
+                id_blob[id_cuts[i] : id_cuts[i + 1]],
+                holder_view[holder_cuts[i] : holder_cuts[i + 1]],
+                holder_blob[holder_id_cuts[i] : holder_id_cuts[i + 1]],
+            )
+        )
+        frames.append(frame(FrameKind.STEP, payload))
+    return frames
