@@ -6,23 +6,11 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
-from pipeline.steplog import SegmentHeader, StepRecorder
+from pipeline.steplog import StepRecorder
 from pipeline.steplog.format import frame_crc
-from schemas.records import FRAME_CHECKED_BYTES, FRAME_PREFIX, PREAMBLE
+from schemas.records import FRAME_CHECKED_BYTES, FRAME_PREFIX
+from tests.pipeline.steplog.samples import HEADER, MONO_ANCHOR, fixed_clocks  # noqa: F401 (HEADER re-exported)
 
-HEADER = SegmentHeader(
-    pool="chat-8b",
-    replica="chat-8b-r0",
-    engine_name="vllm",
-    engine_version="0.11.0",
-    driver_version="550.54.15",
-    model="llama-3.1-8b-instruct",
-    gpu_type="h100",
-    gpus_per_replica=1,
-    kv_block_size=16,
-)
-MONO_ANCHOR = 5_000_000_000
-WALL_ANCHOR = 1_796_014_800_000_000_000  # 2026-11-30T05:00:00Z
 # Ids a hostile client could choose: quotes, SQL, control characters, non-ASCII.
 HOSTILE_IDS = ("req-'\"", "'); DROP TABLE ledger_lines; --", "a\nb\r\0\x1b[31m", "日本語-é-\u2028-🙂")
 
@@ -55,22 +43,11 @@ def record_steps(recorder: StepRecorder, first: int, count: int) -> None:
 def recorded_segments(steps: int = 24, rotate_bytes: int = 2500) -> tuple[bytes, ...]:
     """The bytes of the segments a recorder ships for `steps` steps (with one counted drop)."""
     with tempfile.TemporaryDirectory(prefix="hardening-segments-") as tmp:
-        clocks = {"mono_clock": lambda: MONO_ANCHOR, "wall_clock": lambda: WALL_ANCHOR}
-        with StepRecorder(Path(tmp), HEADER, overflow="block", rotate_bytes=rotate_bytes, **clocks) as recorder:
+        with StepRecorder(Path(tmp), HEADER, overflow="block", rotate_bytes=rotate_bytes, **fixed_clocks()) as recorder:
             record_steps(recorder, 0, steps // 2)
             recorder.drop_step()
             record_steps(recorder, steps // 2 + 1, steps - steps // 2 - 1)
         return tuple(path.read_bytes() for path in recorder.shipped_segments)
-
-
-def frame_spans(data: bytes) -> list[tuple[int, int]]:
-    """(start, end) of every frame after the preamble of an intact segment."""
-    spans, pos = [], PREAMBLE.size
-    while pos < len(data):
-        length = FRAME_PREFIX.unpack_from(data, pos)[4]
-        spans.append((pos, pos + FRAME_PREFIX.size + length))
-        pos = spans[-1][1]
-    return spans
 
 
 def with_length(data: bytes, frame_start: int, length: int) -> bytes:

@@ -19,7 +19,8 @@ import hypothesis.strategies as st
 import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
-from segment_bytes import frame_spans, recorded_segments, resealed, with_length
+from segment_bytes import recorded_segments, resealed, with_length
+from tests.pipeline.steplog.samples import frame_spans
 
 from pipeline.steplog import decoder, read_segments
 from schemas.records import FRAME_MARKER, FRAME_PREFIX, MAX_FRAME_PAYLOAD, FrameKind

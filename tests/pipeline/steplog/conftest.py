@@ -5,26 +5,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.steplog import SegmentHeader, StepRecorder
-
-HEADER = SegmentHeader(
-    pool="chat-8b",
-    replica="chat-8b-r0",
-    engine_name="vllm",
-    engine_version="0.11.0",
-    driver_version="550.54.15",
-    model="llama-3.1-8b-instruct",
-    gpu_type="h100",
-    gpus_per_replica=1,
-    kv_block_size=16,
-)
-MONO_ANCHOR = 5_000_000_000
-# 2026-11-30T05:00:00Z
-WALL_ANCHOR = 1_796_014_800_000_000_000
-
-
-def fixed_clocks() -> dict:
-    return {"mono_clock": lambda: MONO_ANCHOR, "wall_clock": lambda: WALL_ANCHOR}
-
+from tests.pipeline.steplog.samples import HEADER, MONO_ANCHOR, fixed_clocks
 
 def record_simple(recorder: StepRecorder, seq_start: int, count: int) -> None:
     """Record `count` two-slot steps with one holder; values derived from the step number."""

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, assume, given, settings
 
 from pipeline.steplog import StepRecorder, decoder, read_segments
 from pipeline.steplog.format import frame
+from tests.pipeline.steplog.samples import MONO_ANCHOR, frame_spans
 from schemas.records import (
     DROP_STRUCT,
     FRAME_CHECKED_BYTES,
@@ -23,16 +24,6 @@ from schemas.records import (
     STEP_STRUCT,
     FrameKind,
 )
-
-
-def frame_spans(data: bytes) -> list[tuple[int, int]]:
-    """(start, end) of every frame after the preamble, read from the length fields."""
-    spans, pos = [], PREAMBLE.size
-    while pos < len(data):
-        length = FRAME_PREFIX.unpack_from(data, pos)[4]
-        spans.append((pos, pos + FRAME_PREFIX.size + length))
-        pos = spans[-1][1]
-    return spans
 
 
 @pytest.fixture
@@ -256,7 +247,6 @@ def test_any_damage_is_reported_and_only_true_rows_come_back(tmp_path, clean_seg
 
 # --- inputs built to make the decoder wrong or slow ------------------------------------------
 INT64_MAX = 2**63 - 1
-MONO_ANCHOR = 5_000_000_000
 OVERFLOW_DETAIL = (
     "step start or end time plus the header's clock anchor shift (wall_anchor_ns - mono_anchor_ns = {shift}) "
     "is outside int64 nanoseconds, so the step has no UTC time"
