@@ -2,6 +2,7 @@
 
 Each asset is a thin call into `pipeline/`. Every asset that touches the DuckDB file runs in
 the `duckdb` concurrency pool (limit 1 in dagster_home/dagster.yaml): DuckDB has one writer.
+`charges`, the attribution and the longest step, reads only the lake and runs outside it.
 """
 
 # No `from __future__ import annotations`: Dagster checks the `context` annotation as an
@@ -85,23 +86,29 @@ def build_pool_hour_assets(partitions: dg.PartitionsDefinition, pools: PoolsFile
 
     @dg.asset(partitions_def=partitions, group_name=GROUP, pool=DUCKDB_POOL, deps=[step_log])
     def request_context(context: dg.AssetExecutionContext, data: StepledgerData, warehouse: DuckDBResource) -> dg.MaterializeResult:
-        """The gateway's request context for the hour, API keys stored only as keyed hashes."""
-        hour, _ = hour_and_pool(context)
+        """The gateway's request context for the hour, API keys stored only as keyed hashes;
+        then what the hour's attribution needs from the warehouse, saved to the lake."""
+        hour, pool_name = hour_and_pool(context)
         files = gateway_context.gateway_files_for_hour(data.gateway, hour)
         with open_warehouse(warehouse) as con:
             report = gateway_context.load_gateway_files(con, files, gateway_context.key_salt())
+            inputs = hourly.gather_inputs(con, data.lake, pools.pool(pool_name), hour)
+        hourly.save_inputs(data.lake, inputs)
         return dg.MaterializeResult(
-            metadata={"loaded_files": len(report.loaded), "unchanged_files": len(report.unchanged), "requests": report.requests}
+            metadata={"loaded_files": len(report.loaded), "unchanged_files": len(report.unchanged),
+                      "requests": report.requests, "requests_of_hour": inputs.context.height}
         )
 
-    @dg.asset(partitions_def=partitions, group_name=GROUP, pool=DUCKDB_POOL, deps=[request_context])
-    def charges(context: dg.AssetExecutionContext, data: StepledgerData, warehouse: DuckDBResource) -> dg.MaterializeResult:
+    # Not in the DuckDB pool: it reads only the lake, so the attribution of one pool-hour runs
+    # while another pool-hour holds the warehouse.
+    @dg.asset(partitions_def=partitions, group_name=GROUP, deps=[request_context])
+    def charges(context: dg.AssetExecutionContext, data: StepledgerData) -> dg.MaterializeResult:
         """Every measured step of the hour split among its requests, idle and headroom
         labelled, under the pool's policies; saved to the lake."""
         hour, pool_name = hour_and_pool(context)
         pool = pools.pool(pool_name)
-        with open_warehouse(warehouse) as con:
-            result = hourly.charge_hour(con, data.lake, pool, hour, hourly.weight_source(con, pool, data.root))
+        inputs = hourly.load_inputs(data.lake, pool_name, hour)
+        result = hourly.charge_hour(data.lake, pool, inputs, hourly.weight_source(pool, inputs, data.root))
         hourly.save_charges(data.lake, result)
         return dg.MaterializeResult(
             metadata={

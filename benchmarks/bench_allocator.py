@@ -1,7 +1,10 @@
 """The allocator: vectorised step splitting against the reference per-step Python allocator.
 
 Both split the same steps (mixed prefill chunks and decodes, 1-64 slots each) with the
-reference work model in micro-dollars; the vectorised shares must equal the reference ones
+reference work model in micro-dollars. The vectorised side is what the hourly attribution
+runs for a batch of a fitted pool's steps: every slot's work from the coefficients
+(`FittedWeights.compute_work`), then the blended largest-remainder split
+(`blend_and_allocate`, weight parts included); the vectorised shares must equal the reference ones
 except where two slots' remainders tie within float rounding (either may take the unit; the
 vectorised path follows the reference's arithmetic step by step, so none are expected).
 Times are this process's CPU time (one core: numpy and the compiled kernels run
@@ -16,8 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from benchmarks.figure import Figure
-from pipeline.attribution import Coefficients, SlotBatch, allocate_step
-from pipeline.attribution.allocator import allocate_fitted_steps
+from pipeline.attribution import Coefficients, FittedWeights, SlotBatch, allocate_step, blend_and_allocate
 
 COEFFICIENTS = Coefficients(12.0, 0.05, 0.00005)
 ALPHA = 0.8
@@ -48,10 +50,9 @@ def _steps(n_slots: int, seed: int) -> tuple[SlotBatch, np.ndarray, np.ndarray]:
 
 
 def _vectorised(batch: SlotBatch, kv_blocks: np.ndarray, totals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    coefficients = (COEFFICIENTS.c0_ms, COEFFICIENTS.a_ms, COEFFICIENTS.b_ms)
-    return allocate_fitted_steps(
-        totals, batch.step_index, batch.new_tokens, batch.context_tokens, kv_blocks, coefficients, ALPHA
-    )
+    work = FittedWeights(COEFFICIENTS).compute_work(batch, "per_slot")
+    split = blend_and_allocate(totals, batch.step_index, work, kv_blocks, ALPHA)
+    return split.shares, split.exact
 
 
 def _reference_inputs(batch: SlotBatch, kv_blocks: np.ndarray) -> list[list[_Slot]]:

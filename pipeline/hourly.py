@@ -3,8 +3,10 @@ benchmark and anyone scripting the pipeline without Dagster.
 
     load_hour      the hour's steps, slots and holders from the lake (plus steps that started
                    in the previous hour and ran into this one)
-    charge_hour    request context + attribution -> the hour's charges (saved to the lake
-                   with save_charges)
+    gather_inputs  what the attribution needs from the warehouse (committed batches, the
+                   context of the hour's requests, the engine version), saved to the lake
+                   with save_inputs, so that charge_hour runs without the DuckDB file
+    charge_hour    attribution -> the hour's charges (saved to the lake with save_charges)
     publish_hour   the charges into the warehouse, replacing the hour exactly
     reconcile_hour the hour's checks, recorded in the warehouse
 """
@@ -12,6 +14,8 @@ benchmark and anyone scripting the pipeline without Dagster.
 from __future__ import annotations
 
 import functools
+import json
+import os
 from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -19,6 +23,7 @@ from pathlib import Path
 
 import duckdb
 import polars as pl
+import pyarrow.parquet as pq
 
 from pipeline.context import context_for_requests
 from pipeline.ingest import LAKE_TABLES, STEP_KEY, batch_of, committed_batches, partition_dir
@@ -58,30 +63,36 @@ def _replica_of(part: Path) -> str:
     return part.name.rsplit(".", 3)[0]
 
 
-def _read(files: list[Path], table: str) -> pl.DataFrame:
+def _read(files: list[Path], table: str, columns: list[str] | None = None) -> pl.DataFrame:
     if not files:
-        return pl.from_arrow(LAKE_TABLES[table].empty_table())
-    return pl.read_parquet(files)
+        empty = pl.from_arrow(LAKE_TABLES[table].empty_table())
+        return empty if columns is None else empty.select(columns)
+    return pl.read_parquet(files, columns=columns)
 
 
 def _read_partition(
-    lake: Path, table: str, pool: str, hour: datetime, batches: Collection[str] | None, where: pl.Expr | None = None
+    lake: Path, table: str, pool: str, hour: datetime, batches: Collection[str] | None, where: pl.Expr | None = None,
+    columns: list[str] | None = None,
 ) -> pl.DataFrame:
     """A lake partition, or the rows of it matching `where` (Parquet row-group statistics let
     the scan skip the rest, so a few rows of a previous hour cost little)."""
     files = _partition_files(lake, table, pool, hour, batches)
     if where is None or not files:
-        return _read(files, table)
-    return pl.scan_parquet(files).filter(where).collect()
+        return _read(files, table, columns)
+    scan = pl.scan_parquet(files).filter(where)
+    return (scan if columns is None else scan.select(columns)).collect()
 
 
-def load_hour(lake: Path, pool: str, hour: datetime, batches: Collection[str] | None = None) -> HourInput:
+def load_hour(
+    lake: Path, pool: str, hour: datetime, batches: Collection[str] | None = None, columns: list[str] | None = None
+) -> HourInput:
     """The steps of `pool` that ran during `hour`, with their slots and holders, ordered by
     replica and sequence number (so attribution need not sort tens of millions of rows).
 
     `batches`: the ingest batches to read (`pipeline.ingest.committed_batches`), so that the
     files of a batch still being ingested, or of one that died before its commit, are not
-    read; None reads every file in the lake."""
+    read; None reads every file in the lake. `columns`: only these columns of slots and
+    holders (with the step key); None reads them all."""
     hour = utc_hour(hour)
     previous = hour - timedelta(hours=1)
     hour_start_ns = int(hour.timestamp()) * 1_000_000_000
@@ -89,15 +100,15 @@ def load_hour(lake: Path, pool: str, hour: datetime, batches: Collection[str] | 
         lake, "steps", pool, previous, batches, pl.col("end_utc_ns") > hour_start_ns
     ).select(STEP_KEY)
 
-    def ordered(table: str) -> pl.DataFrame:
+    def ordered(table: str, columns: list[str] | None) -> pl.DataFrame:
         # Per replica: its rows of straddling steps, then its files of this hour. Rows of the
         # hour's own files all belong to its steps (ingest placed them with their step).
-        earlier = _read([], table)
+        earlier = _read([], table, columns)
         if straddling_keys.height:
             # Sequence numbers grow within a replica: the scan skips all but the last row groups
             # of the previous hour, and the join on the step keys makes the selection exact.
             after = pl.col("seq") >= straddling_keys["seq"].min()
-            earlier = _read_partition(lake, table, pool, previous, batches, after).join(
+            earlier = _read_partition(lake, table, pool, previous, batches, after, columns).join(
                 straddling_keys, on=STEP_KEY, how="semi"
             )
         current = _partition_files(lake, table, pool, hour, batches)
@@ -107,12 +118,12 @@ def load_hour(lake: Path, pool: str, hour: datetime, batches: Collection[str] | 
             for replica in replicas
             for frame in (
                 earlier.filter(pl.col("replica") == replica),
-                _read([f for f in current if _replica_of(f) == replica], table),
+                _read([f for f in current if _replica_of(f) == replica], table, columns),
             )
         ]
-        return pl.concat(frames) if frames else _read([], table)
+        return pl.concat(frames) if frames else _read([], table, columns)
 
-    return HourInput(steps=ordered("steps"), slots=ordered("slots"), holders=ordered("holders"))
+    return HourInput(steps=ordered("steps", None), slots=ordered("slots", columns), holders=ordered("holders", columns))
 
 
 CALIBRATION_FILE = "calibration.yaml"
@@ -127,7 +138,70 @@ def _kernel_weights(pool_json: str):
     return KernelWeights.for_pool(Pool.model_validate_json(pool_json))
 
 
-def weight_source(con: duckdb.DuckDBPyConnection, pool: Pool, data_dir: Path):
+@dataclass(frozen=True)
+class AttributionInputs:
+    """What attributing a pool-hour reads from the warehouse, taken in one short step that holds
+    the DuckDB file, so the attribution itself runs without it (and pool-hours in parallel)."""
+
+    hour: datetime
+    pool: str
+    batches: frozenset[str]  # the ingest batches committed when the inputs were taken
+    context: pl.DataFrame  # request_context rows of the hour's requests
+    # (engine_version, driver_version) that logged most of the pool's steps; None before any segment
+    engine: tuple[str, str] | None
+
+
+def gather_inputs(con: duckdb.DuckDBPyConnection, lake: Path, pool: Pool, hour: datetime) -> AttributionInputs:
+    """The hour's attribution inputs, read from the warehouse and the lake."""
+    hour = utc_hour(hour)
+    batches = committed_batches(con)
+    keys = [*STEP_KEY, "request_id"]
+    requests = load_hour(lake, pool.name, hour, batches, columns=keys)
+    request_ids = pl.concat([requests.slots["request_id"], requests.holders["request_id"]]).unique()
+    # fetchall, not fetchone: a result left unfinished blocks the connection's next query.
+    logged = con.execute(
+        "SELECT engine_version, driver_version FROM segments WHERE pool = ? "
+        "GROUP BY ALL ORDER BY sum(steps) DESC, engine_version, driver_version LIMIT 1",
+        [pool.name],
+    ).fetchall()
+    return AttributionInputs(
+        hour, pool.name, frozenset(batches), context_for_requests(con, request_ids), tuple(logged[0]) if logged else None
+    )
+
+
+def inputs_path(lake: Path, pool: str, hour: datetime) -> Path:
+    return lake / "inputs" / f"pool={pool}" / f"hour={hour_key(hour)}" / "inputs.parquet"
+
+
+_INPUTS_KEY = b"stepledger.inputs"
+
+
+def save_inputs(lake: Path, inputs: AttributionInputs) -> Path:
+    """One Parquet file (the context rows, the rest in its metadata), replaced atomically."""
+    path = inputs_path(lake, inputs.pool, inputs.hour)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    described = {"batches": sorted(inputs.batches), "engine": list(inputs.engine) if inputs.engine else None}
+    table = inputs.context.to_arrow()
+    partial = path.with_suffix(".parquet.partial")
+    pq.write_table(table.replace_schema_metadata({**(table.schema.metadata or {}), _INPUTS_KEY: json.dumps(described)}),
+                   partial)
+    os.replace(partial, path)
+    return path
+
+
+def load_inputs(lake: Path, pool: str, hour: datetime) -> AttributionInputs:
+    hour = utc_hour(hour)
+    path = inputs_path(lake, pool, hour)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no attribution inputs for pool {pool!r} hour {hour_key(hour)}; "
+                                "materialize its request_context first")
+    table = pq.read_table(path)
+    described = json.loads(table.schema.metadata[_INPUTS_KEY])
+    return AttributionInputs(hour, pool, frozenset(described["batches"]), pl.from_arrow(table),
+                             tuple(described["engine"]) if described["engine"] else None)
+
+
+def weight_source(pool: Pool, inputs: AttributionInputs, data_dir: Path):
     """The pool's work weights: the pricing kernel, or (policy `fitted`) the coefficients
     calibrated for the engine and driver version that logged most of the pool's steps, from
     `<data_dir>/calibration.yaml`."""
@@ -135,33 +209,24 @@ def weight_source(con: duckdb.DuckDBPyConnection, pool: Pool, data_dir: Path):
         return _kernel_weights(pool.model_dump_json())
     from pipeline.attribution import CalibrationStore, FittedWeights
 
-    # fetchall, not fetchone: a result left unfinished blocks the connection's next query.
-    logged = con.execute(
-        "SELECT engine_version, driver_version FROM segments WHERE pool = ? "
-        "GROUP BY ALL ORDER BY sum(steps) DESC, engine_version, driver_version LIMIT 1",
-        [pool.name],
-    ).fetchall()
-    if not logged:
+    if inputs.engine is None:
         raise ValueError(f"pool {pool.name!r}: no segments ingested, so no engine version to calibrate for")
     store = CalibrationStore.load(data_dir / CALIBRATION_FILE)
-    return FittedWeights(store.require(pool.model, pool.gpu_type, *logged[0]))
+    return FittedWeights(store.require(pool.model, pool.gpu_type, *inputs.engine))
 
 
-def charge_hour(
-    con: duckdb.DuckDBPyConnection, lake: Path, pool: Pool, hour: datetime, weights
-) -> HourCharges:
-    """Attribute one pool-hour: the hour's steps, their requests' context, the pool's policies."""
+def charge_hour(lake: Path, pool: Pool, inputs: AttributionInputs, weights) -> HourCharges:
+    """Attribute one pool-hour: the hour's steps of the committed batches, their requests'
+    context, the pool's policies. Reads only the lake."""
     from pipeline.attribution import attribute_hour
 
-    hour = utc_hour(hour)
-    data = load_hour(lake, pool.name, hour, committed_batches(con))
-    context = context_for_requests(
-        con, pl.concat([data.slots["request_id"].unique(), data.holders["request_id"].unique()])
-    )
+    if inputs.pool != pool.name:
+        raise ValueError(f"attribution inputs of pool {inputs.pool!r} given for pool {pool.name!r}")
+    data = load_hour(lake, pool.name, inputs.hour, inputs.batches)
     # Every row is of this pool: without the constant column the attribution's joins copy less.
     slots, holders = data.slots.drop("pool"), data.holders.drop("pool")
-    ledger = attribute_hour(hour, pool, data.steps, slots, holders, context, weights)
-    return charges_from_ledger(hour, pool.name, ledger)
+    ledger = attribute_hour(inputs.hour, pool, data.steps, slots, holders, inputs.context, weights)
+    return charges_from_ledger(inputs.hour, pool.name, ledger)
 
 
 def charges_from_ledger(hour: datetime, pool: str, ledger) -> HourCharges:

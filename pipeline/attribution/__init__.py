@@ -5,7 +5,6 @@ from __future__ import annotations
 from pipeline.attribution.allocator import (
     AllocationError,
     BlendedSplit,
-    allocate_fitted_steps,
     allocate_step,
     blend_and_allocate,
     largest_remainder,
@@ -65,7 +64,6 @@ __all__ = [
     "KernelWeights",
     "SlotBatch",
     "WeightSource",
-    "allocate_fitted_steps",
     "allocate_step",
     "alpha_for_period",
     "attribute_hour",

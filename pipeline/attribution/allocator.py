@@ -53,72 +53,85 @@ def _bucket_count(size: int) -> int:
     return n_buckets
 
 
-@numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
-def _place(
-    value: float, i: int, lo: int, n_buckets: int, exact: np.ndarray, shares: np.ndarray, buckets: np.ndarray,
-    counts: np.ndarray,
-) -> int:
-    """Record row i's exact share and its floor, bucket its remainder; returns the floor."""
-    exact[i] = value
-    floor = np.int64(value)
-    shares[i] = floor
-    bucket = min(np.int64((value - floor) * n_buckets), n_buckets - 1)
-    buckets[i - lo] = bucket
-    counts[bucket] += 1
-    return floor
-
-
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _top_up(
-    left: int, lo: int, hi: int, n_buckets: int, exact: np.ndarray, shares: np.ndarray, buckets: np.ndarray,
-    counts: np.ndarray,
-) -> bool:
-    """Give `left` units to the placed rows with the largest remainders, earliest on ties.
-
-    False when `left` is outside 0..rows (the exact shares do not sum to the total).
-    """
-    size = hi - lo
-    if left < 0 or left > size:
-        return False
-    if left == 0:
-        return True
-    above = 0
-    boundary = n_buckets - 1
-    while above + counts[boundary] < left:
-        above += counts[boundary]
-        boundary -= 1
-    need = left - above
-    whole_boundary = need == counts[boundary]
-    for j in range(size):
-        shares[lo + j] += (buckets[j] > boundary) | (whole_boundary & (buckets[j] == boundary))
-    if whole_boundary:
-        return True
-    # The boundary bucket's rows, in position order, moved to the front of `buckets` (their
-    # buckets are no longer needed), then ranked by remainder, earliest on ties.
-    found = 0
-    for j in range(size):
-        if buckets[j] == boundary:
-            buckets[found] = lo + j
-            found += 1
+def _rank_boundary(need: int, found: int, exact: np.ndarray, shares: np.ndarray, rows: np.ndarray) -> None:
+    """Give a unit to the `need` of `rows[:found]` (in position order) with the largest
+    remainders, earliest on ties."""
     if found > _INSERTION_SORT_ROWS:
         negated = np.empty(found)
         for m in range(found):
-            negated[m] = shares[buckets[m]] - exact[buckets[m]]
+            negated[m] = shares[rows[m]] - exact[rows[m]]
         # mergesort is stable: equal remainders keep their position order.
         ranked = np.argsort(negated, kind="mergesort")
         for m in range(need):
-            shares[buckets[ranked[m]]] += 1
-        return True
+            shares[rows[ranked[m]]] += 1
+        return
     # Usually two or three rows: a (stable) insertion sort, without allocating.
     for m in range(1, found):
-        row = buckets[m]
+        row = rows[m]
         k = m
-        while k > 0 and shares[buckets[k - 1]] - exact[buckets[k - 1]] > shares[row] - exact[row]:
-            buckets[k] = buckets[k - 1]
+        while k > 0 and shares[rows[k - 1]] - exact[rows[k - 1]] > shares[row] - exact[row]:
+            rows[k] = rows[k - 1]
             k -= 1
-        buckets[k] = row
+        rows[k] = row
     for m in range(need):
-        shares[buckets[m]] += 1
+        shares[rows[m]] += 1
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _round_group(total: int, lo: int, hi: int, exact: np.ndarray, shares: np.ndarray, buckets: np.ndarray,
+                 counts: np.ndarray) -> bool:
+    """Shares of rows lo..hi from their exact shares: floors, then the units left over to the
+    largest remainders, earliest on ties. False when the floors leave fewer than 0 or more
+    than `rows` units (the exact shares do not sum to the total)."""
+    size = hi - lo
+    n_buckets = _bucket_count(size)
+    for bucket in range(n_buckets):
+        counts[bucket] = 0
+    given = 0
+    for i in range(lo, hi):
+        value = exact[i]
+        floor = np.int64(value)
+        shares[i] = floor
+        given += floor
+        bucket = min(np.int64((value - floor) * n_buckets), n_buckets - 1)
+        buckets[i - lo] = bucket
+        counts[bucket] += 1
+    left = total - given
+    if left == 0:
+        return True
+    if left < 0 or left > size:
+        return False
+    # The boundary bucket: the one holding the left-th largest remainder, found from the
+    # nearer end of the counts.
+    if 2 * left <= size:
+        above = 0
+        boundary = n_buckets - 1
+        while above + counts[boundary] < left:
+            above += counts[boundary]
+            boundary -= 1
+    else:
+        below = 0
+        boundary = 0
+        while below + counts[boundary] <= size - left:
+            below += counts[boundary]
+            boundary += 1
+        above = size - below - counts[boundary]
+    need = left - above
+    if need == counts[boundary]:
+        for j in range(size):
+            shares[lo + j] += buckets[j] >= boundary
+        return True
+    # Rows above the boundary get their unit; the boundary bucket's rows, in position order,
+    # move to the front of `buckets` (j >= found, so no bucket is overwritten before it is read).
+    found = 0
+    for j in range(size):
+        bucket = buckets[j]
+        shares[lo + j] += bucket > boundary
+        if bucket == boundary:
+            buckets[found] = lo + j
+            found += 1
+    _rank_boundary(need, found, exact, shares, buckets)
     return True
 
 
@@ -146,11 +159,12 @@ def _largest_remainder_sorted(
         hi = offsets[group + 1]
         total = totals[group]
         weight_sum = 0.0
+        # A flag, not an early return: the loop stays free of exits.
+        valid = True
         for i in range(lo, hi):
-            if not weights[i] >= 0.0:
-                return _BAD_VALUE
+            valid &= weights[i] >= 0.0
             weight_sum += weights[i]
-        if not weight_sum < np.inf:
+        if not (valid and weight_sum < np.inf):
             return _BAD_VALUE
         if total == 0:
             for i in range(lo, hi):
@@ -159,12 +173,9 @@ def _largest_remainder_sorted(
             continue
         if not weight_sum > 0.0:
             return group
-        n_buckets = _bucket_count(hi - lo)
-        counts[:n_buckets] = 0
-        given = 0
         for i in range(lo, hi):
-            given += _place(total * (weights[i] / weight_sum), i, lo, n_buckets, exact, shares, buckets, counts)
-        if not _top_up(total - given, lo, hi, n_buckets, exact, shares, buckets, counts):
+            exact[i] = total * (weights[i] / weight_sum)
+        if not _round_group(total, lo, hi, exact, shares, buckets, counts):
             return group
     return -1
 
@@ -175,7 +186,6 @@ def _blend_group(
     lo: int,
     hi: int,
     work: np.ndarray,
-    work_offset: int,
     kv: np.ndarray,
     alpha: float,
     shares: np.ndarray,
@@ -185,47 +195,36 @@ def _blend_group(
     buckets: np.ndarray,
     counts: np.ndarray,
 ) -> int:
-    """Blend and allocate one group (rows lo..hi, work[i - work_offset]); 0, _BAD_VALUE or 1 (cannot split).
+    """Blend and allocate one group (rows lo..hi); 0, _BAD_VALUE or 1 (cannot split).
 
     The arithmetic follows the reference allocator operation by operation, (alpha x work) /
     sum then x total, so its shares come out bit for bit the same.
     """
     compute_sum = 0.0
     kv_sum = 0.0
+    valid = True
     for i in range(lo, hi):
-        if not (work[i - work_offset] >= 0.0 and kv[i] >= 0.0):
-            return _BAD_VALUE
-        compute_sum += work[i - work_offset]
+        valid &= (work[i] >= 0.0) & (kv[i] >= 0.0)
+        compute_sum += work[i]
         kv_sum += kv[i]
-    if not (compute_sum < np.inf and kv_sum < np.inf):
+    if not (valid and compute_sum < np.inf and kv_sum < np.inf):
         return _BAD_VALUE
+    if total > 0 and not (compute_sum > 0.0 or kv_sum > 0.0):
+        return 1
     # No blocks: compute alone; no compute (holders only): KV alone.
     group_alpha = alpha if kv_sum > 0.0 else 1.0
     if not compute_sum > 0.0:
         group_alpha = 0.0
-    if total > 0 and not (compute_sum > 0.0 or kv_sum > 0.0):
-        return 1
-    with_parts = compute_part.shape[0] > 0
-    n_buckets = _bucket_count(hi - lo)
-    counts[:n_buckets] = 0
-    # The exact shares first, in a loop of arithmetic alone (the compiler vectorises its
-    # divisions), then their floors and buckets.
     compute_scale = group_alpha if compute_sum > 0.0 else 0.0
     kv_scale = 1.0 - group_alpha if kv_sum > 0.0 else 0.0
     compute_divisor = compute_sum if compute_sum > 0.0 else 1.0
     kv_divisor = kv_sum if kv_sum > 0.0 else 1.0
-    if with_parts:
-        for i in range(lo, hi):
-            compute_part[i] = compute_scale * work[i - work_offset] / compute_divisor
-            kv_part[i] = kv_scale * kv[i] / kv_divisor
-            exact[i] = (compute_part[i] + kv_part[i]) * total
-    else:
-        for i in range(lo, hi):
-            exact[i] = (compute_scale * work[i - work_offset] / compute_divisor + kv_scale * kv[i] / kv_divisor) * total
-    given = 0
+    # A loop of arithmetic alone, which the compiler vectorises, divisions included.
     for i in range(lo, hi):
-        given += _place(exact[i], i, lo, n_buckets, exact, shares, buckets, counts)
-    return 0 if _top_up(total - given, lo, hi, n_buckets, exact, shares, buckets, counts) else 1
+        compute_part[i] = compute_scale * work[i] / compute_divisor
+        kv_part[i] = kv_scale * kv[i] / kv_divisor
+        exact[i] = (compute_part[i] + kv_part[i]) * total
+    return 0 if _round_group(total, lo, hi, exact, shares, buckets, counts) else 1
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
@@ -242,67 +241,12 @@ def _blend_allocate_sorted(
     buckets: np.ndarray,
     counts: np.ndarray,
 ) -> int:
-    """Blend compute and KV shares per group and allocate, in one pass. The weight parts are
-    written only when `compute_part`/`kv_part` are not empty. Returns as _largest_remainder_sorted."""
+    """Blend compute and KV shares per group and allocate, in one pass. Returns as
+    _largest_remainder_sorted."""
     for group in range(totals.shape[0]):
         status = _blend_group(
-            totals[group], offsets[group], offsets[group + 1], compute, 0, kv, alpha[group], shares, exact,
+            totals[group], offsets[group], offsets[group + 1], compute, kv, alpha[group], shares, exact,
             compute_part, kv_part, buckets, counts,
-        )
-        if status != 0:
-            return _BAD_VALUE if status == _BAD_VALUE else group
-    return -1
-
-
-# The fitted work model's per-row formula lives beside the kernels so the fused fitted path
-# inlines it; workmodel.fitted_work_ms uses the same functions, so both paths agree bit for bit.
-@numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
-def fitted_slot_work(fixed: float, t: float, context: float, a: float, b: float) -> float:
-    """fixed + (a t + b t (L + (t + 1) / 2)), in the reference allocator's operation order."""
-    return fixed + (a * t + b * (t * (context + (t + 1.0) / 2.0)))
-
-
-@numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
-def fitted_group_work(
-    lo: int, hi: int, new_tokens: np.ndarray, context: np.ndarray, c0: float, a: float, b: float, per_token: bool,
-    out: np.ndarray, out_offset: int,
-) -> None:
-    """Work of rows lo..hi of one step into out[i - out_offset]: c0 per slot or per token, plus own work."""
-    token_sum = 0.0
-    if per_token:
-        for i in range(lo, hi):
-            token_sum += new_tokens[i]
-    for i in range(lo, hi):
-        t = float(new_tokens[i])
-        fixed = c0 * (t / token_sum) if token_sum > 0.0 else c0 / (hi - lo)
-        out[i - out_offset] = fitted_slot_work(fixed, t, context[i], a, b)
-
-
-@numba.njit(cache=True, nogil=True, error_model="numpy")
-def _fitted_allocate_sorted(
-    totals: np.ndarray,
-    offsets: np.ndarray,
-    new_tokens: np.ndarray,
-    context: np.ndarray,
-    kv: np.ndarray,
-    coefficients: np.ndarray,
-    per_token: bool,
-    alpha: np.ndarray,
-    shares: np.ndarray,
-    exact: np.ndarray,
-    buckets: np.ndarray,
-    counts: np.ndarray,
-    work: np.ndarray,
-) -> int:
-    """_blend_allocate_sorted with each step's fitted work computed in place (no work array)."""
-    c0, a, b = coefficients[0], coefficients[1], coefficients[2]
-    no_parts = np.empty(0)
-    for group in range(totals.shape[0]):
-        lo = offsets[group]
-        hi = offsets[group + 1]
-        fitted_group_work(lo, hi, new_tokens, context, c0, a, b, per_token, work, lo)
-        status = _blend_group(
-            totals[group], lo, hi, work, lo, kv, alpha[group], shares, exact, no_parts, no_parts, buckets, counts
         )
         if status != 0:
             return _BAD_VALUE if status == _BAD_VALUE else group
@@ -325,7 +269,6 @@ def _offsets_if_ordered(groups: np.ndarray, offsets: np.ndarray) -> bool:
     for group in range(previous + 1, n_groups + 1):
         offsets[group] = groups.shape[0]
     return True
-
 
 
 def _layout(totals: np.ndarray, groups: np.ndarray, arrays: dict[str, np.ndarray]) -> tuple[np.ndarray | None, np.ndarray]:
@@ -397,8 +340,8 @@ class BlendedSplit:
 
     shares: np.ndarray
     exact: np.ndarray
-    compute_part: np.ndarray | None  # alpha x the row's share of its group's compute work
-    kv_part: np.ndarray | None  # (1 - alpha) x its share of the group's KV blocks
+    compute_part: np.ndarray  # alpha x the row's share of its group's compute work
+    kv_part: np.ndarray  # (1 - alpha) x its share of the group's KV blocks
 
 
 def blend_and_allocate(
@@ -407,16 +350,13 @@ def blend_and_allocate(
     compute_work: np.ndarray,
     kv_weight: np.ndarray,
     alpha: float | np.ndarray,
-    *,
-    with_parts: bool = True,
 ) -> BlendedSplit:
     """Weight each row alpha x compute share + (1 - alpha) x KV share within its group, then
     split the group's total by largest remainder.
 
     `alpha` is one value or one per group. A group without KV blocks is split on compute alone,
     one without compute work (holders only) on KV alone; a group with a positive total and
-    neither is an error. `with_parts=False` skips the per-row weight parts (left as None) for
-    callers that need only the shares.
+    neither is an error.
     """
     totals = np.ascontiguousarray(totals, dtype=np.int64)
     groups = np.ascontiguousarray(group_index, dtype=np.int64)
@@ -431,8 +371,7 @@ def blend_and_allocate(
         compute, kv = compute[permutation], kv[permutation]
     n = groups.shape[0]
     shares, exact = np.empty(n, dtype=np.int64), np.empty(n)
-    parts_rows = n if with_parts else 0
-    compute_part, kv_part = np.empty(parts_rows), np.empty(parts_rows)
+    compute_part, kv_part = np.empty(n), np.empty(n)
     failed = _blend_allocate_sorted(
         totals, offsets, compute, kv, group_alpha, shares, exact, compute_part, kv_part, *_scratch(offsets)
     )
@@ -442,8 +381,6 @@ def blend_and_allocate(
         raise AllocationError(
             f"group {failed} has total {int(totals[failed])} but no row with compute work or KV blocks to carry it"
         )
-    if not with_parts:
-        return BlendedSplit(*_unpermute(permutation, shares, exact), None, None)
     return BlendedSplit(*_unpermute(permutation, shares, exact, compute_part, kv_part))
 
 
@@ -453,46 +390,6 @@ def _split_compute_kv(amount: np.ndarray, compute_part: np.ndarray, kv_part: np.
         both = compute_part[i] + kv_part[i]
         share = np.int64(np.floor(amount[i] * (compute_part[i] / both) + 0.5)) if both > 0.0 else amount[i]
         compute[i] = min(share, amount[i])
-
-
-def allocate_fitted_steps(
-    totals: np.ndarray,
-    step_index: np.ndarray,
-    new_tokens: np.ndarray,
-    context_tokens: np.ndarray,
-    kv_blocks: np.ndarray,
-    coefficients: tuple[float, float, float],
-    alpha: float | np.ndarray,
-    fixed_cost: str = "per_slot",
-) -> tuple[np.ndarray, np.ndarray]:
-    """(shares, exact shares) of steps weighted by fitted coefficients (c0, a, b) in one pass.
-
-    The same result as fitted work followed by `blend_and_allocate`, without materialising the
-    work: the reference allocator's computation for every step at once. Rows must be in step
-    order (non-decreasing `step_index`).
-    """
-    if fixed_cost not in ("per_slot", "per_token"):
-        raise AllocationError(f"unknown fixed-cost policy {fixed_cost!r}; expected per_slot or per_token")
-    totals = np.ascontiguousarray(totals, dtype=np.int64)
-    groups = np.ascontiguousarray(step_index, dtype=np.int64)
-    kv = np.ascontiguousarray(kv_blocks, dtype=np.float64)
-    permutation, offsets = _layout(totals, groups, {"KV weight": kv})
-    if permutation is not None:
-        raise AllocationError("rows must be in step order (non-decreasing step_index)")
-    group_alpha = np.ascontiguousarray(np.broadcast_to(np.asarray(alpha, dtype=np.float64), totals.shape))
-    n = groups.shape[0]
-    shares, exact = np.empty(n, dtype=np.int64), np.empty(n)
-    buckets, counts = _scratch(offsets)
-    failed = _fitted_allocate_sorted(
-        totals, offsets, np.ascontiguousarray(new_tokens, dtype=np.int64), np.ascontiguousarray(context_tokens), kv,
-        np.asarray(coefficients, dtype=np.float64), fixed_cost == "per_token", group_alpha, shares, exact, buckets,
-        counts, np.empty(buckets.shape[0]),
-    )
-    if failed == _BAD_VALUE:
-        _raise_bad_value({"KV weight": kv, "coefficient": np.asarray(coefficients, dtype=np.float64)})
-    if failed >= 0:
-        raise AllocationError(f"group {failed} has total {int(totals[failed])} but no row with work or KV blocks")
-    return shares, exact
 
 
 def split_compute_kv(amount_nano: np.ndarray, compute_part: np.ndarray, kv_part: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -20,8 +20,6 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import numba
 import numpy as np
 
-from pipeline.attribution.allocator import fitted_group_work
-
 if TYPE_CHECKING:
     from schemas.config import Pool
 
@@ -94,13 +92,24 @@ def split_fixed(fixed_per_step: np.ndarray, batch: SlotBatch, policy: FixedCostP
     return fixed_per_step[batch.step_index] * share
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, error_model="numpy")
 def _fitted_work_sorted(
     offsets: np.ndarray, new_tokens: np.ndarray, context: np.ndarray, c0: float, a: float, b: float, per_token: bool,
     out: np.ndarray,
 ) -> None:
+    """c0 split per slot or per token, plus a t + b t (L + (t + 1) / 2), in the reference
+    allocator's operation order (so the shares match it bit for bit)."""
     for step in range(offsets.shape[0] - 1):
-        fitted_group_work(offsets[step], offsets[step + 1], new_tokens, context, c0, a, b, per_token, out, 0)
+        lo, hi = offsets[step], offsets[step + 1]
+        token_sum = 0.0
+        if per_token:
+            for i in range(lo, hi):
+                token_sum += new_tokens[i]
+        for i in range(lo, hi):
+            t = float(new_tokens[i])
+            # A step of zero new tokens (holders only, defensive) falls back to per slot.
+            fixed = c0 * (t / token_sum) if token_sum > 0.0 else c0 / (hi - lo)
+            out[i] = fixed + (a * t + b * (t * (context[i] + (t + 1.0) / 2.0)))
 
 
 def fitted_work_ms(coefficients: Coefficients, batch: SlotBatch, policy: FixedCostPolicy) -> np.ndarray:

@@ -47,7 +47,8 @@ def main(argv: list[str]) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
         ingest.transaction = die
-    stages = [(pool_hour, "ingest_outbox"), (context, "load_gateway_files"), (hourly, "charge_hour"),
+    stages = [(pool_hour, "ingest_outbox"), (context, "load_gateway_files"), (hourly, "save_inputs"),
+              (hourly, "charge_hour"),
               (hourly, "save_charges"), (hourly, "publish_hour"), (hourly, "reconcile_hour")]
     for module, name in stages:
         setattr(module, name, announced(name, getattr(module, name)))

@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 from pipeline.attribution import (
     AllocationError,
-    allocate_fitted_steps,
     allocate_step,
     blend_and_allocate,
     largest_remainder,
@@ -147,11 +146,6 @@ def test_vectorised_path_matches_the_reference_allocator(rows, step_ms, alpha):
     split = blend_and_allocate(np.array([round(step_ms)]), batch.step_index, work, np.array([s.kv_blocks for s in slots]), alpha)
     # Same operations in the same order: identical shares, ties included.
     assert dict(zip(reference, split.shares.tolist())) == reference
-    fused, exact = allocate_fitted_steps(
-        np.array([round(step_ms)]), batch.step_index, batch.new_tokens, batch.context_tokens,
-        np.array([s.kv_blocks for s in slots]), (12, 0.05, 0.00005), alpha,
-    )
-    assert fused.tolist() == split.shares.tolist() and exact.tolist() == split.exact.tolist()
 
 
 def test_step_total_units_is_exact_decimal_arithmetic():
@@ -167,15 +161,12 @@ def test_compute_kv_split_sums_to_amount():
     assert kv.tolist() == [2, 7, 0, 2]
 
 
-def test_fused_fitted_path_per_token_and_step_order():
-    step_index = np.array([0, 0, 1, 1, 1])
-    new_tokens, context, kv = np.array([100, 1, 10, 1, 1]), np.array([0, 500, 0, 9, 90]), np.array([7.0, 32, 1, 1, 6])
-    batch = SlotBatch(step_index, 2, new_tokens, context, np.zeros(5, dtype=np.int64))
-    totals = np.array([1000, 37])
-    work = fitted_work_ms(Coefficients(12, 0.05, 0.00005), batch, "per_token")
-    expected = blend_and_allocate(totals, step_index, work, kv, 0.7)
-    shares, exact = allocate_fitted_steps(totals, step_index, new_tokens, context, kv, (12, 0.05, 0.00005), 0.7, "per_token")
-    assert shares.tolist() == expected.shares.tolist() and exact.tolist() == expected.exact.tolist()
-    assert shares[:2].sum() == 1000 and shares[2:].sum() == 37
-    with pytest.raises(AllocationError, match="step order"):
-        allocate_fitted_steps(totals, step_index[::-1], new_tokens, context, kv, (12, 0.05, 0.00005), 0.7)
+def test_fitted_work_splits_c0_per_slot_or_per_token():
+    batch = SlotBatch(np.array([0, 0, 1]), 2, np.array([100, 1, 4]), np.array([0, 500, 10]), np.zeros(3, dtype=np.int64))
+    coefficients = Coefficients(12, 0.05, 0.00005)
+    # a t + b t (L + (t + 1) / 2) of each slot
+    own = [5 + 0.00005 * 100 * 50.5, 0.05 + 0.00005 * 501, 0.2 + 0.00005 * 4 * 12.5]
+    assert fitted_work_ms(coefficients, batch, "per_slot").tolist() == pytest.approx([6 + own[0], 6 + own[1], 12 + own[2]])
+    assert fitted_work_ms(coefficients, batch, "per_token").tolist() == pytest.approx(
+        [12 * 100 / 101 + own[0], 12 / 101 + own[1], 12 + own[2]]
+    )

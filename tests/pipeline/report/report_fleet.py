@@ -98,6 +98,7 @@ def build_fleet(root: Path) -> Path:
         for hour in (HOUR, NEXT_HOUR):
             gateway_context.load_gateway_files(
                 con, gateway_context.gateway_files_for_hour(gateway, hour), gateway_context.key_salt())
-            hourly.publish_hour(con, hourly.charge_hour(con, lake, pool, hour, hourly.weight_source(con, pool, root)))
+            inputs = hourly.gather_inputs(con, lake, pool, hour)
+            hourly.publish_hour(con, hourly.charge_hour(lake, pool, inputs, hourly.weight_source(pool, inputs, root)))
             hourly.reconcile_hour(con, lake, root / "dcgm", pool, hour, pools.settings)
     return root

@@ -59,6 +59,37 @@ def test_ingest_partitions_by_pool_and_hour(tmp_path: Path, outbox: Path) -> Non
     assert lake_rows(lake, "slots") == 120 * 2 + 10
 
 
+def test_a_full_outbox_is_ingested_in_batches_of_bounded_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    outbox = tmp_path / "outbox"
+    # Six segments of 20 steps each (one every 30 s), and a replica of one segment.
+    for part in range(6):
+        write_replica_log(outbox, POOL, "chat-8b-r0", start=HOUR + timedelta(minutes=10 * part), steps=20, step_ns=NS,
+                          gap_ns=29 * NS, requests=["a", "b"], first_seq=20 * part)
+    write_replica_log(outbox, POOL, "chat-8b-r1", start=HOUR, steps=10, step_ns=NS, gap_ns=NS, requests=["c"])
+
+    def lake_content(lake: Path) -> dict[str, list[tuple]]:
+        return {table: sorted(row for f in (lake / table).rglob("*.parquet") for row in pl.read_parquet(f).rows())
+                for table in ("steps", "slots")}
+
+    with connect(tmp_path / "whole.duckdb") as con:
+        ingest_outbox(con, outbox, tmp_path / "whole")
+    segments = segment_files(outbox, ["chat-8b-r0"])
+    sizes = [p.stat().st_size for p in segments]
+    assert len(segments) >= 5
+    # Room for two segments of r0 per batch, never three.
+    monkeypatch.setattr(ingest, "BATCH_BYTES", 2 * max(sizes))
+    assert sum(sorted(sizes)[:3]) > ingest.BATCH_BYTES
+    with connect(tmp_path / "w.duckdb") as con:
+        report = ingest_outbox(con, outbox, tmp_path / "lake")
+        batches = con.execute(
+            "SELECT batch_id, sum(bytes), count(*) FROM segment_files WHERE path LIKE '%chat-8b-r0%' GROUP BY 1"
+        ).fetchall()
+    assert report.steps == 130
+    assert len(batches) == (len(segments) + 1) // 2
+    assert all(total <= ingest.BATCH_BYTES or files == 1 for _, total, files in batches)
+    assert lake_content(tmp_path / "lake") == lake_content(tmp_path / "whole")
+
+
 def test_a_segment_delivered_twice_is_ingested_once(tmp_path: Path, outbox: Path) -> None:
     lake = tmp_path / "lake"
     with connect(tmp_path / "w.duckdb") as con:
