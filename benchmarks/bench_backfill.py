@@ -154,7 +154,12 @@ def backfill(data: Path, hours: int) -> tuple[float, int]:
     from schemas.config import load_pools
 
     pools = load_pools(data / "pools.yaml")
-    partitions = [(hour_key(DEFAULT_START + timedelta(hours=h)), p.name) for h in range(hours) for p in pools.pools]
+    # Lane k takes every pool of the hours h with h % LANES == k: each lane gets a share of
+    # every pool, so the busiest pool is not one lane's alone.
+    lane_partitions = [
+        [(hour_key(DEFAULT_START + timedelta(hours=h)), p.name) for h in range(lane, hours, LANES) for p in pools.pools]
+        for lane in range(LANES)
+    ]
     with tempfile.TemporaryDirectory(prefix="bench-backfill-") as tmp:
         run = Path(tmp) / "run"
         run.mkdir()
@@ -173,7 +178,7 @@ def backfill(data: Path, hours: int) -> tuple[float, int]:
                        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         started = time.perf_counter()
         lanes = [
-            subprocess.Popen([sys.executable, "-c", _LANE, json.dumps(partitions[lane::LANES])], cwd=REPO,
+            subprocess.Popen([sys.executable, "-c", _LANE, json.dumps(lane_partitions[lane])], cwd=REPO,
                              env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for lane in range(LANES)
         ]
