@@ -12,7 +12,9 @@ order, with the multiprocess executor (every step its own process). Runs of diff
 overlap wherever their steps do not hold the DuckDB file: every step that opens it is in the
 `duckdb` pool, so DuckDB sees one writer at a time, while `charges` (the attribution, the
 longest step) reads only the lake and runs beside them. LANES is 2, one per core here;
-STEPLEDGER_BACKFILL_LANES overrides it. Each step ingests whatever its pool's outbox holds
+STEPLEDGER_BACKFILL_LANES overrides it. (On 2 cores the full day took 920 s with two lanes and
+970 s with one: a run waiting for the pool spins a core in Dagster's executor; see
+docs/scale-out.md.) Each step ingests whatever its pool's outbox holds
 (the first run of a pool ingests the whole day, in batches of bounded size), so the order of
 hours does not change the ledger.
 
