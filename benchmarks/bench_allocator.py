@@ -4,7 +4,7 @@ Both split the same steps (mixed prefill chunks and decodes, 1-64 slots each) wi
 reference work model in micro-dollars. The vectorised side is what the hourly attribution
 runs for a batch of a fitted pool's steps: every slot's work from the coefficients
 (`FittedWeights.compute_work`), then the blended largest-remainder split
-(`blend_and_allocate`, weight parts included); the vectorised shares must equal the reference ones
+(`blend_and_allocate`, weight parts included). Its shares must equal the reference ones
 except where two slots' remainders tie within float rounding (either may take the unit; the
 vectorised path follows the reference's arithmetic step by step, so none are expected).
 Times are this process's CPU time (one core: numpy and the compiled kernels run

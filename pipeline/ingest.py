@@ -42,7 +42,7 @@ STEP_KEY = ["pool", "replica", "seq"]
 INTENTS_DIR = "_ingest"
 # Segment bytes decoded per batch. Ingesting a day of a busy replica (2 GiB of segments) peaked
 # at 2.4 GiB resident with 256 MiB batches and 3.8 GiB with 512 MiB (decoded Arrow tables, their
-# polars frames and the split by hour); in one batch, as a backfill after an outage would, 17 GiB.
+# polars frames and the split by hour); as one batch, in the 24-hour backfill benchmark, 17 GiB.
 BATCH_BYTES = 256 << 20
 
 log = logging.getLogger(__name__)
@@ -165,9 +165,10 @@ def ingest_outbox(
 
     Each batch holds consecutive segments of one replica, up to BATCH_BYTES, so memory is
     bounded by the batch, not by how much waited in the outbox; within a batch the decoder
-    bounds a torn segment by the next one. Parquet files are named after the batch (a hash of its files' contents) and
-    written before the warehouse records the batch; the files of a batch that never committed
-    (the process died in between) are removed first, whatever arrived in the outbox since.
+    bounds a torn segment by the next one. Parquet files are named after the batch (a hash of
+    its files' contents) and written before the warehouse records the batch; the files of a
+    batch that never committed (the process died in between) are removed first, whatever
+    arrived in the outbox since.
     """
     with _ingest_lock(lake) as intents:
         removed = remove_uncommitted(con, lake, intents)
