@@ -164,8 +164,8 @@ def ingest_outbox(
     """Ingest the segments not seen before, a replica at a time; return what was written.
 
     Each batch holds consecutive segments of one replica, up to BATCH_BYTES, so memory is
-    bounded by the batch, not by how much waited in the outbox; within a batch the decoder
-    bounds a torn segment by the next one. Parquet files are named after the batch (a hash of
+    bounded by the batch, not by how much waited in the outbox; the decoder bounds a torn
+    segment by the next one, in the same batch or the next. Parquet files are named after the batch (a hash of
     its files' contents) and written before the warehouse records the batch; the files of a
     batch that never committed (the process died in between) are removed first, whatever
     arrived in the outbox since.
@@ -185,16 +185,16 @@ def _ingest_new(
     }
     # Per replica, batches of consecutive segments of up to BATCH_BYTES (a bigger segment is a
     # batch alone): memory stays bounded however much waited in the outbox.
-    batches: list[tuple[dict[Path, str], dict[Path, str]]] = []
+    batches: list[tuple[str, dict[Path, str], dict[Path, str]]] = []
     replica, batch_bytes = None, 0
     for path in segment_files(outbox, replicas):
         if str(path) in known_paths:
             continue
         size = path.stat().st_size
         if path.parent.name != replica or (batch_bytes and batch_bytes + size > BATCH_BYTES):
-            batches.append(({}, {}))
             replica, batch_bytes = path.parent.name, 0
-        fresh, duplicates = batches[-1]
+            batches.append((replica, {}, {}))
+        _, fresh, duplicates = batches[-1]
         digest = _sha256(path)
         if digest in known_hashes:
             duplicates[path] = digest
@@ -202,7 +202,15 @@ def _ingest_new(
             fresh[path] = digest
             batch_bytes += size
             known_hashes.add(digest)
-    reports = [_ingest_batch(con, lake, intents, fresh, duplicates) for fresh, duplicates in batches]
+    # A torn tail at the end of a batch is bounded by the first segment of the replica's next batch.
+    following = [
+        list(after[1])[:1] if after[0] == replica else []
+        for (replica, _, _), after in zip(batches, [*batches[1:], ("", {}, {})])
+    ]
+    reports = [
+        _ingest_batch(con, lake, intents, fresh, duplicates, after)
+        for (_, fresh, duplicates), after in zip(batches, following, strict=True)
+    ]
     return IngestReport(
         batch_id=reports[-1].batch_id if reports else None,
         ingested_files=[p for r in reports for p in r.ingested_files],
@@ -219,14 +227,16 @@ def _hour_key(hour_index: int) -> str:
 
 
 def _ingest_batch(
-    con: duckdb.DuckDBPyConnection, lake: Path, intents: Path, fresh: dict[Path, str], duplicates: dict[Path, str]
+    con: duckdb.DuckDBPyConnection, lake: Path, intents: Path, fresh: dict[Path, str], duplicates: dict[Path, str],
+    following: list[Path],
 ) -> IngestReport:
-    """Decode `fresh` files into the lake and record them and `duplicates` in the warehouse."""
+    """Decode `fresh` files into the lake and record them and `duplicates` in the warehouse
+    (`following`: the replica's next segment, to bound a torn tail; not ingested here)."""
     batch_id = hashlib.sha256("".join(sorted({*fresh.values(), *duplicates.values()})).encode()).hexdigest()[:16]
     steps = slots = holders = None
     decoded_segments = damage = drops = None
     if fresh:
-        decoded = read_segments(list(fresh))
+        decoded = read_segments(list(fresh), following)
         steps, slots, holders = (pl.from_arrow(t) for t in (decoded.steps, decoded.slots, decoded.holders))
         decoded_segments = pl.from_arrow(decoded.segments)
         damage = pl.from_arrow(decoded.damage)

@@ -557,10 +557,11 @@ def _resolve_duplicates(files: list[_File]) -> tuple[list[_File], list[tuple[_Fi
     return list(kept.values()), damage
 
 
-def _bound_by_next_segment(files: list[_File]) -> None:
-    """A torn tail hides steps up to the next segment of the same replica, when there is one."""
+def _bound_by_next_segment(files: list[_File], following: list[_File]) -> None:
+    """A torn tail hides steps up to the next segment of the same replica (among `files` and
+    `following`), when there is one."""
     starts: dict[tuple[str, str], list[int]] = {}
-    for decoded in files:
+    for decoded in [*files, *following]:
         first, _ = _seq_range(decoded)
         if decoded.header is not None and first is not None:
             starts.setdefault((decoded.header.pool, decoded.header.replica), []).append(first)
@@ -575,17 +576,20 @@ def _bound_by_next_segment(files: list[_File]) -> None:
                     damage.last_seq = following[0] - 1
 
 
-def read_segments(paths: Iterable[Path]) -> DecodedLog:
+def read_segments(paths: Iterable[Path], following: Iterable[Path] = ()) -> DecodedLog:
     """Decode segment files given in any order; duplicated segments are kept once and reported.
 
     Rows come segment by segment, segments ordered by pool, replica and first sequence
     number, and `segments` lists them in that same order; within a segment, file order
     (rising sequence numbers). The result does not depend on the order of `paths`.
+    `following`: segments read only for where they start, so that a torn tail of `paths` is
+    bounded by its replica's next segment when that one is decoded in a later call; nothing
+    of them is returned.
     """
     unique = sorted({Path(p) for p in paths}, key=str)
     decoded_files = [_decode_file(path) for path in unique]
     files, duplicate_damage = _resolve_duplicates(decoded_files)
-    _bound_by_next_segment(files)
+    _bound_by_next_segment(files, [_decode_file(Path(p)) for p in following if Path(p) not in unique])
     readable = sorted(
         (f for f in files if f.header is not None),
         key=lambda f: (f.header.pool, f.header.replica, _seq_range(f)[0] or 0, f.header.segment_id),

@@ -125,6 +125,26 @@ def test_torn_segment_damage_is_recorded(tmp_path: Path, outbox: Path) -> None:
     assert ("torn_tail", str(victim)) in damage
 
 
+def test_a_torn_segment_is_bounded_by_the_next_one_in_the_next_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    outbox = tmp_path / "outbox"
+    for part in range(2):
+        write_replica_log(outbox, POOL, "chat-8b-r0", start=HOUR + timedelta(minutes=10 * part), steps=20, step_ns=NS,
+                          gap_ns=NS, requests=["a"], first_seq=20 * part)
+    torn = segment_files(outbox)[0]
+    torn.write_bytes(torn.read_bytes()[:-40])
+
+    def damage(database: str) -> list[tuple]:
+        with connect(tmp_path / database) as con:
+            ingest_outbox(con, outbox, tmp_path / database.replace(".duckdb", "-lake"))
+            return con.execute("SELECT kind, first_seq, last_seq FROM damage").fetchall()
+
+    together = damage("one-batch.duckdb")
+    monkeypatch.setattr(ingest, "BATCH_BYTES", 1)  # every segment a batch of its own
+    assert damage("batches.duckdb") == together == [("torn_tail", 19, 19)]
+
+
 def test_sequence_gaps_between_segments(tmp_path: Path) -> None:
     outbox = tmp_path / "outbox"
     first = write_replica_log(outbox, POOL, "chat-8b-r0", start=HOUR, steps=5, step_ns=NS, gap_ns=NS, requests=["a"])
