@@ -91,8 +91,8 @@ def load_hour(
 
     `batches`: the ingest batches to read (`pipeline.ingest.committed_batches`), so that the
     files of a batch still being ingested, or of one that died before its commit, are not
-    read; None reads every file in the lake. `columns`: only these columns of slots and
-    holders (with the step key); None reads them all."""
+    read; None reads every file in the lake. `columns`: only these columns of each table (the
+    ones it has; they must include the step key); None reads them all."""
     hour = utc_hour(hour)
     previous = hour - timedelta(hours=1)
     hour_start_ns = int(hour.timestamp()) * 1_000_000_000
@@ -100,15 +100,16 @@ def load_hour(
         lake, "steps", pool, previous, batches, pl.col("end_utc_ns") > hour_start_ns
     ).select(STEP_KEY)
 
-    def ordered(table: str, columns: list[str] | None) -> pl.DataFrame:
+    def ordered(table: str) -> pl.DataFrame:
         # Per replica: its rows of straddling steps, then its files of this hour. Rows of the
         # hour's own files all belong to its steps (ingest placed them with their step).
-        earlier = _read([], table, columns)
+        table_columns = None if columns is None else [c for c in columns if c in LAKE_TABLES[table].names]
+        earlier = _read([], table, table_columns)
         if straddling_keys.height:
             # Sequence numbers grow within a replica: the scan skips all but the last row groups
             # of the previous hour, and the join on the step keys makes the selection exact.
             after = pl.col("seq") >= straddling_keys["seq"].min()
-            earlier = _read_partition(lake, table, pool, previous, batches, after, columns).join(
+            earlier = _read_partition(lake, table, pool, previous, batches, after, table_columns).join(
                 straddling_keys, on=STEP_KEY, how="semi"
             )
         current = _partition_files(lake, table, pool, hour, batches)
@@ -118,12 +119,12 @@ def load_hour(
             for replica in replicas
             for frame in (
                 earlier.filter(pl.col("replica") == replica),
-                _read([f for f in current if _replica_of(f) == replica], table, columns),
+                _read([f for f in current if _replica_of(f) == replica], table, table_columns),
             )
         ]
-        return pl.concat(frames) if frames else _read([], table, columns)
+        return pl.concat(frames) if frames else _read([], table, table_columns)
 
-    return HourInput(steps=ordered("steps", None), slots=ordered("slots", columns), holders=ordered("holders", columns))
+    return HourInput(steps=ordered("steps"), slots=ordered("slots"), holders=ordered("holders"))
 
 
 CALIBRATION_FILE = "calibration.yaml"

@@ -165,10 +165,10 @@ def ingest_outbox(
 
     Each batch holds consecutive segments of one replica, up to BATCH_BYTES, so memory is
     bounded by the batch, not by how much waited in the outbox; the decoder bounds a torn
-    segment by the next one, in the same batch or the next. Parquet files are named after the batch (a hash of
-    its files' contents) and written before the warehouse records the batch; the files of a
-    batch that never committed (the process died in between) are removed first, whatever
-    arrived in the outbox since.
+    segment by the next one, in the same batch or the next. Parquet files are named after the
+    batch (a hash of its files' contents) and written before the warehouse records the batch;
+    the files of a batch that never committed (the process died in between) are removed first,
+    whatever arrived in the outbox since.
     """
     with _ingest_lock(lake) as intents:
         removed = remove_uncommitted(con, lake, intents)
@@ -204,8 +204,8 @@ def _ingest_new(
             known_hashes.add(digest)
     # A torn tail at the end of a batch is bounded by the first segment of the replica's next batch.
     following = [
-        list(after[1])[:1] if after[0] == replica else []
-        for (replica, _, _), after in zip(batches, [*batches[1:], ("", {}, {})])
+        list(next_fresh)[:1] if next_replica == batch_replica else []
+        for (batch_replica, _, _), (next_replica, next_fresh, _) in zip(batches, [*batches[1:], (None, {}, {})])
     ]
     reports = [
         _ingest_batch(con, lake, intents, fresh, duplicates, after)

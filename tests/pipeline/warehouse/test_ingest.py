@@ -181,6 +181,11 @@ def test_load_hour_includes_steps_running_into_the_hour(tmp_path: Path) -> None:
         ("chat-8b-r1", 1, "c"), ("chat-8b-r1", 2, "c"), ("chat-8b-r1", 3, "c"),
     ]
     assert data.holders.height == 0
+    # Only the columns asked for, of each table that has them: the same rows.
+    keys = load_hour(lake, "chat-8b", HOUR, columns=["pool", "replica", "seq", "request_id"])
+    assert keys.steps.columns == ["pool", "replica", "seq"] and keys.holders.columns == ["pool", "replica", "seq", "request_id"]
+    assert keys.slots.rows() == data.slots.select("pool", "replica", "seq", "request_id").rows()
+    assert keys.steps.rows() == data.steps.select("pool", "replica", "seq").rows()
 
 
 def ingest_until_killed(monkeypatch: pytest.MonkeyPatch, con, outbox: Path, lake: Path, replica: str) -> list[Path]:
