@@ -5,6 +5,7 @@ from __future__ import annotations
 from pipeline.attribution.allocator import (
     AllocationError,
     BlendedSplit,
+    GroupedRows,
     allocate_step,
     blend_and_allocate,
     largest_remainder,
@@ -52,6 +53,7 @@ __all__ = [
     "REQUEST_COST_SCHEMA",
     "AllocationError",
     "BlendedSplit",
+    "GroupedRows",
     "AttributionError",
     "CalibrationEntry",
     "CalibrationError",

@@ -14,7 +14,7 @@ small group.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Protocol
 
@@ -42,7 +42,8 @@ class AllocationError(ValueError):
 # Remainders are ranked by bucketing their leading bits (at least as many buckets as rows):
 # every row in a bucket above the boundary bucket gets a unit, and only the boundary bucket,
 # usually one row, is ranked exactly. Same rows as a stable sort by remainder, in linear time
-# and without the mispredicted branches of a comparison sort.
+# and without the mispredicted branches of a comparison sort. The loop that computes a
+# group's exact shares also takes their floors and buckets: one pass over the rows, not two.
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
@@ -51,6 +52,15 @@ def _bucket_count(size: int) -> int:
     while n_buckets < size:
         n_buckets *= 2
     return n_buckets
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _floor_row(value: float, top_bucket: int, i: int, lo: int, shares: np.ndarray, buckets: np.ndarray) -> int:
+    """Store the floor of `value` as row i's share and its remainder's bucket; returns the floor."""
+    floor = np.int64(value)
+    shares[i] = floor
+    buckets[i - lo] = min(np.int64((value - floor) * (top_bucket + 1)), top_bucket)
+    return floor
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
@@ -79,29 +89,22 @@ def _rank_boundary(need: int, found: int, exact: np.ndarray, shares: np.ndarray,
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
-def _round_group(total: int, lo: int, hi: int, exact: np.ndarray, shares: np.ndarray, buckets: np.ndarray,
-                 counts: np.ndarray) -> bool:
-    """Shares of rows lo..hi from their exact shares: floors, then the units left over to the
-    largest remainders, earliest on ties. False when the floors leave fewer than 0 or more
-    than `rows` units (the exact shares do not sum to the total)."""
+def _give_leftover_units(total: int, given: int, lo: int, hi: int, exact: np.ndarray, shares: np.ndarray,
+                         buckets: np.ndarray, counts: np.ndarray) -> bool:
+    """Rows lo..hi hold their floors (summing to `given`) and remainder buckets: hand the
+    units left over to the largest remainders, earliest on ties. False when the floors leave
+    fewer than 0 or more than `rows` units (the exact shares do not sum to the total)."""
     size = hi - lo
-    n_buckets = _bucket_count(size)
-    for bucket in range(n_buckets):
-        counts[bucket] = 0
-    given = 0
-    for i in range(lo, hi):
-        value = exact[i]
-        floor = np.int64(value)
-        shares[i] = floor
-        given += floor
-        bucket = min(np.int64((value - floor) * n_buckets), n_buckets - 1)
-        buckets[i - lo] = bucket
-        counts[bucket] += 1
     left = total - given
     if left == 0:
         return True
     if left < 0 or left > size:
         return False
+    n_buckets = _bucket_count(size)
+    for bucket in range(n_buckets):
+        counts[bucket] = 0
+    for j in range(size):
+        counts[buckets[j]] += 1
     # The boundary bucket: the one holding the left-th largest remainder, found from the
     # nearer end of the counts.
     if 2 * left <= size:
@@ -173,58 +176,44 @@ def _largest_remainder_sorted(
             continue
         if not weight_sum > 0.0:
             return group
+        top_bucket = _bucket_count(hi - lo) - 1
+        given = 0
         for i in range(lo, hi):
             exact[i] = total * (weights[i] / weight_sum)
-        if not _round_group(total, lo, hi, exact, shares, buckets, counts):
+            given += _floor_row(exact[i], top_bucket, i, lo, shares, buckets)
+        if not _give_leftover_units(total, given, lo, hi, exact, shares, buckets, counts):
             return group
     return -1
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
-def _blend_group(
-    total: int,
-    lo: int,
-    hi: int,
-    work: np.ndarray,
-    kv: np.ndarray,
-    alpha: float,
-    shares: np.ndarray,
-    exact: np.ndarray,
-    compute_part: np.ndarray,
-    kv_part: np.ndarray,
-    buckets: np.ndarray,
-    counts: np.ndarray,
-) -> int:
-    """Blend and allocate one group (rows lo..hi); 0, _BAD_VALUE or 1 (cannot split).
+def _blend_scales(compute: np.ndarray, kv: np.ndarray, lo: int, hi: int, alpha: float) -> tuple[bool, float, float, float, float]:
+    """(valid, compute scale, compute divisor, KV scale, KV divisor) of rows lo..hi: a row's
+    weight is compute scale x work / compute divisor + KV scale x blocks / KV divisor.
 
-    The arithmetic follows the reference allocator operation by operation, (alpha x work) /
-    sum then x total, so its shares come out bit for bit the same.
+    Sums run in row order, as the reference allocator adds them. Not valid when a value is
+    negative or not finite. No blocks: compute alone; no compute (holders only): KV alone;
+    neither: both scales 0.
     """
     compute_sum = 0.0
     kv_sum = 0.0
+    # A flag, not an early return: the loop stays free of exits.
     valid = True
     for i in range(lo, hi):
-        valid &= (work[i] >= 0.0) & (kv[i] >= 0.0)
-        compute_sum += work[i]
+        valid &= (compute[i] >= 0.0) & (kv[i] >= 0.0)
+        compute_sum += compute[i]
         kv_sum += kv[i]
-    if not (valid and compute_sum < np.inf and kv_sum < np.inf):
-        return _BAD_VALUE
-    if total > 0 and not (compute_sum > 0.0 or kv_sum > 0.0):
-        return 1
-    # No blocks: compute alone; no compute (holders only): KV alone.
+    valid &= (compute_sum < np.inf) & (kv_sum < np.inf)
     group_alpha = alpha if kv_sum > 0.0 else 1.0
     if not compute_sum > 0.0:
         group_alpha = 0.0
-    compute_scale = group_alpha if compute_sum > 0.0 else 0.0
-    kv_scale = 1.0 - group_alpha if kv_sum > 0.0 else 0.0
-    compute_divisor = compute_sum if compute_sum > 0.0 else 1.0
-    kv_divisor = kv_sum if kv_sum > 0.0 else 1.0
-    # A loop of arithmetic alone, which the compiler vectorises, divisions included.
-    for i in range(lo, hi):
-        compute_part[i] = compute_scale * work[i] / compute_divisor
-        kv_part[i] = kv_scale * kv[i] / kv_divisor
-        exact[i] = (compute_part[i] + kv_part[i]) * total
-    return 0 if _round_group(total, lo, hi, exact, shares, buckets, counts) else 1
+    return (
+        valid,
+        group_alpha if compute_sum > 0.0 else 0.0,
+        compute_sum if compute_sum > 0.0 else 1.0,
+        1.0 - group_alpha if kv_sum > 0.0 else 0.0,
+        kv_sum if kv_sum > 0.0 else 1.0,
+    )
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
@@ -236,51 +225,120 @@ def _blend_allocate_sorted(
     alpha: np.ndarray,
     shares: np.ndarray,
     exact: np.ndarray,
-    compute_part: np.ndarray,
-    kv_part: np.ndarray,
     buckets: np.ndarray,
     counts: np.ndarray,
 ) -> int:
     """Blend compute and KV shares per group and allocate, in one pass. Returns as
-    _largest_remainder_sorted."""
+    _largest_remainder_sorted.
+
+    The arithmetic follows the reference allocator operation by operation, (alpha x work) /
+    sum then x total, so its shares come out bit for bit the same.
+    """
     for group in range(totals.shape[0]):
-        status = _blend_group(
-            totals[group], offsets[group], offsets[group + 1], compute, kv, alpha[group], shares, exact,
-            compute_part, kv_part, buckets, counts,
-        )
-        if status != 0:
-            return _BAD_VALUE if status == _BAD_VALUE else group
+        lo = offsets[group]
+        hi = offsets[group + 1]
+        total = totals[group]
+        valid, compute_scale, compute_divisor, kv_scale, kv_divisor = _blend_scales(compute, kv, lo, hi, alpha[group])
+        if not valid:
+            return _BAD_VALUE
+        if total > 0 and compute_scale == 0.0 and kv_scale == 0.0:
+            return group
+        top_bucket = _bucket_count(hi - lo) - 1
+        given = 0
+        # Arithmetic alone, which the compiler vectorises, divisions included.
+        for i in range(lo, hi):
+            exact[i] = (compute_scale * compute[i] / compute_divisor + kv_scale * kv[i] / kv_divisor) * total
+            given += _floor_row(exact[i], top_bucket, i, lo, shares, buckets)
+        if not _give_leftover_units(total, given, lo, hi, exact, shares, buckets, counts):
+            return group
     return -1
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _blend_parts_sorted(
+    offsets: np.ndarray, compute: np.ndarray, kv: np.ndarray, alpha: np.ndarray, compute_part: np.ndarray,
+    kv_part: np.ndarray,
+) -> None:
+    for group in range(offsets.shape[0] - 1):
+        lo = offsets[group]
+        hi = offsets[group + 1]
+        _, compute_scale, compute_divisor, kv_scale, kv_divisor = _blend_scales(compute, kv, lo, hi, alpha[group])
+        for i in range(lo, hi):
+            compute_part[i] = compute_scale * compute[i] / compute_divisor
+            kv_part[i] = kv_scale * kv[i] / kv_divisor
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
 def _offsets_if_ordered(groups: np.ndarray, offsets: np.ndarray) -> bool:
     """Fill `offsets` (n_groups + 1) when groups are non-decreasing and in range; else False."""
     n_groups = offsets.shape[0] - 1
-    previous = 0
-    offsets[0] = 0
-    for i in range(groups.shape[0]):
-        group = groups[i]
-        if group < previous or group >= n_groups:
-            return False
-        while previous < group:
-            previous += 1
-            offsets[previous] = i
-    for group in range(previous + 1, n_groups + 1):
-        offsets[group] = groups.shape[0]
+    n = groups.shape[0]
+    offsets[:] = 0
+    if n == 0:
+        return True
+    # Branch-free passes: the order check vectorises, and each row writes its group's end.
+    ordered = (groups[0] >= 0) & (groups[n - 1] < n_groups)
+    for i in range(1, n):
+        ordered &= groups[i] >= groups[i - 1]
+    if not ordered:
+        return False
+    for i in range(n):
+        offsets[groups[i] + 1] = i + 1
+    for group in range(1, n_groups + 1):
+        offsets[group] = max(offsets[group], offsets[group - 1])
     return True
 
 
-def _layout(totals: np.ndarray, groups: np.ndarray, arrays: dict[str, np.ndarray]) -> tuple[np.ndarray | None, np.ndarray]:
+@dataclass(frozen=True)
+class GroupedRows:
+    """Rows laid out group after group: group g is rows `offsets[g]:offsets[g + 1]`.
+
+    Callers that already hold their rows in group order (a `SlotBatch` of steps) pass this
+    instead of a per-row group index, and the allocator reads the groups off it directly.
+    """
+
+    offsets: np.ndarray
+
+    def __post_init__(self) -> None:
+        offsets = self.offsets
+        if offsets.ndim != 1 or offsets.shape[0] < 1 or offsets[0] != 0 or (np.diff(offsets) < 0).any():
+            raise ValueError("group offsets must start at 0 and never decrease")
+
+    @classmethod
+    def of(cls, group_index: np.ndarray, n_groups: int) -> GroupedRows:
+        """The layout of `group_index`, which must be non-decreasing within 0..n_groups-1."""
+        offsets = np.empty(n_groups + 1, dtype=np.int64)
+        if not _offsets_if_ordered(np.ascontiguousarray(group_index, dtype=np.int64), offsets):
+            raise ValueError(f"group index must be non-decreasing within 0..{n_groups - 1}")
+        return cls(offsets)
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.offsets[-1])
+
+    @property
+    def sizes(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+
+def _layout(
+    totals: np.ndarray, groups: np.ndarray | GroupedRows, arrays: dict[str, np.ndarray]
+) -> tuple[np.ndarray | None, np.ndarray]:
     """Check shapes and totals; returns (permutation to group order or None when already
     ordered, group offsets in that order)."""
     if (totals < 0).any():
         raise AllocationError(f"negative total in group {int(np.flatnonzero(totals < 0)[0])}")
+    if isinstance(groups, GroupedRows):
+        n_rows, offsets = groups.n_rows, groups.offsets
+        if offsets.shape[0] != totals.shape[0] + 1:
+            raise AllocationError(f"{totals.shape[0]} totals for {offsets.shape[0] - 1} groups of rows")
+    else:
+        groups = np.ascontiguousarray(groups, dtype=np.int64)
+        n_rows, offsets = groups.shape[0], np.empty(totals.shape[0] + 1, dtype=np.int64)
     for name, values in arrays.items():
-        if values.shape != groups.shape:
-            raise AllocationError(f"group_index has {groups.shape[0]} rows but {name} has {values.shape[0]}")
-    offsets = np.empty(totals.shape[0] + 1, dtype=np.int64)
-    if _offsets_if_ordered(groups, offsets):
+        if values.shape != (n_rows,):
+            raise AllocationError(f"the groups have {n_rows} rows but {name} has {values.shape[0]}")
+    if isinstance(groups, GroupedRows) or _offsets_if_ordered(groups, offsets):
         return None, offsets
     if groups.size and (groups.min() < 0 or groups.max() >= totals.shape[0]):
         raise AllocationError(f"group_index outside 0..{totals.shape[0] - 1}")
@@ -309,20 +367,20 @@ def _unpermute(permutation: np.ndarray | None, *arrays: np.ndarray) -> tuple[np.
 
 
 def largest_remainder(
-    totals_nano: np.ndarray, group_index: np.ndarray, weights: np.ndarray
+    totals_nano: np.ndarray, groups: np.ndarray | GroupedRows, weights: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Split `totals_nano[g]` among the rows with `group_index == g` in proportion to `weights`.
+    """Split `totals_nano[g]` among the rows of group g in proportion to `weights`.
 
-    Returns (integer shares, exact real shares), one per row. Within a group, ties go to the
-    row that comes first in the input. Rows of a group need not be adjacent, but groups laid
-    out one after another in non-decreasing order (steps in order) skip a sort.
+    `groups` is each row's group index, or the `GroupedRows` layout of rows already in group
+    order. Returns (integer shares, exact real shares), one per row. Within a group, ties go
+    to the row that comes first in the input. Rows of a group need not be adjacent, but groups
+    laid out one after another in non-decreasing order (steps in order) skip a sort.
     """
     totals = np.ascontiguousarray(totals_nano, dtype=np.int64)
-    groups = np.ascontiguousarray(group_index, dtype=np.int64)
     row_weights = np.ascontiguousarray(weights, dtype=np.float64)
     permutation, offsets = _layout(totals, groups, {"weight": row_weights})
-    shares = np.empty(groups.shape[0], dtype=np.int64)
-    exact = np.empty(groups.shape[0], dtype=np.float64)
+    shares = np.empty(row_weights.shape[0], dtype=np.int64)
+    exact = np.empty(row_weights.shape[0], dtype=np.float64)
     sorted_weights = row_weights if permutation is None else row_weights[permutation]
     failed = _largest_remainder_sorted(totals, offsets, sorted_weights, shares, exact, *_scratch(offsets))
     if failed == _BAD_VALUE:
@@ -336,17 +394,32 @@ def largest_remainder(
 
 @dataclass(frozen=True)
 class BlendedSplit:
-    """Per row: integer share, exact real share, and the two blended weight parts."""
+    """Per row: the integer share and the exact real share it was rounded from.
+
+    `parts()` gives each row's two weight parts for the compute/KV breakdown; the split keeps
+    what it needs to compute them, as that takes a second pass the allocation does not need.
+    """
 
     shares: np.ndarray
     exact: np.ndarray
-    compute_part: np.ndarray  # alpha x the row's share of its group's compute work
-    kv_part: np.ndarray  # (1 - alpha) x its share of the group's KV blocks
+    _permutation: np.ndarray | None = field(repr=False)
+    _offsets: np.ndarray = field(repr=False)
+    _compute: np.ndarray = field(repr=False)
+    _kv: np.ndarray = field(repr=False)
+    _alpha: np.ndarray = field(repr=False)
+
+    def parts(self) -> tuple[np.ndarray, np.ndarray]:
+        """(alpha x each row's share of its group's compute work, (1 - alpha) x its share of
+        the group's KV blocks), with the allocation's per-group alpha rules; they sum to the
+        row's weight, exact / total."""
+        compute_part, kv_part = np.empty_like(self._compute), np.empty_like(self._kv)
+        _blend_parts_sorted(self._offsets, self._compute, self._kv, self._alpha, compute_part, kv_part)
+        return _unpermute(self._permutation, compute_part, kv_part)
 
 
 def blend_and_allocate(
     totals: np.ndarray,
-    group_index: np.ndarray,
+    groups: np.ndarray | GroupedRows,
     compute_work: np.ndarray,
     kv_weight: np.ndarray,
     alpha: float | np.ndarray,
@@ -354,12 +427,11 @@ def blend_and_allocate(
     """Weight each row alpha x compute share + (1 - alpha) x KV share within its group, then
     split the group's total by largest remainder.
 
-    `alpha` is one value or one per group. A group without KV blocks is split on compute alone,
-    one without compute work (holders only) on KV alone; a group with a positive total and
-    neither is an error.
+    `groups` is as for `largest_remainder`; `alpha` is one value or one per group. A group
+    without KV blocks is split on compute alone, one without compute work (holders only) on KV
+    alone; a group with a positive total and neither is an error.
     """
     totals = np.ascontiguousarray(totals, dtype=np.int64)
-    groups = np.ascontiguousarray(group_index, dtype=np.int64)
     compute = np.ascontiguousarray(compute_work, dtype=np.float64)
     kv = np.ascontiguousarray(kv_weight, dtype=np.float64)
     checked = {"compute work": compute, "KV weight": kv}
@@ -369,19 +441,15 @@ def blend_and_allocate(
         raise AllocationError("alpha must lie in [0, 1]")
     if permutation is not None:
         compute, kv = compute[permutation], kv[permutation]
-    n = groups.shape[0]
-    shares, exact = np.empty(n, dtype=np.int64), np.empty(n)
-    compute_part, kv_part = np.empty(n), np.empty(n)
-    failed = _blend_allocate_sorted(
-        totals, offsets, compute, kv, group_alpha, shares, exact, compute_part, kv_part, *_scratch(offsets)
-    )
+    shares, exact = np.empty(compute.shape[0], dtype=np.int64), np.empty(compute.shape[0])
+    failed = _blend_allocate_sorted(totals, offsets, compute, kv, group_alpha, shares, exact, *_scratch(offsets))
     if failed == _BAD_VALUE:
         _raise_bad_value(checked)
     if failed >= 0:
         raise AllocationError(
             f"group {failed} has total {int(totals[failed])} but no row with compute work or KV blocks to carry it"
         )
-    return BlendedSplit(*_unpermute(permutation, shares, exact, compute_part, kv_part))
+    return BlendedSplit(*_unpermute(permutation, shares, exact), permutation, offsets, compute, kv, group_alpha)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")

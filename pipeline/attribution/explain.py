@@ -220,7 +220,8 @@ def explain_steps(steps: list[StepSpec]) -> list[ExplainedStep]:
         [step_total_units(s.step_ms, s.gpus, s.usd_per_gpu_hour, UNITS[s.unit]) for s in steps], dtype=np.int64
     )
     split = blend_and_allocate(totals, step_index, compute, kv_blocks, alpha)
-    shares, exact, weight = split.shares, split.exact, split.compute_part + split.kv_part
+    compute_part, kv_part = split.parts()
+    shares, exact, weight = split.shares, split.exact, compute_part + kv_part
     compute_sum = np.bincount(step_index, weights=compute, minlength=len(steps))
     kv_sum = np.bincount(step_index, weights=kv_blocks, minlength=len(steps))
 

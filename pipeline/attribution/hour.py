@@ -254,7 +254,7 @@ def _attribute_rows(
             np.bincount(row_step, weights=kv_weight, minlength=end - first) > 0
         )
         split = blend_and_allocate(np.where(carried, cost[first:end], 0), row_step, compute_work, kv_weight, alpha)
-        compute_nano, _ = split_compute_kv(split.shares, split.compute_part, split.kv_part)
+        compute_nano, _ = split_compute_kv(split.shares, *split.parts())
         block_seconds = kv_weight * busy[first:end][row_step] / 1e9
         totals.add_rows(slot_request, split.shares[:n_slots], compute_nano[:n_slots], split.exact[:n_slots],
                         block_seconds[:n_slots])

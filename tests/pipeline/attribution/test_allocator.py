@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from pipeline.attribution import (
     AllocationError,
+    GroupedRows,
     allocate_step,
     blend_and_allocate,
     largest_remainder,
@@ -81,6 +82,55 @@ def test_unsorted_groups_match_sorted_layout():
     shares, exact = largest_remainder(np.array([10, 7]), np.array([1, 0, 1, 0, 0]), np.array([2.0, 1.0, 1.0, 1.0, 1.0]))
     assert shares.tolist() == [5, 4, 2, 3, 3]
     assert exact[0] == pytest.approx(14 / 3)
+
+
+def test_grouped_rows_split_as_the_group_index_does():
+    index = np.array([0, 0, 0, 2, 2])
+    rows = GroupedRows.of(index, 3)
+    assert rows.offsets.tolist() == [0, 3, 3, 5] and rows.sizes.tolist() == [3, 0, 2] and rows.n_rows == 5
+    totals, weights, kv = np.array([10, 0, 7]), np.array([1.0, 1.0, 1.0, 2.0, 1.0]), np.array([0.0, 4.0, 1.0, 1.0, 1.0])
+    for by_index, by_rows in [
+        (largest_remainder(totals, index, weights), largest_remainder(totals, rows, weights)),
+        (blend_and_allocate(totals, index, weights, kv, 0.8), blend_and_allocate(totals, rows, weights, kv, 0.8)),
+    ]:
+        shares, exact = by_index if isinstance(by_index, tuple) else (by_index.shares, by_index.exact)
+        shares_by_rows, exact_by_rows = by_rows if isinstance(by_rows, tuple) else (by_rows.shares, by_rows.exact)
+        assert shares.tolist() == shares_by_rows.tolist() and exact.tolist() == exact_by_rows.tolist()
+    assert largest_remainder(totals, rows, weights)[0].tolist() == [4, 3, 3, 5, 2]
+
+
+def test_grouped_rows_refuse_a_layout_they_cannot_describe():
+    with pytest.raises(ValueError, match="non-decreasing within 0..1"):
+        GroupedRows.of(np.array([0, 1, 0]), 2)
+    with pytest.raises(ValueError, match="non-decreasing within 0..1"):
+        GroupedRows.of(np.array([0, 2]), 2)
+    with pytest.raises(ValueError, match="start at 0 and never decrease"):
+        GroupedRows(np.array([0, 3, 2]))
+    rows = GroupedRows(np.array([0, 2, 3]))
+    with pytest.raises(AllocationError, match="3 totals for 2 groups of rows"):
+        largest_remainder(np.array([1, 1, 1]), rows, np.ones(3))
+    with pytest.raises(AllocationError, match="the groups have 3 rows but weight has 4"):
+        largest_remainder(np.array([1, 1]), rows, np.ones(4))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 6), max_size=40), st.integers(0, 3))
+def test_group_offsets_of_sorted_rows_match_a_search(groups, spare_groups):
+    index = np.sort(np.array(groups, dtype=np.int64))
+    n_groups = (int(index.max()) + 1 if index.size else 0) + spare_groups
+    offsets = GroupedRows.of(index, n_groups).offsets
+    np.testing.assert_array_equal(offsets, np.searchsorted(index, np.arange(n_groups + 1)))
+
+
+def test_blend_parts_follow_the_rows_in_input_order():
+    # Group 1's rows come first in the input; the parts come back in that order.
+    split = blend_and_allocate(
+        np.array([10, 20]), np.array([1, 0, 1, 0]), np.array([3.0, 1.0, 1.0, 0.0]), np.array([0.0, 0.0, 0.0, 2.0]), 0.8
+    )
+    compute_part, kv_part = split.parts()
+    assert compute_part.tolist() == [0.75, 0.8, 0.25, 0.0]
+    assert kv_part.tolist() == pytest.approx([0.0, 0.0, 0.0, 0.2])
+    assert split.shares.tolist() == [15, 8, 5, 2]
 
 
 def test_bad_inputs_are_named():
@@ -170,3 +220,16 @@ def test_fitted_work_splits_c0_per_slot_or_per_token():
     assert fitted_work_ms(coefficients, batch, "per_token").tolist() == pytest.approx(
         [12 * 100 / 101 + own[0], 12 / 101 + own[1], 12 + own[2]]
     )
+    # A step without new tokens (defensive) splits c0 per slot even under the per-token policy.
+    idle = SlotBatch(np.array([0, 0]), 1, np.array([0, 0]), np.array([10, 20]), np.zeros(2, dtype=np.int64))
+    assert fitted_work_ms(coefficients, idle, "per_token").tolist() == [6.0, 6.0]
+    with pytest.raises(ValueError, match="unknown fixed-cost policy 'per_hour'"):
+        fitted_work_ms(coefficients, batch, "per_hour")
+
+
+def test_slot_batch_names_a_step_index_out_of_order():
+    with pytest.raises(ValueError, match="step_index must be non-decreasing within 0..n_steps-1"):
+        SlotBatch(np.array([1, 0]), 2, np.ones(2), np.zeros(2), np.zeros(2))
+    with pytest.raises(ValueError, match="step_index must be non-decreasing within 0..n_steps-1"):
+        SlotBatch(np.array([0, 2]), 2, np.ones(2), np.zeros(2), np.zeros(2))
+    assert SlotBatch(np.array([0, 0, 2]), 3, np.ones(3), np.zeros(3), np.zeros(3)).slots_per_step.tolist() == [2, 0, 1]

@@ -82,9 +82,10 @@ def test_blend_falls_back_when_a_step_has_no_blocks_or_no_compute():
     compute = np.array([3.0, 1.0, 1.0, 1.0, 0.0])
     kv = np.array([1.0, 3.0, 0.0, 0.0, 5.0])
     split = blend_and_allocate(np.array([100, 7, 3]), group, compute, kv, 0.8)
-    weights = split.compute_part + split.kv_part
+    compute_part, kv_part = split.parts()
+    weights = compute_part + kv_part
     assert weights.tolist() == pytest.approx([0.8 * 0.75 + 0.2 * 0.25, 0.8 * 0.25 + 0.2 * 0.75, 0.5, 0.5, 1.0])
-    assert split.kv_part[2:4].tolist() == [0.0, 0.0] and split.compute_part[4] == 0.0
+    assert kv_part[2:4].tolist() == [0.0, 0.0] and compute_part[4] == 0.0
     assert split.shares.tolist() == [65, 35, 4, 3, 3]
 
 
