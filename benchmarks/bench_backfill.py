@@ -89,19 +89,16 @@ _LANE = textwrap.dedent(
 
 
 def backfill_job():
-    """The pool-hour job of the definitions for STEPLEDGER_DATA, on the multiprocess executor.
+    """The pool-hour job of the definitions for STEPLEDGER_DATA, on its own executor.
 
-    Module level, so `dg.reconstructable` can rebuild it in every step process.
+    Module level, so `dg.reconstructable` can rebuild it in every launcher.
     """
-    import dagster as dg
-
     from assets.definitions import build_definitions
     from assets.resources import data_dir_from_env, pools_file
     from schemas.config import load_pools
 
     data = data_dir_from_env()
-    job = build_definitions(load_pools(pools_file(data)), data).resolve_job_def("pool_hour_job")
-    return job.with_executor_def(dg.multiprocess_executor.configured({"max_concurrent": STEP_PROCESSES_PER_RUN}))
+    return build_definitions(load_pools(pools_file(data)), data).resolve_job_def("pool_hour_job")
 
 
 def run_tags(hour_key: str, pool: str) -> dict[str, str]:
