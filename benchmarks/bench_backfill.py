@@ -1,5 +1,5 @@
-"""A 24-hour backfill of the default pools through the Dagster definitions, with the
-multiprocess executor: wall time and the peak memory of the whole process tree.
+"""A 24-hour backfill of the default pools through the Dagster definitions: wall time and the
+peak memory of the whole process tree.
 
 The input is simulated once, outside the timing, and kept in STEPLEDGER_BENCH_CACHE (by
 default `stepledger-bench-cache` in the system temp directory; keyed by hours, seed and the
@@ -8,18 +8,19 @@ pools file), so a second `make bench` times the backfill alone.
 How it runs, as production would on one machine: a persistent Dagster instance (SQLite
 storage, the `duckdb` concurrency pool limited to 1 as in dagster_home/dagster.yaml), and
 LANES launcher processes that each execute their share of the pool-hour runs, hours in
-order, with the multiprocess executor (every step its own process). Runs of different lanes
-overlap wherever their steps do not hold the DuckDB file: every step that opens it is in the
-`duckdb` pool, so DuckDB sees one writer at a time, while `charges` (the attribution, the
-longest step) reads only the lake and runs beside them. LANES is 2, one per core here;
-STEPLEDGER_BACKFILL_LANES overrides it. (On 2 cores the full day took 920 s with two lanes and
-970 s with one: a run waiting for the pool spins a core in Dagster's executor; see
-docs/scale-out.md.) Each step ingests whatever its pool's outbox holds
-(the first run of a pool ingests the whole day, in batches of bounded size), so the order of
-hours does not change the ledger.
+order, on the job's own in-process executor (the steps of a run one after another in the
+launcher). Runs of different lanes overlap wherever their steps do not hold the DuckDB file:
+every step that opens it is in the `duckdb` pool, which the in-process executor claims like
+any other, so DuckDB sees one writer at a time, while `charges` (the attribution) reads only
+the lake and runs beside them. LANES is 2, one per core here; STEPLEDGER_BACKFILL_LANES
+overrides it. (A process per step, on the multiprocess executor, spent 2-2.6 s importing
+before each step did any work: QUICK took 2057 s that way against 952 s in process, on the
+same machine.) Each step ingests whatever its pool's outbox holds (the first run of a pool
+ingests the whole day, in batches of bounded size), so the order of hours does not change
+the ledger.
 
-Peak memory is the largest sum of resident set sizes over the launchers and all their step
-processes, sampled every 0.2 s from /proc.
+Peak memory is the largest sum of resident set sizes over the launchers and any processes
+they start, sampled every 0.2 s from /proc.
 
 QUICK runs QUICK_HOURS (one) hour and scales the wall time by HOURS / QUICK_HOURS: pool-hours are
 independent runs of about the same size, so the backfill is about linear in hours. Its peak
@@ -52,7 +53,6 @@ HOURS = 24
 QUICK_HOURS = 1
 SEED = 5
 LANES = int(os.environ.get("STEPLEDGER_BACKFILL_LANES", "2"))
-STEP_PROCESSES_PER_RUN = 2
 TARGET_WALL_S = 1800.0
 TARGET_PEAK_GIB = 8.0
 CACHE = Path(os.environ.get("STEPLEDGER_BENCH_CACHE", Path(tempfile.gettempdir()) / "stepledger-bench-cache"))
