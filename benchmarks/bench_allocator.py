@@ -10,7 +10,8 @@ must equal the reference ones except where two slots' remainders tie within floa
 (either may take the unit; the vectorised path follows the reference's arithmetic step by
 step, so none are expected).
 Times are this process's CPU time (one core: numpy and the compiled kernels run
-single-threaded), so other work on a shared machine does not distort the figures."""
+single-threaded), so other work on a shared machine does not distort the figures.
+"""
 
 from __future__ import annotations
 
