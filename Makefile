@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo bench dev clean
+.PHONY: test lint demo bench dev clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -12,6 +12,11 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(BIN)/pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 demo: $(STAMP)
 	$(BIN)/stepledger demo

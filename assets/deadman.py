@@ -11,7 +11,7 @@ as the run-failure sensor, so a finding pages once however often the sensor tick
 # object, and a postponed (string) annotation fails that check.
 
 from collections.abc import Callable
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import dagster as dg
 import duckdb
@@ -29,7 +29,9 @@ DEADMAN_INTERVAL_SECONDS = 300
 HOUR = timedelta(hours=1)
 
 
-def last_reconciled_hours(reconciled: pl.DataFrame, pool_names: list[str], before_first: datetime) -> dict[str, datetime]:
+def last_reconciled_hours(
+    reconciled: pl.DataFrame, pool_names: list[str], before_first: datetime
+) -> dict[str, datetime]:
     """Pool -> the latest hour up to which every hour since the pool's first reconciled hour
     is reconciled. `reconciled`: distinct (pool, hour) rows, hours naive UTC. A pool never
     reconciled counts from `before_first` (the hour before the first partition), so its
@@ -43,20 +45,25 @@ def last_reconciled_hours(reconciled: pl.DataFrame, pool_names: list[str], befor
         # Hour i of a gapless run is the first hour plus i hours; the first mismatch ends it.
         mismatch = (hours - hours[0]).dt.total_hours() != pl.int_range(0, len(hours), eager=True)
         gapless = int(mismatch.arg_max()) if mismatch.any() else len(hours)
-        last[pool] = hours[gapless - 1].replace(tzinfo=timezone.utc)
+        last[pool] = hours[gapless - 1].replace(tzinfo=UTC)
     return last
 
 
 def build_deadman_sensor(
-    pools: PoolsFile, clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc)
+    pools: PoolsFile, clock: Callable[[], datetime] = lambda: datetime.now(UTC)
 ) -> dg.SensorDefinition:
     pool_names = [p.name for p in pools.pools]
     settings = pools.settings
 
-    @dg.sensor(name="deadman", minimum_interval_seconds=DEADMAN_INTERVAL_SECONDS,
-               default_status=dg.DefaultSensorStatus.RUNNING,
-               description="Pages when a pool's hours are not reconciled within the dead-man delay of their end.")
-    def deadman(context: dg.SensorEvaluationContext, data: StepledgerData, warehouse: DuckDBResource) -> dg.SkipReason:
+    @dg.sensor(
+        name="deadman",
+        minimum_interval_seconds=DEADMAN_INTERVAL_SECONDS,
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        description="Pages when a pool's hours are not reconciled within the dead-man delay of their end.",
+    )
+    def deadman(
+        context: dg.SensorEvaluationContext, data: StepledgerData, warehouse: DuckDBResource
+    ) -> dg.SkipReason:
         now = clock()
         try:
             with connect_read_only(warehouse.database) as con:
@@ -69,9 +76,15 @@ def build_deadman_sensor(
             return dg.SkipReason(f"warehouse busy, not read this tick: {err}")
         last = last_reconciled_hours(reconciled, pool_names, first_hour() - HOUR)
         findings = alerts.deadman(last, now, settings)
-        sent = alerts.page(findings, alerts.sink_from_env(), alerts.SentKeysFile(data.root / SENT_KEYS_FILE),
-                           raised_at=now)
-        status = ", ".join(f"{pool} reconciled to {hour_key(hour)}" for pool, hour in sorted(last.items()))
+        sent = alerts.page(
+            findings,
+            alerts.sink_from_env(),
+            alerts.SentKeysFile(data.root / SENT_KEYS_FILE),
+            raised_at=now,
+        )
+        status = ", ".join(
+            f"{pool} reconciled to {hour_key(hour)}" for pool, hour in sorted(last.items())
+        )
         if not findings:
             return dg.SkipReason(f"every pool on time: {status}")
         return dg.SkipReason(f"{len(findings)} pool(s) overdue, {len(sent)} newly paged: {status}")

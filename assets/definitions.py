@@ -22,7 +22,9 @@ from assets.sensors import build_new_segments_sensor
 from schemas.config import PoolsFile, load_pools
 
 
-def build_definitions(pools: PoolsFile, data_dir: Path, warehouse: Path | None = None) -> dg.Definitions:
+def build_definitions(
+    pools: PoolsFile, data_dir: Path, warehouse: Path | None = None
+) -> dg.Definitions:
     partitions = pool_hour_partitions([p.name for p in pools.pools])
     pool_hour_assets = build_pool_hour_assets(partitions, pools)
     pool_hour_job, ingest_job = build_jobs()
@@ -31,7 +33,11 @@ def build_definitions(pools: PoolsFile, data_dir: Path, warehouse: Path | None =
         asset_checks=build_reconciliation_checks(pools),
         jobs=[pool_hour_job, ingest_job],
         schedules=[build_hourly_schedule(pools)],
-        sensors=[build_new_segments_sensor(pools), build_failure_pager(pool_hour_job), build_deadman_sensor(pools)],
+        sensors=[
+            build_new_segments_sensor(pools),
+            build_failure_pager(pool_hour_job),
+            build_deadman_sensor(pools),
+        ],
         resources=build_resources(data_dir, warehouse),
     )
 

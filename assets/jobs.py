@@ -9,7 +9,9 @@ import dagster as dg
 from assets.pool_hour import GROUP
 
 if TYPE_CHECKING:
-    from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
+    from dagster._core.definitions.unresolved_asset_job_definition import (
+        UnresolvedAssetJobDefinition,
+    )
 
 POOL_HOUR_JOB = "pool_hour_job"
 INGEST_JOB = "ingest_job"

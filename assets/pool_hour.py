@@ -28,12 +28,18 @@ DUCKDB_POOL = "duckdb"
 TOP_TENANTS = 10
 
 
-def top_tenants_table(ledger_lines: pl.DataFrame, invoice_nano: int, limit: int = TOP_TENANTS) -> str:
+def top_tenants_table(
+    ledger_lines: pl.DataFrame, invoice_nano: int, limit: int = TOP_TENANTS
+) -> str:
     """Markdown: the hour's tenants by what they pay (every line kind), largest first."""
     tenants = (
         ledger_lines.group_by(pl.col("tenant").fill_null("(no tenant)"))
-        .agg(pl.col("amount_nano").sum(), pl.col("requests").sum(), pl.col("new_tokens").sum(),
-             pl.col("line_kind").unique().sort().str.join(", ").alias("line_kinds"))
+        .agg(
+            pl.col("amount_nano").sum(),
+            pl.col("requests").sum(),
+            pl.col("new_tokens").sum(),
+            pl.col("line_kind").unique().sort().str.join(", ").alias("line_kinds"),
+        )
         .sort(["amount_nano", "tenant"], descending=[True, False])
     )
     rows = [
@@ -42,7 +48,10 @@ def top_tenants_table(ledger_lines: pl.DataFrame, invoice_nano: int, limit: int 
         for tenant, amount, requests, new_tokens, kinds in tenants.head(limit).iter_rows()
     ]
     more = [f"| and {tenants.height - limit} more | | | | | |"] if tenants.height > limit else []
-    header = ["| tenant | amount | share of invoice | requests | new tokens | line kinds |", "|---|---:|---:|---:|---:|---|"]
+    header = [
+        "| tenant | amount | share of invoice | requests | new tokens | line kinds |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
     return "\n".join(header + rows + more)
 
 
@@ -65,9 +74,13 @@ def ledger_metadata(charges: hourly.HourCharges) -> dict[str, object]:
     }
 
 
-def build_pool_hour_assets(partitions: dg.PartitionsDefinition, pools: PoolsFile) -> list[dg.AssetsDefinition]:
+def build_pool_hour_assets(
+    partitions: dg.PartitionsDefinition, pools: PoolsFile
+) -> list[dg.AssetsDefinition]:
     @dg.asset(partitions_def=partitions, group_name=GROUP, pool=DUCKDB_POOL)
-    def step_log(context: dg.AssetExecutionContext, data: StepledgerData, warehouse: DuckDBResource) -> dg.MaterializeResult:
+    def step_log(
+        context: dg.AssetExecutionContext, data: StepledgerData, warehouse: DuckDBResource
+    ) -> dg.MaterializeResult:
         """New step-log segments of the pool's replicas, decoded into the Parquet lake (each
         segment once, however often it is delivered); damage and drops recorded."""
         _, pool_name = hour_and_pool(context)
@@ -85,7 +98,9 @@ def build_pool_hour_assets(partitions: dg.PartitionsDefinition, pools: PoolsFile
         )
 
     @dg.asset(partitions_def=partitions, group_name=GROUP, pool=DUCKDB_POOL, deps=[step_log])
-    def request_context(context: dg.AssetExecutionContext, data: StepledgerData, warehouse: DuckDBResource) -> dg.MaterializeResult:
+    def request_context(
+        context: dg.AssetExecutionContext, data: StepledgerData, warehouse: DuckDBResource
+    ) -> dg.MaterializeResult:
         """The gateway's request context for the hour, API keys stored only as keyed hashes;
         then what the hour's attribution needs from the warehouse, saved to the lake."""
         hour, pool_name = hour_and_pool(context)
@@ -95,8 +110,12 @@ def build_pool_hour_assets(partitions: dg.PartitionsDefinition, pools: PoolsFile
             inputs = hourly.gather_inputs(con, data.lake, pools.pool(pool_name), hour)
         hourly.save_inputs(data.lake, inputs)
         return dg.MaterializeResult(
-            metadata={"loaded_files": len(report.loaded), "unchanged_files": len(report.unchanged),
-                      "requests": report.requests, "requests_of_hour": inputs.context.height}
+            metadata={
+                "loaded_files": len(report.loaded),
+                "unchanged_files": len(report.unchanged),
+                "requests": report.requests,
+                "requests_of_hour": inputs.context.height,
+            }
         )
 
     # Not in the DuckDB pool: it reads only the lake, so the attribution of one pool-hour runs
@@ -108,7 +127,9 @@ def build_pool_hour_assets(partitions: dg.PartitionsDefinition, pools: PoolsFile
         hour, pool_name = hour_and_pool(context)
         pool = pools.pool(pool_name)
         inputs = hourly.load_inputs(data.lake, pool_name, hour)
-        result = hourly.charge_hour(data.lake, pool, inputs, hourly.weight_source(pool, inputs, data.root))
+        result = hourly.charge_hour(
+            data.lake, pool, inputs, hourly.weight_source(pool, inputs, data.root)
+        )
         hourly.save_charges(data.lake, result)
         return dg.MaterializeResult(
             metadata={
@@ -119,14 +140,18 @@ def build_pool_hour_assets(partitions: dg.PartitionsDefinition, pools: PoolsFile
         )
 
     @dg.asset(partitions_def=partitions, group_name=GROUP, pool=DUCKDB_POOL, deps=[charges])
-    def ledger(context: dg.AssetExecutionContext, data: StepledgerData, warehouse: DuckDBResource) -> dg.MaterializeResult:
+    def ledger(
+        context: dg.AssetExecutionContext, data: StepledgerData, warehouse: DuckDBResource
+    ) -> dg.MaterializeResult:
         """The hour's invoice, ledger lines and request costs in the warehouse, replacing any
         earlier run of the hour in one transaction."""
         hour, pool_name = hour_and_pool(context)
         result = hourly.load_charges(data.lake, pool_name, hour)
         with open_warehouse(warehouse) as con:
             hourly.publish_hour(con, result)
-        context.log.info(f"pool {pool_name} hour {hour_key(hour)}: {result.amount_nano} nano-dollars published")
+        context.log.info(
+            f"pool {pool_name} hour {hour_key(hour)}: {result.amount_nano} nano-dollars published"
+        )
         return dg.MaterializeResult(metadata=ledger_metadata(result))
 
     return [step_log, request_context, charges, ledger]

@@ -32,18 +32,31 @@ def results_table(results: list) -> str:
         f"{_cell(r.observed)} | {_cell(r.detail)} |"
         for r in results
     ]
-    return header + "\n".join(rows) if rows else "no results: the check does not apply to this pool-hour"
+    return (
+        header + "\n".join(rows)
+        if rows
+        else "no results: the check does not apply to this pool-hour"
+    )
 
 
 def build_reconciliation_checks(pools: PoolsFile) -> list[dg.AssetChecksDefinition]:
     specs = [dg.AssetCheckSpec(name, asset="ledger", blocking=True) for name in hourly.CHECKS]
 
     @dg.multi_asset_check(specs=specs, name="reconciliation", pool=DUCKDB_POOL)
-    def reconciliation(context: dg.AssetCheckExecutionContext, data: StepledgerData, warehouse: DuckDBResource):
+    def reconciliation(
+        context: dg.AssetCheckExecutionContext, data: StepledgerData, warehouse: DuckDBResource
+    ):
         hour, pool_name = hour_and_pool(context)
         with open_warehouse(warehouse) as con:
-            results = hourly.reconcile_hour(con, data.lake, data.dcgm, pools.pool(pool_name), hour, pools.settings,
-                                            calibration_file=data.calibration_file)
+            results = hourly.reconcile_hour(
+                con,
+                data.lake,
+                data.dcgm,
+                pools.pool(pool_name),
+                hour,
+                pools.settings,
+                calibration_file=data.calibration_file,
+            )
         for name in hourly.CHECKS:
             mine = [r for r in results if r.check_name == name]
             failed = [r for r in mine if not r.passed]
@@ -57,7 +70,9 @@ def build_reconciliation_checks(pools: PoolsFile) -> list[dg.AssetChecksDefiniti
                 metadata={
                     "results": len(mine),
                     "failed": len(failed),
-                    "detail": "; ".join(f"{r.replica or pool_name}: {r.detail}" for r in (failed or mine)[:10]),
+                    "detail": "; ".join(
+                        f"{r.replica or pool_name}: {r.detail}" for r in (failed or mine)[:10]
+                    ),
                     "results_table": dg.MetadataValue.md(results_table(mine)),
                 },
             )

@@ -70,7 +70,9 @@ def warehouse_path(data_dir: Path) -> Path:
     return Path(os.environ.get(WAREHOUSE_ENV, data_dir / "warehouse.duckdb")).resolve()
 
 
-def build_resources(data_dir: Path, warehouse: Path | None = None) -> dict[str, dg.ConfigurableResource]:
+def build_resources(
+    data_dir: Path, warehouse: Path | None = None
+) -> dict[str, dg.ConfigurableResource]:
     return {
         "data": StepledgerData(data_dir=str(data_dir)),
         "warehouse": DuckDBResource(database=str(warehouse or warehouse_path(data_dir))),

@@ -26,7 +26,9 @@ def build_hourly_schedule(pools: PoolsFile) -> dg.ScheduleDefinition:
     def hourly_ledger(context: dg.ScheduleEvaluationContext) -> list[dg.RunRequest]:
         hour = completed_hour(context.scheduled_execution_time, delay)
         return [
-            dg.RunRequest(run_key=f"{hour_key(hour)}|{pool}", partition_key=partition_key(hour, pool))
+            dg.RunRequest(
+                run_key=f"{hour_key(hour)}|{pool}", partition_key=partition_key(hour, pool)
+            )
             for pool in pool_names
         ]
 

@@ -6,7 +6,7 @@ has already ingested, so a file the cursor misses is picked up by the pool's nex
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import dagster as dg
 
@@ -21,7 +21,9 @@ def build_new_segments_sensor(pools: PoolsFile) -> dg.SensorDefinition:
     pool_of_replica = {r.id: p.name for p in pools.pools for r in p.replicas}
 
     @dg.sensor(name="new_segments", job_name=INGEST_JOB, minimum_interval_seconds=60)
-    def new_segments(context: dg.SensorEvaluationContext, data: StepledgerData) -> dg.SensorResult | dg.SkipReason:
+    def new_segments(
+        context: dg.SensorEvaluationContext, data: StepledgerData
+    ) -> dg.SensorResult | dg.SkipReason:
         seen_ns = int(context.cursor or 0)
         newest_by_pool: dict[str, int] = {}
         for path in segment_files(data.outbox, pool_of_replica):
@@ -32,7 +34,7 @@ def build_new_segments_sensor(pools: PoolsFile) -> dg.SensorDefinition:
         if not newest_by_pool:
             return dg.SkipReason("no new segments")
         # Ingestion takes every new segment of the pool; the partition only labels the run.
-        hour = completed_hour(datetime.now(timezone.utc))
+        hour = completed_hour(datetime.now(UTC))
         return dg.SensorResult(
             run_requests=[
                 dg.RunRequest(run_key=f"{pool}|{newest}", partition_key=partition_key(hour, pool))

@@ -22,7 +22,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from benchmarks.figure import Figure
-from pipeline.attribution import Coefficients, FittedWeights, SlotBatch, allocate_step, blend_and_allocate
+from pipeline.attribution import (
+    Coefficients,
+    FittedWeights,
+    SlotBatch,
+    allocate_step,
+    blend_and_allocate,
+)
 
 COEFFICIENTS = Coefficients(12.0, 0.05, 0.00005)
 ALPHA = 0.8
@@ -51,7 +57,9 @@ def _steps(n_slots: int, seed: int) -> tuple[dict[str, np.ndarray], int, np.ndar
         "context_tokens": rng.integers(0, 8000, n),
         "prompt_tokens": np.zeros(n, dtype=np.int64),
     }
-    kv_blocks = np.ceil((columns["context_tokens"] + columns["new_tokens"]) / 16) / rng.integers(1, 4, n)
+    kv_blocks = np.ceil((columns["context_tokens"] + columns["new_tokens"]) / 16) / rng.integers(
+        1, 4, n
+    )
     step_ms = np.round(rng.uniform(10, 120, sizes.shape[0]), 3)
     return columns, sizes.shape[0], kv_blocks, step_ms
 
@@ -67,19 +75,27 @@ def _vectorised(
     return split.shares, split.exact
 
 
-def _reference_inputs(columns: dict[str, np.ndarray], n_steps: int, kv_blocks: np.ndarray) -> list[list[_Slot]]:
+def _reference_inputs(
+    columns: dict[str, np.ndarray], n_steps: int, kv_blocks: np.ndarray
+) -> list[list[_Slot]]:
     bounds = np.searchsorted(columns["step_index"], np.arange(n_steps + 1)).tolist()
     new_tokens, context = columns["new_tokens"].tolist(), columns["context_tokens"].tolist()
     blocks = kv_blocks.tolist()
     return [
-        [_Slot(str(i), new_tokens[i], context[i], blocks[i]) for i in range(bounds[step], bounds[step + 1])]
+        [
+            _Slot(str(i), new_tokens[i], context[i], blocks[i])
+            for i in range(bounds[step], bounds[step + 1])
+        ]
         for step in range(n_steps)
     ]
 
 
 def _reference(steps: list[list[_Slot]], step_ms: list[float]) -> list[dict[str, int]]:
     c0, a, b = COEFFICIENTS.c0_ms, COEFFICIENTS.a_ms, COEFFICIENTS.b_ms
-    return [allocate_step(slots, ms, RATE_MICRO_PER_MS, c0, a, b, ALPHA) for slots, ms in zip(steps, step_ms)]
+    return [
+        allocate_step(slots, ms, RATE_MICRO_PER_MS, c0, a, b, ALPHA)
+        for slots, ms in zip(steps, step_ms, strict=False)
+    ]
 
 
 def _best_of(repeats: int, run) -> float:
@@ -107,7 +123,9 @@ def figures(quick: bool) -> list[Figure]:
         reference_splits = _reference(reference_steps, reference_ms)
         reference_s = time.process_time() - started
         ratios.append(reference_s / _best_of(3, vectorised))
-    reference = np.array([share for split in reference_splits for share in split.values()], dtype=np.int64)
+    reference = np.array(
+        [share for split in reference_splits for share in split.values()], dtype=np.int64
+    )
     shares, exact = vectorised()
 
     step_index = columns["step_index"]
@@ -116,14 +134,18 @@ def figures(quick: bool) -> list[Figure]:
     for row in differ:
         step = step_index == step_index[row]
         if np.isclose(remainders[step], remainders[row], rtol=0, atol=1e-9).sum() < 2:
-            raise AssertionError(f"slot {row}: vectorised {shares[row]} vs reference {reference[row]} is not a tie")
+            raise AssertionError(
+                f"slot {row}: vectorised {shares[row]} vs reference {reference[row]} is not a tie"
+            )
 
     big, big_steps, big_kv, big_ms = _steps(2_000_000 if quick else 10_000_000, seed=11)
     big_totals = np.round(big_ms * 1000 * RATE_MICRO_PER_MS).astype(np.int64)  # nano-dollars
     rows_s = _best_of(3, lambda: _vectorised(big, big_steps, big_kv, big_totals))
     return [
         Figure("allocator_speedup_vs_seed", float(np.median(ratios)), "x", 50.0, "min"),
-        Figure("allocator_slot_rows_per_s", big["step_index"].shape[0] / rows_s, "rows/s", 2e7, "min"),
+        Figure(
+            "allocator_slot_rows_per_s", big["step_index"].shape[0] / rows_s, "rows/s", 2e7, "min"
+        ),
     ]
 
 

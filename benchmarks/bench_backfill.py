@@ -55,7 +55,9 @@ SEED = 5
 LANES = int(os.environ.get("STEPLEDGER_BACKFILL_LANES", "2"))
 TARGET_WALL_S = 1800.0
 TARGET_PEAK_GIB = 8.0
-CACHE = Path(os.environ.get("STEPLEDGER_BENCH_CACHE", Path(tempfile.gettempdir()) / "stepledger-bench-cache"))
+CACHE = Path(
+    os.environ.get("STEPLEDGER_BENCH_CACHE", Path(tempfile.gettempdir()) / "stepledger-bench-cache")
+)
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE_SECONDS = 0.2
 _INSTANCE_YAML = """\
@@ -109,7 +111,10 @@ def run_tags(hour_key: str, pool: str) -> dict[str, str]:
     key = partition_key(parse_hour_key(hour_key), pool)
     return {
         "dagster/partition": str(key),
-        **{f"dagster/partition/{dimension}": value for dimension, value in key.keys_by_dimension.items()},
+        **{
+            f"dagster/partition/{dimension}": value
+            for dimension, value in key.keys_by_dimension.items()
+        },
     }
 
 
@@ -141,7 +146,9 @@ def _tree_rss_bytes(root_pids: list[int]) -> int:
                 pending.extend(int(child) for child in (task / "children").read_text().split())
         except (FileNotFoundError, ProcessLookupError):
             continue
-        rss_kib = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+        rss_kib = next(
+            (int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0
+        )
         total += rss_kib * 1024
     return total
 
@@ -156,7 +163,11 @@ def backfill(data: Path, hours: int) -> tuple[float, int]:
     # Lane k takes every pool of the hours h with h % LANES == k: each lane gets a share of
     # every pool, so the busiest pool is not one lane's alone.
     lane_partitions = [
-        [(hour_key(DEFAULT_START + timedelta(hours=h)), p.name) for h in range(lane, hours, LANES) for p in pools.pools]
+        [
+            (hour_key(DEFAULT_START + timedelta(hours=h)), p.name)
+            for h in range(lane, hours, LANES)
+            for p in pools.pools
+        ]
         for lane in range(LANES)
     ]
     with tempfile.TemporaryDirectory(prefix="bench-backfill-") as tmp:
@@ -173,12 +184,22 @@ def backfill(data: Path, hours: int) -> tuple[float, int]:
 
         with dg.DagsterInstance.from_config(str(home)):
             pass
-        environment = {**os.environ, "DAGSTER_HOME": str(home), "STEPLEDGER_DATA": str(run),
-                       "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        environment = {
+            **os.environ,
+            "DAGSTER_HOME": str(home),
+            "STEPLEDGER_DATA": str(run),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        }
         started = time.perf_counter()
         lanes = [
-            subprocess.Popen([sys.executable, "-c", _LANE, json.dumps(lane_partitions[lane])], cwd=REPO,
-                             env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            subprocess.Popen(
+                [sys.executable, "-c", _LANE, json.dumps(lane_partitions[lane])],
+                cwd=REPO,
+                env=environment,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
             for lane in range(LANES)
         ]
         peak = 0

@@ -67,18 +67,33 @@ def busy_pool(replicas: int) -> PoolsFile:
     chat = pools.pool("chat-8b")
     template = chat.replicas[0]
     replica_list = [
-        template.model_copy(update={"id": f"chat-8b-r{i}", "hostname": f"gpu-node-{i // 8 + 1:02d}",
-                                    "gpu_uuids": [f"GPU-5f1c2a10-0000-4000-8000-{i + 1:012d}"]})
+        template.model_copy(
+            update={
+                "id": f"chat-8b-r{i}",
+                "hostname": f"gpu-node-{i // 8 + 1:02d}",
+                "gpu_uuids": [f"GPU-5f1c2a10-0000-4000-8000-{i + 1:012d}"],
+            }
+        )
         for i in range(replicas)
     ]
     scale = TRAFFIC_SCALE * replicas / REPLICAS
     tenants = [
-        tenant.model_copy(update={"features": [f.model_copy(update={"requests_per_s": f.requests_per_s * scale})
-                                               for f in tenant.features]})
+        tenant.model_copy(
+            update={
+                "features": [
+                    f.model_copy(update={"requests_per_s": f.requests_per_s * scale})
+                    for f in tenant.features
+                ]
+            }
+        )
         for tenant in chat.workload.tenants
     ]
-    chat = chat.model_copy(update={"replicas": replica_list,
-                                   "workload": chat.workload.model_copy(update={"tenants": tenants})})
+    chat = chat.model_copy(
+        update={
+            "replicas": replica_list,
+            "workload": chat.workload.model_copy(update={"tenants": tenants}),
+        }
+    )
     return pools.model_copy(update={"pools": [chat]})
 
 
@@ -93,7 +108,9 @@ def figures(quick: bool) -> list[Figure]:
         simulate(data, busy_pool(replicas), hours=minutes / 60, seed=11)
         out = subprocess.run(
             [sys.executable, "-c", _TIMED, str(data), "fixed" if quick else "cold"],
-            capture_output=True, text=True, check=True,
+            capture_output=True,
+            text=True,
+            check=True,
         )
     measured = json.loads(out.stdout.strip().splitlines()[-1])
     if measured["errors"]:

@@ -13,8 +13,15 @@ import numpy as np
 from benchmarks.figure import Figure
 from pricing import Deployment, Kernel
 
-DEPLOYMENT = Deployment(model="deepseek-v3", chip="h200", dtype="fp8", cache_dtype="fp8", tp=8,
-                        cudagraph_mode="PIECEWISE", max_num_seqs=256)
+DEPLOYMENT = Deployment(
+    model="deepseek-v3",
+    chip="h200",
+    dtype="fp8",
+    cache_dtype="fp8",
+    tp=8,
+    cudagraph_mode="PIECEWISE",
+    max_num_seqs=256,
+)
 
 
 def _batch(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -56,7 +63,14 @@ def _steps_per_s(kernel: Kernel, n_steps: int) -> float:
 def figures(quick: bool) -> list[Figure]:
     kernel = Kernel.build(DEPLOYMENT)
     return [
-        Figure("kernel_step_us_256", _step_us_256(kernel, 300 if quick else 3000), "us", 200.0, "max"),
-        Figure("kernel_steps_per_s", _steps_per_s(kernel, 200_000 if quick else 1_000_000), "steps/s", 200_000.0,
-               "min"),
+        Figure(
+            "kernel_step_us_256", _step_us_256(kernel, 300 if quick else 3000), "us", 200.0, "max"
+        ),
+        Figure(
+            "kernel_steps_per_s",
+            _steps_per_s(kernel, 200_000 if quick else 1_000_000),
+            "steps/s",
+            200_000.0,
+            "min",
+        ),
     ]

@@ -27,7 +27,9 @@ def busy_replica_pools() -> PoolsFile:
     pools = load_pools()
     pool = pools.pools[0]
     single = pool.model_copy(update={"replicas": pool.replicas[:1]})
-    return PoolsFile.model_validate({"settings": pools.settings.model_dump(), "pools": [single.model_dump()]})
+    return PoolsFile.model_validate(
+        {"settings": pools.settings.model_dump(), "pools": [single.model_dump()]}
+    )
 
 
 def seconds_per_replica_hour(hours: float) -> float:

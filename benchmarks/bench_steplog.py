@@ -93,7 +93,9 @@ def _decoder_figures(quick: bool, outbox: Path) -> list[Figure]:
         best = min(best, time.perf_counter() - began)
     rows = decoded.slots.num_rows
     if rows != steps * SLOTS_PER_STEP or decoded.damage.num_rows:
-        raise RuntimeError(f"decoder benchmark read {rows} slot rows and {decoded.damage.num_rows} damage rows")
+        raise RuntimeError(
+            f"decoder benchmark read {rows} slot rows and {decoded.damage.num_rows} damage rows"
+        )
     return [
         Figure("decode_slot_rows_per_s", rows / best, "rows/s", 5e6, "min"),
         Figure("decode_mb_per_s", total_bytes / best / 1e6, "MB/s", 0, "min"),
@@ -101,5 +103,10 @@ def _decoder_figures(quick: bool, outbox: Path) -> list[Figure]:
 
 
 def figures(quick: bool) -> list[Figure]:
-    with tempfile.TemporaryDirectory() as recorder_dir, tempfile.TemporaryDirectory() as decoder_dir:
-        return _recorder_figures(quick, Path(recorder_dir)) + _decoder_figures(quick, Path(decoder_dir))
+    with (
+        tempfile.TemporaryDirectory() as recorder_dir,
+        tempfile.TemporaryDirectory() as decoder_dir,
+    ):
+        return _recorder_figures(quick, Path(recorder_dir)) + _decoder_figures(
+            quick, Path(decoder_dir)
+        )

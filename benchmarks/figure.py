@@ -20,7 +20,13 @@ class Figure:
         return self.value <= self.target if self.direction == "max" else self.value >= self.target
 
     def as_dict(self) -> dict:
-        return {"name": self.name, "value": self.value, "unit": self.unit, "target": self.target, "meets": self.meets}
+        return {
+            "name": self.name,
+            "value": self.value,
+            "unit": self.unit,
+            "target": self.target,
+            "meets": self.meets,
+        }
 
     def line(self) -> str:
         sign = "<=" if self.direction == "max" else ">="

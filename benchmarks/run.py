@@ -28,7 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     figures: list[Figure] = []
-    names = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__) if m.name.startswith("bench_"))
+    names = sorted(
+        m.name for m in pkgutil.iter_modules(benchmarks.__path__) if m.name.startswith("bench_")
+    )
     for name in names:
         if args.only and args.only not in name:
             continue
@@ -40,7 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  ({name}: {time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
         figures.extend(produced)
 
-    args.out.write_text(json.dumps({"quick": args.quick, "figures": [f.as_dict() for f in figures]}, indent=2) + "\n")
+    args.out.write_text(
+        json.dumps({"quick": args.quick, "figures": [f.as_dict() for f in figures]}, indent=2)
+        + "\n"
+    )
     print(f"wrote {args.out}")
     return 0
 

@@ -30,7 +30,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Literal, Protocol, TextIO
 
@@ -78,7 +78,7 @@ class Alert:
 
     def as_json(self) -> dict:
         return {
-            "raised_at": self.raised_at.astimezone(timezone.utc).isoformat(),
+            "raised_at": self.raised_at.astimezone(UTC).isoformat(),
             "severity": self.severity,
             "kind": self.kind,
             "hour": hour_key(self.hour),
@@ -98,7 +98,9 @@ def dedup_key(kind: str, hour: datetime, pool: str, replica: str | None, finding
 
 def alert_for(result: CheckResult, raised_at: datetime) -> Alert:
     if result.passed:
-        raise ValueError(f"{result.check_name} for {result.pool} passed; only failed results are alerts")
+        raise ValueError(
+            f"{result.check_name} for {result.pool} passed; only failed results are alerts"
+        )
     return Alert(
         raised_at=raised_at,
         severity=result.severity,
@@ -108,7 +110,9 @@ def alert_for(result: CheckResult, raised_at: datetime) -> Alert:
         replica=result.replica,
         finding=result.finding,
         detail=result.detail,
-        dedup_key=dedup_key(result.check_name, result.hour, result.pool, result.replica, result.finding),
+        dedup_key=dedup_key(
+            result.check_name, result.hour, result.pool, result.replica, result.finding
+        ),
     )
 
 
@@ -216,7 +220,7 @@ class WebhookSink:
                 "summary": alert.summary[:PAGERDUTY_SUMMARY_LIMIT],
                 "source": self.source,
                 "severity": "error" if alert.severity == "ERROR" else "warning",
-                "timestamp": alert.raised_at.astimezone(timezone.utc).isoformat(),
+                "timestamp": alert.raised_at.astimezone(UTC).isoformat(),
                 "component": alert.pool,
                 "group": alert.replica or alert.pool,
                 "class": alert.kind,
@@ -227,7 +231,11 @@ class WebhookSink:
     def _redact(self, text: str) -> str:
         parts = urllib.parse.urlsplit(self._url)
         path_and_query = parts.path + (f"?{parts.query}" if parts.query else "")
-        for secret in (self._url, path_and_query if len(path_and_query) > 1 else None, self._routing_key):
+        for secret in (
+            self._url,
+            path_and_query if len(path_and_query) > 1 else None,
+            self._routing_key,
+        ):
             if secret:
                 text = text.replace(secret, "[redacted]")
         return text
@@ -245,7 +253,9 @@ class WebhookSink:
                 status = response.status
         except urllib.error.HTTPError as err:
             body = self._redact(err.read(300).decode("utf-8", "replace"))
-            message = f"delivering {what} failed: HTTP {err.code} {self._redact(str(err.reason))}: {body}"
+            message = (
+                f"delivering {what} failed: HTTP {err.code} {self._redact(str(err.reason))}: {body}"
+            )
         except (urllib.error.URLError, OSError) as err:
             reason = getattr(err, "reason", err)
             message = f"delivering {what} failed: {self._redact(str(reason))}"
@@ -299,7 +309,9 @@ def send_new(alerts: Iterable[Alert], sink: AlertSink, sent_keys: SentKeys) -> l
     return sent
 
 
-def deadman(last_reconciled: Mapping[str, datetime], now: datetime, settings: Settings) -> list[CheckResult]:
+def deadman(
+    last_reconciled: Mapping[str, datetime], now: datetime, settings: Settings
+) -> list[CheckResult]:
     """Pools whose hours went unreconciled for `settings.deadman_minutes` after they ended.
 
     `last_reconciled`: pool -> the latest hour up to which every hour is reconciled (for a new
@@ -309,14 +321,16 @@ def deadman(last_reconciled: Mapping[str, datetime], now: datetime, settings: Se
     """
     for name, moment in [("now", now), *last_reconciled.items()]:
         if moment.tzinfo is None:
-            raise ValueError(f"deadman: {name} time {moment} has no time zone; pass aware UTC datetimes")
+            raise ValueError(
+                f"deadman: {name} time {moment} has no time zone; pass aware UTC datetimes"
+            )
     grace = timedelta(minutes=settings.deadman_minutes)
     hour = timedelta(hours=1)
     # The newest hour whose deadline has passed: it ended at least `grace` ago.
-    newest_due = (now.astimezone(timezone.utc) - grace - hour).replace(minute=0, second=0, microsecond=0)
+    newest_due = (now.astimezone(UTC) - grace - hour).replace(minute=0, second=0, microsecond=0)
     results = []
     for pool, last in sorted(last_reconciled.items()):
-        last_utc = last.astimezone(timezone.utc)
+        last_utc = last.astimezone(UTC)
         if last_utc >= newest_due:
             continue
         oldest = last_utc + hour

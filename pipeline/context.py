@@ -12,7 +12,7 @@ import hmac
 import json
 import os
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Literal
 
@@ -47,9 +47,9 @@ class _GatewayLine(BaseModel):
 
 @dataclass(frozen=True)
 class LoadReport:
-    loaded: list[Path]      # files (re)loaded into request_context
-    unchanged: list[Path]   # files already loaded with identical content
-    requests: int           # rows written by this call
+    loaded: list[Path]  # files (re)loaded into request_context
+    unchanged: list[Path]  # files already loaded with identical content
+    requests: int  # rows written by this call
 
 
 def key_salt() -> bytes:
@@ -109,7 +109,7 @@ def read_gateway_file(path: Path, salt: bytes) -> pl.DataFrame:
         first_line_of[record.request_id] = number
         for name in columns:
             columns[name].append(getattr(record, name))
-    received = [t.astimezone(timezone.utc).replace(tzinfo=None) for t in columns["received_at"]]
+    received = [t.astimezone(UTC).replace(tzinfo=None) for t in columns["received_at"]]
     hashed = {key: api_key_id(key, salt) for key in set(columns["api_key"])}
     return pl.DataFrame(
         {
@@ -123,8 +123,13 @@ def read_gateway_file(path: Path, salt: bytes) -> pl.DataFrame:
             "source_file": [str(path)] * len(received),
         },
         schema={
-            "request_id": pl.String, "tenant": pl.String, "feature": pl.String, "api_key_id": pl.String,
-            "retry_of": pl.String, "retry_cause": pl.String, "received_at": pl.Datetime("us"),
+            "request_id": pl.String,
+            "tenant": pl.String,
+            "feature": pl.String,
+            "api_key_id": pl.String,
+            "retry_of": pl.String,
+            "retry_cause": pl.String,
+            "received_at": pl.Datetime("us"),
             "source_file": pl.String,
         },
     )
@@ -138,7 +143,9 @@ def gateway_files_for_hour(gateway_dir: Path, hour: datetime) -> list[Path]:
     return [gateway_dir / name for name in names if (gateway_dir / name).is_file()]
 
 
-def load_gateway_files(con: duckdb.DuckDBPyConnection, paths: list[Path], salt: bytes) -> LoadReport:
+def load_gateway_files(
+    con: duckdb.DuckDBPyConnection, paths: list[Path], salt: bytes
+) -> LoadReport:
     """Load gateway files into request_context, replacing each file's earlier rows exactly.
 
     A file whose content hash is already recorded is skipped, so loading is idempotent and
@@ -149,7 +156,9 @@ def load_gateway_files(con: duckdb.DuckDBPyConnection, paths: list[Path], salt: 
     written = 0
     for path in paths:
         digest = hashlib.sha256(path.read_bytes()).hexdigest()
-        known = con.execute("SELECT sha256 FROM context_files WHERE path = ?", [str(path)]).fetchone()
+        known = con.execute(
+            "SELECT sha256 FROM context_files WHERE path = ?", [str(path)]
+        ).fetchone()
         if known is not None and known[0] == digest:
             unchanged.append(path)
             continue
@@ -161,11 +170,13 @@ def load_gateway_files(con: duckdb.DuckDBPyConnection, paths: list[Path], salt: 
                 "SELECT c.request_id, c.source_file FROM request_context c JOIN incoming_ids USING (request_id) LIMIT 1"
             ).fetchone()
             if clash is not None:
-                raise ContextError(f"{path}: field request_id: {clash[0]!r} was already logged in {clash[1]}")
+                raise ContextError(
+                    f"{path}: field request_id: {clash[0]!r} was already logged in {clash[1]}"
+                )
             insert_frame(con, "request_context", rows)
             con.execute(
                 "INSERT OR REPLACE INTO context_files VALUES (?, ?, ?, ?)",
-                [str(path), digest, rows.height, datetime.now(timezone.utc).replace(tzinfo=None)],
+                [str(path), digest, rows.height, datetime.now(UTC).replace(tzinfo=None)],
             )
         loaded.append(path)
         written += rows.height

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from os import PathLike
 from pathlib import Path
 
@@ -71,7 +71,9 @@ def _parse_labels(text: str, where: str) -> dict[str, str]:
     while position < len(text):
         match = _LABEL.match(text, position)
         if match is None:
-            raise DcgmParseError(f"{where}: cannot parse labels at {text[position:position + 40]!r}")
+            raise DcgmParseError(
+                f"{where}: cannot parse labels at {text[position : position + 40]!r}"
+            )
         name, value = match.group(1), _unescape(match.group(2), where)
         if name in labels:
             raise DcgmParseError(f"{where}: label {name!r} appears twice")
@@ -128,7 +130,11 @@ def parse_dcgm(
         match = _SAMPLE.fullmatch(stripped)
         if match is None:
             # os.path.exists, unlike Path.exists, returns False for names too long to be paths.
-            hint = "; to read a file, pass a pathlib.Path" if "\n" not in text and os.path.exists(text) else ""
+            hint = (
+                "; to read a file, pass a pathlib.Path"
+                if "\n" not in text and os.path.exists(text)
+                else ""
+            )
             raise DcgmParseError(f"{where}: not a Prometheus sample line: {stripped[:80]!r}{hint}")
         labels = _parse_labels(match.group("labels") or "", where)
         raw_value, raw_timestamp = match.group("value"), match.group("timestamp")
@@ -144,11 +150,15 @@ def parse_dcgm(
                     f"{where}: timestamp {raw_timestamp!r} is not integer milliseconds"
                 ) from None
             if not -_INT64_LIMIT <= timestamp_ns < _INT64_LIMIT:
-                raise DcgmParseError(f"{where}: timestamp {raw_timestamp} ms is out of the nanosecond range")
+                raise DcgmParseError(
+                    f"{where}: timestamp {raw_timestamp} ms is out of the nanosecond range"
+                )
         if match.group("name") != GR_ENGINE_ACTIVE:
             continue
         if not (math.isfinite(value) and 0.0 <= value <= 1.0):
-            raise DcgmParseError(f"{where}: {GR_ENGINE_ACTIVE} value {raw_value} is outside the ratio 0..1")
+            raise DcgmParseError(
+                f"{where}: {GR_ENGINE_ACTIVE} value {raw_value} is outside the ratio 0..1"
+            )
         if raw_timestamp is None:
             if default_timestamp_ns is None:
                 raise DcgmParseError(
@@ -158,7 +168,9 @@ def parse_dcgm(
         columns = _column_values(labels, where)
         for required in ("uuid", "hostname"):
             if required not in columns:
-                raise DcgmParseError(f"{where}: sample has no {required} label (labels: {sorted(labels)})")
+                raise DcgmParseError(
+                    f"{where}: sample has no {required} label (labels: {sorted(labels)})"
+                )
         gpu = labels.get("gpu")
         if gpu is None or not gpu.isdigit():
             raise DcgmParseError(f"{where}: gpu label {gpu!r} is not a GPU index")
@@ -182,17 +194,17 @@ def parse_dcgm(
 
 def hour_key(hour: datetime) -> str:
     """The "YYYY-MM-DDTHH" key of a UTC hour."""
-    return hour.astimezone(timezone.utc).strftime("%Y-%m-%dT%H")
+    return hour.astimezone(UTC).strftime("%Y-%m-%dT%H")
 
 
 def hour_bounds_ns(hour: datetime) -> tuple[int, int]:
     """[start, end) of a UTC hour in integer nanoseconds since the epoch."""
     if hour.tzinfo is None:
         raise ValueError(f"hour {hour} has no time zone; pass an aware UTC datetime")
-    start = hour.astimezone(timezone.utc)
+    start = hour.astimezone(UTC)
     if (start.minute, start.second, start.microsecond) != (0, 0, 0):
         raise ValueError(f"hour {hour} is not at :00")
-    epoch = datetime(1970, 1, 1, tzinfo=timezone.utc)
+    epoch = datetime(1970, 1, 1, tzinfo=UTC)
     start_ns = (start - epoch) // timedelta(microseconds=1) * 1_000
     return start_ns, start_ns + 3_600 * 1_000_000_000
 

@@ -18,7 +18,7 @@ import json
 import os
 from collections.abc import Collection
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import duckdb
@@ -27,8 +27,16 @@ import pyarrow.parquet as pq
 
 from pipeline.context import context_for_requests
 from pipeline.ingest import LAKE_TABLES, STEP_KEY, batch_of, committed_batches, partition_dir
-from pipeline.warehouse import HOUR_TABLES, hour_key, query_frame, record_checks, replace_hour, utc_hour
+from pipeline.warehouse import (
+    HOUR_TABLES,
+    hour_key,
+    query_frame,
+    record_checks,
+    replace_hour,
+    utc_hour,
+)
 from schemas.config import Pool, Settings
+
 
 @dataclass(frozen=True)
 class HourInput:
@@ -43,7 +51,7 @@ class HourCharges:
 
     hour: datetime
     pool: str
-    invoices: pl.DataFrame       # one row
+    invoices: pl.DataFrame  # one row
     ledger_lines: pl.DataFrame
     request_costs: pl.DataFrame
 
@@ -52,7 +60,9 @@ class HourCharges:
         return int(self.invoices["amount_nano"][0])
 
 
-def _partition_files(lake: Path, table: str, pool: str, hour: datetime, batches: Collection[str] | None) -> list[Path]:
+def _partition_files(
+    lake: Path, table: str, pool: str, hour: datetime, batches: Collection[str] | None
+) -> list[Path]:
     directory = partition_dir(lake, table, pool, hour_key(hour))
     files = sorted(directory.glob("*.parquet")) if directory.is_dir() else []
     return files if batches is None else [f for f in files if batch_of(f) in batches]
@@ -71,7 +81,12 @@ def _read(files: list[Path], table: str, columns: list[str] | None = None) -> pl
 
 
 def _read_partition(
-    lake: Path, table: str, pool: str, hour: datetime, batches: Collection[str] | None, where: pl.Expr | None = None,
+    lake: Path,
+    table: str,
+    pool: str,
+    hour: datetime,
+    batches: Collection[str] | None,
+    where: pl.Expr | None = None,
     columns: list[str] | None = None,
 ) -> pl.DataFrame:
     """A lake partition, or the rows of it matching `where` (Parquet row-group statistics let
@@ -84,7 +99,11 @@ def _read_partition(
 
 
 def load_hour(
-    lake: Path, pool: str, hour: datetime, batches: Collection[str] | None = None, columns: list[str] | None = None
+    lake: Path,
+    pool: str,
+    hour: datetime,
+    batches: Collection[str] | None = None,
+    columns: list[str] | None = None,
 ) -> HourInput:
     """The steps of `pool` that ran during `hour`, with their slots and holders, ordered by
     replica and sequence number (so attribution need not sort tens of millions of rows).
@@ -103,15 +122,17 @@ def load_hour(
     def ordered(table: str) -> pl.DataFrame:
         # Per replica: its rows of straddling steps, then its files of this hour. Rows of the
         # hour's own files all belong to its steps (ingest placed them with their step).
-        table_columns = None if columns is None else [c for c in columns if c in LAKE_TABLES[table].names]
+        table_columns = (
+            None if columns is None else [c for c in columns if c in LAKE_TABLES[table].names]
+        )
         earlier = _read([], table, table_columns)
         if straddling_keys.height:
             # Sequence numbers grow within a replica: the scan skips all but the last row groups
             # of the previous hour, and the join on the step keys makes the selection exact.
             after = pl.col("seq") >= straddling_keys["seq"].min()
-            earlier = _read_partition(lake, table, pool, previous, batches, after, table_columns).join(
-                straddling_keys, on=STEP_KEY, how="semi"
-            )
+            earlier = _read_partition(
+                lake, table, pool, previous, batches, after, table_columns
+            ).join(straddling_keys, on=STEP_KEY, how="semi")
         current = _partition_files(lake, table, pool, hour, batches)
         replicas = sorted({*earlier["replica"].unique().to_list(), *map(_replica_of, current)})
         frames = [
@@ -152,7 +173,9 @@ class AttributionInputs:
     engine: tuple[str, str] | None
 
 
-def gather_inputs(con: duckdb.DuckDBPyConnection, lake: Path, pool: Pool, hour: datetime) -> AttributionInputs:
+def gather_inputs(
+    con: duckdb.DuckDBPyConnection, lake: Path, pool: Pool, hour: datetime
+) -> AttributionInputs:
     """The hour's attribution inputs, read from the warehouse and the lake."""
     hour = utc_hour(hour)
     batches = committed_batches(con)
@@ -166,7 +189,11 @@ def gather_inputs(con: duckdb.DuckDBPyConnection, lake: Path, pool: Pool, hour: 
         [pool.name],
     ).fetchall()
     return AttributionInputs(
-        hour, pool.name, frozenset(batches), context_for_requests(con, request_ids), tuple(logged[0]) if logged else None
+        hour,
+        pool.name,
+        frozenset(batches),
+        context_for_requests(con, request_ids),
+        tuple(logged[0]) if logged else None,
     )
 
 
@@ -181,11 +208,18 @@ def save_inputs(lake: Path, inputs: AttributionInputs) -> Path:
     """One Parquet file (the context rows, the rest in its metadata), replaced atomically."""
     path = inputs_path(lake, inputs.pool, inputs.hour)
     path.parent.mkdir(parents=True, exist_ok=True)
-    described = {"batches": sorted(inputs.batches), "engine": list(inputs.engine) if inputs.engine else None}
+    described = {
+        "batches": sorted(inputs.batches),
+        "engine": list(inputs.engine) if inputs.engine else None,
+    }
     table = inputs.context.to_arrow()
     partial = path.with_suffix(".parquet.partial")
-    pq.write_table(table.replace_schema_metadata({**(table.schema.metadata or {}), _INPUTS_KEY: json.dumps(described)}),
-                   partial)
+    pq.write_table(
+        table.replace_schema_metadata(
+            {**(table.schema.metadata or {}), _INPUTS_KEY: json.dumps(described)}
+        ),
+        partial,
+    )
     os.replace(partial, path)
     return path
 
@@ -194,12 +228,19 @@ def load_inputs(lake: Path, pool: str, hour: datetime) -> AttributionInputs:
     hour = utc_hour(hour)
     path = inputs_path(lake, pool, hour)
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no attribution inputs for pool {pool!r} hour {hour_key(hour)}; "
-                                "materialize its request_context first")
+        raise FileNotFoundError(
+            f"{path}: no attribution inputs for pool {pool!r} hour {hour_key(hour)}; "
+            "materialize its request_context first"
+        )
     table = pq.read_table(path)
     described = json.loads(table.schema.metadata[_INPUTS_KEY])
-    return AttributionInputs(hour, pool, frozenset(described["batches"]), pl.from_arrow(table),
-                             tuple(described["engine"]) if described["engine"] else None)
+    return AttributionInputs(
+        hour,
+        pool,
+        frozenset(described["batches"]),
+        pl.from_arrow(table),
+        tuple(described["engine"]) if described["engine"] else None,
+    )
 
 
 def weight_source(pool: Pool, inputs: AttributionInputs, data_dir: Path):
@@ -211,7 +252,9 @@ def weight_source(pool: Pool, inputs: AttributionInputs, data_dir: Path):
     from pipeline.attribution import CalibrationStore, FittedWeights
 
     if inputs.engine is None:
-        raise ValueError(f"pool {pool.name!r}: no segments ingested, so no engine version to calibrate for")
+        raise ValueError(
+            f"pool {pool.name!r}: no segments ingested, so no engine version to calibrate for"
+        )
     store = CalibrationStore.load(data_dir / CALIBRATION_FILE)
     return FittedWeights(store.require(pool.model, pool.gpu_type, *inputs.engine))
 
@@ -232,7 +275,10 @@ def charge_hour(lake: Path, pool: Pool, inputs: AttributionInputs, weights) -> H
 
 def charges_from_ledger(hour: datetime, pool: str, ledger) -> HourCharges:
     """The attribution's HourLedger as warehouse rows, each stamped with its hour and pool."""
-    stamp = [pl.lit(hour.replace(tzinfo=None)).cast(pl.Datetime("us")).alias("hour"), pl.lit(pool).alias("pool")]
+    stamp = [
+        pl.lit(hour.replace(tzinfo=None)).cast(pl.Datetime("us")).alias("hour"),
+        pl.lit(pool).alias("pool"),
+    ]
     invoice = pl.DataFrame([ledger.invoice]).with_columns(stamp)
     return HourCharges(
         hour=hour,
@@ -263,7 +309,9 @@ def load_charges(lake: Path, pool: str, hour: datetime) -> HourCharges:
     directory = charges_dir(lake, pool, hour)
     missing = [n for n in HOUR_TABLES if not (directory / f"{n}.parquet").is_file()]
     if missing:
-        raise FileNotFoundError(f"{directory}: no charges {missing} for pool {pool!r} hour {hour_key(hour)}")
+        raise FileNotFoundError(
+            f"{directory}: no charges {missing} for pool {pool!r} hour {hour_key(hour)}"
+        )
     frames = {name: pl.read_parquet(directory / f"{name}.parquet") for name in HOUR_TABLES}
     return HourCharges(hour=hour, pool=pool, **frames)
 
@@ -274,11 +322,21 @@ def publish_hour(con: duckdb.DuckDBPyConnection, charges: HourCharges) -> None:
     Lines that do not add up to the invoice are still written: the money check then fails and
     holds the hour back from the finance views, with the difference in its detail.
     """
-    replace_hour(con, charges.hour, charges.pool, {name: getattr(charges, name) for name in HOUR_TABLES})
+    replace_hour(
+        con, charges.hour, charges.pool, {name: getattr(charges, name) for name in HOUR_TABLES}
+    )
 
 
 # The reconciliation checks run on every pool-hour (pipeline.reconcile says which block).
-CHECKS = ("sequence", "time", "money", "plausibility", "unattributed", "calibration", "calibration_drift")
+CHECKS = (
+    "sequence",
+    "time",
+    "money",
+    "plausibility",
+    "unattributed",
+    "calibration",
+    "calibration_drift",
+)
 
 
 def _pool_rows(con: duckdb.DuckDBPyConnection, table: str, pool: Pool) -> pl.DataFrame:
@@ -292,7 +350,9 @@ def _pool_rows(con: duckdb.DuckDBPyConnection, table: str, pool: Pool) -> pl.Dat
     return query_frame(con, f"SELECT * FROM {table} WHERE pool = ?", [pool.name])
 
 
-def last_seq_before(lake: Path, pool: str, hour: datetime, batches: Collection[str] | None = None) -> dict[str, int]:
+def last_seq_before(
+    lake: Path, pool: str, hour: datetime, batches: Collection[str] | None = None
+) -> dict[str, int]:
     """Each replica's last sequence number in the previous hour's partition (of `batches`, as
     in `load_hour`)."""
     previous = _read_partition(lake, "steps", pool, utc_hour(hour) - timedelta(hours=1), batches)
@@ -301,7 +361,12 @@ def last_seq_before(lake: Path, pool: str, hour: datetime, batches: Collection[s
 
 
 def check_calibration_of_hour(
-    con: duckdb.DuckDBPyConnection, pool: Pool, hour: datetime, data: HourInput, settings: Settings, store
+    con: duckdb.DuckDBPyConnection,
+    pool: Pool,
+    hour: datetime,
+    data: HourInput,
+    settings: Settings,
+    store,
 ) -> list:
     """The calibration check of one pool-hour: the engine and driver versions of the segments
     the hour's steps came from, against the calibration `store` (a CalibrationStore) and the
@@ -320,18 +385,24 @@ def check_calibration_of_hour(
     from pricing import load_chip
 
     segment_ids = data.steps["segment_id"].unique()
-    segments = _pool_rows(con, "segments", pool).filter(pl.col("segment_id").is_in(segment_ids.implode()))
+    segments = _pool_rows(con, "segments", pool).filter(
+        pl.col("segment_id").is_in(segment_ids.implode())
+    )
     key_columns = ["model", "gpu_type", "engine_version", "driver_version"]
     versions = (
-        segments.group_by(key_columns).agg(pl.col("steps").sum(), pl.col("segment_id"))
+        segments.group_by(key_columns)
+        .agg(pl.col("steps").sum(), pl.col("segment_id"))
         .sort("steps", *key_columns, descending=[True, False, False, False, False])
     )
     stored_fit = fresh_fit = None
     # Fit only the steps of the version that logged most of the hour among those with a
     # stored fit: other versions' steps would blur the fresh fit.
     calibrated = pool.policies.weights == "fitted" and next(
-        ((version, stored) for version in versions.iter_rows(named=True)
-         if (stored := store.lookup(*(version[c] for c in key_columns))) is not None),
+        (
+            (version, stored)
+            for version in versions.iter_rows(named=True)
+            if (stored := store.lookup(*(version[c] for c in key_columns))) is not None
+        ),
         None,
     )
     if calibrated:
@@ -343,17 +414,30 @@ def check_calibration_of_hour(
         except CalibrationError:
             pass  # too few or too uniform steps in the hour to fit: no drift to measure
         else:
-            stored_fit, fresh_fit = ({n: getattr(c, n) for n in ("c0_ms", "a_ms", "b_ms")} for c in (stored, fresh))
+            stored_fit, fresh_fit = (
+                {n: getattr(c, n) for n in ("c0_ms", "a_ms", "b_ms")} for c in (stored, fresh)
+            )
     return reconcile.check_calibration(
-        hour, pool, segments, [entry.key for entry in store.entries], settings,
+        hour,
+        pool,
+        segments,
+        [entry.key for entry in store.entries],
+        settings,
         kernel_engine_version=load_chip(pool.gpu_type).measured_engine.version,
-        stored_fit=stored_fit, fresh_fit=fresh_fit,
+        stored_fit=stored_fit,
+        fresh_fit=fresh_fit,
     )
 
 
 def reconcile_hour(
-    con: duckdb.DuckDBPyConnection, lake: Path, dcgm_dir: Path, pool: Pool, hour: datetime, settings: Settings,
-    *, calibration_file: Path | None = None,
+    con: duckdb.DuckDBPyConnection,
+    lake: Path,
+    dcgm_dir: Path,
+    pool: Pool,
+    hour: datetime,
+    settings: Settings,
+    *,
+    calibration_file: Path | None = None,
 ) -> list:
     """Run the CHECKS on one published pool-hour and record them (with alerts) in the warehouse.
 
@@ -367,14 +451,23 @@ def reconcile_hour(
     batches = committed_batches(con)
     data = load_hour(lake, pool.name, hour, batches)
     steps = data.steps
-    store = CalibrationStore.load(calibration_file) if calibration_file is not None else CalibrationStore()
+    store = (
+        CalibrationStore.load(calibration_file)
+        if calibration_file is not None
+        else CalibrationStore()
+    )
     at_hour = [hour.replace(tzinfo=None), pool.name]
     invoices = query_frame(con, "SELECT * FROM invoices WHERE hour = ? AND pool = ?", at_hour)
     lines = query_frame(con, "SELECT * FROM ledger_lines WHERE hour = ? AND pool = ?", at_hour)
     results = [
         *reconcile.check_sequence(
-            hour, pool, steps, _pool_rows(con, "drops", pool), _pool_rows(con, "damage", pool),
-            _pool_rows(con, "segments", pool), last_seq_before=last_seq_before(lake, pool.name, hour, batches),
+            hour,
+            pool,
+            steps,
+            _pool_rows(con, "drops", pool),
+            _pool_rows(con, "damage", pool),
+            _pool_rows(con, "segments", pool),
+            last_seq_before=last_seq_before(lake, pool.name, hour, batches),
         ),
         *reconcile.check_time(hour, pool, steps, settings),
         *reconcile.check_money(hour, pool, invoices, lines),
@@ -397,5 +490,6 @@ def failed_checks(con: duckdb.DuckDBPyConnection, pool: str, hour: datetime) -> 
         [utc_hour(hour).replace(tzinfo=None), pool],
     )
     return [
-        CheckResult(**{**row, "hour": row["hour"].replace(tzinfo=timezone.utc)}) for row in rows.iter_rows(named=True)
+        CheckResult(**{**row, "hour": row["hour"].replace(tzinfo=UTC)})
+        for row in rows.iter_rows(named=True)
     ]

@@ -24,7 +24,7 @@ import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import duckdb
@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class IngestReport:
-    batch_id: str | None            # the last batch written; None when nothing new arrived
+    batch_id: str | None  # the last batch written; None when nothing new arrived
     ingested_files: list[Path]
     duplicate_files: list[Path]
     steps: int
@@ -65,7 +65,11 @@ def segment_files(outbox: Path, replicas: Iterable[str] | None = None) -> list[P
     """Every shipped segment (`*.seg`) under `outbox/<replica>/`, in a stable order."""
     if not outbox.is_dir():
         return []
-    dirs = [outbox / r for r in replicas] if replicas is not None else [d for d in outbox.iterdir() if d.is_dir()]
+    dirs = (
+        [outbox / r for r in replicas]
+        if replicas is not None
+        else [d for d in outbox.iterdir() if d.is_dir()]
+    )
     return sorted(p for d in dirs if d.is_dir() for p in d.glob("*.seg"))
 
 
@@ -147,7 +151,9 @@ def remove_uncommitted(con: duckdb.DuckDBPyConnection, lake: Path, intents: Path
                 part.unlink()
             log.warning(
                 "batch %s was written to the lake but never committed to the warehouse; removed %d file(s): %s",
-                batch_id, len(parts), ", ".join(map(str, parts)) or "none",
+                batch_id,
+                len(parts),
+                ", ".join(map(str, parts)) or "none",
             )
             removed.extend(parts)
         intent.unlink()
@@ -177,11 +183,18 @@ def ingest_outbox(
 
 
 def _ingest_new(
-    con: duckdb.DuckDBPyConnection, outbox: Path, lake: Path, intents: Path, replicas: Iterable[str] | None
+    con: duckdb.DuckDBPyConnection,
+    outbox: Path,
+    lake: Path,
+    intents: Path,
+    replicas: Iterable[str] | None,
 ) -> IngestReport:
     known_paths = {row[0] for row in con.execute("SELECT path FROM segment_files").fetchall()}
     known_hashes = {
-        row[0] for row in con.execute("SELECT sha256 FROM segment_files WHERE status = 'ingested'").fetchall()
+        row[0]
+        for row in con.execute(
+            "SELECT sha256 FROM segment_files WHERE status = 'ingested'"
+        ).fetchall()
     }
     # Per replica, batches of consecutive segments of up to BATCH_BYTES (a bigger segment is a
     # batch alone): memory stays bounded however much waited in the outbox.
@@ -205,7 +218,9 @@ def _ingest_new(
     # A torn tail at the end of a batch is bounded by the first segment of the replica's next batch.
     following = [
         list(next_fresh)[:1] if next_replica == batch_replica else []
-        for (batch_replica, _, _), (next_replica, next_fresh, _) in zip(batches, [*batches[1:], (None, {}, {})])
+        for (batch_replica, _, _), (next_replica, next_fresh, _) in zip(
+            batches, [*batches[1:], (None, {}, {})], strict=False
+        )
     ]
     reports = [
         _ingest_batch(con, lake, intents, fresh, duplicates, after)
@@ -223,21 +238,29 @@ def _ingest_new(
 
 def _hour_key(hour_index: int) -> str:
     """The hour key of an hour counted from the epoch."""
-    return hour_key(datetime.fromtimestamp(hour_index * 3600, tz=timezone.utc))
+    return hour_key(datetime.fromtimestamp(hour_index * 3600, tz=UTC))
 
 
 def _ingest_batch(
-    con: duckdb.DuckDBPyConnection, lake: Path, intents: Path, fresh: dict[Path, str], duplicates: dict[Path, str],
+    con: duckdb.DuckDBPyConnection,
+    lake: Path,
+    intents: Path,
+    fresh: dict[Path, str],
+    duplicates: dict[Path, str],
     following: list[Path],
 ) -> IngestReport:
     """Decode `fresh` files into the lake and record them and `duplicates` in the warehouse
     (`following`: the replica's next segment, to bound a torn tail; not ingested here)."""
-    batch_id = hashlib.sha256("".join(sorted({*fresh.values(), *duplicates.values()})).encode()).hexdigest()[:16]
+    batch_id = hashlib.sha256(
+        "".join(sorted({*fresh.values(), *duplicates.values()})).encode()
+    ).hexdigest()[:16]
     steps = slots = holders = None
     decoded_segments = damage = drops = None
     if fresh:
         decoded = read_segments(list(fresh), following)
-        steps, slots, holders = (pl.from_arrow(t) for t in (decoded.steps, decoded.slots, decoded.holders))
+        steps, slots, holders = (
+            pl.from_arrow(t) for t in (decoded.steps, decoded.slots, decoded.holders)
+        )
         decoded_segments = pl.from_arrow(decoded.segments)
         damage = pl.from_arrow(decoded.damage)
         drops = pl.from_arrow(decoded.drops)
@@ -258,19 +281,26 @@ def _ingest_batch(
         # The hour as an integer (hours since the epoch): a slot row carries 8 bytes, not a string.
         hours = steps.select(*STEP_KEY, (pl.col("start_utc_ns") // NS_PER_HOUR).alias("_hour"))
         partitions = {
-            (pool, _hour_key(hour_index)) for pool, hour_index in hours.select("pool", "_hour").unique().iter_rows()
+            (pool, _hour_key(hour_index))
+            for pool, hour_index in hours.select("pool", "_hour").unique().iter_rows()
         }
-        directories = {partition_dir(lake, name, *partition) for name in LAKE_TABLES for partition in partitions}
+        directories = {
+            partition_dir(lake, name, *partition)
+            for name in LAKE_TABLES
+            for partition in partitions
+        }
         _write_intent(lake, intents, batch_id, directories)
         for name, frame in (("steps", steps), ("slots", slots), ("holders", holders)):
             placed = frame.join(hours, on=STEP_KEY, how="left")
-            for (pool, replica, hour_index), part in placed.group_by(["pool", "replica", "_hour"], maintain_order=True):
+            for (pool, replica, hour_index), part in placed.group_by(
+                ["pool", "replica", "_hour"], maintain_order=True
+            ):
                 table = part.drop("_hour").to_arrow().cast(LAKE_TABLES[name])
                 directory = partition_dir(lake, name, pool, _hour_key(hour_index))
                 _write_atomically(table, directory / part_name(replica, part, batch_id))
             del placed
 
-    now = datetime.now(timezone.utc).replace(tzinfo=None)
+    now = datetime.now(UTC).replace(tzinfo=None)
     file_rows = pl.DataFrame(
         {
             "path": [str(p) for p in (*fresh, *duplicates)],
@@ -289,7 +319,9 @@ def _ingest_batch(
             insert_frame(
                 con,
                 "segments",
-                decoded_segments.join(hashes, on="path", how="left").with_columns(batch_id=pl.lit(batch_id)),
+                decoded_segments.join(hashes, on="path", how="left").with_columns(
+                    batch_id=pl.lit(batch_id)
+                ),
             )
         for name, frame in (("damage", damage), ("drops", drops)):
             if frame is not None and frame.height:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import PurePath
 from typing import Literal
 
@@ -107,7 +107,9 @@ class CheckResult:
     finding: str = ""
 
     def __post_init__(self) -> None:
-        hour_bounds_ns(self.hour)  # refuses naive or non-:00 hours, which would land in the wrong row
+        hour_bounds_ns(
+            self.hour
+        )  # refuses naive or non-:00 hours, which would land in the wrong row
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,18 @@ def _result(
 ) -> CheckResult:
     """Fold a check's findings into one result: the worst severity, all texts in the detail."""
     if not findings:
-        return CheckResult(hour, pool, replica, check_name, True, expected, observed, passed_detail, severity, blocking)
+        return CheckResult(
+            hour,
+            pool,
+            replica,
+            check_name,
+            True,
+            expected,
+            observed,
+            passed_detail,
+            severity,
+            blocking,
+        )
     worst: Severity = "ERROR" if any(f.severity == "ERROR" for f in findings) else "WARN"
     return CheckResult(
         hour,
@@ -154,13 +167,22 @@ def _result(
 
 
 def _naive_utc(moment: datetime) -> datetime:
-    return moment.astimezone(timezone.utc).replace(tzinfo=None)
+    return moment.astimezone(UTC).replace(tzinfo=None)
 
 
 def reconciliation_frame(results: Iterable[CheckResult]) -> pl.DataFrame:
     """Rows of the `reconciliation` table; hours are naive UTC, as DuckDB `TIMESTAMP` stores them."""
     rows = [
-        (_naive_utc(r.hour), r.pool, r.replica, r.check_name, r.passed, r.expected, r.observed, r.detail)
+        (
+            _naive_utc(r.hour),
+            r.pool,
+            r.replica,
+            r.check_name,
+            r.passed,
+            r.expected,
+            r.observed,
+            r.detail,
+        )
         for r in results
     ]
     return pl.DataFrame(rows, schema=RECONCILIATION_SCHEMA, orient="row")
@@ -169,7 +191,15 @@ def reconciliation_frame(results: Iterable[CheckResult]) -> pl.DataFrame:
 def alerts_frame(results: Iterable[CheckResult], raised_at: datetime) -> pl.DataFrame:
     """Rows of the `alerts` table: one per failed result; `kind` is the check name."""
     rows = [
-        (_naive_utc(raised_at), r.severity, r.check_name, _naive_utc(r.hour), r.pool, r.replica, r.detail)
+        (
+            _naive_utc(raised_at),
+            r.severity,
+            r.check_name,
+            _naive_utc(r.hour),
+            r.pool,
+            r.replica,
+            r.detail,
+        )
         for r in results
         if not r.passed
     ]
@@ -185,7 +215,7 @@ def blocking_failures(results: Iterable[CheckResult]) -> list[CheckResult]:
 
 
 def compact_ranges(ranges: Sequence[SeqRange], limit: int = RANGES_LISTED) -> str:
-    """"1200-1299, 4000-4010, 5123"; beyond `limit` ranges the rest is counted, not listed."""
+    """ "1200-1299, 4000-4010, 5123"; beyond `limit` ranges the rest is counted, not listed."""
     shown = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges[:limit])
     if len(ranges) > limit:
         shown += f" and {len(ranges) - limit} more ranges"
@@ -256,7 +286,8 @@ def _steps_of_hour(steps: pl.DataFrame, hour: datetime, pool: Pool) -> pl.DataFr
     """The pool's steps placed in the hour by their UTC start, ordered by replica and seq."""
     start_ns, end_ns = hour_bounds_ns(hour)
     return steps.filter(
-        (pl.col("pool") == pool.name) & pl.col("start_utc_ns").is_between(start_ns, end_ns, closed="left")
+        (pl.col("pool") == pool.name)
+        & pl.col("start_utc_ns").is_between(start_ns, end_ns, closed="left")
     ).sort("replica", "seq")
 
 
@@ -268,7 +299,7 @@ def _rows_of_hour(frame: pl.DataFrame, hour: datetime, pool: str, table: str) ->
     dtype = frame.schema["hour"]
     if not isinstance(dtype, pl.Datetime):
         raise ValueError(f"{table}.hour is {dtype}, expected a timestamp")
-    moment = hour.astimezone(timezone.utc)
+    moment = hour.astimezone(UTC)
     if dtype.time_zone is None:
         moment = moment.replace(tzinfo=None)
     return frame.filter((pl.col("hour") == moment) & (pl.col("pool") == pool))
@@ -303,9 +334,13 @@ def check_sequence(
     """
     in_hour = _steps_of_hour(steps, hour, pool)
     owner_of_path = {
-        path: (pool_name, replica) for path, pool_name, replica in segments.select("path", "pool", "replica").iter_rows()
+        path: (pool_name, replica)
+        for path, pool_name, replica in segments.select("path", "pool", "replica").iter_rows()
     }
-    owners = [owner_of_path.get(path, (pool.name, PurePath(path).parent.name)) for path in damage["path"].to_list()]
+    owners = [
+        owner_of_path.get(path, (pool.name, PurePath(path).parent.name))
+        for path in damage["path"].to_list()
+    ]
     damage = damage.with_columns(
         pl.Series("pool", [owner[0] for owner in owners], dtype=pl.String),
         pl.Series("replica", [owner[1] for owner in owners], dtype=pl.String),
@@ -327,7 +362,10 @@ def check_sequence(
             )
         )
     if unplaced.height:
-        listed = ", ".join(f"{row['kind']} in {row['path']}" for row in unplaced.head(RANGES_LISTED).iter_rows(named=True))
+        listed = ", ".join(
+            f"{row['kind']} in {row['path']}"
+            for row in unplaced.head(RANGES_LISTED).iter_rows(named=True)
+        )
         results.append(
             CheckResult(
                 hour,
@@ -372,7 +410,8 @@ def _sequence_of_replica(
         if span is None:
             return frame.filter(pl.col("first_seq").is_null())
         return frame.filter(
-            pl.col("first_seq").is_null() | ((pl.col("first_seq") <= span[1]) & (pl.col("last_seq") >= span[0]))
+            pl.col("first_seq").is_null()
+            | ((pl.col("first_seq") <= span[1]) & (pl.col("last_seq") >= span[0]))
         )
 
     drop_ranges = _merge(touches_span(drops).select("first_seq", "last_seq").iter_rows())
@@ -381,7 +420,11 @@ def _sequence_of_replica(
     damage = touches_span(damage)
     harmful = damage.filter(pl.col("kind") != "duplicate_segment")
     duplicates = damage.filter(pl.col("kind") == "duplicate_segment")
-    damage_ranges = _merge(harmful.filter(pl.col("first_seq").is_not_null()).select("first_seq", "last_seq").iter_rows())
+    damage_ranges = _merge(
+        harmful.filter(pl.col("first_seq").is_not_null())
+        .select("first_seq", "last_seq")
+        .iter_rows()
+    )
     lost_to_damage = _intersect(unexplained, damage_ranges)
     unexplained = _subtract(unexplained, damage_ranges)
 
@@ -408,14 +451,24 @@ def _sequence_of_replica(
     if harmful.height:
         described = "; ".join(
             f"{row['kind']} in {row['path']} at byte {row['byte_offset']}"
-            + (f" (seq {row['first_seq']}-{row['last_seq']})" if row["first_seq"] is not None else "")
+            + (
+                f" (seq {row['first_seq']}-{row['last_seq']})"
+                if row["first_seq"] is not None
+                else ""
+            )
             + (f": {row['detail']}" if row["detail"] else "")
             for row in harmful.head(RANGES_LISTED).iter_rows(named=True)
         )
         if harmful.height > RANGES_LISTED:
             described += f"; and {harmful.height - RANGES_LISTED} more"
-        lost = f"; {_count(lost_to_damage)} steps lost (seq {compact_ranges(lost_to_damage)})" if lost_to_damage else ""
-        findings.append(_Finding("damage", "ERROR", True, f"{harmful.height} damaged frames: {described}{lost}"))
+        lost = (
+            f"; {_count(lost_to_damage)} steps lost (seq {compact_ranges(lost_to_damage)})"
+            if lost_to_damage
+            else ""
+        )
+        findings.append(
+            _Finding("damage", "ERROR", True, f"{harmful.height} damaged frames: {described}{lost}")
+        )
     if repeated:
         findings.append(
             _Finding(
@@ -436,7 +489,11 @@ def _sequence_of_replica(
                 f"{duplicates.height} segments delivered twice, the copies were ignored: {paths}",
             )
         )
-    expected = "no steps" if span is None else f"seq {span[0]}-{span[1]} contiguous ({span[1] - span[0] + 1} steps)"
+    expected = (
+        "no steps"
+        if span is None
+        else f"seq {span[0]}-{span[1]} contiguous ({span[1] - span[0] + 1} steps)"
+    )
     observed = (
         f"{steps_logged} steps logged, {_count(missing)} missing ({_count(dropped)} counted drops), "
         f"{_count(repeated)} repeated, {harmful.height} damaged frames"
@@ -458,7 +515,9 @@ def _sequence_of_replica(
 # --- time ---------------------------------------------------------------------------------
 
 
-def check_time(hour: datetime, pool: Pool, steps: pl.DataFrame, settings: Settings) -> list[CheckResult]:
+def check_time(
+    hour: datetime, pool: Pool, steps: pl.DataFrame, settings: Settings
+) -> list[CheckResult]:
     """Step durations plus measured gaps against the wall-clock hour, per replica.
 
     Gaps are measured on the engine's monotonic clock between consecutive sequence numbers;
@@ -476,7 +535,9 @@ def check_time(hour: datetime, pool: Pool, steps: pl.DataFrame, settings: Settin
         .with_columns(
             (pl.col("seq") - pl.col("seq").shift(1).over("replica")).alias("seq_step"),
             (pl.col("start_ns") - pl.col("end_ns").shift(1).over("replica")).alias("gap_ns"),
-            (pl.col("end_utc_ns").shift(1).over("replica") - pl.col("start_utc_ns")).alias("utc_overlap_ns"),
+            (pl.col("end_utc_ns").shift(1).over("replica") - pl.col("start_utc_ns")).alias(
+                "utc_overlap_ns"
+            ),
             (pl.col("start_utc_ns") - pl.col("start_ns")).alias("utc_offset_ns"),
         )
         .group_by("replica")
@@ -486,10 +547,20 @@ def check_time(hour: datetime, pool: Pool, steps: pl.DataFrame, settings: Settin
             pl.col("gap_ns").filter(pl.col("seq_step") == 1).sum().alias("gaps_ns"),
             pl.col("gap_ns").filter(pl.col("seq_step") > 1).sum().alias("break_ns"),
             (pl.col("seq_step") > 1).sum().alias("breaks"),
-            (-pl.col("gap_ns")).filter(pl.col("seq_step") == 1).max().fill_null(0).alias("mono_overlap_ns"),
+            (-pl.col("gap_ns"))
+            .filter(pl.col("seq_step") == 1)
+            .max()
+            .fill_null(0)
+            .alias("mono_overlap_ns"),
             # A repeated seq overlaps itself; the sequence check reports that, it is not skew.
-            pl.col("utc_overlap_ns").filter(pl.col("seq_step") > 0).max().fill_null(0).alias("utc_overlap_ns"),
-            (pl.col("utc_offset_ns").max() - pl.col("utc_offset_ns").min()).alias("offset_spread_ns"),
+            pl.col("utc_overlap_ns")
+            .filter(pl.col("seq_step") > 0)
+            .max()
+            .fill_null(0)
+            .alias("utc_overlap_ns"),
+            (pl.col("utc_offset_ns").max() - pl.col("utc_offset_ns").min()).alias(
+                "offset_spread_ns"
+            ),
             (
                 (pl.col("end_utc_ns").last() - pl.col("start_utc_ns").first())
                 - (pl.col("end_ns").last() - pl.col("start_ns").first())
@@ -506,9 +577,16 @@ def check_time(hour: datetime, pool: Pool, steps: pl.DataFrame, settings: Settin
         if row is None:
             results.append(
                 CheckResult(
-                    hour, pool.name, replica.id, "time", True, expected, "no steps",
+                    hour,
+                    pool.name,
+                    replica.id,
+                    "time",
+                    True,
+                    expected,
+                    "no steps",
                     "no steps logged: the replica was idle all hour (the plausibility check confirms with DCGM)",
-                    "ERROR", True,
+                    "ERROR",
+                    True,
                 )
             )
             continue
@@ -516,13 +594,21 @@ def check_time(hour: datetime, pool: Pool, steps: pl.DataFrame, settings: Settin
         shortfall_ns = HOUR_NS - accounted_ns
         skew_signs = []
         if abs(row["skew_ns"]) > tolerance_ns:
-            skew_signs.append(f"UTC span differs from the monotonic span by {_seconds(row['skew_ns'])}")
+            skew_signs.append(
+                f"UTC span differs from the monotonic span by {_seconds(row['skew_ns'])}"
+            )
         if row["offset_spread_ns"] > tolerance_ns:
-            skew_signs.append(f"UTC-monotonic offset moved by {_seconds(row['offset_spread_ns'])} within the hour")
+            skew_signs.append(
+                f"UTC-monotonic offset moved by {_seconds(row['offset_spread_ns'])} within the hour"
+            )
         if row["utc_overlap_ns"] > OVERLAP_ALLOWANCE_NS:
-            skew_signs.append(f"consecutive steps overlap in UTC by up to {_seconds(row['utc_overlap_ns'])}")
+            skew_signs.append(
+                f"consecutive steps overlap in UTC by up to {_seconds(row['utc_overlap_ns'])}"
+            )
         if row["mono_overlap_ns"] > OVERLAP_ALLOWANCE_NS:
-            skew_signs.append(f"consecutive steps overlap on the monotonic clock by up to {_seconds(row['mono_overlap_ns'])}")
+            skew_signs.append(
+                f"consecutive steps overlap on the monotonic clock by up to {_seconds(row['mono_overlap_ns'])}"
+            )
         findings = []
         # A shortfall that skew alone explains is reported as skew, not as lost records.
         if shortfall_ns > tolerance_ns and (row["break_ns"] > 0 or not skew_signs):
@@ -557,7 +643,8 @@ def check_time(hour: datetime, pool: Pool, steps: pl.DataFrame, settings: Settin
                     "clock_skew",
                     "ERROR",
                     True,
-                    "wall-clock placement disagrees with monotonic durations (clock skew): " + "; ".join(skew_signs),
+                    "wall-clock placement disagrees with monotonic durations (clock skew): "
+                    + "; ".join(skew_signs),
                 )
             )
         observed = (
@@ -567,9 +654,16 @@ def check_time(hour: datetime, pool: Pool, steps: pl.DataFrame, settings: Settin
         )
         results.append(
             _result(
-                hour, pool.name, replica.id, "time", expected, observed, findings,
+                hour,
+                pool.name,
+                replica.id,
+                "time",
+                expected,
+                observed,
+                findings,
                 passed_detail=f"{row['steps']} steps, busy {row['busy_ns'] / HOUR_NS:.2%} of the hour",
-                severity="ERROR", blocking=True,
+                severity="ERROR",
+                blocking=True,
             )
         )
     return results
@@ -590,42 +684,90 @@ def check_money(
     lines = _rows_of_hour(ledger_lines, hour, pool.name, "ledger_lines")
 
     def failed(expected: str, observed: str, detail: str, finding: str) -> list[CheckResult]:
-        return [CheckResult(hour, pool.name, None, "money", False, expected, observed, detail, "ERROR", True, finding)]
+        return [
+            CheckResult(
+                hour,
+                pool.name,
+                None,
+                "money",
+                False,
+                expected,
+                observed,
+                detail,
+                "ERROR",
+                True,
+                finding,
+            )
+        ]
 
     for table, frame in (("invoices", invoice_rows), ("ledger_lines", lines)):
         dtype = frame.schema["amount_nano"]
         if not dtype.is_integer():
-            return failed("integer nano-dollars", f"{table}.amount_nano is {dtype}",
-                          f"{table}.amount_nano is {dtype}: money must be integer nano-dollars", "not_integer")
+            return failed(
+                "integer nano-dollars",
+                f"{table}.amount_nano is {dtype}",
+                f"{table}.amount_nano is {dtype}: money must be integer nano-dollars",
+                "not_integer",
+            )
         if frame["amount_nano"].null_count():
-            return failed("an amount on every row", f"{frame['amount_nano'].null_count()} null amounts",
-                          f"{table} has rows without amount_nano for {hour_key(hour)}", "null_amount")
+            return failed(
+                "an amount on every row",
+                f"{frame['amount_nano'].null_count()} null amounts",
+                f"{table} has rows without amount_nano for {hour_key(hour)}",
+                "null_amount",
+            )
     if invoice_rows.height != 1:
-        return failed("one invoice", f"{invoice_rows.height} invoices",
-                      f"expected exactly one invoice for pool {pool.name} hour {hour_key(hour)}, found {invoice_rows.height}",
-                      "invoice_count")
+        return failed(
+            "one invoice",
+            f"{invoice_rows.height} invoices",
+            f"expected exactly one invoice for pool {pool.name} hour {hour_key(hour)}, found {invoice_rows.height}",
+            "invoice_count",
+        )
     invoice = invoice_rows.row(0, named=True)
     findings = []
     invoice_nano = int(invoice["amount_nano"])
     priced_nano = int(invoice["gpus"]) * round(float(invoice["usd_per_gpu_hour"]) * 1_000_000_000)
     if priced_nano != invoice_nano:
-        findings.append(_Finding("invoice_price", "ERROR", True,
-                                 f"invoice {invoice_nano} nano-dollars != {invoice['gpus']} GPUs x "
-                                 f"{invoice['usd_per_gpu_hour']} USD/GPU-hour = {priced_nano}"))
+        findings.append(
+            _Finding(
+                "invoice_price",
+                "ERROR",
+                True,
+                f"invoice {invoice_nano} nano-dollars != {invoice['gpus']} GPUs x "
+                f"{invoice['usd_per_gpu_hour']} USD/GPU-hour = {priced_nano}",
+            )
+        )
     unknown = sorted(set(lines["line_kind"].to_list()) - set(LINE_KINDS))
     if unknown:
-        findings.append(_Finding("line_kind", "ERROR", True, f"unknown ledger line kinds {unknown}"))
+        findings.append(
+            _Finding("line_kind", "ERROR", True, f"unknown ledger line kinds {unknown}")
+        )
     by_kind = lines.group_by("line_kind").agg(pl.col("amount_nano").sum()).sort("line_kind")
     ledger_nano = int(lines["amount_nano"].sum())
     kinds = ", ".join(f"{kind} {amount}" for kind, amount in by_kind.iter_rows())
     if ledger_nano != invoice_nano:
-        findings.append(_Finding("mismatch", "ERROR", True,
-                                 f"ledger lines sum to {ledger_nano} nano-dollars, the invoice is {invoice_nano}: "
-                                 f"off by {ledger_nano - invoice_nano} ({kinds})"))
+        findings.append(
+            _Finding(
+                "mismatch",
+                "ERROR",
+                True,
+                f"ledger lines sum to {ledger_nano} nano-dollars, the invoice is {invoice_nano}: "
+                f"off by {ledger_nano - invoice_nano} ({kinds})",
+            )
+        )
     return [
-        _result(hour, pool.name, None, "money", f"{invoice_nano} nano-dollars (invoice)",
-                f"{ledger_nano} nano-dollars in {lines.height} ledger lines", findings,
-                passed_detail=f"ledger equals the invoice exactly ({kinds})", severity="ERROR", blocking=True)
+        _result(
+            hour,
+            pool.name,
+            None,
+            "money",
+            f"{invoice_nano} nano-dollars (invoice)",
+            f"{ledger_nano} nano-dollars in {lines.height} ledger lines",
+            findings,
+            passed_detail=f"ledger equals the invoice exactly ({kinds})",
+            severity="ERROR",
+            blocking=True,
+        )
     ]
 
 
@@ -653,7 +795,9 @@ def check_plausibility(
     )
     activity = {
         uuid: (mean, samples)
-        for uuid, mean, samples in dcgm.filter(pl.col("timestamp_ns").is_between(start_ns, end_ns, closed="left"))
+        for uuid, mean, samples in dcgm.filter(
+            pl.col("timestamp_ns").is_between(start_ns, end_ns, closed="left")
+        )
         .group_by("uuid")
         .agg(pl.col("value").mean(), pl.len())
         .iter_rows()
@@ -666,9 +810,15 @@ def check_plausibility(
         expected = f"DCGM_FI_PROF_GR_ENGINE_ACTIVE mean within ±{band:.2f} of engine busy {busy_fraction:.3f}"
         findings = []
         if missing:
-            findings.append(_Finding("dcgm_missing", "WARN", False,
-                                     f"no DCGM samples for GPU {', '.join(missing)} in hour {hour_key(hour)} "
-                                     f"(host {replica.hostname}): engine activity cannot be cross-checked"))
+            findings.append(
+                _Finding(
+                    "dcgm_missing",
+                    "WARN",
+                    False,
+                    f"no DCGM samples for GPU {', '.join(missing)} in hour {hour_key(hour)} "
+                    f"(host {replica.hostname}): engine activity cannot be cross-checked",
+                )
+            )
         if not seen:
             observed = "no DCGM samples"
             passed_detail = ""
@@ -678,17 +828,41 @@ def check_plausibility(
             observed = f"DCGM mean {active:.3f} over {samples} samples of {len(seen)} GPUs"
             comparison = f"engine busy {busy_fraction:.1%} vs DCGM_FI_PROF_GR_ENGINE_ACTIVE mean {active:.1%} (band ±{band:.0%})"
             if busy_fraction - active > band:
-                findings.append(_Finding("host_stall", "ERROR", False,
-                                         f"{comparison}: steps are stalling on the host, and customers would be "
-                                         "charged for CPU waits"))
+                findings.append(
+                    _Finding(
+                        "host_stall",
+                        "ERROR",
+                        False,
+                        f"{comparison}: steps are stalling on the host, and customers would be "
+                        "charged for CPU waits",
+                    )
+                )
             elif active - busy_fraction > band:
-                findings.append(_Finding("gpu_busier", "WARN", False,
-                                         f"{comparison}: the GPU is busier than the engine's log, so steps went "
-                                         "unlogged or another process shares the GPU"))
-            passed_detail = f"replica idle (no steps): {comparison}" if replica.id not in busy else comparison
+                findings.append(
+                    _Finding(
+                        "gpu_busier",
+                        "WARN",
+                        False,
+                        f"{comparison}: the GPU is busier than the engine's log, so steps went "
+                        "unlogged or another process shares the GPU",
+                    )
+                )
+            passed_detail = (
+                f"replica idle (no steps): {comparison}" if replica.id not in busy else comparison
+            )
         results.append(
-            _result(hour, pool.name, replica.id, "plausibility", expected, observed, findings,
-                    passed_detail=passed_detail, severity="ERROR", blocking=False)
+            _result(
+                hour,
+                pool.name,
+                replica.id,
+                "plausibility",
+                expected,
+                observed,
+                findings,
+                passed_detail=passed_detail,
+                severity="ERROR",
+                blocking=False,
+            )
         )
     return results
 
@@ -712,17 +886,36 @@ def check_unattributed(hour: datetime, pool: Pool, ledger_lines: pl.DataFrame) -
     orphan_requests = int(orphan["requests"].sum())
     share = orphan_nano / usage_nano if usage_nano else 0.0
     expected = f"at most {threshold:.2%} of usage unattributed"
-    observed = f"{share:.2%}: {orphan_nano} of {usage_nano} nano-dollars, {orphan_requests} requests"
+    observed = (
+        f"{share:.2%}: {orphan_nano} of {usage_nano} nano-dollars, {orphan_requests} requests"
+    )
     findings = []
     if share > threshold:
-        findings.append(_Finding("over_threshold", "ERROR", False,
-                                 f"{share:.2%} of the hour's usage ({orphan_nano} of {usage_nano} nano-dollars, "
-                                 f"{orphan_requests} requests) has no tenant context, above the pool's "
-                                 f"{threshold:.2%}: requests are missing from the gateway context log"))
+        findings.append(
+            _Finding(
+                "over_threshold",
+                "ERROR",
+                False,
+                f"{share:.2%} of the hour's usage ({orphan_nano} of {usage_nano} nano-dollars, "
+                f"{orphan_requests} requests) has no tenant context, above the pool's "
+                f"{threshold:.2%}: requests are missing from the gateway context log",
+            )
+        )
     return [
-        _result(hour, pool.name, None, "unattributed", expected, observed, findings,
-                passed_detail="no usage in the hour" if not usage_nano else f"{share:.2%} of usage unattributed",
-                severity="ERROR", blocking=False)
+        _result(
+            hour,
+            pool.name,
+            None,
+            "unattributed",
+            expected,
+            observed,
+            findings,
+            passed_detail="no usage in the hour"
+            if not usage_nano
+            else f"{share:.2%} of usage unattributed",
+            severity="ERROR",
+            blocking=False,
+        )
     ]
 
 
@@ -766,33 +959,68 @@ def check_calibration(
         described = []
         for row in seen.iter_rows(named=True):
             key = (row["model"], row["gpu_type"], row["engine_version"], row["driver_version"])
-            version = f"{row['engine_name']} {row['engine_version']} / driver {row['driver_version']}"
+            version = (
+                f"{row['engine_name']} {row['engine_version']} / driver {row['driver_version']}"
+            )
             described.append(version)
             if key in known or (not fitted and row["engine_version"] == kernel_engine_version):
                 continue
             stored = sorted(
-                f"{engine} / driver {driver}" for model, gpu, engine, driver in known
+                f"{engine} / driver {driver}"
+                for model, gpu, engine, driver in known
                 if (model, gpu) == (row["model"], row["gpu_type"])
             )
-            store_says = (f"stored coefficients are for {', '.join(stored)} only (stale)" if stored
-                          else f"the calibration store has nothing for {row['model']} on {row['gpu_type']}")
+            store_says = (
+                f"stored coefficients are for {', '.join(stored)} only (stale)"
+                if stored
+                else f"the calibration store has nothing for {row['model']} on {row['gpu_type']}"
+            )
             if fitted:
-                findings.append(_Finding("stale" if stored else "missing", "ERROR", False,
-                                         f"the log reports {version}: {store_says}; the pool charges with fitted "
-                                         "weights, so recalibrate (stepledger calibrate) for this version"))
+                findings.append(
+                    _Finding(
+                        "stale" if stored else "missing",
+                        "ERROR",
+                        False,
+                        f"the log reports {version}: {store_says}; the pool charges with fitted "
+                        "weights, so recalibrate (stepledger calibrate) for this version",
+                    )
+                )
             else:
-                measured = (f"the kernel's coefficients were measured on vLLM {kernel_engine_version}"
-                            if kernel_engine_version else "the kernel's measured engine version is unknown")
-                findings.append(_Finding("new_engine_version", "WARN", False,
-                                         f"the log reports {version}, {measured} and {store_says}: "
-                                         "run a calibration sweep to confirm the kernel's weights still hold"))
+                measured = (
+                    f"the kernel's coefficients were measured on vLLM {kernel_engine_version}"
+                    if kernel_engine_version
+                    else "the kernel's measured engine version is unknown"
+                )
+                findings.append(
+                    _Finding(
+                        "new_engine_version",
+                        "WARN",
+                        False,
+                        f"the log reports {version}, {measured} and {store_says}: "
+                        "run a calibration sweep to confirm the kernel's weights still hold",
+                    )
+                )
         observed = ", ".join(described) if described else "no segments in the hour"
-        expected = "fitted coefficients for every version in the log" if fitted else (
-            f"kernel measured on vLLM {kernel_engine_version} or a calibration for the version")
+        expected = (
+            "fitted coefficients for every version in the log"
+            if fitted
+            else (
+                f"kernel measured on vLLM {kernel_engine_version} or a calibration for the version"
+            )
+        )
         results.append(
-            _result(hour, pool.name, replica.id, "calibration", expected, observed, findings,
-                    passed_detail=f"coefficients known for {observed}" if described else observed,
-                    severity="ERROR" if fitted else "WARN", blocking=False)
+            _result(
+                hour,
+                pool.name,
+                replica.id,
+                "calibration",
+                expected,
+                observed,
+                findings,
+                passed_detail=f"coefficients known for {observed}" if described else observed,
+                severity="ERROR" if fitted else "WARN",
+                blocking=False,
+            )
         )
     if stored_fit is not None and fresh_fit is not None:
         results.append(_drift(hour, pool, stored_fit, fresh_fit, settings, fitted))
@@ -800,7 +1028,12 @@ def check_calibration(
 
 
 def _drift(
-    hour: datetime, pool: Pool, stored: Mapping[str, float], fresh: Mapping[str, float], settings: Settings, fitted: bool
+    hour: datetime,
+    pool: Pool,
+    stored: Mapping[str, float],
+    fresh: Mapping[str, float],
+    settings: Settings,
+    fitted: bool,
 ) -> CheckResult:
     limit = settings.calibration_drift_fraction
     severity: Severity = "ERROR" if fitted else "WARN"
@@ -814,14 +1047,33 @@ def _drift(
             drifts[name] = abs(fresh[name] - stored[name]) / abs(stored[name])
     over = {name: value for name, value in drifts.items() if value > limit}
     listed = ", ".join(
-        f"{name} {stored.get(name, 'absent')} -> {fresh.get(name, 'absent')} ({drifts[name]:.1%})" for name in sorted(drifts)
+        f"{name} {stored.get(name, 'absent')} -> {fresh.get(name, 'absent')} ({drifts[name]:.1%})"
+        for name in sorted(drifts)
     )
     findings = []
     if over:
-        consequence = ("charges shift between prefill-heavy and decode-heavy tenants: recalibrate"
-                       if fitted else "the kernel's weights may no longer match this engine")
-        findings.append(_Finding("drift", severity, False,
-                                 f"a fresh fit drifted beyond {limit:.0%} in {', '.join(sorted(over))}: {listed}; {consequence}"))
-    return _result(hour, pool.name, None, "calibration_drift", f"every coefficient within {limit:.0%} of the stored fit",
-                   listed, findings, passed_detail=f"fresh fit within {limit:.0%}: {listed}",
-                   severity=severity, blocking=False)
+        consequence = (
+            "charges shift between prefill-heavy and decode-heavy tenants: recalibrate"
+            if fitted
+            else "the kernel's weights may no longer match this engine"
+        )
+        findings.append(
+            _Finding(
+                "drift",
+                severity,
+                False,
+                f"a fresh fit drifted beyond {limit:.0%} in {', '.join(sorted(over))}: {listed}; {consequence}",
+            )
+        )
+    return _result(
+        hour,
+        pool.name,
+        None,
+        "calibration_drift",
+        f"every coefficient within {limit:.0%} of the stored fit",
+        listed,
+        findings,
+        passed_detail=f"fresh fit within {limit:.0%}: {listed}",
+        severity=severity,
+        blocking=False,
+    )

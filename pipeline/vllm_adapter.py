@@ -126,8 +126,10 @@ def scheduled_step(scheduler: Any, output: Any) -> ScheduledStep:
     request_ids = list(output.num_scheduled_tokens)
     cached = output.scheduled_cached_reqs
     computed = {new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs}
-    computed.update(zip(cached.req_ids, cached.num_computed_tokens))
-    first_time = {new.req_id for new in output.scheduled_new_reqs if requests[new.req_id].num_preemptions == 0}
+    computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
+    first_time = {
+        new.req_id for new in output.scheduled_new_reqs if requests[new.req_id].num_preemptions == 0
+    }
     drafts = output.scheduled_spec_decode_tokens
 
     scheduled = set(request_ids)
@@ -153,12 +155,14 @@ def scheduled_step(scheduler: Any, output: Any) -> ScheduledStep:
         context_tokens=[computed[r] for r in request_ids],
         kv_blocks=shares.held(request_ids),
         prompt_tokens=[requests[r].num_prompt_tokens for r in request_ids],
-        prefix_hit_tokens=[max(requests[r].num_cached_tokens, 0) if r in first_time else 0 for r in request_ids],
+        prefix_hit_tokens=[
+            max(requests[r].num_cached_tokens, 0) if r in first_time else 0 for r in request_ids
+        ],
         spec_drafted=[len(drafts.get(r, ())) for r in request_ids],
         holder_ids=[holder_ids[i] for i in holding],
         holder_blocks=holder_blocks[holding],
         holder_states=[holder_states[i] for i in holding],
-        admission_blocked=bool(waiting_left and under_limits or output.preempted_req_ids),
+        admission_blocked=bool((waiting_left and under_limits) or output.preempted_req_ids),
         free_blocks=block_pool.get_num_free_blocks(),
         total_blocks=block_pool.num_gpu_blocks,
     )
@@ -169,7 +173,7 @@ def accepted_tokens(step: ScheduledStep, model_runner_output: Any) -> list[int]:
     index = model_runner_output.req_id_to_index
     sampled = model_runner_output.sampled_token_ids
     accepted = []
-    for request_id, drafted in zip(step.request_ids, step.spec_drafted):
+    for request_id, drafted in zip(step.request_ids, step.spec_drafted, strict=False):
         position = index.get(request_id)
         tokens = len(sampled[position]) if drafted and sampled and position is not None else 0
         accepted.append(min(max(tokens - 1, 0), drafted))
@@ -191,7 +195,9 @@ def driver_version() -> str:
     return "unknown"
 
 
-def header_for(pool: Pool, replica: str, engine_version: str, driver: str, gpus: int, kv_block_size: int) -> SegmentHeader:
+def header_for(
+    pool: Pool, replica: str, engine_version: str, driver: str, gpus: int, kv_block_size: int
+) -> SegmentHeader:
     """The segment header of `replica`; the engine's parallelism must match the pools file."""
     if replica not in {r.id for r in pool.replicas}:
         raise ConfigError(f"replica {replica!r} is not listed in pool {pool.name!r}")
@@ -216,17 +222,23 @@ def recorder_from_environment(scheduler: Any) -> StepRecorder:
     """A StepRecorder for the replica named by STEPLEDGER_REPLICA in STEPLEDGER_POOLS."""
     import vllm
 
-    missing = [name for name in ("STEPLEDGER_OUTBOX", "STEPLEDGER_REPLICA") if not os.environ.get(name)]
+    missing = [
+        name for name in ("STEPLEDGER_OUTBOX", "STEPLEDGER_REPLICA") if not os.environ.get(name)
+    ]
     if missing:
         raise ConfigError(f"the step-recording scheduler needs environment variables {missing}")
     replica = os.environ["STEPLEDGER_REPLICA"]
     pools = load_pools(os.environ.get("STEPLEDGER_POOLS", DEFAULT_POOLS_PATH))
     pool = next((p for p in pools.pools if replica in {r.id for r in p.replicas}), None)
     if pool is None:
-        raise ConfigError(f"replica {replica!r} (STEPLEDGER_REPLICA) is in no pool of the pools file")
+        raise ConfigError(
+            f"replica {replica!r} (STEPLEDGER_REPLICA) is in no pool of the pools file"
+        )
     parallel = scheduler.vllm_config.parallel_config
     gpus = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
-    header = header_for(pool, replica, vllm.__version__, driver_version(), gpus, scheduler.block_size)
+    header = header_for(
+        pool, replica, vllm.__version__, driver_version(), gpus, scheduler.block_size
+    )
     return StepRecorder(Path(os.environ["STEPLEDGER_OUTBOX"]), header)
 
 

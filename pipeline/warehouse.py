@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import duckdb
@@ -50,7 +50,9 @@ def connect_read_only(path: str | Path) -> Iterator[duckdb.DuckDBPyConnection]:
     """A read-only connection for finance queries; the file must exist."""
     path = Path(path)
     if not path.is_file():
-        raise WarehouseError(f"{path}: no warehouse file (run `stepledger demo` or `stepledger run` first)")
+        raise WarehouseError(
+            f"{path}: no warehouse file (run `stepledger demo` or `stepledger run` first)"
+        )
     con = duckdb.connect(str(path), read_only=True)
     try:
         yield con
@@ -79,7 +81,7 @@ def parse_hour_key(key: str) -> datetime:
     """The UTC hour of 'YYYY-MM-DDTHH' (also accepts Dagster's 'YYYY-MM-DD-HH:MM')."""
     for fmt in ("%Y-%m-%dT%H", "%Y-%m-%d-%H:%M"):
         try:
-            return datetime.strptime(key, fmt).replace(tzinfo=timezone.utc)
+            return datetime.strptime(key, fmt).replace(tzinfo=UTC)
         except ValueError:
             continue
     raise ValueError(f"hour {key!r} is not of the form YYYY-MM-DDTHH")
@@ -88,8 +90,8 @@ def parse_hour_key(key: str) -> datetime:
 def utc_hour(hour: datetime) -> datetime:
     """`hour` as an aware UTC datetime; it must fall on :00:00."""
     if hour.tzinfo is None:
-        hour = hour.replace(tzinfo=timezone.utc)
-    hour = hour.astimezone(timezone.utc)
+        hour = hour.replace(tzinfo=UTC)
+    hour = hour.astimezone(UTC)
     if (hour.minute, hour.second, hour.microsecond) != (0, 0, 0):
         raise ValueError(f"{hour.isoformat()} is not the start of an hour")
     return hour
@@ -103,7 +105,9 @@ def _naive(hour: datetime) -> datetime:
 def _naive_hours(frame: pl.DataFrame) -> pl.DataFrame:
     dtype = frame.schema.get("hour")
     if isinstance(dtype, pl.Datetime) and dtype.time_zone is not None:
-        return frame.with_columns(pl.col("hour").dt.convert_time_zone("UTC").dt.replace_time_zone(None))
+        return frame.with_columns(
+            pl.col("hour").dt.convert_time_zone("UTC").dt.replace_time_zone(None)
+        )
     return frame
 
 
@@ -118,7 +122,9 @@ def replace_hour(
     naive_hour = _naive(hour)
     tables = {name: _naive_hours(frame) for name, frame in tables.items()}
     for name, frame in tables.items():
-        if frame.height and not (frame["pool"].eq(pool).all() and frame["hour"].eq(naive_hour).all()):
+        if frame.height and not (
+            frame["pool"].eq(pool).all() and frame["hour"].eq(naive_hour).all()
+        ):
             raise WarehouseError(f"{name}: rows outside hour {hour_key(hour)} pool {pool!r}")
     with transaction(con):
         for name, frame in tables.items():
@@ -127,7 +133,9 @@ def replace_hour(
                 insert_frame(con, name, frame)
 
 
-def query_frame(con: duckdb.DuckDBPyConnection, sql: str, params: list | None = None) -> pl.DataFrame:
+def query_frame(
+    con: duckdb.DuckDBPyConnection, sql: str, params: list | None = None
+) -> pl.DataFrame:
     """A query's result as a polars frame."""
     return con.sql(sql, params=params).pl()
 
@@ -156,7 +164,9 @@ def record_checks(
 
     stray = sorted({r.check_name for r in results} - set(check_names))
     if stray:
-        raise WarehouseError(f"reconciliation: results of checks {stray} not among those replaced {check_names}")
+        raise WarehouseError(
+            f"reconciliation: results of checks {stray} not among those replaced {check_names}"
+        )
     rows = pl.DataFrame(
         {
             "hour": [_naive(r.hour) for r in results],
@@ -172,9 +182,17 @@ def record_checks(
             "finding": [r.finding for r in results],
         },
         schema={
-            "hour": pl.Datetime("us"), "pool": pl.String, "replica": pl.String, "check_name": pl.String,
-            "passed": pl.Boolean, "expected": pl.String, "observed": pl.String, "detail": pl.String,
-            "severity": pl.String, "blocking": pl.Boolean, "finding": pl.String,
+            "hour": pl.Datetime("us"),
+            "pool": pl.String,
+            "replica": pl.String,
+            "check_name": pl.String,
+            "passed": pl.Boolean,
+            "expected": pl.String,
+            "observed": pl.String,
+            "detail": pl.String,
+            "severity": pl.String,
+            "blocking": pl.Boolean,
+            "finding": pl.String,
         },
     )
     naive_hour = _naive(hour)
@@ -187,7 +205,7 @@ def record_checks(
         )
         if rows.height:
             insert_frame(con, "reconciliation", rows)
-        raised_at = datetime.now(timezone.utc).replace(tzinfo=None)
+        raised_at = datetime.now(UTC).replace(tzinfo=None)
         for r in results:
             if r.passed:
                 continue
@@ -195,5 +213,15 @@ def record_checks(
             con.execute(
                 "INSERT INTO alerts SELECT ?, ?, ?, ?, ?, ?, ?, ? "
                 "WHERE NOT EXISTS (SELECT 1 FROM alerts WHERE dedupe_key = ?)",
-                [raised_at, r.severity, r.check_name, naive_hour, pool, r.replica, r.detail, key, key],
+                [
+                    raised_at,
+                    r.severity,
+                    r.check_name,
+                    naive_hour,
+                    pool,
+                    r.replica,
+                    r.detail,
+                    key,
+                    key,
+                ],
             )

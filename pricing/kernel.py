@@ -56,8 +56,16 @@ SM, HBM, NVLINK, NIC, HOST = range(5)
 
 # GPU kernels each graph node launches (blis-latency-kernel plan constants); a collective
 # whose emit condition does not hold launches none.
-KERNELS_PER_NODE = {"gemm": 1, "grouped_gemm": 4, "attention": 2, "elementwise": 1,
-                    "all_reduce": 1, "all_gather": 1, "reduce_scatter": 1, "all2all": 2}
+KERNELS_PER_NODE = {
+    "gemm": 1,
+    "grouped_gemm": 4,
+    "attention": 2,
+    "elementwise": 1,
+    "all_reduce": 1,
+    "all_gather": 1,
+    "reduce_scatter": 1,
+    "all2all": 2,
+}
 HEAD_KERNELS = 2  # final norm + lm_head
 ACTIVATION_BYTES = 2  # collectives, norms and hidden states move bf16 activations
 
@@ -81,8 +89,8 @@ class Deployment(BaseModel):
 
     model: str
     chip: str
-    dtype: str | None = None          # served weight dtype; None = the model's checkpoint dtype
-    cache_dtype: str | None = None    # KV cache dtype; None = "auto" (bf16)
+    dtype: str | None = None  # served weight dtype; None = the model's checkpoint dtype
+    cache_dtype: str | None = None  # KV cache dtype; None = "auto" (bf16)
     tp: int = Field(default=1, gt=0)
     nodes: int = Field(default=1, gt=0)
     cudagraph_mode: CudagraphMode = "FULL_AND_PIECEWISE"
@@ -154,7 +162,9 @@ def compute_lane(dtype: str, chip: ChipSpec, compat: str) -> str:
 def _snap_width(chip: ChipSpec, op: str, width: int) -> tuple[float, float, float]:
     measured: dict[int, list[float]] = getattr(chip.collectives, op)
     if not measured:
-        raise PricingError(f"chip {chip.name!r} has no measured {op} collective (pricing/chips/{chip.name}.yaml)")
+        raise PricingError(
+            f"chip {chip.name!r} has no measured {op} collective (pricing/chips/{chip.name}.yaml)"
+        )
     widths = sorted(measured)
     if width in measured:
         chosen = width
@@ -183,10 +193,16 @@ def _as_counts(name: str, values: ArrayLike) -> np.ndarray:
     array = np.asarray(values)
     if array.ndim != 1:
         raise PricingError(f"{name} must be one-dimensional, got shape {array.shape}")
-    if array.size and not np.issubdtype(array.dtype, np.integer):
-        if not np.issubdtype(array.dtype, np.floating) or not np.all(np.isfinite(array)) \
-                or not np.array_equal(array, np.round(array)):
-            raise PricingError(f"{name} must hold whole token counts")
+    if (
+        array.size
+        and not np.issubdtype(array.dtype, np.integer)
+        and (
+            not np.issubdtype(array.dtype, np.floating)
+            or not np.all(np.isfinite(array))
+            or not np.array_equal(array, np.round(array))
+        )
+    ):
+        raise PricingError(f"{name} must hold whole token counts")
     array = array.astype(np.int64, copy=False)
     if array.size and array.min() < 0:
         first = int(np.argmax(array < 0))
@@ -207,7 +223,9 @@ class Kernel:
             raise PricingError(f"unknown dtype {served!r}; known: {sorted(WEIGHT_BYTES)}")
         self.cache_dtype = deployment.cache_dtype or "auto"
         if self.cache_dtype not in CACHE_BYTES:
-            raise PricingError(f"unknown cache dtype {self.cache_dtype!r}; known: {sorted(CACHE_BYTES)}")
+            raise PricingError(
+                f"unknown cache dtype {self.cache_dtype!r}; known: {sorted(CACHE_BYTES)}"
+            )
         if tp % nodes or tp // nodes > chip.gpus_per_node:
             raise PricingError(
                 f"tp {tp} over {nodes} node(s) does not fit {chip.name!r} nodes of {chip.gpus_per_node} GPUs"
@@ -220,17 +238,23 @@ class Kernel:
         bandwidth, derate = chip.hbm_tb_s * 1e6, chip.gemm.hbm_derate
         self._bandwidth, self._derate = bandwidth, derate
         if chip.attention.prefill is None:
-            raise PricingError(f"chip {chip.name!r} has no prefill attention coefficients (attention.prefill)")
+            raise PricingError(
+                f"chip {chip.name!r} has no prefill attention coefficients (attention.prefill)"
+            )
         attention_lane = "bf16" if physics else self.lane
         if attention_lane not in chip.peak_tflops:
-            raise PricingError(f"chip {chip.name!r} has no {attention_lane} peak for prefill attention")
+            raise PricingError(
+                f"chip {chip.name!r} has no {attention_lane} peak for prefill attention"
+            )
         self._attention_peak = chip.peak_tflops[attention_lane] * 1e6
         self._attention_ramp = chip.gemm.ramps[attention_lane]
         self.per_request_attention_ramp = physics
 
         if nodes > 1:
             if chip.inter_node_gb_s is None:
-                raise PricingError(f"chip {chip.name!r} states no inter_node_gb_s, needed for a TP group over {nodes} nodes")
+                raise PricingError(
+                    f"chip {chip.name!r} states no inter_node_gb_s, needed for a TP group over {nodes} nodes"
+                )
             span = laws.cross_node_span(chip.nvlink_gb_s / chip.inter_node_gb_s, nodes, tp)
         else:
             span = 1.0
@@ -239,11 +263,11 @@ class Kernel:
         n_kinds = len(kinds)
         self.kind_names = [kind.name for kind in kinds]
         self.repeat = np.array([kind.repeat for kind in kinds], dtype=np.float64)
-        self.dense_flops = np.zeros(n_kinds)       # per token, per rank
-        self.weight_bytes = np.zeros(n_kinds)      # per rank
+        self.dense_flops = np.zeros(n_kinds)  # per token, per rank
+        self.weight_bytes = np.zeros(n_kinds)  # per rank
         self.activation_bytes = np.zeros(n_kinds)  # per token, per rank
-        self.expert_flops = np.zeros(n_kinds)      # routed, per token (all top_k experts)
-        self.expert_bytes = np.zeros(n_kinds)      # per distinct expert, per rank
+        self.expert_flops = np.zeros(n_kinds)  # routed, per token (all top_k experts)
+        self.expert_bytes = np.zeros(n_kinds)  # per distinct expert, per rank
         self.experts = np.ones(n_kinds)
         self.top_k = np.zeros(n_kinds)
         self.has_attention = np.zeros(n_kinds, dtype=bool)
@@ -264,8 +288,19 @@ class Kernel:
         fp4_blackwell = self.lane == "nvfp4"
 
         for index, kind in enumerate(kinds):
-            kernels += kind.repeat * self._kind_plan(index, kind, served, tp, physics, span, nodes, fp4_blackwell,
-                                                     read_policies, pair_policies, collectives)
+            kernels += kind.repeat * self._kind_plan(
+                index,
+                kind,
+                served,
+                tp,
+                physics,
+                span,
+                nodes,
+                fp4_blackwell,
+                read_policies,
+                pair_policies,
+                collectives,
+            )
         self.read_policies = read_policies
         self.pair_policies = pair_policies
         # Identical launches (the same op, width and message size in several layers) are priced
@@ -275,28 +310,41 @@ class Kernel:
         self.collective_r_t = np.array([c[1] for c in distinct])
         self.collective_r_peak = np.array([c[2] for c in distinct])
         self.collective_bytes_per_token = np.array([c[3] for c in distinct])
-        self._collective_launches = {resource: np.zeros((len(distinct), n_kinds)) for resource in (NVLINK, NIC)}
+        self._collective_launches = {
+            resource: np.zeros((len(distinct), n_kinds)) for resource in (NVLINK, NIC)
+        }
         for kind_index, *launch in collectives:
             self._collective_launches[launch[4]][distinct.index(tuple(launch)), kind_index] += 1.0
 
         head_bytes_per_element = WEIGHT_BYTES[model.head.weight_dtype or served]
         self.head_flops = 2.0 * model.head.n * model.head.k / tp
-        self.head_hbm_us = float(laws.memory_time_us(model.head.n * model.head.k * head_bytes_per_element / tp,
-                                                     bandwidth, derate))
+        self.head_hbm_us = float(
+            laws.memory_time_us(
+                model.head.n * model.head.k * head_bytes_per_element / tp, bandwidth, derate
+            )
+        )
         self.kernels = kernels
         layers = model.layers
         host = chip.host
         self.dispatch_us = host.dispatch_per_kernel_us
-        self.graph_cost = {mode: laws.graph_host_us(mode, layers, host.replay_graph_us, host.eager_launch_per_layer_us)
-                           for mode in ("full", "piecewise", "none")}
+        self.graph_cost = {
+            mode: laws.graph_host_us(
+                mode, layers, host.replay_graph_us, host.eager_launch_per_layer_us
+            )
+            for mode in ("full", "piecewise", "none")
+        }
         decode_mode, other_mode = GRAPH_MODES[deployment.cudagraph_mode]
         self.graph_decode_us = self.graph_cost[decode_mode]
         self.graph_other_us = self.graph_cost[other_mode]
         max_num_seqs = deployment.max_num_seqs
         if max_num_seqs is None:
             # vLLM's default: 1024 sequences on parts with at least 70 GiB, except A100s.
-            max_num_seqs = 1024 if chip.memory_gib >= 70 and not chip.name.startswith("a100") else 256
-        self.capture_ceiling = laws.capture_ceiling(max_num_seqs, deployment.num_spec_tokens, fp4_blackwell)
+            max_num_seqs = (
+                1024 if chip.memory_gib >= 70 and not chip.name.startswith("a100") else 256
+            )
+        self.capture_ceiling = laws.capture_ceiling(
+            max_num_seqs, deployment.num_spec_tokens, fp4_blackwell
+        )
         self.uniform_decode_tokens = 1 + deployment.num_spec_tokens
 
         # Whole replica: every rank holds its shard (or, for latent caches, a full copy).
@@ -307,9 +355,20 @@ class Kernel:
         self._kv_windows = np.nan_to_num(self.windows)
 
     # ------------------------------------------------------------------ build helpers
-    def _kind_plan(self, index: int, kind: LayerKind, served: str, tp: int, physics: bool, span: float,
-                   nodes: int, fp4_blackwell: bool, read_policies: list, pair_policies: list,
-                   collectives: list) -> int:
+    def _kind_plan(
+        self,
+        index: int,
+        kind: LayerKind,
+        served: str,
+        tp: int,
+        physics: bool,
+        span: float,
+        nodes: int,
+        fp4_blackwell: bool,
+        read_policies: list,
+        pair_policies: list,
+        collectives: list,
+    ) -> int:
         """Fill layer kind `index`'s coefficients; returns the kernels one such layer launches."""
         chip = self.chip
         hidden = self.model.hidden_size
@@ -318,36 +377,62 @@ class Kernel:
             if isinstance(node, GemmNode):
                 shards = 1 if node.replicated else tp
                 self.dense_flops[index] += 2.0 * node.n * node.k / shards
-                self.weight_bytes[index] += node.n * node.k * WEIGHT_BYTES[node.weight_dtype or served] / shards
+                self.weight_bytes[index] += (
+                    node.n * node.k * WEIGHT_BYTES[node.weight_dtype or served] / shards
+                )
             elif isinstance(node, GroupedGemmNode):
                 bytes_per_element = WEIGHT_BYTES[node.weight_dtype or served]
                 # Shared experts run for every token, sharded like a dense MLP.
                 self.dense_flops[index] += 6.0 * node.n * node.k * node.shared_experts / tp
-                self.weight_bytes[index] += 3.0 * node.n * node.k * node.shared_experts * bytes_per_element / tp
+                self.weight_bytes[index] += (
+                    3.0 * node.n * node.k * node.shared_experts * bytes_per_element / tp
+                )
                 routed_shards = tp if physics else 1
-                self.expert_flops[index] = (node.top_k * 6.0 * node.n * node.k * chip.gemm.moe_routing_imbalance
-                                            / routed_shards)
+                self.expert_flops[index] = (
+                    node.top_k
+                    * 6.0
+                    * node.n
+                    * node.k
+                    * chip.gemm.moe_routing_imbalance
+                    / routed_shards
+                )
                 self.expert_bytes[index] = 3.0 * node.n * node.k * bytes_per_element / tp
                 self.experts[index] = node.experts
                 self.top_k[index] = node.top_k
             elif isinstance(node, AttentionNode):
-                self._attention_plan(index, node, tp, physics, fp4_blackwell, read_policies, pair_policies)
+                self._attention_plan(
+                    index, node, tp, physics, fp4_blackwell, read_policies, pair_policies
+                )
             elif isinstance(node, ElementwiseNode):
-                self.activation_bytes[index] += (node.bytes_per_token or 2 * hidden * ACTIVATION_BYTES) / tp
+                self.activation_bytes[index] += (
+                    node.bytes_per_token or 2 * hidden * ACTIVATION_BYTES
+                ) / tp
             else:
                 if not _emits(node, tp):
                     continue
                 t0, r_t, r_peak = _snap_width(chip, node.op, tp)
                 resource = NIC if nodes > 1 else NVLINK
-                collectives.append((index, t0, r_t, r_peak, hidden * ACTIVATION_BYTES * span, resource))
+                collectives.append(
+                    (index, t0, r_t, r_peak, hidden * ACTIVATION_BYTES * span, resource)
+                )
             kernels += KERNELS_PER_NODE[node.op]
         return kernels
 
-    def _attention_plan(self, index: int, node: AttentionNode, tp: int, physics: bool, fp4_blackwell: bool,
-                        read_policies: list, pair_policies: list) -> None:
+    def _attention_plan(
+        self,
+        index: int,
+        node: AttentionNode,
+        tp: int,
+        physics: bool,
+        fp4_blackwell: bool,
+        read_policies: list,
+        pair_policies: list,
+    ) -> None:
         chip = self.chip
         measured = chip.attention.decode
-        kind_key = {"gqa": "full", "swa": "swa", "mla": "mla", "sparse_mla": "sparse_mla"}[node.kind]
+        kind_key = {"gqa": "full", "swa": "swa", "mla": "mla", "sparse_mla": "sparse_mla"}[
+            node.kind
+        ]
         # A kind without its own measurement uses the part's full-attention pair; a part with
         # none reads the KV bytes at the derated HBM bandwidth with no floor.
         decode = measured.get(kind_key) or measured.get("full")
@@ -368,8 +453,12 @@ class Kernel:
         self.one_kernel_floor[index] = not node.latent and not fp4_blackwell
         # The Go kernel reads the whole context on a windowed primary layer; the spec bounds it.
         window_bounded = physics or node.kind != "swa"
-        read_policy = (node.kind if node.kind == "sparse_mla" else "dense", node.window if window_bounded else None,
-                       node.top_k, node.compress_ratio)
+        read_policy = (
+            node.kind if node.kind == "sparse_mla" else "dense",
+            node.window if window_bounded else None,
+            node.top_k,
+            node.compress_ratio,
+        )
         if read_policy not in read_policies:
             read_policies.append(read_policy)
         self.read_policy[index] = read_policies.index(read_policy)
@@ -400,8 +489,14 @@ class Kernel:
         return ctx * self.kv_bytes_per_token + windowed
 
     # ------------------------------------------------------------------ per-slot terms
-    def _validate(self, step_index: ArrayLike, scheduled: ArrayLike, computed: ArrayLike, prompt_len: ArrayLike,
-                  n_steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _validate(
+        self,
+        step_index: ArrayLike,
+        scheduled: ArrayLike,
+        computed: ArrayLike,
+        prompt_len: ArrayLike,
+        n_steps: int,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         steps = _as_counts("step_index", step_index)
         s = _as_counts("scheduled", scheduled)
         c = _as_counts("computed", computed)
@@ -435,8 +530,13 @@ class Kernel:
         reads = np.empty((len(s), len(self.read_policies)))
         step_reads = np.empty((n_steps, len(self.read_policies)))
         for j, (kind, window, top_k, ratio) in enumerate(self.read_policies):
-            reads[:, j] = np.where(decode, laws.decode_read_tokens(context, kind, window=window, top_k=top_k,
-                                                                   compress_ratio=ratio), 0.0)
+            reads[:, j] = np.where(
+                decode,
+                laws.decode_read_tokens(
+                    context, kind, window=window, top_k=top_k, compress_ratio=ratio
+                ),
+                0.0,
+            )
             step_reads[:, j] = per_step(reads[:, j])
         # Prefill attention work in query-key pairs at eps_max: per request at its own ramp
         # (physics), or raw pairs the step's single ramp is applied to later (go). Only the
@@ -464,7 +564,9 @@ class Kernel:
             "step_pairs": step_pairs,
         }
 
-    def _floors(self, has_prefill: np.ndarray, has_decode: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _floors(
+        self, has_prefill: np.ndarray, has_decode: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Per-layer decode and prefill floors paid by each step, (steps, kinds)."""
         decode_floor = has_decode[:, None] * self.decode_floor[None, :]
         prefill_floor = has_prefill[:, None] * self.prefill_floor[None, :]
@@ -476,7 +578,9 @@ class Kernel:
 
     def _collective_times(self, step_tokens: np.ndarray) -> np.ndarray:
         message = step_tokens[:, None] * self.collective_bytes_per_token[None, :]
-        times = laws.collective_us(message, self.collective_t0, self.collective_r_t, self.collective_r_peak)
+        times = laws.collective_us(
+            message, self.collective_t0, self.collective_r_t, self.collective_r_peak
+        )
         return np.where(step_tokens[:, None] > 0, times, 0.0)
 
     def _graph_us(self, uniform: np.ndarray) -> np.ndarray:
@@ -487,41 +591,84 @@ class Kernel:
         T = terms["step_tokens"]
         active = (T > 0)[:, None]
         decode_floor, prefill_floor = self._floors(terms["has_prefill"], terms["has_decode"])
-        sm_dense = laws.ramped_arithmetic_us(T[:, None], self.dense_flops[None, :], self.peak, self.eps_max, self.m_half)
-        expert_sm = laws.ramped_arithmetic_us(T[:, None], self.expert_flops[None, :], self.peak, self.eps_max,
-                                              self.m_half)
+        sm_dense = laws.ramped_arithmetic_us(
+            T[:, None], self.dense_flops[None, :], self.peak, self.eps_max, self.m_half
+        )
+        expert_sm = laws.ramped_arithmetic_us(
+            T[:, None], self.expert_flops[None, :], self.peak, self.eps_max, self.m_half
+        )
         ramp = self._attention_ramp
         if self.per_request_attention_ramp:
             efficiency = np.full((len(T), 1), ramp.eps_max)
         else:
             efficiency = laws.ramp_efficiency(T, ramp.eps_max, ramp.m_half)[:, None]
         prefill_attention = self.has_attention * laws.prefill_attention_us(
-            terms["step_pairs"][:, self.pair_policy], self.q_heads, self.head_dim, self.deployment.tp,
-            prefill_floor, self._attention_peak, np.where(efficiency > 0, efficiency, 1.0),
+            terms["step_pairs"][:, self.pair_policy],
+            self.q_heads,
+            self.head_dim,
+            self.deployment.tp,
+            prefill_floor,
+            self._attention_peak,
+            np.where(efficiency > 0, efficiency, 1.0),
             self.chip.attention.prefill.work_scale,
         )
         weights_and_activations = laws.memory_time_us(
-            self.weight_bytes[None, :] + T[:, None] * self.activation_bytes[None, :], self._bandwidth, self._derate)
-        decode_attention = laws.decode_attention_us(terms["step_reads"][:, self.read_policy], decode_floor,
-                                                    self.kv_layer_bytes, self.decode_rate)
-        hbm_dense = np.where(active, weights_and_activations + decode_attention * self.has_attention, 0.0)
-        expert_hbm = laws.memory_time_us(
-            self.expert_bytes[None, :] * laws.distinct_experts(T[:, None], self.experts, self.top_k),
-            self._bandwidth, self._derate)
-        collectives = self._collective_times(T)
-        head_sm = laws.ramped_arithmetic_us(T, self.head_flops, self.peak, self.eps_max, self.m_half)
-        head_hbm = np.where(T > 0, self.head_hbm_us, 0.0)
-        host = laws.host_us(self._graph_us(terms["uniform"]), self.graph_cost["none"], T, self.capture_ceiling,
-                            self.kernels, self.dispatch_us)
-        composed = laws.compose_step(
-            sm_dense, prefill_attention, hbm_dense,
-            collectives @ self._collective_launches[NVLINK], collectives @ self._collective_launches[NIC],
-            expert_sm, expert_hbm, self.repeat, head_sm, head_hbm, host,
+            self.weight_bytes[None, :] + T[:, None] * self.activation_bytes[None, :],
+            self._bandwidth,
+            self._derate,
         )
-        composed.update(sm_dense=sm_dense, prefill_attention=prefill_attention, hbm_dense=hbm_dense,
-                        expert_sm=expert_sm, expert_hbm=expert_hbm, head_sm=head_sm, head_hbm=head_hbm,
-                        nvlink=collectives @ self._collective_launches[NVLINK],
-                        nic=collectives @ self._collective_launches[NIC])
+        decode_attention = laws.decode_attention_us(
+            terms["step_reads"][:, self.read_policy],
+            decode_floor,
+            self.kv_layer_bytes,
+            self.decode_rate,
+        )
+        hbm_dense = np.where(
+            active, weights_and_activations + decode_attention * self.has_attention, 0.0
+        )
+        expert_hbm = laws.memory_time_us(
+            self.expert_bytes[None, :]
+            * laws.distinct_experts(T[:, None], self.experts, self.top_k),
+            self._bandwidth,
+            self._derate,
+        )
+        collectives = self._collective_times(T)
+        head_sm = laws.ramped_arithmetic_us(
+            T, self.head_flops, self.peak, self.eps_max, self.m_half
+        )
+        head_hbm = np.where(T > 0, self.head_hbm_us, 0.0)
+        host = laws.host_us(
+            self._graph_us(terms["uniform"]),
+            self.graph_cost["none"],
+            T,
+            self.capture_ceiling,
+            self.kernels,
+            self.dispatch_us,
+        )
+        composed = laws.compose_step(
+            sm_dense,
+            prefill_attention,
+            hbm_dense,
+            collectives @ self._collective_launches[NVLINK],
+            collectives @ self._collective_launches[NIC],
+            expert_sm,
+            expert_hbm,
+            self.repeat,
+            head_sm,
+            head_hbm,
+            host,
+        )
+        composed.update(
+            sm_dense=sm_dense,
+            prefill_attention=prefill_attention,
+            hbm_dense=hbm_dense,
+            expert_sm=expert_sm,
+            expert_hbm=expert_hbm,
+            head_sm=head_sm,
+            head_hbm=head_hbm,
+            nvlink=collectives @ self._collective_launches[NVLINK],
+            nic=collectives @ self._collective_launches[NIC],
+        )
         return composed
 
     def price(self, scheduled: ArrayLike, computed: ArrayLike, prompt_len: ArrayLike) -> StepPrice:
@@ -529,7 +676,9 @@ class Kernel:
         schedules more than the decode threshold, as the engine classes it; prompt_len is
         validated but does not change the price."""
         n = len(np.asarray(scheduled))
-        steps, s, c = self._validate(np.zeros(n, dtype=np.int64), scheduled, computed, prompt_len, 1)
+        steps, s, c = self._validate(
+            np.zeros(n, dtype=np.int64), scheduled, computed, prompt_len, 1
+        )
         composed = self._compose(self._slot_terms(steps, s, c, 1))
         totals = composed["totals"][0]
         per_kind = {
@@ -545,30 +694,56 @@ class Kernel:
             }
             for k, name in enumerate(self.kind_names)
         }
-        per_kind["head"] = {"repeat": 1, "sm_us": float(composed["head_sm"][0]), "hbm_us": float(composed["head_hbm"][0])}
+        per_kind["head"] = {
+            "repeat": 1,
+            "sm_us": float(composed["head_sm"][0]),
+            "hbm_us": float(composed["head_hbm"][0]),
+        }
         return StepPrice(
-            sm_us=float(totals[SM]), hbm_us=float(totals[HBM]), nvlink_us=float(totals[NVLINK]),
-            nic_us=float(totals[NIC]), host_us=float(totals[HOST]), overlap_us=float(composed["overlap"][0]),
-            nooverlap_us=float(composed["nooverlap"][0]), bottleneck=RESOURCES[int(composed["bottleneck"][0])],
+            sm_us=float(totals[SM]),
+            hbm_us=float(totals[HBM]),
+            nvlink_us=float(totals[NVLINK]),
+            nic_us=float(totals[NIC]),
+            host_us=float(totals[HOST]),
+            overlap_us=float(composed["overlap"][0]),
+            nooverlap_us=float(composed["nooverlap"][0]),
+            bottleneck=RESOURCES[int(composed["bottleneck"][0])],
             per_kind=per_kind,
         )
 
-    def price_many(self, step_index: ArrayLike, scheduled: ArrayLike, computed: ArrayLike, prompt_len: ArrayLike,
-                   n_steps: int) -> StepPrices:
+    def price_many(
+        self,
+        step_index: ArrayLike,
+        scheduled: ArrayLike,
+        computed: ArrayLike,
+        prompt_len: ArrayLike,
+        n_steps: int,
+    ) -> StepPrices:
         """Price many steps at once; per-slot arrays with `step_index` in 0..n_steps-1.
         A step with no slot costs its host time only."""
         steps, s, c = self._validate(step_index, scheduled, computed, prompt_len, n_steps)
         composed = self._compose(self._slot_terms(steps, s, c, n_steps))
         totals = composed["totals"]
         return StepPrices(
-            sm_us=totals[:, SM], hbm_us=totals[:, HBM], nvlink_us=totals[:, NVLINK], nic_us=totals[:, NIC],
-            host_us=totals[:, HOST], overlap_us=composed["overlap"], nooverlap_us=composed["nooverlap"],
+            sm_us=totals[:, SM],
+            hbm_us=totals[:, HBM],
+            nvlink_us=totals[:, NVLINK],
+            nic_us=totals[:, NIC],
+            host_us=totals[:, HOST],
+            overlap_us=composed["overlap"],
+            nooverlap_us=composed["nooverlap"],
             bottleneck=composed["bottleneck"].astype(np.int8),
         )
 
     # ------------------------------------------------------------------ work per slot
-    def slot_work_many(self, step_index: ArrayLike, scheduled: ArrayLike, computed: ArrayLike,
-                       prompt_len: ArrayLike, n_steps: int) -> tuple[np.ndarray, np.ndarray]:
+    def slot_work_many(
+        self,
+        step_index: ArrayLike,
+        scheduled: ArrayLike,
+        computed: ArrayLike,
+        prompt_len: ArrayLike,
+        n_steps: int,
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Split each step's NoOverlap into fixed_us (n_steps, 5) and slot_us (n_slots, 5).
 
         Fixed: weights and the head read once, attention floors, host, each collective launch's
@@ -584,44 +759,80 @@ class Kernel:
         active = T > 0
         decode_floor, prefill_floor = self._floors(terms["has_prefill"], terms["has_decode"])
         repeat = self.repeat
-        gemm_us_per_token = float((self.dense_flops + self.expert_flops) @ repeat + self.head_flops) / (
-            self.peak * self.eps_max)
+        gemm_us_per_token = float(
+            (self.dense_flops + self.expert_flops) @ repeat + self.head_flops
+        ) / (self.peak * self.eps_max)
 
         fixed = np.zeros((n_steps, 5))
         fixed[:, SM] = active * gemm_us_per_token * self.m_half + (prefill_floor @ repeat)
-        fixed[:, HBM] = active * (float(laws.memory_time_us(self.weight_bytes @ repeat, self._bandwidth, self._derate))
-                                  + self.head_hbm_us) + decode_floor @ repeat
+        fixed[:, HBM] = (
+            active
+            * (
+                float(
+                    laws.memory_time_us(self.weight_bytes @ repeat, self._bandwidth, self._derate)
+                )
+                + self.head_hbm_us
+            )
+            + decode_floor @ repeat
+        )
         message = T[:, None] * self.collective_bytes_per_token
         # Below the crossover the fixed launch cost plus the step-range rate sets the time.
-        linear = (self.collective_t0 + message / self.collective_r_t >= message / self.collective_r_peak) \
-            & active[:, None]
+        linear = (
+            self.collective_t0 + message / self.collective_r_t >= message / self.collective_r_peak
+        ) & active[:, None]
         rate = np.where(linear, self.collective_r_t, self.collective_r_peak)
         per_token_rate = np.zeros((n_steps, 5))
         for resource in (NVLINK, NIC):
             on = self._collective_launches[resource] @ repeat
             fixed[:, resource] = (linear * self.collective_t0) @ on
             per_token_rate[:, resource] = (self.collective_bytes_per_token / rate) @ on
-        fixed[:, HOST] = laws.host_us(self._graph_us(terms["uniform"]), self.graph_cost["none"], T,
-                                      self.capture_ceiling, self.kernels, self.dispatch_us)
+        fixed[:, HOST] = laws.host_us(
+            self._graph_us(terms["uniform"]),
+            self.graph_cost["none"],
+            T,
+            self.capture_ceiling,
+            self.kernels,
+            self.dispatch_us,
+        )
 
         # Prefill attention per pair: at eps_max when each request carries its own ramp in its
         # pairs, otherwise at the step's ramp, which stretches every pair by (T + m_half) / T.
         ramp = self._attention_ramp
         attention_flops_per_pair = 4.0 * self.q_heads * self.head_dim / self.deployment.tp
-        pair_us = attention_flops_per_pair / (self._attention_peak * ramp.eps_max
-                                              * self.chip.attention.prefill.work_scale)
-        pair_us_by_policy = np.array([(pair_us * repeat)[self.pair_policy == j].sum()
-                                      for j in range(len(self.pair_policies))])
+        pair_us = attention_flops_per_pair / (
+            self._attention_peak * ramp.eps_max * self.chip.attention.prefill.work_scale
+        )
+        pair_us_by_policy = np.array(
+            [
+                (pair_us * repeat)[self.pair_policy == j].sum()
+                for j in range(len(self.pair_policies))
+            ]
+        )
         read_us = self.kv_layer_bytes / self.decode_rate * repeat * self.has_attention
-        read_us_by_policy = np.array([read_us[self.read_policy == j].sum() for j in range(len(self.read_policies))])
+        read_us_by_policy = np.array(
+            [read_us[self.read_policy == j].sum() for j in range(len(self.read_policies))]
+        )
         expert_hbm_per_token = laws.memory_time_us(
-            (self.expert_bytes[None, :] * laws.distinct_experts(T[:, None], self.experts, self.top_k)) @ repeat,
-            self._bandwidth, self._derate) / np.maximum(T, 1.0)
+            (
+                self.expert_bytes[None, :]
+                * laws.distinct_experts(T[:, None], self.experts, self.top_k)
+            )
+            @ repeat,
+            self._bandwidth,
+            self._derate,
+        ) / np.maximum(T, 1.0)
         per_token_rate[:, SM] = gemm_us_per_token
-        per_token_rate[:, HBM] = float(laws.memory_time_us(self.activation_bytes @ repeat, self._bandwidth,
-                                                           self._derate)) + expert_hbm_per_token
-        step_stretch = np.ones(n_steps) if self.per_request_attention_ramp else \
-            (T + ramp.m_half) / np.maximum(T, 1.0)
+        per_token_rate[:, HBM] = (
+            float(
+                laws.memory_time_us(self.activation_bytes @ repeat, self._bandwidth, self._derate)
+            )
+            + expert_hbm_per_token
+        )
+        step_stretch = (
+            np.ones(n_steps)
+            if self.per_request_attention_ramp
+            else (T + ramp.m_half) / np.maximum(T, 1.0)
+        )
 
         tokens = terms["tokens"]
         slot = tokens[:, None] * per_token_rate[steps]
@@ -629,10 +840,14 @@ class Kernel:
         slot[:, HBM] += terms["reads"] @ read_us_by_policy
         return fixed, slot
 
-    def slot_work(self, scheduled: ArrayLike, computed: ArrayLike, prompt_len: ArrayLike) -> SlotWork:
+    def slot_work(
+        self, scheduled: ArrayLike, computed: ArrayLike, prompt_len: ArrayLike
+    ) -> SlotWork:
         """One step's NoOverlap split into its fixed part and each slot's own part."""
         n = len(np.asarray(scheduled))
-        fixed, slot = self.slot_work_many(np.zeros(n, dtype=np.int64), scheduled, computed, prompt_len, 1)
+        fixed, slot = self.slot_work_many(
+            np.zeros(n, dtype=np.int64), scheduled, computed, prompt_len, 1
+        )
         return SlotWork(fixed_us=fixed[0], slot_us=slot)
 
 
@@ -642,8 +857,14 @@ def deployment_for_pool(pool) -> Deployment:
     nodes = -(-pool.gpus_per_replica // chip.gpus_per_node)
     engine = pool.engine
     return Deployment(
-        model=pool.model, chip=pool.gpu_type, dtype=pool.dtype, cache_dtype=pool.kv_cache_dtype,
-        tp=pool.gpus_per_replica, nodes=nodes, cudagraph_mode=engine.cudagraph_mode,
-        max_num_seqs=engine.max_num_seqs, decode_threshold=engine.decode_threshold,
+        model=pool.model,
+        chip=pool.gpu_type,
+        dtype=pool.dtype,
+        cache_dtype=pool.kv_cache_dtype,
+        tp=pool.gpus_per_replica,
+        nodes=nodes,
+        cudagraph_mode=engine.cudagraph_mode,
+        max_num_seqs=engine.max_num_seqs,
+        decode_threshold=engine.decode_threshold,
         num_spec_tokens=engine.num_spec_tokens,
     )

@@ -20,8 +20,13 @@ def ramp_efficiency(tokens: ArrayLike, eps_max: float, m_half: float) -> np.ndar
     return np.where(m > 0, eps_max * m / np.maximum(m + m_half, 1e-300), 0.0)
 
 
-def ramped_arithmetic_us(tokens: ArrayLike, flops_per_token: float, peak_flops_per_us: float,
-                         eps_max: float, m_half: float) -> np.ndarray:
+def ramped_arithmetic_us(
+    tokens: ArrayLike,
+    flops_per_token: float,
+    peak_flops_per_us: float,
+    eps_max: float,
+    m_half: float,
+) -> np.ndarray:
     """Time of `tokens * flops_per_token` at the ramped efficiency eps(tokens).
 
     T / eps(T) = (T + m_half) / eps_max, so the time is exactly linear in tokens: a fixed
@@ -37,9 +42,15 @@ def memory_time_us(nbytes: ArrayLike, bandwidth_bytes_per_us: float, derate: flo
     return np.asarray(nbytes, dtype=np.float64) / (bandwidth_bytes_per_us * derate)
 
 
-def decode_read_tokens(context: ArrayLike, kind: str, *, window: int | None = None,
-                       top_k: int | None = None, compress_ratio: float | None = None,
-                       window_bounded: bool = True) -> np.ndarray:
+def decode_read_tokens(
+    context: ArrayLike,
+    kind: str,
+    *,
+    window: int | None = None,
+    top_k: int | None = None,
+    compress_ratio: float | None = None,
+    window_bounded: bool = True,
+) -> np.ndarray:
     """Cached tokens one decode request reads in one layer.
 
     full/mla: the whole context. A layer with a window reads at most the window (the
@@ -56,14 +67,23 @@ def decode_read_tokens(context: ArrayLike, kind: str, *, window: int | None = No
     return ctx
 
 
-def decode_attention_us(read_tokens: ArrayLike, floor_us: float, kv_bytes_per_token_layer: float,
-                        rate_bytes_per_us: float) -> np.ndarray:
+def decode_attention_us(
+    read_tokens: ArrayLike,
+    floor_us: float,
+    kv_bytes_per_token_layer: float,
+    rate_bytes_per_us: float,
+) -> np.ndarray:
     """One layer's decode attention: a measured floor (one per layer whatever the batch) plus the
     KV bytes read at the kind's measured rate (generation_attention_perf, per kind)."""
-    return floor_us + np.asarray(read_tokens, dtype=np.float64) * kv_bytes_per_token_layer / rate_bytes_per_us
+    return (
+        floor_us
+        + np.asarray(read_tokens, dtype=np.float64) * kv_bytes_per_token_layer / rate_bytes_per_us
+    )
 
 
-def prefill_pairs(scheduled: ArrayLike, computed: ArrayLike, window: int | None = None) -> np.ndarray:
+def prefill_pairs(
+    scheduled: ArrayLike, computed: ArrayLike, window: int | None = None
+) -> np.ndarray:
     """Query-key pairs of a prefill chunk: s*c + s^2/2 (the chunk attends its cached prefix and
     the causal half of itself). With a window each query sees at most `window` keys."""
     s = np.asarray(scheduled, dtype=np.float64)
@@ -80,12 +100,22 @@ def prefill_attention_flops(pairs: ArrayLike, q_heads: int, head_dim: int, tp: i
     return 4.0 * np.asarray(pairs, dtype=np.float64) * q_heads * head_dim / tp
 
 
-def prefill_attention_us(pairs: ArrayLike, q_heads: int, head_dim: int, tp: int, floor_us: float,
-                         peak_flops_per_us: float, efficiency: ArrayLike, work_scale: float) -> np.ndarray:
+def prefill_attention_us(
+    pairs: ArrayLike,
+    q_heads: int,
+    head_dim: int,
+    tp: int,
+    floor_us: float,
+    peak_flops_per_us: float,
+    efficiency: ArrayLike,
+    work_scale: float,
+) -> np.ndarray:
     """Prefill attention on SM: a floor plus its FLOPs at the GEMM ramp scaled by work_scale,
     the fraction of the GEMM rate context_attention_perf reaches."""
     flops = prefill_attention_flops(pairs, q_heads, head_dim, tp)
-    return floor_us + flops / (peak_flops_per_us * np.asarray(efficiency, dtype=np.float64) * work_scale)
+    return floor_us + flops / (
+        peak_flops_per_us * np.asarray(efficiency, dtype=np.float64) * work_scale
+    )
 
 
 def distinct_experts(tokens: ArrayLike, experts: int, top_k: int) -> np.ndarray:
@@ -127,8 +157,14 @@ def graph_host_us(mode: str, layers: int, replay_us: float, eager_per_layer_us: 
     return eager_per_layer_us * layers
 
 
-def host_us(captured_graph_us: ArrayLike, eager_graph_us: float, tokens: ArrayLike, ceiling: int,
-            kernels: int, dispatch_us: float) -> np.ndarray:
+def host_us(
+    captured_graph_us: ArrayLike,
+    eager_graph_us: float,
+    tokens: ArrayLike,
+    ceiling: int,
+    kernels: int,
+    dispatch_us: float,
+) -> np.ndarray:
     """Host time per step: the graph cost of the step's capture mode plus a dispatch cost per
     kernel (3.2 us, backed out of two end-to-end ITL runs). Past the capture ceiling the step
     runs eager but is never charged less than captured, so adding a request never lowers it."""
@@ -137,9 +173,19 @@ def host_us(captured_graph_us: ArrayLike, eager_graph_us: float, tokens: ArrayLi
     return graph + kernels * dispatch_us
 
 
-def compose_step(sm_dense: np.ndarray, prefill_attention: np.ndarray, hbm_dense: np.ndarray,
-                 nvlink: np.ndarray, nic: np.ndarray, expert_sm: np.ndarray, expert_hbm: np.ndarray,
-                 repeat: np.ndarray, head_sm: np.ndarray, head_hbm: np.ndarray, host: np.ndarray) -> dict[str, np.ndarray]:
+def compose_step(
+    sm_dense: np.ndarray,
+    prefill_attention: np.ndarray,
+    hbm_dense: np.ndarray,
+    nvlink: np.ndarray,
+    nic: np.ndarray,
+    expert_sm: np.ndarray,
+    expert_hbm: np.ndarray,
+    repeat: np.ndarray,
+    head_sm: np.ndarray,
+    head_hbm: np.ndarray,
+    host: np.ndarray,
+) -> dict[str, np.ndarray]:
     """Compose steps from per-layer-kind times, arrays (steps, kinds); head and host (steps,).
 
     Within a layer the resources overlap (the busiest one sets its time) except the routed
@@ -151,15 +197,27 @@ def compose_step(sm_dense: np.ndarray, prefill_attention: np.ndarray, hbm_dense:
     RESOURCES order on a tie).
     """
     sm_layer = sm_dense + prefill_attention
-    stage = np.maximum(np.maximum(sm_layer, hbm_dense), np.maximum(nvlink, nic)) + expert_sm + expert_hbm
-    totals = np.stack([
-        (sm_layer + expert_sm) @ repeat + head_sm,
-        (hbm_dense + expert_hbm) @ repeat + head_hbm,
-        nvlink @ repeat,
-        nic @ repeat,
-        host,
-    ], axis=1)
+    stage = (
+        np.maximum(np.maximum(sm_layer, hbm_dense), np.maximum(nvlink, nic))
+        + expert_sm
+        + expert_hbm
+    )
+    totals = np.stack(
+        [
+            (sm_layer + expert_sm) @ repeat + head_sm,
+            (hbm_dense + expert_hbm) @ repeat + head_hbm,
+            nvlink @ repeat,
+            nic @ repeat,
+            host,
+        ],
+        axis=1,
+    )
     nooverlap = totals.sum(axis=1)
     overlap = np.minimum(stage @ repeat + np.maximum(head_sm, head_hbm) + host, nooverlap)
-    return {"totals": totals, "overlap": overlap, "nooverlap": nooverlap, "stage": stage,
-            "bottleneck": np.argmax(totals, axis=1)}
+    return {
+        "totals": totals,
+        "overlap": overlap,
+        "nooverlap": nooverlap,
+        "stage": stage,
+        "bottleneck": np.argmax(totals, axis=1),
+    }

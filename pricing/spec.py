@@ -24,11 +24,24 @@ class PricingError(ValueError):
 # Weight bytes per element. Four-bit formats count their packed nibbles only: the block scales
 # (1 byte per 16 or 32 weights) are under 7% of the traffic and the registry's fits exclude them.
 WEIGHT_BYTES: dict[str, float] = {
-    "fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5, "mxfp4": 0.5, "nvfp4": 0.5,
+    "fp32": 4.0,
+    "bf16": 2.0,
+    "fp16": 2.0,
+    "fp8": 1.0,
+    "int8": 1.0,
+    "int4": 0.5,
+    "mxfp4": 0.5,
+    "nvfp4": 0.5,
 }
 # KV cache bytes per element; "auto" is vLLM's default (the activation dtype, bf16 here).
 CACHE_BYTES: dict[str, int] = {
-    "auto": 2, "bf16": 2, "fp16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_ds_mla": 1,
+    "auto": 2,
+    "bf16": 2,
+    "fp16": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "fp8_ds_mla": 1,
 }
 # vLLM's packed DeepSeek latent cache stores 656 bytes per token per layer (fp8 latent plus
 # bf16 rope part and scales) instead of 576.
@@ -119,7 +132,9 @@ class ChipSpec(_Strict):
     def _every_peak_has_a_ramp(self) -> ChipSpec:
         missing = sorted(set(self.peak_tflops) - set(self.gemm.ramps))
         if missing:
-            raise ValueError(f"peak_tflops lists {missing} but gemm.ramps has no efficiency ramp for them")
+            raise ValueError(
+                f"peak_tflops lists {missing} but gemm.ramps has no efficiency ramp for them"
+            )
         return self
 
 
@@ -144,8 +159,8 @@ class GemmNode(_Node):
 
 class GroupedGemmNode(_Node):
     op: Literal["grouped_gemm"]
-    n: int = Field(gt=0)          # expert intermediate width
-    k: int = Field(gt=0)          # hidden
+    n: int = Field(gt=0)  # expert intermediate width
+    k: int = Field(gt=0)  # hidden
     experts: int = Field(gt=0)
     top_k: int = Field(gt=0)
     shared_experts: int = Field(default=0, ge=0)
@@ -165,7 +180,7 @@ class AttentionNode(_Node):
     kv_heads: int = Field(gt=0)
     head_dim: int = Field(gt=0)
     window: int | None = Field(default=None, gt=0)
-    top_k: int | None = Field(default=None, gt=0)             # sparse_mla: positions the indexer selects
+    top_k: int | None = Field(default=None, gt=0)  # sparse_mla: positions the indexer selects
     compress_ratio: float | None = Field(default=None, ge=1)  # sparse_mla: compressed stream ratio
 
     @model_validator(mode="after")
@@ -192,7 +207,8 @@ class CollectiveNode(_Node):
 
 
 Node = Annotated[
-    GemmNode | GroupedGemmNode | AttentionNode | ElementwiseNode | CollectiveNode, Field(discriminator="op")
+    GemmNode | GroupedGemmNode | AttentionNode | ElementwiseNode | CollectiveNode,
+    Field(discriminator="op"),
 ]
 
 
@@ -218,8 +234,8 @@ class LayerKind(_Strict):
 
 
 class HeadSpec(_Strict):
-    n: int = Field(gt=0)   # vocabulary
-    k: int = Field(gt=0)   # hidden
+    n: int = Field(gt=0)  # vocabulary
+    k: int = Field(gt=0)  # hidden
     weight_dtype: str | None = None
 
 
@@ -238,15 +254,23 @@ class ModelSpec(_Strict):
     @model_validator(mode="after")
     def _consistent(self) -> ModelSpec:
         dtypes = [self.weight_dtype, self.head.weight_dtype]
-        dtypes += [n.weight_dtype for kind in self.layer_kinds for n in kind.nodes if hasattr(n, "weight_dtype")]
+        dtypes += [
+            n.weight_dtype
+            for kind in self.layer_kinds
+            for n in kind.nodes
+            if hasattr(n, "weight_dtype")
+        ]
         unknown = sorted({d for d in dtypes if d is not None and d not in WEIGHT_BYTES})
         if unknown:
             raise ValueError(f"unknown weight dtype {unknown}; known: {sorted(WEIGHT_BYTES)}")
         for cache_dtype, stated in self.kv_bytes_per_token_tp1.items():
             if cache_dtype not in CACHE_BYTES:
                 raise ValueError(f"kv_bytes_per_token_tp1: unknown cache dtype {cache_dtype!r}")
-            derived = sum(kind.repeat * kv_bytes_per_token_layer(kind.attention, 1, cache_dtype)
-                          for kind in self.layer_kinds if kind.attention is not None)
+            derived = sum(
+                kind.repeat * kv_bytes_per_token_layer(kind.attention, 1, cache_dtype)
+                for kind in self.layer_kinds
+                if kind.attention is not None
+            )
             if derived != stated:
                 raise ValueError(
                     f"kv_bytes_per_token_tp1[{cache_dtype}] states {stated} but the attention nodes give {derived}"
@@ -294,7 +318,9 @@ def _load(directory: Path, name: str, what: str, spec_type: type[ChipSpec] | typ
         field = ".".join(str(p) for p in first["loc"]) or "(top level)"
         raise PricingError(f"{path}: field {field}: {first['msg']}") from err
     if spec.name != name:
-        raise PricingError(f"{path}: field name: {spec.name!r} does not match the file name {name!r}")
+        raise PricingError(
+            f"{path}: field name: {spec.name!r} does not match the file name {name!r}"
+        )
     return spec
 
 

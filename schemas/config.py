@@ -35,9 +35,9 @@ class EngineSettings(_Strict):
 
     max_num_seqs: int = Field(default=256, gt=0)
     max_num_batched_tokens: int = Field(default=8192, gt=0)
-    cudagraph_mode: Literal["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"] = (
-        "FULL_AND_PIECEWISE"
-    )
+    cudagraph_mode: Literal[
+        "NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"
+    ] = "FULL_AND_PIECEWISE"
     decode_threshold: int = Field(default=1, gt=0)
     num_spec_tokens: int = Field(default=0, ge=0)
     # KV blocks on the replica; the simulator's scheduler admits while blocks are free.

@@ -1,8 +1,8 @@
 """Run the SQL on stdin against a warehouse file, read-only, and print the result.
 
-    .venv/bin/python docs/examples/query.py demo-run/warehouse.duckdb <<'SQL'
-    SELECT * FROM tenant_costs_daily;
-    SQL
+.venv/bin/python docs/examples/query.py demo-run/warehouse.duckdb <<'SQL'
+SELECT * FROM tenant_costs_daily;
+SQL
 """
 
 from __future__ import annotations

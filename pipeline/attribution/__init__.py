@@ -23,7 +23,13 @@ from pipeline.attribution.calibration import (
     relative_drift,
     weights_for_log,
 )
-from pipeline.attribution.clock import HOUR_NS, cumulative_nano, hour_key, hour_start_ns, step_costs_in_hour
+from pipeline.attribution.clock import (
+    HOUR_NS,
+    cumulative_nano,
+    hour_key,
+    hour_start_ns,
+    step_costs_in_hour,
+)
 from pipeline.attribution.hour import (
     LEDGER_LINE_SCHEMA,
     LINE_KINDS,
@@ -52,9 +58,8 @@ __all__ = [
     "REPLICA_FACTS_SCHEMA",
     "REQUEST_COST_SCHEMA",
     "AllocationError",
-    "BlendedSplit",
-    "GroupedRows",
     "AttributionError",
+    "BlendedSplit",
     "CalibrationEntry",
     "CalibrationError",
     "CalibrationMissing",
@@ -62,6 +67,7 @@ __all__ = [
     "Coefficients",
     "FitResult",
     "FittedWeights",
+    "GroupedRows",
     "HourLedger",
     "KernelWeights",
     "SlotBatch",

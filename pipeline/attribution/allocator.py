@@ -55,7 +55,9 @@ def _bucket_count(size: int) -> int:
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
-def _floor_row(value: float, top_bucket: int, i: int, lo: int, shares: np.ndarray, buckets: np.ndarray) -> int:
+def _floor_row(
+    value: float, top_bucket: int, i: int, lo: int, shares: np.ndarray, buckets: np.ndarray
+) -> int:
     """Store the floor of `value` as row i's share and its remainder's bucket; returns the floor."""
     floor = np.int64(value)
     shares[i] = floor
@@ -64,7 +66,9 @@ def _floor_row(value: float, top_bucket: int, i: int, lo: int, shares: np.ndarra
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _rank_boundary(need: int, found: int, exact: np.ndarray, shares: np.ndarray, rows: np.ndarray) -> None:
+def _rank_boundary(
+    need: int, found: int, exact: np.ndarray, shares: np.ndarray, rows: np.ndarray
+) -> None:
     """Give a unit to the `need` of `rows[:found]` (in position order) with the largest
     remainders, earliest on ties."""
     if found > _INSERTION_SORT_ROWS:
@@ -89,8 +93,16 @@ def _rank_boundary(need: int, found: int, exact: np.ndarray, shares: np.ndarray,
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
-def _give_leftover_units(total: int, given: int, lo: int, hi: int, exact: np.ndarray, shares: np.ndarray,
-                         buckets: np.ndarray, counts: np.ndarray) -> bool:
+def _give_leftover_units(
+    total: int,
+    given: int,
+    lo: int,
+    hi: int,
+    exact: np.ndarray,
+    shares: np.ndarray,
+    buckets: np.ndarray,
+    counts: np.ndarray,
+) -> bool:
     """Rows lo..hi hold their floors (summing to `given`) and remainder buckets: hand the
     units left over to the largest remainders, earliest on ties. False when the floors leave
     fewer than 0 or more than `rows` units (the exact shares do not sum to the total)."""
@@ -187,7 +199,9 @@ def _largest_remainder_sorted(
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
-def _blend_scales(compute: np.ndarray, kv: np.ndarray, lo: int, hi: int, alpha: float) -> tuple[bool, float, float, float, float]:
+def _blend_scales(
+    compute: np.ndarray, kv: np.ndarray, lo: int, hi: int, alpha: float
+) -> tuple[bool, float, float, float, float]:
     """(valid, compute scale, compute divisor, KV scale, KV divisor) of rows lo..hi: a row's
     weight is compute scale x work / compute divisor + KV scale x blocks / KV divisor.
 
@@ -238,7 +252,9 @@ def _blend_allocate_sorted(
         lo = offsets[group]
         hi = offsets[group + 1]
         total = totals[group]
-        valid, compute_scale, compute_divisor, kv_scale, kv_divisor = _blend_scales(compute, kv, lo, hi, alpha[group])
+        valid, compute_scale, compute_divisor, kv_scale, kv_divisor = _blend_scales(
+            compute, kv, lo, hi, alpha[group]
+        )
         if not valid:
             return _BAD_VALUE
         if total > 0 and compute_scale == 0.0 and kv_scale == 0.0:
@@ -248,7 +264,9 @@ def _blend_allocate_sorted(
         # One scalar pass: on steps of a few dozen rows it beats a vectorised pass for the
         # exact shares and another for their floors, which mostly run their scalar tails.
         for i in range(lo, hi):
-            exact[i] = (compute_scale * compute[i] / compute_divisor + kv_scale * kv[i] / kv_divisor) * total
+            exact[i] = (
+                compute_scale * compute[i] / compute_divisor + kv_scale * kv[i] / kv_divisor
+            ) * total
             given += _floor_row(exact[i], top_bucket, i, lo, shares, buckets)
         if not _give_leftover_units(total, given, lo, hi, exact, shares, buckets, counts):
             return group
@@ -257,13 +275,19 @@ def _blend_allocate_sorted(
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
 def _blend_parts_sorted(
-    offsets: np.ndarray, compute: np.ndarray, kv: np.ndarray, alpha: np.ndarray, compute_part: np.ndarray,
+    offsets: np.ndarray,
+    compute: np.ndarray,
+    kv: np.ndarray,
+    alpha: np.ndarray,
+    compute_part: np.ndarray,
     kv_part: np.ndarray,
 ) -> None:
     for group in range(offsets.shape[0] - 1):
         lo = offsets[group]
         hi = offsets[group + 1]
-        _, compute_scale, compute_divisor, kv_scale, kv_divisor = _blend_scales(compute, kv, lo, hi, alpha[group])
+        _, compute_scale, compute_divisor, kv_scale, kv_divisor = _blend_scales(
+            compute, kv, lo, hi, alpha[group]
+        )
         for i in range(lo, hi):
             compute_part[i] = compute_scale * compute[i] / compute_divisor
             kv_part[i] = kv_scale * kv[i] / kv_divisor
@@ -302,7 +326,12 @@ class GroupedRows:
 
     def __post_init__(self) -> None:
         offsets = self.offsets
-        if offsets.ndim != 1 or offsets.shape[0] < 1 or offsets[0] != 0 or (np.diff(offsets) < 0).any():
+        if (
+            offsets.ndim != 1
+            or offsets.shape[0] < 1
+            or offsets[0] != 0
+            or (np.diff(offsets) < 0).any()
+        ):
             raise ValueError("group offsets must start at 0 and never decrease")
 
     @classmethod
@@ -332,7 +361,9 @@ def _layout(
     if isinstance(groups, GroupedRows):
         n_rows, offsets = groups.n_rows, groups.offsets
         if offsets.shape[0] != totals.shape[0] + 1:
-            raise AllocationError(f"{totals.shape[0]} totals for {offsets.shape[0] - 1} groups of rows")
+            raise AllocationError(
+                f"{totals.shape[0]} totals for {offsets.shape[0] - 1} groups of rows"
+            )
     else:
         groups = np.ascontiguousarray(groups, dtype=np.int64)
         n_rows, offsets = groups.shape[0], np.empty(totals.shape[0] + 1, dtype=np.int64)
@@ -344,7 +375,9 @@ def _layout(
     if groups.size and (groups.min() < 0 or groups.max() >= totals.shape[0]):
         raise AllocationError(f"group_index outside 0..{totals.shape[0] - 1}")
     permutation = np.argsort(groups, kind="stable")
-    return permutation, np.searchsorted(groups[permutation], np.arange(totals.shape[0] + 1)).astype(np.int64)
+    return permutation, np.searchsorted(groups[permutation], np.arange(totals.shape[0] + 1)).astype(
+        np.int64
+    )
 
 
 def _raise_bad_value(arrays: dict[str, np.ndarray]) -> None:
@@ -352,7 +385,9 @@ def _raise_bad_value(arrays: dict[str, np.ndarray]) -> None:
         bad = ~np.isfinite(values) | ~(values >= 0)
         if bad.any():
             row = int(np.flatnonzero(bad)[0])
-            raise AllocationError(f"row {row} has {name} {values[row]!r}; {name} must be finite and >= 0")
+            raise AllocationError(
+                f"row {row} has {name} {values[row]!r}; {name} must be finite and >= 0"
+            )
     raise AllocationError("weights sum to infinity within a group")
 
 
@@ -383,7 +418,9 @@ def largest_remainder(
     shares = np.empty(row_weights.shape[0], dtype=np.int64)
     exact = np.empty(row_weights.shape[0], dtype=np.float64)
     sorted_weights = row_weights if permutation is None else row_weights[permutation]
-    failed = _largest_remainder_sorted(totals, offsets, sorted_weights, shares, exact, *_scratch(offsets))
+    failed = _largest_remainder_sorted(
+        totals, offsets, sorted_weights, shares, exact, *_scratch(offsets)
+    )
     if failed == _BAD_VALUE:
         _raise_bad_value({"weight": row_weights})
     if failed >= 0:
@@ -414,7 +451,9 @@ class BlendedSplit:
         the group's KV blocks), with the allocation's per-group alpha rules; they sum to the
         row's weight, exact / total."""
         compute_part, kv_part = np.empty_like(self._compute), np.empty_like(self._kv)
-        _blend_parts_sorted(self._offsets, self._compute, self._kv, self._alpha, compute_part, kv_part)
+        _blend_parts_sorted(
+            self._offsets, self._compute, self._kv, self._alpha, compute_part, kv_part
+        )
         return _unpermute(self._permutation, compute_part, kv_part)
 
 
@@ -437,31 +476,45 @@ def blend_and_allocate(
     kv = np.ascontiguousarray(kv_weight, dtype=np.float64)
     checked = {"compute work": compute, "KV weight": kv}
     permutation, offsets = _layout(totals, groups, checked)
-    group_alpha = np.ascontiguousarray(np.broadcast_to(np.asarray(alpha, dtype=np.float64), totals.shape))
+    group_alpha = np.ascontiguousarray(
+        np.broadcast_to(np.asarray(alpha, dtype=np.float64), totals.shape)
+    )
     if ((group_alpha < 0) | (group_alpha > 1)).any():
         raise AllocationError("alpha must lie in [0, 1]")
     if permutation is not None:
         compute, kv = compute[permutation], kv[permutation]
     shares, exact = np.empty(compute.shape[0], dtype=np.int64), np.empty(compute.shape[0])
-    failed = _blend_allocate_sorted(totals, offsets, compute, kv, group_alpha, shares, exact, *_scratch(offsets))
+    failed = _blend_allocate_sorted(
+        totals, offsets, compute, kv, group_alpha, shares, exact, *_scratch(offsets)
+    )
     if failed == _BAD_VALUE:
         _raise_bad_value(checked)
     if failed >= 0:
         raise AllocationError(
             f"group {failed} has total {int(totals[failed])} but no row with compute work or KV blocks to carry it"
         )
-    return BlendedSplit(*_unpermute(permutation, shares, exact), permutation, offsets, compute, kv, group_alpha)
+    return BlendedSplit(
+        *_unpermute(permutation, shares, exact), permutation, offsets, compute, kv, group_alpha
+    )
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
-def _split_compute_kv(amount: np.ndarray, compute_part: np.ndarray, kv_part: np.ndarray, compute: np.ndarray) -> None:
+def _split_compute_kv(
+    amount: np.ndarray, compute_part: np.ndarray, kv_part: np.ndarray, compute: np.ndarray
+) -> None:
     for i in range(amount.shape[0]):
         both = compute_part[i] + kv_part[i]
-        share = np.int64(np.floor(amount[i] * (compute_part[i] / both) + 0.5)) if both > 0.0 else amount[i]
+        share = (
+            np.int64(np.floor(amount[i] * (compute_part[i] / both) + 0.5))
+            if both > 0.0
+            else amount[i]
+        )
         compute[i] = min(share, amount[i])
 
 
-def split_compute_kv(amount_nano: np.ndarray, compute_part: np.ndarray, kv_part: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def split_compute_kv(
+    amount_nano: np.ndarray, compute_part: np.ndarray, kv_part: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Split each row's integer amount into (compute, KV) by its two weight parts.
 
     compute = round-half-up(amount x compute/(compute + kv)); kv = amount - compute, so the two
@@ -470,7 +523,10 @@ def split_compute_kv(amount_nano: np.ndarray, compute_part: np.ndarray, kv_part:
     amount = np.ascontiguousarray(amount_nano, dtype=np.int64)
     compute = np.empty_like(amount)
     _split_compute_kv(
-        amount, np.ascontiguousarray(compute_part, dtype=np.float64), np.ascontiguousarray(kv_part, dtype=np.float64), compute
+        amount,
+        np.ascontiguousarray(compute_part, dtype=np.float64),
+        np.ascontiguousarray(kv_part, dtype=np.float64),
+        compute,
     )
     return compute, amount - compute
 
@@ -524,8 +580,9 @@ def allocate_step(
     kv_sum = sum(s.kv_blocks for s in slots)
     compute_weight = alpha if kv_sum > 0 else 1.0
     weights = [
-        compute_weight * c / compute_sum + ((1 - compute_weight) * s.kv_blocks / kv_sum if kv_sum > 0 else 0.0)
-        for c, s in zip(compute, slots)
+        compute_weight * c / compute_sum
+        + ((1 - compute_weight) * s.kv_blocks / kv_sum if kv_sum > 0 else 0.0)
+        for c, s in zip(compute, slots, strict=False)
     ]
     raw = [w * total for w in weights]
     floors = [int(x) for x in raw]
@@ -533,5 +590,7 @@ def allocate_step(
     for i in order[: total - sum(floors)]:
         floors[i] += 1
     if sum(floors) != total:
-        raise AllocationError(f"step of {total} units: rounding left {total - sum(floors)} units unassigned")
-    return {s.request_id: amount for s, amount in zip(slots, floors)}
+        raise AllocationError(
+            f"step of {total} units: rounding left {total - sum(floors)} units unassigned"
+        )
+    return {s.request_id: amount for s, amount in zip(slots, floors, strict=False)}

@@ -20,16 +20,21 @@ import json
 import os
 import tempfile
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
 import polars as pl
 import yaml
 
+from pipeline.attribution.workmodel import (
+    Coefficients,
+    FittedWeights,
+    KernelWeights,
+    WeightSource,
+    attention_pairs,
+)
 from schemas.config import Pool
-
-from pipeline.attribution.workmodel import Coefficients, FittedWeights, KernelWeights, WeightSource, attention_pairs
 
 _KEY_FIELDS = ("model", "gpu_type", "engine_version", "driver_version")
 
@@ -64,11 +69,18 @@ def _step_features(steps: pl.DataFrame, slots: pl.DataFrame) -> pl.DataFrame:
         "replica",
         "seq",
         pl.col("new_tokens").cast(pl.Float64).alias("tokens"),
-        pl.Series("pairs", attention_pairs(slots["new_tokens"].to_numpy(), slots["context_tokens"].to_numpy())),
+        pl.Series(
+            "pairs",
+            attention_pairs(slots["new_tokens"].to_numpy(), slots["context_tokens"].to_numpy()),
+        ),
     )
-    per_step = per_slot.group_by("replica", "seq").agg(pl.col("tokens").sum(), pl.col("pairs").sum())
+    per_step = per_slot.group_by("replica", "seq").agg(
+        pl.col("tokens").sum(), pl.col("pairs").sum()
+    )
     return steps.select(
-        "replica", "seq", ((pl.col("end_ns") - pl.col("start_ns")).cast(pl.Float64) / 1e6).alias("step_ms")
+        "replica",
+        "seq",
+        ((pl.col("end_ns") - pl.col("start_ns")).cast(pl.Float64) / 1e6).alias("step_ms"),
     ).join(per_step, on=["replica", "seq"], how="inner")
 
 
@@ -78,7 +90,9 @@ def fit_coefficients(steps: pl.DataFrame, slots: pl.DataFrame, *, version: str =
     n = features.height
     if n < 3:
         raise CalibrationError(f"need at least 3 steps with slots to fit 3 coefficients, got {n}")
-    design = np.column_stack([np.ones(n), features["tokens"].to_numpy(), features["pairs"].to_numpy()])
+    design = np.column_stack(
+        [np.ones(n), features["tokens"].to_numpy(), features["pairs"].to_numpy()]
+    )
     observed = features["step_ms"].to_numpy()
     if np.linalg.matrix_rank(design) < 3:
         raise CalibrationError(
@@ -91,7 +105,9 @@ def fit_coefficients(steps: pl.DataFrame, slots: pl.DataFrame, *, version: str =
     residual = observed - design @ (solution / scale)
     total_ss = float(((observed - observed.mean()) ** 2).sum())
     r_squared = 1.0 - float((residual**2).sum()) / total_ss if total_ss > 0 else 0.0
-    negative = [name for name, value in (("c0_ms", c0_ms), ("a_ms", a_ms), ("b_ms", b_ms)) if value < 0]
+    negative = [
+        name for name, value in (("c0_ms", c0_ms), ("a_ms", a_ms), ("b_ms", b_ms)) if value < 0
+    ]
     if negative:
         raise CalibrationError(
             f"fit gave negative {negative} (c0={c0_ms:.6g}, a={a_ms:.6g}, b={b_ms:.6g} ms, R^2={r_squared:.3f}); "
@@ -111,7 +127,9 @@ def relative_drift(stored: Coefficients, fresh: Coefficients) -> dict[str, float
     drift = {}
     for name in ("c0_ms", "a_ms", "b_ms"):
         before, after = getattr(stored, name), getattr(fresh, name)
-        drift[name] = abs(after - before) / before if before else (0.0 if after == before else float("inf"))
+        drift[name] = (
+            abs(after - before) / before if before else (0.0 if after == before else float("inf"))
+        )
     return drift
 
 
@@ -165,11 +183,15 @@ class CalibrationStore:
         except FileNotFoundError:
             return cls()
         except OSError as err:
-            raise CalibrationError(f"{path}: cannot read calibration store: {err.strerror}") from err
+            raise CalibrationError(
+                f"{path}: cannot read calibration store: {err.strerror}"
+            ) from err
         try:
             raw = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
         except (json.JSONDecodeError, yaml.YAMLError) as err:
-            raise CalibrationError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {err}") from err
+            raise CalibrationError(
+                f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {err}"
+            ) from err
         if raw is None:
             return cls()
         if not isinstance(raw, dict) or not isinstance(raw.get("entries"), list):
@@ -182,10 +204,12 @@ class CalibrationStore:
             missing = [name for name in fields if name not in item]
             unknown = [name for name in item if name not in fields]
             if missing or unknown:
-                raise CalibrationError(f"{path}: entries[{index}]: missing {missing}, unknown {unknown}")
+                raise CalibrationError(
+                    f"{path}: entries[{index}]: missing {missing}, unknown {unknown}"
+                )
             try:
                 entry = CalibrationEntry(**item)
-                entry.coefficients  # validates the numbers
+                _ = entry.coefficients  # the property validates the numbers
             except (TypeError, ValueError) as err:
                 raise CalibrationError(f"{path}: entries[{index}]: {err}") from err
             entries.append(entry)
@@ -195,7 +219,11 @@ class CalibrationStore:
         """Write atomically (temporary file, fsync, rename)."""
         path = Path(path)
         document = {"entries": [asdict(entry) for entry in self.entries]}
-        text = json.dumps(document, indent=2) + "\n" if path.suffix == ".json" else yaml.safe_dump(document, sort_keys=False)
+        text = (
+            json.dumps(document, indent=2) + "\n"
+            if path.suffix == ".json"
+            else yaml.safe_dump(document, sort_keys=False)
+        )
         path.parent.mkdir(parents=True, exist_ok=True)
         handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
         try:
@@ -208,18 +236,24 @@ class CalibrationStore:
             Path(temporary).unlink(missing_ok=True)
             raise
 
-    def put(self, model: str, gpu_type: str, engine_version: str, driver_version: str, fit: FitResult) -> CalibrationEntry:
+    def put(
+        self, model: str, gpu_type: str, engine_version: str, driver_version: str, fit: FitResult
+    ) -> CalibrationEntry:
         """Store a fit; its version id is derived from the key and the coefficients."""
         key = (model, gpu_type, engine_version, driver_version)
         fitted = fit.coefficients
-        version = Coefficients(fitted.c0_ms, fitted.a_ms, fitted.b_ms, "").version + "-" + _key_digest(key)
+        version = (
+            Coefficients(fitted.c0_ms, fitted.a_ms, fitted.b_ms, "").version
+            + "-"
+            + _key_digest(key)
+        )
         entry = CalibrationEntry(
             *key,
             c0_ms=fitted.c0_ms,
             a_ms=fitted.a_ms,
             b_ms=fitted.b_ms,
             version=version,
-            fitted_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            fitted_at=datetime.now(UTC).isoformat(timespec="seconds"),
             r_squared=fit.r_squared,
             rmse_ms=fit.rmse_ms,
             n_steps=fit.n_steps,
@@ -227,16 +261,24 @@ class CalibrationStore:
         self._entries[key] = entry
         return entry
 
-    def lookup(self, model: str, gpu_type: str, engine_version: str, driver_version: str) -> Coefficients | None:
+    def lookup(
+        self, model: str, gpu_type: str, engine_version: str, driver_version: str
+    ) -> Coefficients | None:
         entry = self._entries.get((model, gpu_type, engine_version, driver_version))
         return entry.coefficients if entry else None
 
-    def require(self, model: str, gpu_type: str, engine_version: str, driver_version: str) -> Coefficients:
+    def require(
+        self, model: str, gpu_type: str, engine_version: str, driver_version: str
+    ) -> Coefficients:
         """The coefficients for the key, or CalibrationMissing saying what exists for this model and GPU."""
         found = self.lookup(model, gpu_type, engine_version, driver_version)
         if found is not None:
             return found
-        known = [f"engine {e.engine_version} / driver {e.driver_version}" for e in self.entries if e.key[:2] == (model, gpu_type)]
+        known = [
+            f"engine {e.engine_version} / driver {e.driver_version}"
+            for e in self.entries
+            if e.key[:2] == (model, gpu_type)
+        ]
         raise CalibrationMissing(
             f"no calibration for model {model!r} on {gpu_type!r} with engine {engine_version!r} and driver "
             f"{driver_version!r}; stored for this model and GPU: {', '.join(known) or 'none'}. "
@@ -248,10 +290,14 @@ def _key_digest(key: tuple[str, ...]) -> str:
     return hashlib.sha256("\x1f".join(key).encode()).hexdigest()[:6]
 
 
-def calibration_coverage(store: CalibrationStore, model: str, gpu_type: str, segments: pl.DataFrame) -> pl.DataFrame:
+def calibration_coverage(
+    store: CalibrationStore, model: str, gpu_type: str, segments: pl.DataFrame
+) -> pl.DataFrame:
     """One row per (engine_version, driver_version) in the log's segments: steps, and the
     stored coefficients' version or null with a message saying what is missing."""
-    missing_columns = [c for c in ("engine_version", "driver_version", "steps") if c not in segments.columns]
+    missing_columns = [
+        c for c in ("engine_version", "driver_version", "steps") if c not in segments.columns
+    ]
     if missing_columns:
         raise CalibrationError(f"segments table lacks column(s) {missing_columns}")
     versions = (
@@ -286,13 +332,15 @@ def calibration_coverage(store: CalibrationStore, model: str, gpu_type: str, seg
 CalibrationKey = tuple[str, str, str, str]
 
 
-def fit_by_version(steps: pl.DataFrame, slots: pl.DataFrame, segments: pl.DataFrame) -> dict[CalibrationKey, FitResult]:
+def fit_by_version(
+    steps: pl.DataFrame, slots: pl.DataFrame, segments: pl.DataFrame
+) -> dict[CalibrationKey, FitResult]:
     """One fit per (model, GPU type, engine version, driver version) found in the segments.
 
     Steps are matched to their segment's header through `segment_id`; slots to steps through
     (replica, seq).
     """
-    missing = [c for c in ("segment_id",) + _KEY_FIELDS if c not in segments.columns]
+    missing = [c for c in ("segment_id", *_KEY_FIELDS) if c not in segments.columns]
     if missing:
         raise CalibrationError(f"segments table lacks column(s) {missing}")
     if "segment_id" not in steps.columns:
@@ -310,12 +358,17 @@ def fit_by_version(steps: pl.DataFrame, slots: pl.DataFrame, segments: pl.DataFr
         try:
             fits[tuple(key)] = fit_coefficients(group, group_slots)
         except CalibrationError as err:
-            raise CalibrationError(f"model {key[0]} on {key[1]}, engine {key[2]}, driver {key[3]}: {err}") from err
+            raise CalibrationError(
+                f"model {key[0]} on {key[1]}, engine {key[2]}, driver {key[3]}: {err}"
+            ) from err
     return fits
 
 
 def weights_for_log(
-    pool: Pool, segments: pl.DataFrame, store: CalibrationStore | None, kernel: KernelWeights | None = None
+    pool: Pool,
+    segments: pl.DataFrame,
+    store: CalibrationStore | None,
+    kernel: KernelWeights | None = None,
 ) -> tuple[WeightSource, list[str]]:
     """The weight source to attribute a pool's log with, and findings for the calibration check.
 
@@ -326,10 +379,12 @@ def weights_for_log(
     """
     if pool.policies.weights == "kernel":
         return kernel or KernelWeights.for_pool(pool), []
-    coverage = calibration_coverage(store or CalibrationStore(), pool.model, pool.gpu_type, segments)
+    coverage = calibration_coverage(
+        store or CalibrationStore(), pool.model, pool.gpu_type, segments
+    )
     findings = [
         f"pool {pool.name}: {detail} ({steps} steps); kernel weights used instead"
-        for detail, steps in zip(coverage["detail"], coverage["steps"])
+        for detail, steps in zip(coverage["detail"], coverage["steps"], strict=False)
         if detail != "ok"
     ]
     versions = coverage["coefficients_version"].drop_nulls().unique().to_list()
@@ -341,4 +396,6 @@ def weights_for_log(
     if findings or not versions:
         return kernel or KernelWeights.for_pool(pool), findings
     engine_version, driver_version = coverage.row(0)[:2]
-    return FittedWeights(store.require(pool.model, pool.gpu_type, engine_version, driver_version)), []
+    return FittedWeights(
+        store.require(pool.model, pool.gpu_type, engine_version, driver_version)
+    ), []

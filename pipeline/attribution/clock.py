@@ -13,7 +13,7 @@ M(end) - M(start) of the part of it that lies in the hour. Consequences:
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import numpy as np
 
@@ -27,15 +27,15 @@ def hour_start_ns(hour_start: datetime) -> int:
     """The hour's start as UTC epoch ns; the datetime must be an exact UTC hour."""
     if hour_start.tzinfo is None:
         raise ValueError(f"hour {hour_start!r} has no time zone; pass an aware UTC datetime")
-    utc = hour_start.astimezone(timezone.utc)
+    utc = hour_start.astimezone(UTC)
     if (utc.minute, utc.second, utc.microsecond) != (0, 0, 0):
         raise ValueError(f"hour {hour_start.isoformat()} does not start at :00:00 UTC")
-    return (utc - datetime(1970, 1, 1, tzinfo=timezone.utc)) // timedelta(microseconds=1) * 1000
+    return (utc - datetime(1970, 1, 1, tzinfo=UTC)) // timedelta(microseconds=1) * 1000
 
 
 def hour_key(hour_start: datetime) -> str:
     """'YYYY-MM-DDTHH' of a UTC hour."""
-    return hour_start.astimezone(timezone.utc).strftime("%Y-%m-%dT%H")
+    return hour_start.astimezone(UTC).strftime("%Y-%m-%dT%H")
 
 
 def cumulative_nano(offset_ns: np.ndarray, price_per_hour_nano: int) -> np.ndarray:
@@ -55,7 +55,10 @@ def cumulative_nano(offset_ns: np.ndarray, price_per_hour_nano: int) -> np.ndarr
 
 
 def step_costs_in_hour(
-    start_utc_ns: np.ndarray, end_utc_ns: np.ndarray, hour_start_utc_ns: int, price_per_hour_nano: int
+    start_utc_ns: np.ndarray,
+    end_utc_ns: np.ndarray,
+    hour_start_utc_ns: int,
+    price_per_hour_nano: int,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(cost in nano-dollars, ns inside the hour) of each step's part that lies in the hour.
 

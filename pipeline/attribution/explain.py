@@ -20,7 +20,12 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from pipeline.attribution.allocator import MICRO_PER_USD, NANO_PER_USD, blend_and_allocate, step_total_units
+from pipeline.attribution.allocator import (
+    MICRO_PER_USD,
+    NANO_PER_USD,
+    blend_and_allocate,
+    step_total_units,
+)
 from pipeline.attribution.workmodel import (
     Coefficients,
     KernelWeights,
@@ -73,10 +78,14 @@ class StepSpec(_Strict):
             if self.deployment is None or self.coefficients is not None:
                 raise ValueError('"weights": "kernel" needs a "deployment" and no "coefficients"')
         elif self.coefficients is None or self.deployment is not None:
-            raise ValueError('give "coefficients" (c0_ms, a_ms, b_ms), or "weights": "kernel" with a "deployment"')
+            raise ValueError(
+                'give "coefficients" (c0_ms, a_ms, b_ms), or "weights": "kernel" with a "deployment"'
+            )
         ids = [s.request_id for s in self.slots]
         if len(set(ids)) != len(ids):
-            raise ValueError(f"request ids repeat within the step: {sorted(i for i in set(ids) if ids.count(i) > 1)}")
+            raise ValueError(
+                f"request ids repeat within the step: {sorted(i for i in set(ids) if ids.count(i) > 1)}"
+            )
         return self
 
 
@@ -164,7 +173,9 @@ def parse_steps(document: Any, source: str) -> tuple[list[StepSpec], bool]:
     return steps, was_array
 
 
-def _kernel_work(steps: list[StepSpec], batch: SlotBatch, step_index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _kernel_work(
+    steps: list[StepSpec], batch: SlotBatch, step_index: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """(fixed, own) kernel work per slot (us) for the kernel-weighted steps, one kernel per deployment."""
     from pricing import Deployment
 
@@ -179,13 +190,21 @@ def _kernel_work(steps: list[StepSpec], batch: SlotBatch, step_index: np.ndarray
         source = KernelWeights.from_deployment(deployment)
         rows = np.flatnonzero(np.isin(step_index, numbers))
         local_steps = np.searchsorted(np.array(numbers), step_index[rows])
-        sub = SlotBatch(local_steps, len(numbers), batch.new_tokens[rows], batch.context_tokens[rows], batch.prompt_tokens[rows])
+        sub = SlotBatch(
+            local_steps,
+            len(numbers),
+            batch.new_tokens[rows],
+            batch.context_tokens[rows],
+            batch.prompt_tokens[rows],
+        )
         fixed_us, slot_us = source.kernel.slot_work_many(
             sub.step_index, sub.new_tokens, sub.context_tokens, sub.prompt_tokens, sub.n_steps
         )
         fixed_cost = steps[numbers[0]].fixed_cost
         if any(steps[n].fixed_cost != fixed_cost for n in numbers):
-            raise ExplainError("kernel-weighted steps of one deployment must share a fixed_cost policy")
+            raise ExplainError(
+                "kernel-weighted steps of one deployment must share a fixed_cost policy"
+            )
         own[rows] = np.asarray(slot_us).sum(axis=1)
         fixed[rows] = kernel_work_us(fixed_us, slot_us, sub, fixed_cost) - own[rows]
     return fixed, own
@@ -198,15 +217,24 @@ def explain_steps(steps: list[StepSpec]) -> list[ExplainedStep]:
     slots = [slot for step in steps for slot in step.slots]
     new_tokens = np.array([s.new_tokens for s in slots], dtype=np.int64)
     context = np.array([s.context for s in slots], dtype=np.int64)
-    prompt = np.array([s.context + s.new_tokens if s.prompt_tokens is None else s.prompt_tokens for s in slots], dtype=np.int64)
+    prompt = np.array(
+        [s.context + s.new_tokens if s.prompt_tokens is None else s.prompt_tokens for s in slots],
+        dtype=np.int64,
+    )
     kv_blocks = np.array([s.kv_blocks for s in slots], dtype=np.float64)
     batch = SlotBatch(step_index, len(steps), new_tokens, context, prompt)
 
     fitted = np.array([s.weights == "fitted" for s in steps])
     coefficient_rows = [s.coefficients or CoefficientSpec(c0_ms=0, a_ms=0, b_ms=0) for s in steps]
-    c0, a, b = (np.array([getattr(c, name) for c in coefficient_rows]) for name in ("c0_ms", "a_ms", "b_ms"))
+    c0, a, b = (
+        np.array([getattr(c, name) for c in coefficient_rows]) for name in ("c0_ms", "a_ms", "b_ms")
+    )
     per_token = np.array([s.fixed_cost == "per_token" for s in steps])
-    fixed = np.where(per_token[step_index], split_fixed(c0, batch, "per_token"), split_fixed(c0, batch, "per_slot"))
+    fixed = np.where(
+        per_token[step_index],
+        split_fixed(c0, batch, "per_token"),
+        split_fixed(c0, batch, "per_slot"),
+    )
     own = a[step_index] * new_tokens + b[step_index] * attention_pairs(new_tokens, context)
     if not fitted.all():
         kernel_rows = ~fitted[step_index]
@@ -217,7 +245,8 @@ def explain_steps(steps: list[StepSpec]) -> list[ExplainedStep]:
 
     alpha = np.array([s.alpha for s in steps])
     totals = np.array(
-        [step_total_units(s.step_ms, s.gpus, s.usd_per_gpu_hour, UNITS[s.unit]) for s in steps], dtype=np.int64
+        [step_total_units(s.step_ms, s.gpus, s.usd_per_gpu_hour, UNITS[s.unit]) for s in steps],
+        dtype=np.int64,
     )
     split = blend_and_allocate(totals, step_index, compute, kv_blocks, alpha)
     compute_part, kv_part = split.parts()
@@ -234,7 +263,9 @@ def explain_steps(steps: list[StepSpec]) -> list[ExplainedStep]:
                 unit=step.unit,
                 alpha=step.alpha,
                 work_unit="ms" if step.weights == "fitted" else "us",
-                weights=Coefficients(step.coefficients.c0_ms, step.coefficients.a_ms, step.coefficients.b_ms).version
+                weights=Coefficients(
+                    step.coefficients.c0_ms, step.coefficients.a_ms, step.coefficients.b_ms
+                ).version
                 if step.coefficients
                 else "kernel",
                 slots=[
@@ -245,7 +276,9 @@ def explain_steps(steps: list[StepSpec]) -> list[ExplainedStep]:
                         kv_blocks=float(kv_blocks[i]),
                         fixed_work=float(fixed[i]),
                         own_work=float(own[i]),
-                        compute_share=float(compute[i] / compute_sum[number]) if compute_sum[number] else 0.0,
+                        compute_share=float(compute[i] / compute_sum[number])
+                        if compute_sum[number]
+                        else 0.0,
                         kv_share=float(kv_blocks[i] / kv_sum[number]) if kv_sum[number] else 0.0,
                         weight=float(weight[i]),
                         exact=float(exact[i]),

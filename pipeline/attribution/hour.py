@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import numpy as np
 import polars as pl
@@ -84,8 +84,15 @@ REPLICA_FACTS_SCHEMA = {
 }
 CONTEXT_COLUMNS = ("request_id", "tenant", "feature", "api_key_id", "retry_of", "retry_cause")
 STEP_COLUMNS = ("pool", "replica", "seq", "start_utc_ns", "end_utc_ns", "admission_blocked")
-SLOT_COLUMNS = ("new_tokens", "context_tokens", "kv_blocks", "prompt_tokens", "prefix_hit_tokens", "spec_drafted",
-                "spec_accepted")
+SLOT_COLUMNS = (
+    "new_tokens",
+    "context_tokens",
+    "kv_blocks",
+    "prompt_tokens",
+    "prefix_hit_tokens",
+    "spec_drafted",
+    "spec_accepted",
+)
 # Slot and holder rows allocated at a time: bounds the working memory (the pricing kernel's
 # per-slot terms are a few hundred bytes a row) while keeping per-batch overhead negligible.
 _ROWS_PER_BATCH = 1 << 20
@@ -119,7 +126,9 @@ class HourLedger:
     unattributed_requests: int
     platform_retry_nano: int
     cache_read_nano: int  # charged for prefix-cache hits under cache_read (credited back)
-    cache_saving_nano: int  # what hit tokens would have cost at the full prefill rate, minus the charge
+    cache_saving_nano: (
+        int  # what hit tokens would have cost at the full prefill rate, minus the charge
+    )
     idle_nano: int  # invoice minus usage: idle plus headroom
     headroom_nano: int
     weights_version: str
@@ -136,7 +145,9 @@ def _require_columns(frame: pl.DataFrame, name: str, columns: tuple[str, ...]) -
         raise AttributionError(f"{name} table lacks column(s) {missing}; it has {frame.columns}")
 
 
-def _hour_steps(hour_start_utc_ns: int, pool: Pool, steps: pl.DataFrame) -> tuple[pl.DataFrame, StepKeys]:
+def _hour_steps(
+    hour_start_utc_ns: int, pool: Pool, steps: pl.DataFrame
+) -> tuple[pl.DataFrame, StepKeys]:
     """The steps overlapping the hour, validated and ordered (replica, start, seq), with the
     keys of every logged step (the hour's and its neighbours')."""
     _require_columns(steps, "steps", STEP_COLUMNS)
@@ -146,11 +157,15 @@ def _hour_steps(hour_start_utc_ns: int, pool: Pool, steps: pl.DataFrame) -> tupl
             raise AttributionError(f"steps: {missing} row(s) have no {column}")
     other_pools = steps.filter(pl.col("pool") != pool.name)["pool"].unique().to_list()
     if other_pools:
-        raise AttributionError(f"steps table holds rows of pool(s) {sorted(other_pools)}, attributing pool {pool.name!r}")
+        raise AttributionError(
+            f"steps table holds rows of pool(s) {sorted(other_pools)}, attributing pool {pool.name!r}"
+        )
     replicas = sorted(r.id for r in pool.replicas)
     unknown = sorted(set(steps["replica"].unique().to_list()) - set(replicas))
     if unknown:
-        raise AttributionError(f"steps table names replica(s) {unknown} not in pool {pool.name!r} ({replicas})")
+        raise AttributionError(
+            f"steps table names replica(s) {unknown} not in pool {pool.name!r} ({replicas})"
+        )
     backwards = steps.filter(pl.col("end_utc_ns") < pl.col("start_utc_ns"))
     if backwards.height:
         row = backwards.row(0, named=True)
@@ -160,21 +175,30 @@ def _hour_steps(hour_start_utc_ns: int, pool: Pool, steps: pl.DataFrame) -> tupl
         )
     # Only the columns attribution reads: the hour's copy stays small.
     keyed = steps.select(
-        pl.col("replica").replace_strict(replicas, range(len(replicas)), return_dtype=pl.Int64).alias("replica_code"),
+        pl.col("replica")
+        .replace_strict(replicas, range(len(replicas)), return_dtype=pl.Int64)
+        .alias("replica_code"),
         *STEP_COLUMNS[1:],
     ).with_row_index("row")
     hour_end = hour_start_utc_ns + HOUR_NS
     # Codes follow the names' sorted order, so this is the order by replica name.
     inside = keyed.filter(
         (pl.col("start_utc_ns") < hour_end)
-        & ((pl.col("end_utc_ns") > hour_start_utc_ns) | (pl.col("start_utc_ns") >= hour_start_utc_ns))
+        & (
+            (pl.col("end_utc_ns") > hour_start_utc_ns)
+            | (pl.col("start_utc_ns") >= hour_start_utc_ns)
+        )
     ).sort("replica_code", "start_utc_ns", "seq")
     hour_step = np.full(steps.height, -1, dtype=np.int64)
     hour_step[inside["row"].to_numpy()] = np.arange(inside.height)
-    keys = StepKeys.build(replicas, keyed["replica_code"].to_numpy(), keyed["seq"].to_numpy(), hour_step)
+    keys = StepKeys.build(
+        replicas, keyed["replica_code"].to_numpy(), keyed["seq"].to_numpy(), hour_step
+    )
     duplicate = keys.duplicate_in_hour()
     if duplicate:
-        raise AttributionError(f"steps: replica {duplicate[0]} seq {duplicate[1]} appears more than once")
+        raise AttributionError(
+            f"steps: replica {duplicate[0]} seq {duplicate[1]} appears more than once"
+        )
     return inside.drop("row", "replica_code"), keys
 
 
@@ -182,12 +206,16 @@ def _step_batches(row_offsets: np.ndarray) -> list[tuple[int, int]]:
     """Consecutive step ranges of about _ROWS_PER_BATCH rows each (a bigger step is a batch alone).
 
     `row_offsets[s]` is the number of rows before step s."""
-    cuts = np.searchsorted(row_offsets, np.arange(_ROWS_PER_BATCH, int(row_offsets[-1]), _ROWS_PER_BATCH))
+    cuts = np.searchsorted(
+        row_offsets, np.arange(_ROWS_PER_BATCH, int(row_offsets[-1]), _ROWS_PER_BATCH)
+    )
     bounds = np.unique(np.concatenate([[0], cuts, [row_offsets.shape[0] - 1]]))
-    return list(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
+    return list(zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=False))
 
 
-def _slot_kv_blocks(pool: Pool, slots: dict[str, np.ndarray], request_hits: np.ndarray | None) -> np.ndarray:
+def _slot_kv_blocks(
+    pool: Pool, slots: dict[str, np.ndarray], request_hits: np.ndarray | None
+) -> np.ndarray:
     """Each slot's KV weight in blocks under the pool's prefix-cache policy (`request_hits`:
     each slot's request's prefix-hit tokens, for first_writer)."""
     if request_hits is None:
@@ -201,8 +229,13 @@ def _slot_kv_blocks(pool: Pool, slots: dict[str, np.ndarray], request_hits: np.n
 
 
 def _attribute_rows(
-    pool: Pool, hour_steps: pl.DataFrame, keys: StepKeys, slots: pl.DataFrame, holders: pl.DataFrame,
-    weights: WeightSource, alpha: float,
+    pool: Pool,
+    hour_steps: pl.DataFrame,
+    keys: StepKeys,
+    slots: pl.DataFrame,
+    holders: pl.DataFrame,
+    weights: WeightSource,
+    alpha: float,
 ) -> pl.DataFrame:
     """Split every step's cost among its slots and holders and total the rows per request.
 
@@ -212,21 +245,27 @@ def _attribute_rows(
     Returns one row per request: request_id, rollup.INTEGER_TOTALS but `rows`, rollup.REAL_TOTALS.
     """
     n_steps = hour_steps.height
-    request_ids = pl.concat([slots["request_id"].cast(pl.String), holders["request_id"].cast(pl.String)]).unique(
-        maintain_order=True
-    )
+    request_ids = pl.concat(
+        [slots["request_id"].cast(pl.String), holders["request_id"].cast(pl.String)]
+    ).unique(maintain_order=True)
     slot_layout = lay_out_rows(slots, "slots", "slot_index", keys, n_steps, request_ids)
     holder_layout = lay_out_rows(holders, "holders", "holder_index", keys, n_steps, request_ids)
     prefix_hits = None
     if pool.policies.prefix_cache == "first_writer":
-        prefix_hits = largest_per_request(slot_layout, slots["prefix_hit_tokens"].to_numpy(), len(request_ids))
+        prefix_hits = largest_per_request(
+            slot_layout, slots["prefix_hit_tokens"].to_numpy(), len(request_ids)
+        )
     cost = hour_steps["cost_nano"].to_numpy()
     busy = hour_steps["busy_ns"].to_numpy()
     totals = RequestTotals(len(request_ids))
     # Holder rows are totalled after every slot row, as the rows of the whole hour are ordered.
     n_holders = int(holder_layout.offsets[-1])
-    held = {"amount": np.empty(n_holders, dtype=np.int64), "compute": np.empty(n_holders, dtype=np.int64),
-            "exact": np.empty(n_holders), "block_seconds": np.empty(n_holders)}
+    held = {
+        "amount": np.empty(n_holders, dtype=np.int64),
+        "compute": np.empty(n_holders, dtype=np.int64),
+        "exact": np.empty(n_holders),
+        "block_seconds": np.empty(n_holders),
+    }
     for first, end in _step_batches(slot_layout.offsets + holder_layout.offsets):
         slot_rows, holder_rows = slot_layout.rows(first, end), holder_layout.rows(first, end)
         slot_columns = gather(slots, list(SLOT_COLUMNS), slot_rows)
@@ -242,28 +281,46 @@ def _attribute_rows(
         )
         n_slots = slot_step.shape[0]
         compute_work = np.concatenate(
-            [weights.compute_work(batch, pool.policies.fixed_cost), np.zeros(holder_columns["kv_blocks"].shape[0])]
+            [
+                weights.compute_work(batch, pool.policies.fixed_cost),
+                np.zeros(holder_columns["kv_blocks"].shape[0]),
+            ]
         )
-        kv_weight = np.concatenate([
-            _slot_kv_blocks(pool, slot_columns, None if prefix_hits is None else prefix_hits[slot_request]),
-            holder_blocks(holder_columns["kv_blocks"], holder_columns["state"]),
-        ])
+        kv_weight = np.concatenate(
+            [
+                _slot_kv_blocks(
+                    pool, slot_columns, None if prefix_hits is None else prefix_hits[slot_request]
+                ),
+                holder_blocks(holder_columns["kv_blocks"], holder_columns["state"]),
+            ]
+        )
         row_step = np.concatenate([slot_step, holder_layout.step[holder_rows] - first])
         # A step with nobody to carry it (no slot work, no blocks held) is idle time.
         carried = (np.bincount(row_step, weights=compute_work, minlength=end - first) > 0) | (
             np.bincount(row_step, weights=kv_weight, minlength=end - first) > 0
         )
-        split = blend_and_allocate(np.where(carried, cost[first:end], 0), row_step, compute_work, kv_weight, alpha)
+        split = blend_and_allocate(
+            np.where(carried, cost[first:end], 0), row_step, compute_work, kv_weight, alpha
+        )
         compute_nano, _ = split_compute_kv(split.shares, *split.parts())
         block_seconds = kv_weight * busy[first:end][row_step] / 1e9
-        totals.add_rows(slot_request, split.shares[:n_slots], compute_nano[:n_slots], split.exact[:n_slots],
-                        block_seconds[:n_slots])
+        totals.add_rows(
+            slot_request,
+            split.shares[:n_slots],
+            compute_nano[:n_slots],
+            split.exact[:n_slots],
+            block_seconds[:n_slots],
+        )
         totals.add_slot_tokens(slot_request, compute_nano[:n_slots], slot_columns)
         held_rows = slice(int(holder_layout.offsets[first]), int(holder_layout.offsets[end]))
-        for name, values in zip(held, (split.shares, compute_nano, split.exact, block_seconds)):
+        for name, values in zip(
+            held, (split.shares, compute_nano, split.exact, block_seconds), strict=False
+        ):
             held[name][held_rows] = values[n_slots:]
     holder_request = holder_layout.request[holder_layout.rows(0, n_steps)]
-    totals.add_rows(holder_request, held["amount"], held["compute"], held["exact"], held["block_seconds"])
+    totals.add_rows(
+        holder_request, held["amount"], held["compute"], held["exact"], held["block_seconds"]
+    )
     return totals.frame(request_ids)
 
 
@@ -287,9 +344,13 @@ def _classify(requests: pl.DataFrame, context: pl.DataFrame, pool: Pool) -> pl.D
     _require_columns(context, "context", CONTEXT_COLUMNS)
     duplicated = context.filter(pl.col("request_id").is_duplicated())
     if duplicated.height:
-        raise AttributionError(f"context: request_id {duplicated['request_id'][0]!r} appears more than once")
+        raise AttributionError(
+            f"context: request_id {duplicated['request_id'][0]!r} appears more than once"
+        )
     joined = requests.join(
-        context.select(*(pl.col(c).cast(pl.String) for c in CONTEXT_COLUMNS)), on="request_id", how="left"
+        context.select(*(pl.col(c).cast(pl.String) for c in CONTEXT_COLUMNS)),
+        on="request_id",
+        how="left",
     )
     platform_pays = pool.policies.platform_pays_platform_retries
     kind = (
@@ -331,7 +392,9 @@ def _usage_lines(requests: pl.DataFrame, pool: Pool) -> pl.DataFrame:
     )
 
 
-def _line(tenant: str, feature: str, kind: str, amount: int, requests: int = 0, cached: int = 0) -> dict:
+def _line(
+    tenant: str, feature: str, kind: str, amount: int, requests: int = 0, cached: int = 0
+) -> dict:
     return {
         "tenant": tenant,
         "feature": feature,
@@ -366,11 +429,13 @@ def idle_lines(pool: Pool, invoice_nano: int, idle_nano: int, usage: pl.DataFram
     base = usage.filter((pl.col("line_kind") == "usage") & (pl.col("amount_nano") > 0))
     if spread and base.height:
         shares, _ = largest_remainder(
-            np.array([spread]), np.zeros(base.height, dtype=np.int64), base["amount_nano"].to_numpy().astype(np.float64)
+            np.array([spread]),
+            np.zeros(base.height, dtype=np.int64),
+            base["amount_nano"].to_numpy().astype(np.float64),
         )
         lines += [
             _line(tenant, feature, "idle", int(share))
-            for tenant, feature, share in zip(base["tenant"], base["feature"], shares)
+            for tenant, feature, share in zip(base["tenant"], base["feature"], shares, strict=False)
             if share
         ]
     elif spread:
@@ -395,19 +460,26 @@ def attribute_hour(
     request_id, tenant, feature, api_key_id, retry_of, retry_cause and may lack requests.
     """
     start_ns = hour_start_ns(hour_start)
-    hour_value = hour_start.astimezone(timezone.utc).replace(tzinfo=None)
+    hour_value = hour_start.astimezone(UTC).replace(tzinfo=None)
     _require_columns(slots, "slots", ("replica", "seq", "slot_index", "request_id", *SLOT_COLUMNS))
-    _require_columns(holders, "holders", ("replica", "seq", "holder_index", "request_id", "kv_blocks", "state"))
+    _require_columns(
+        holders, "holders", ("replica", "seq", "holder_index", "request_id", "kv_blocks", "state")
+    )
     replica_price = pool.gpus_per_replica * pool.nano_per_gpu_hour
     invoice_nano = replica_price * len(pool.replicas)
     policy_version = pool.policies.version()
 
     hour_steps, keys = _hour_steps(start_ns, pool, steps)
     cost, busy = step_costs_in_hour(
-        hour_steps["start_utc_ns"].to_numpy(), hour_steps["end_utc_ns"].to_numpy(), start_ns, replica_price
+        hour_steps["start_utc_ns"].to_numpy(),
+        hour_steps["end_utc_ns"].to_numpy(),
+        start_ns,
+        replica_price,
     )
     hour_steps = hour_steps.with_columns(pl.Series("cost_nano", cost), pl.Series("busy_ns", busy))
-    alpha, blocked_fraction = alpha_for_period(pool.policies, hour_steps["admission_blocked"].to_numpy())
+    alpha, blocked_fraction = alpha_for_period(
+        pool.policies, hour_steps["admission_blocked"].to_numpy()
+    )
     requests = _attribute_rows(pool, hour_steps, keys, slots, holders, weights, alpha)
     cache_saving = 0
     if pool.policies.prefix_cache == "cache_read":
@@ -424,24 +496,40 @@ def attribute_hour(
     if cache_read_nano:
         readers = requests.filter(pl.col("cache_read_nano") > 0)
         extra.append(
-            _line(pool.capacity_owner, CACHE_FEATURE, "cache_credit", -cache_read_nano, readers.height, int(readers["cached_tokens"].sum()))
+            _line(
+                pool.capacity_owner,
+                CACHE_FEATURE,
+                "cache_credit",
+                -cache_read_nano,
+                readers.height,
+                int(readers["cached_tokens"].sum()),
+            )
         )
     extra += idle_lines(pool, invoice_nano, idle_nano, usage)
     line_columns = {c: LEDGER_LINE_SCHEMA[c] for c in usage.columns}
-    lines = pl.concat([usage.cast(line_columns), pl.DataFrame(extra, schema=line_columns)]).with_columns(
-        pl.lit(hour_value, dtype=pl.Datetime("us")).alias("hour"),
-        pl.lit(pool.name).alias("pool"),
-        pl.lit(weights.version).alias("weights_version"),
-        pl.lit(policy_version).alias("policy_version"),
-    ).select(*(pl.col(c).cast(t) for c, t in LEDGER_LINE_SCHEMA.items()))
+    lines = (
+        pl.concat([usage.cast(line_columns), pl.DataFrame(extra, schema=line_columns)])
+        .with_columns(
+            pl.lit(hour_value, dtype=pl.Datetime("us")).alias("hour"),
+            pl.lit(pool.name).alias("pool"),
+            pl.lit(weights.version).alias("weights_version"),
+            pl.lit(policy_version).alias("policy_version"),
+        )
+        .select(*(pl.col(c).cast(t) for c, t in LEDGER_LINE_SCHEMA.items()))
+    )
     if int(lines["amount_nano"].sum()) != invoice_nano:
         raise AssertionError(
             f"pool {pool.name} hour {hour_value}: ledger lines sum to {int(lines['amount_nano'].sum())}, invoice {invoice_nano}"
         )
 
-    request_costs = requests.with_columns(
-        pl.lit(hour_value, dtype=pl.Datetime("us")).alias("hour"), pl.lit(pool.name).alias("pool")
-    ).select(*(pl.col(c).cast(t) for c, t in REQUEST_COST_SCHEMA.items())).sort("request_id")
+    request_costs = (
+        requests.with_columns(
+            pl.lit(hour_value, dtype=pl.Datetime("us")).alias("hour"),
+            pl.lit(pool.name).alias("pool"),
+        )
+        .select(*(pl.col(c).cast(t) for c, t in REQUEST_COST_SCHEMA.items()))
+        .sort("request_id")
+    )
 
     replica_facts = _replica_facts(pool, hour_steps, replica_price)
     bytes_per_token = weights.kv_bytes_per_token()
@@ -450,14 +538,16 @@ def attribute_hour(
         "request_id",
         "exact_nano",
         "kv_block_seconds",
-        (pl.col("kv_block_seconds") * bytes_per_block if bytes_per_block else pl.lit(None, dtype=pl.Float64)).alias(
-            "kv_byte_seconds"
-        ),
+        (
+            pl.col("kv_block_seconds") * bytes_per_block
+            if bytes_per_block
+            else pl.lit(None, dtype=pl.Float64)
+        ).alias("kv_byte_seconds"),
     ).sort("request_id")
     headroom = int(lines.filter(pl.col("line_kind") == "headroom")["amount_nano"].sum())
     by_kind = requests.group_by("line_kind").agg(pl.col("amount_nano").sum(), pl.len())
-    kind_amount = dict(zip(by_kind["line_kind"], by_kind["amount_nano"]))
-    kind_count = dict(zip(by_kind["line_kind"], by_kind["len"]))
+    kind_amount = dict(zip(by_kind["line_kind"], by_kind["amount_nano"], strict=False))
+    kind_count = dict(zip(by_kind["line_kind"], by_kind["len"], strict=False))
     return HourLedger(
         invoice={
             "hour": hour_value,

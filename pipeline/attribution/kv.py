@@ -38,12 +38,17 @@ def holder_blocks(kv_blocks: np.ndarray, states: np.ndarray) -> np.ndarray:
     known = np.isin(states, ACCRUING_STATES + NON_ACCRUING_STATES)
     if not known.all():
         bad = sorted({str(s) for s in states[~known]})
-        raise ValueError(f"holder state(s) {bad} unknown; expected one of {ACCRUING_STATES + NON_ACCRUING_STATES}")
+        raise ValueError(
+            f"holder state(s) {bad} unknown; expected one of {ACCRUING_STATES + NON_ACCRUING_STATES}"
+        )
     return np.where(np.isin(states, ACCRUING_STATES), np.asarray(kv_blocks, dtype=np.float64), 0.0)
 
 
 def first_writer_blocks(
-    context_tokens: np.ndarray, new_tokens: np.ndarray, request_prefix_hits: np.ndarray, block_size: int
+    context_tokens: np.ndarray,
+    new_tokens: np.ndarray,
+    request_prefix_hits: np.ndarray,
+    block_size: int,
 ) -> np.ndarray:
     """Blocks a slot pays for when the first writer of a shared prefix pays for its memory.
 

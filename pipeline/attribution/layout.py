@@ -38,11 +38,19 @@ class StepKeys:
     step: np.ndarray
 
     @classmethod
-    def build(cls, replicas: list[str], replica_code: np.ndarray, seq: np.ndarray, hour_step: np.ndarray) -> StepKeys:
+    def build(
+        cls, replicas: list[str], replica_code: np.ndarray, seq: np.ndarray, hour_step: np.ndarray
+    ) -> StepKeys:
         order = np.lexsort((seq, replica_code))
         code = replica_code[order]
         offsets = np.searchsorted(code, np.arange(len(replicas) + 1)).astype(np.int64)
-        return cls(replicas, code, offsets, np.ascontiguousarray(seq[order]), np.ascontiguousarray(hour_step[order]))
+        return cls(
+            replicas,
+            code,
+            offsets,
+            np.ascontiguousarray(seq[order]),
+            np.ascontiguousarray(hour_step[order]),
+        )
 
     def duplicate_in_hour(self) -> tuple[str, int] | None:
         """(replica, seq) of a step logged more than once with a copy in the hour, if any.
@@ -51,7 +59,8 @@ class StepKeys:
         never attributed, so they do not matter.
         """
         repeated = np.flatnonzero(
-            (self.seq[1:] == self.seq[:-1]) & (self.code[1:] == self.code[:-1])
+            (self.seq[1:] == self.seq[:-1])
+            & (self.code[1:] == self.code[:-1])
             & ((self.step[1:] >= 0) | (self.step[:-1] >= 0))
         )
         if not repeated.size:
@@ -62,7 +71,11 @@ class StepKeys:
 
 @numba.njit(cache=True, nogil=True)
 def _lookup_steps(
-    offsets: np.ndarray, key_seq: np.ndarray, key_step: np.ndarray, replica: np.ndarray, seq: np.ndarray,
+    offsets: np.ndarray,
+    key_seq: np.ndarray,
+    key_step: np.ndarray,
+    replica: np.ndarray,
+    seq: np.ndarray,
     out: np.ndarray,
 ) -> tuple[int, int]:
     """out[i] = row i's hour step (-1 outside the hour); returns (rows of no logged step, first such row or -1)."""
@@ -154,10 +167,21 @@ def lay_out_rows(
     orphans, first_orphan = 0, -1
     for lo in range(0, n, _LOOKUP_ROWS):
         part = table.slice(lo, _LOOKUP_ROWS)
-        replica = part["replica"].replace_strict(keys.replicas, range(len(keys.replicas)), default=-1,
-                                                 return_dtype=pl.Int64).to_numpy()
-        found, first = _lookup_steps(keys.offsets, keys.seq, keys.step, replica, part["seq"].to_numpy(),
-                                     step[lo : lo + part.height])
+        replica = (
+            part["replica"]
+            .replace_strict(
+                keys.replicas, range(len(keys.replicas)), default=-1, return_dtype=pl.Int64
+            )
+            .to_numpy()
+        )
+        found, first = _lookup_steps(
+            keys.offsets,
+            keys.seq,
+            keys.step,
+            replica,
+            part["seq"].to_numpy(),
+            step[lo : lo + part.height],
+        )
         if found and first_orphan < 0:
             first_orphan = lo + first
         orphans += found
@@ -179,7 +203,9 @@ def lay_out_rows(
     return RowLayout(step, request, offsets, order)
 
 
-def gather(table: pl.DataFrame, columns: list[str], rows: slice | np.ndarray) -> dict[str, np.ndarray]:
+def gather(
+    table: pl.DataFrame, columns: list[str], rows: slice | np.ndarray
+) -> dict[str, np.ndarray]:
     """The columns of the given input rows as numpy arrays (copies of just those rows)."""
     part = table.select(columns)
     part = part.slice(rows.start, rows.stop - rows.start) if isinstance(rows, slice) else part[rows]

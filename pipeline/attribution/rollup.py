@@ -29,13 +29,25 @@ INTEGER_TOTALS = (
     "rows",  # slot and holder rows in the hour: a request without any is not in the hour
 )
 REAL_TOTALS = ("exact_nano", "kv_block_seconds")
-_COMPUTE, _KV, _AMOUNT, _STEPS, _NEW, _CACHED, _OUTPUT, _PREFILL, _PREFILL_COMPUTE, _PROMPT, _ROWS = range(
-    len(INTEGER_TOTALS)
-)
+(
+    _COMPUTE,
+    _KV,
+    _AMOUNT,
+    _STEPS,
+    _NEW,
+    _CACHED,
+    _OUTPUT,
+    _PREFILL,
+    _PREFILL_COMPUTE,
+    _PROMPT,
+    _ROWS,
+) = range(len(INTEGER_TOTALS))
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _compensated_add(sums: np.ndarray, compensation: np.ndarray, k: int, column: int, value: float) -> None:
+def _compensated_add(
+    sums: np.ndarray, compensation: np.ndarray, k: int, column: int, value: float
+) -> None:
     corrected = value - compensation[k, column]
     total = sums[k, column] + corrected
     compensation[k, column] = (total - sums[k, column]) - corrected
@@ -44,8 +56,14 @@ def _compensated_add(sums: np.ndarray, compensation: np.ndarray, k: int, column:
 
 @numba.njit(cache=True, nogil=True)
 def _add_amounts(
-    request: np.ndarray, amount: np.ndarray, compute: np.ndarray, exact: np.ndarray, block_seconds: np.ndarray,
-    integers: np.ndarray, sums: np.ndarray, compensation: np.ndarray,
+    request: np.ndarray,
+    amount: np.ndarray,
+    compute: np.ndarray,
+    exact: np.ndarray,
+    block_seconds: np.ndarray,
+    integers: np.ndarray,
+    sums: np.ndarray,
+    compensation: np.ndarray,
 ) -> None:
     for i in range(request.shape[0]):
         k = request[i]
@@ -59,8 +77,14 @@ def _add_amounts(
 
 @numba.njit(cache=True, nogil=True)
 def _add_slot_tokens(
-    request: np.ndarray, compute: np.ndarray, new_tokens: np.ndarray, context_tokens: np.ndarray,
-    prompt_tokens: np.ndarray, prefix_hit_tokens: np.ndarray, spec_drafted: np.ndarray, spec_accepted: np.ndarray,
+    request: np.ndarray,
+    compute: np.ndarray,
+    new_tokens: np.ndarray,
+    context_tokens: np.ndarray,
+    prompt_tokens: np.ndarray,
+    prefix_hit_tokens: np.ndarray,
+    spec_drafted: np.ndarray,
+    spec_accepted: np.ndarray,
     integers: np.ndarray,
 ) -> None:
     for i in range(request.shape[0]):
@@ -90,16 +114,39 @@ class RequestTotals:
         self.compensation = np.zeros((n_requests, len(REAL_TOTALS)))
 
     def add_rows(
-        self, request: np.ndarray, amount: np.ndarray, compute: np.ndarray, exact: np.ndarray, block_seconds: np.ndarray
+        self,
+        request: np.ndarray,
+        amount: np.ndarray,
+        compute: np.ndarray,
+        exact: np.ndarray,
+        block_seconds: np.ndarray,
     ) -> None:
         """Add allocated rows: integer amount, its compute part, exact share, block-seconds."""
-        _add_amounts(request, amount, compute, exact, block_seconds, self.integers, self.sums, self.compensation)
+        _add_amounts(
+            request,
+            amount,
+            compute,
+            exact,
+            block_seconds,
+            self.integers,
+            self.sums,
+            self.compensation,
+        )
 
-    def add_slot_tokens(self, request: np.ndarray, compute: np.ndarray, slots: dict[str, np.ndarray]) -> None:
+    def add_slot_tokens(
+        self, request: np.ndarray, compute: np.ndarray, slots: dict[str, np.ndarray]
+    ) -> None:
         """Add slot rows' token counts (`slots` holds the SLOTS token columns)."""
         _add_slot_tokens(
-            request, compute, slots["new_tokens"], slots["context_tokens"], slots["prompt_tokens"],
-            slots["prefix_hit_tokens"], slots["spec_drafted"], slots["spec_accepted"], self.integers,
+            request,
+            compute,
+            slots["new_tokens"],
+            slots["context_tokens"],
+            slots["prompt_tokens"],
+            slots["prefix_hit_tokens"],
+            slots["spec_drafted"],
+            slots["spec_accepted"],
+            self.integers,
         )
 
     def frame(self, request_ids: pl.Series) -> pl.DataFrame:
@@ -113,7 +160,9 @@ class RequestTotals:
 
 
 @numba.njit(cache=True, nogil=True)
-def _largest_of_rows(request: np.ndarray, step: np.ndarray, values: np.ndarray, out: np.ndarray) -> None:
+def _largest_of_rows(
+    request: np.ndarray, step: np.ndarray, values: np.ndarray, out: np.ndarray
+) -> None:
     for i in range(request.shape[0]):
         if step[i] >= 0:
             out[request[i]] = max(out[request[i]], values[i])

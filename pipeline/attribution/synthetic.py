@@ -8,14 +8,14 @@ coefficients; slots, holders and gateway context look like a busy pool's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import numpy as np
 import polars as pl
 
 from schemas.config import Policies, Pool, Replica
 
-HOUR = datetime(2026, 11, 30, 5, tzinfo=timezone.utc)
+HOUR = datetime(2026, 11, 30, 5, tzinfo=UTC)
 HOUR_START_NS = int(HOUR.timestamp()) * 1_000_000_000
 
 
@@ -31,7 +31,11 @@ def synthetic_pool(replicas: int = 2, gpus_per_replica: int = 1, **policies) -> 
         slo_owner="support",
         target_utilization=0.7,
         replicas=[
-            Replica(id=f"r{i}", hostname="node", gpu_uuids=[f"GPU-{i}-{g}" for g in range(gpus_per_replica)])
+            Replica(
+                id=f"r{i}",
+                hostname="node",
+                gpu_uuids=[f"GPU-{i}-{g}" for g in range(gpus_per_replica)],
+            )
             for i in range(replicas)
         ],
         policies=Policies(**policies),
@@ -70,39 +74,78 @@ def synthetic_log(
             n = int(rng.integers(1, 9))
             chosen = rng.choice(len(requests), size=n, replace=False)
             prefill = rng.random(n) < 0.2
-            new = np.where(prefill, rng.integers(16, 1024, n), 1 + rng.integers(0, 3, n) * (pool.engine.num_spec_tokens > 0))
+            new = np.where(
+                prefill,
+                rng.integers(16, 1024, n),
+                1 + rng.integers(0, 3, n) * (pool.engine.num_spec_tokens > 0),
+            )
             context = rng.integers(0, 6000, n)
-            prompt = np.where(prefill, context + new + rng.integers(0, 200, n), rng.integers(1, 4000, n))
-            hits = np.where(prefill & (context > 0) & (rng.random(n) < 0.5), np.minimum(context, 256), 0)
+            prompt = np.where(
+                prefill, context + new + rng.integers(0, 200, n), rng.integers(1, 4000, n)
+            )
+            hits = np.where(
+                prefill & (context > 0) & (rng.random(n) < 0.5), np.minimum(context, 256), 0
+            )
             drafted = np.where(new > 1, new - 1, 0) * (~prefill)
             accepted = (drafted * rng.random(n)).astype(int)
             work = c0 + (a * new + b * new * (context + (new + 1) / 2)).sum()
             duration = int(work * (1 + noise * rng.standard_normal()) * 1_000_000)
             steps.append(
-                {"pool": pool.name, "replica": replica.id, "segment_id": f"{replica.id}-s0", "seq": seq,
-                 "start_ns": clock, "end_ns": clock + duration, "start_utc_ns": clock, "end_utc_ns": clock + duration,
-                 "admission_blocked": bool(rng.random() < 0.3), "free_blocks": 100, "total_blocks": 6000,
-                 "num_slots": n, "num_holders": holders_per_step}
+                {
+                    "pool": pool.name,
+                    "replica": replica.id,
+                    "segment_id": f"{replica.id}-s0",
+                    "seq": seq,
+                    "start_ns": clock,
+                    "end_ns": clock + duration,
+                    "start_utc_ns": clock,
+                    "end_utc_ns": clock + duration,
+                    "admission_blocked": bool(rng.random() < 0.3),
+                    "free_blocks": 100,
+                    "total_blocks": 6000,
+                    "num_slots": n,
+                    "num_holders": holders_per_step,
+                }
             )
             for position, index in enumerate(chosen):
                 slots.append(
-                    {"pool": pool.name, "replica": replica.id, "seq": seq, "slot_index": position,
-                     "request_id": requests[index], "new_tokens": int(new[position]),
-                     "context_tokens": int(context[position]),
-                     "kv_blocks": float(np.ceil((context[position] + new[position]) / 16) / rng.integers(1, 3)),
-                     "prompt_tokens": int(prompt[position]), "prefix_hit_tokens": int(hits[position]),
-                     "spec_drafted": int(drafted[position]), "spec_accepted": int(accepted[position])}
+                    {
+                        "pool": pool.name,
+                        "replica": replica.id,
+                        "seq": seq,
+                        "slot_index": position,
+                        "request_id": requests[index],
+                        "new_tokens": int(new[position]),
+                        "context_tokens": int(context[position]),
+                        "kv_blocks": float(
+                            np.ceil((context[position] + new[position]) / 16) / rng.integers(1, 3)
+                        ),
+                        "prompt_tokens": int(prompt[position]),
+                        "prefix_hit_tokens": int(hits[position]),
+                        "spec_drafted": int(drafted[position]),
+                        "spec_accepted": int(accepted[position]),
+                    }
                 )
             others = [i for i in range(len(requests)) if i not in set(chosen)]
-            for position, index in enumerate(rng.choice(others, size=holders_per_step, replace=False)):
+            for position, index in enumerate(
+                rng.choice(others, size=holders_per_step, replace=False)
+            ):
                 holders.append(
-                    {"pool": pool.name, "replica": replica.id, "seq": seq, "holder_index": position,
-                     "request_id": requests[index], "kv_blocks": float(rng.integers(1, 200)),
-                     "state": str(rng.choice(["waiting", "preempted", "swapped"]))}
+                    {
+                        "pool": pool.name,
+                        "replica": replica.id,
+                        "seq": seq,
+                        "holder_index": position,
+                        "request_id": requests[index],
+                        "kv_blocks": float(rng.integers(1, 200)),
+                        "state": str(rng.choice(["waiting", "preempted", "swapped"])),
+                    }
                 )
             clock += duration + int(rng.integers(0, gap_ns + 1))
     known = [r for r in requests if rng.random() >= missing_context]
-    causes = rng.choice([None, "client_timeout", "platform_timeout"], size=len(known), p=[0.8, 0.1, 0.1])
+    causes = rng.choice(
+        [None, "client_timeout", "platform_timeout"], size=len(known), p=[0.8, 0.1, 0.1]
+    )
     context = pl.DataFrame(
         {
             "request_id": known,
@@ -112,14 +155,33 @@ def synthetic_log(
             "retry_of": [None if c is None else "earlier" for c in causes],
             "retry_cause": list(causes),
         },
-        schema={c: pl.String for c in ("request_id", "tenant", "feature", "api_key_id", "retry_of", "retry_cause")},
+        schema={
+            c: pl.String
+            for c in ("request_id", "tenant", "feature", "api_key_id", "retry_of", "retry_cause")
+        },
     )
     return StepLog(
-        pl.DataFrame(steps).cast({"seq": pl.Int64, "free_blocks": pl.Int32, "total_blocks": pl.Int32,
-                                  "num_slots": pl.Int32, "num_holders": pl.Int32}),
-        pl.DataFrame(slots).cast({"seq": pl.Int64, "slot_index": pl.Int32, "new_tokens": pl.Int32,
-                                  "context_tokens": pl.Int32, "prompt_tokens": pl.Int32,
-                                  "prefix_hit_tokens": pl.Int32, "spec_drafted": pl.Int32, "spec_accepted": pl.Int32}),
+        pl.DataFrame(steps).cast(
+            {
+                "seq": pl.Int64,
+                "free_blocks": pl.Int32,
+                "total_blocks": pl.Int32,
+                "num_slots": pl.Int32,
+                "num_holders": pl.Int32,
+            }
+        ),
+        pl.DataFrame(slots).cast(
+            {
+                "seq": pl.Int64,
+                "slot_index": pl.Int32,
+                "new_tokens": pl.Int32,
+                "context_tokens": pl.Int32,
+                "prompt_tokens": pl.Int32,
+                "prefix_hit_tokens": pl.Int32,
+                "spec_drafted": pl.Int32,
+                "spec_accepted": pl.Int32,
+            }
+        ),
         pl.DataFrame(holders).cast({"seq": pl.Int64, "holder_index": pl.Int32}),
         context,
     )

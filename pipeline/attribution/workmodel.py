@@ -44,7 +44,9 @@ class Coefficients:
                 raise ValueError(f"coefficient {name}={value!r} must be finite and >= 0")
         if not self.version:
             canonical = json.dumps([self.c0_ms, self.a_ms, self.b_ms])
-            object.__setattr__(self, "version", "fit-" + hashlib.sha256(canonical.encode()).hexdigest()[:10])
+            object.__setattr__(
+                self, "version", "fit-" + hashlib.sha256(canonical.encode()).hexdigest()[:10]
+            )
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,9 @@ class SlotBatch:
         n = self.step_index.shape[0]
         for name in ("new_tokens", "context_tokens", "prompt_tokens"):
             if getattr(self, name).shape[0] != n:
-                raise ValueError(f"{name} has {getattr(self, name).shape[0]} rows, step_index has {n}")
+                raise ValueError(
+                    f"{name} has {getattr(self, name).shape[0]} rows, step_index has {n}"
+                )
         try:
             steps = GroupedRows.of(self.step_index, self.n_steps)
         except ValueError:
@@ -84,7 +88,9 @@ def attention_pairs(new_tokens: np.ndarray, context_tokens: np.ndarray) -> np.nd
     return t * (np.asarray(context_tokens, dtype=np.float64) + (t + 1.0) / 2.0)
 
 
-def split_fixed(fixed_per_step: np.ndarray, batch: SlotBatch, policy: FixedCostPolicy) -> np.ndarray:
+def split_fixed(
+    fixed_per_step: np.ndarray, batch: SlotBatch, policy: FixedCostPolicy
+) -> np.ndarray:
     """Each slot's part of its step's fixed work, per the fixed-cost policy."""
     step_fixed = fixed_per_step[batch.step_index]
     per_slot = step_fixed / batch.slots_per_step[batch.step_index]
@@ -93,15 +99,24 @@ def split_fixed(fixed_per_step: np.ndarray, batch: SlotBatch, policy: FixedCostP
     if policy != "per_token":
         raise ValueError(f"unknown fixed-cost policy {policy!r}; expected per_slot or per_token")
     tokens = batch.new_tokens.astype(np.float64)
-    tokens_per_step = np.bincount(batch.step_index, weights=tokens, minlength=batch.n_steps)[batch.step_index]
-    per_token = step_fixed * np.divide(tokens, tokens_per_step, out=np.zeros_like(tokens), where=tokens_per_step > 0)
+    tokens_per_step = np.bincount(batch.step_index, weights=tokens, minlength=batch.n_steps)[
+        batch.step_index
+    ]
+    per_token = step_fixed * np.divide(
+        tokens, tokens_per_step, out=np.zeros_like(tokens), where=tokens_per_step > 0
+    )
     # A step of zero new tokens (holders only, defensive) falls back to per slot.
     return np.where(tokens_per_step > 0, per_token, per_slot)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
 def _add_own_work(
-    fixed: np.ndarray, fixed_index: np.ndarray, new_tokens: np.ndarray, context: np.ndarray, a: float, b: float,
+    fixed: np.ndarray,
+    fixed_index: np.ndarray,
+    new_tokens: np.ndarray,
+    context: np.ndarray,
+    a: float,
+    b: float,
     out: np.ndarray,
 ) -> None:
     """out = fixed[fixed_index] + a t + b t (L + (t + 1) / 2), in the reference allocator's
@@ -112,7 +127,9 @@ def _add_own_work(
         out[i] = fixed[fixed_index[i]] + (a * t + b * (t * (context[i] + (t + 1.0) / 2.0)))
 
 
-def fitted_work_ms(coefficients: Coefficients, batch: SlotBatch, policy: FixedCostPolicy) -> np.ndarray:
+def fitted_work_ms(
+    coefficients: Coefficients, batch: SlotBatch, policy: FixedCostPolicy
+) -> np.ndarray:
     """Each slot's predicted milliseconds: its part of c0 plus a t + b t (L + (t+1)/2)."""
     if policy == "per_slot":
         # c0 / slots, as the reference divides it: one value per step.
@@ -135,7 +152,9 @@ def fitted_work_ms(coefficients: Coefficients, batch: SlotBatch, policy: FixedCo
     return out
 
 
-def kernel_work_us(fixed_us: np.ndarray, slot_us: np.ndarray, batch: SlotBatch, policy: FixedCostPolicy) -> np.ndarray:
+def kernel_work_us(
+    fixed_us: np.ndarray, slot_us: np.ndarray, batch: SlotBatch, policy: FixedCostPolicy
+) -> np.ndarray:
     """Each slot's kernel work: its part of the step's fixed time plus its own, summed over resources.
 
     `fixed_us` is (n_steps, resources) and `slot_us` (n_slots, resources), as the kernel's
@@ -198,7 +217,10 @@ class KernelWeights:
 
         canonical = json.dumps(deployment.model_dump(mode="json"), sort_keys=True)
         digest = hashlib.sha256(canonical.encode()).hexdigest()[:10]
-        return cls(Kernel.build(deployment), f"kernel-{deployment.model}-{deployment.chip}-tp{deployment.tp}-{digest}")
+        return cls(
+            Kernel.build(deployment),
+            f"kernel-{deployment.model}-{deployment.chip}-tp{deployment.tp}-{digest}",
+        )
 
     @classmethod
     def for_pool(cls, pool: Pool) -> KernelWeights:
@@ -208,7 +230,11 @@ class KernelWeights:
 
     def compute_work(self, batch: SlotBatch, policy: FixedCostPolicy) -> np.ndarray:
         fixed_us, slot_us = self.kernel.slot_work_many(
-            batch.step_index, batch.new_tokens, batch.context_tokens, batch.prompt_tokens, batch.n_steps
+            batch.step_index,
+            batch.new_tokens,
+            batch.context_tokens,
+            batch.prompt_tokens,
+            batch.n_steps,
         )
         return kernel_work_us(fixed_us, slot_us, batch, policy)
 

@@ -26,11 +26,18 @@ DEFAULT_STORE = Path("calibration.yaml")
     type=click.Path(dir_okay=False, path_type=Path),
     help="calibration store to update (.yaml/.yml or .json)",
 )
-@click.option("--min-r2", default=0.9, show_default=True, type=click.FloatRange(0.0, 1.0),
-              help="fits with a lower R^2 are reported but not stored")
+@click.option(
+    "--min-r2",
+    default=0.9,
+    show_default=True,
+    type=click.FloatRange(0.0, 1.0),
+    help="fits with a lower R^2 are reported but not stored",
+)
 @click.option("--dry-run", is_flag=True, help="fit and report without writing the store")
 @click.option("--json", "as_json", is_flag=True, help="print the fits as a JSON array")
-def calibrate_command(data_dir: Path, store_path: Path, min_r2: float, dry_run: bool, as_json: bool) -> None:
+def calibrate_command(
+    data_dir: Path, store_path: Path, min_r2: float, dry_run: bool, as_json: bool
+) -> None:
     """Fit the work model on the steps in DIR, one fit per model, GPU type, engine version and
     driver version found in the segment headers, and store the coefficients with a version."""
     import polars as pl
@@ -43,18 +50,26 @@ def calibrate_command(data_dir: Path, store_path: Path, min_r2: float, dry_run: 
     try:
         from pipeline.steplog import read_segments
     except ImportError as err:
-        raise click.ClickException(f"the step-log decoder (pipeline.steplog) is not available: {err}") from err
+        raise click.ClickException(
+            f"the step-log decoder (pipeline.steplog) is not available: {err}"
+        ) from err
     log = read_segments(segment_paths)
     try:
         store = CalibrationStore.load(store_path)
-        fits = fit_by_version(pl.from_arrow(log.steps), pl.from_arrow(log.slots), pl.from_arrow(log.segments))
+        fits = fit_by_version(
+            pl.from_arrow(log.steps), pl.from_arrow(log.slots), pl.from_arrow(log.segments)
+        )
     except CalibrationError as err:
         raise click.ClickException(str(err)) from err
 
     report = []
     for (model, gpu_type, engine_version, driver_version), fit in fits.items():
         accepted = fit.r_squared >= min_r2
-        version = store.put(model, gpu_type, engine_version, driver_version, fit).version if accepted else None
+        version = (
+            store.put(model, gpu_type, engine_version, driver_version, fit).version
+            if accepted
+            else None
+        )
         report.append(
             {
                 "model": model,
@@ -79,8 +94,10 @@ def calibrate_command(data_dir: Path, store_path: Path, min_r2: float, dry_run: 
     else:
         for r in report:
             verdict = (
-                f"stored as {r['version']} in {store_path}" if r["stored"]
-                else "not stored (dry run)" if dry_run and r["version"]
+                f"stored as {r['version']} in {store_path}"
+                if r["stored"]
+                else "not stored (dry run)"
+                if dry_run and r["version"]
                 else f"REJECTED: R^2 below {min_r2}"
             )
             click.echo(
@@ -89,6 +106,9 @@ def calibrate_command(data_dir: Path, store_path: Path, min_r2: float, dry_run: 
                 f"R^2={r['r_squared']:.4f}, rmse {r['rmse_ms']:.3f} ms over {r['n_steps']} steps; {verdict}"
             )
         if damaged:
-            click.echo(f"note: {damaged} damaged region(s) in the segments; run `stepledger inspect` for details", err=True)
+            click.echo(
+                f"note: {damaged} damaged region(s) in the segments; run `stepledger inspect` for details",
+                err=True,
+            )
     if any(r["version"] is None for r in report):
         raise SystemExit(1)

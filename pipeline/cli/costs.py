@@ -52,8 +52,14 @@ def _cell(column: str, value: object) -> str:
 
 # Column headings of the printed table; amount_nano is left to --json and SQL (it would not fit).
 HEADINGS = {
-    "day": "day", "tenant": "tenant", "feature": "feature", "amount_usd": "USD", "requests": "requests",
-    "tokens": "tokens", "usd_per_request": "USD/request", "usd_per_1k_tokens": "USD/1k tokens",
+    "day": "day",
+    "tenant": "tenant",
+    "feature": "feature",
+    "amount_usd": "USD",
+    "requests": "requests",
+    "tokens": "tokens",
+    "usd_per_request": "USD/request",
+    "usd_per_1k_tokens": "USD/1k tokens",
 }
 
 
@@ -70,7 +76,9 @@ def print_report(report: dict[str, list[dict]], title: str) -> None:
         table = Table(title=title)
         for column in columns:
             name_column = column in ("tenant", "feature", "day")
-            table.add_column(HEADINGS[column], justify="left" if name_column else "right", no_wrap=True)
+            table.add_column(
+                HEADINGS[column], justify="left" if name_column else "right", no_wrap=True
+            )
         for row in report["costs"]:
             table.add_row(*(_cell(c, row[c]) for c in columns))
         # Never cut a name or a number: print wider than the terminal rather than wrap.
@@ -87,10 +95,20 @@ def print_report(report: dict[str, list[dict]], title: str) -> None:
 
 
 @click.command("costs")
-@click.option("--data", "data_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("demo-run"),
-              show_default=True, help="data directory whose warehouse.duckdb to read")
-@click.option("--warehouse", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="the DuckDB file (default: DATA/warehouse.duckdb)")
+@click.option(
+    "--data",
+    "data_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("demo-run"),
+    show_default=True,
+    help="data directory whose warehouse.duckdb to read",
+)
+@click.option(
+    "--warehouse",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="the DuckDB file (default: DATA/warehouse.duckdb)",
+)
 @click.option("--by", type=click.Choice(sorted(QUERIES)), default="tenant", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
 def costs_command(data_dir: Path, warehouse: Path | None, by: str, as_json: bool) -> None:
@@ -100,7 +118,10 @@ def costs_command(data_dir: Path, warehouse: Path | None, by: str, as_json: bool
     except WarehouseError as err:
         raise click.ClickException(str(err)) from err
     if as_json:
-        plain = {k: [{c: _plain(v) for c, v in row.items()} for row in rows] for k, rows in report.items()}
+        plain = {
+            k: [{c: _plain(v) for c, v in row.items()} for row in rows]
+            for k, rows in report.items()
+        }
         click.echo(json.dumps(plain, indent=2))
     else:
         print_report(report, f"costs by {by}")

@@ -28,10 +28,14 @@ def prepare_out_dir(out: Path) -> None:
     """Make `out` ready for a fresh simulation: replace an earlier demo, refuse anything else."""
     if out.exists() and any(out.iterdir()):
         if not (out / DEMO_MARKER).is_file():
-            raise click.ClickException(f"{out} exists and is not an earlier demo run: choose another --out")
+            raise click.ClickException(
+                f"{out} exists and is not an earlier demo run: choose another --out"
+            )
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / DEMO_MARKER).write_text("created by `stepledger demo`; the next demo into this directory replaces it\n")
+    (out / DEMO_MARKER).write_text(
+        "created by `stepledger demo`; the next demo into this directory replaces it\n"
+    )
 
 
 # The calibration sweep before billing (at most as long as the billed span): long enough for
@@ -48,14 +52,18 @@ def calibrate_from_segments(segment_paths: list[Path], store_path: Path) -> list
     from pipeline.steplog import read_segments
 
     log = read_segments(segment_paths)
-    fits = fit_by_version(pl.from_arrow(log.steps), pl.from_arrow(log.slots), pl.from_arrow(log.segments))
+    fits = fit_by_version(
+        pl.from_arrow(log.steps), pl.from_arrow(log.slots), pl.from_arrow(log.segments)
+    )
     store = CalibrationStore.load(store_path)
     entries = [store.put(*key, fit) for key, fit in fits.items()]
     store.save(store_path)
     return entries
 
 
-def calibrate_fleet(out: Path, pools: PoolsFile, *, hours: float, seed: int, workers: int) -> list[CalibrationEntry]:
+def calibrate_fleet(
+    out: Path, pools: PoolsFile, *, hours: float, seed: int, workers: int
+) -> list[CalibrationEntry]:
     """Simulate a short clean sweep of the pools into `out/calibration-sweep` and store its
     fits in `out/calibration.yaml`, as a production fleet is calibrated before its engines
     bill: the calibration check then knows the fleet's engine version, and a version the
@@ -64,23 +72,51 @@ def calibrate_fleet(out: Path, pools: PoolsFile, *, hours: float, seed: int, wor
     from pipeline.simulator import simulate
 
     sweep = out / "calibration-sweep"
-    simulate(sweep, pools, hours=min(hours, CALIBRATION_SWEEP_HOURS), seed=seed + 1, workers=workers)
+    simulate(
+        sweep, pools, hours=min(hours, CALIBRATION_SWEEP_HOURS), seed=seed + 1, workers=workers
+    )
     return calibrate_from_segments(sorted(sweep.glob("outbox/*/*.seg")), out / CALIBRATION_FILE)
 
 
 @click.command("demo")
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("demo-run"), show_default=True,
-              help="directory for the simulated data, the Parquet lake, warehouse.duckdb and report.html")
-@click.option("--hours", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
-              help="simulated hours (fractions allowed)")
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("demo-run"),
+    show_default=True,
+    help="directory for the simulated data, the Parquet lake, warehouse.duckdb and report.html",
+)
+@click.option(
+    "--hours",
+    type=click.FloatRange(min=0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="simulated hours (fractions allowed)",
+)
 @click.option("--seed", type=int, default=1, show_default=True)
-@click.option("--fault", "faults", multiple=True, metavar="NAME[=VALUE]",
-              help="inject a fault into the simulation (repeatable), e.g. drop-records=0.01")
-@click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True,
-              help="processes simulating replicas in parallel (one per core)")
-@click.option("--json", "as_json", is_flag=True,
-              help="print one JSON object (calibration, simulation, runs, costs, report path) instead of tables")
-def demo_command(out: Path, hours: float, seed: int, faults: tuple[str, ...], workers: int, as_json: bool) -> None:
+@click.option(
+    "--fault",
+    "faults",
+    multiple=True,
+    metavar="NAME[=VALUE]",
+    help="inject a fault into the simulation (repeatable), e.g. drop-records=0.01",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="processes simulating replicas in parallel (one per core)",
+)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="print one JSON object (calibration, simulation, runs, costs, report path) instead of tables",
+)
+def demo_command(
+    out: Path, hours: float, seed: int, faults: tuple[str, ...], workers: int, as_json: bool
+) -> None:
     """Simulate the default pools, calibrate them, bill them hour by hour through the Dagster
     pipeline, and write an HTML report (OUT/report.html)."""
     from rich.console import Console
@@ -102,12 +138,19 @@ def demo_command(out: Path, hours: float, seed: int, faults: tuple[str, ...], wo
     with console.status("calibrating: a short clean sweep of every pool"):
         entries = calibrate_fleet(out, pools, hours=hours, seed=seed, workers=workers)
     for entry in entries:
-        console.print(f"calibrated {entry.model} on {entry.gpu_type}, engine {entry.engine_version}, "
-                      f"driver {entry.driver_version}: R^2 {entry.r_squared:.3f} over {entry.n_steps:,} steps")
+        console.print(
+            f"calibrated {entry.model} on {entry.gpu_type}, engine {entry.engine_version}, "
+            f"driver {entry.driver_version}: R^2 {entry.r_squared:.3f} over {entry.n_steps:,} steps"
+        )
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task(f"simulating {hours:g} h", total=1.0)
         summary = simulate(
-            out, pools, hours=hours, seed=seed, faults=fault_values, workers=workers,
+            out,
+            pools,
+            hours=hours,
+            seed=seed,
+            faults=fault_values,
+            workers=workers,
             progress=lambda done, total: progress.update(task, completed=done / total),
         )
     console.print(f"simulated {summary.requests:,} requests, {summary.steps:,} steps into {out}")
@@ -126,13 +169,19 @@ def demo_command(out: Path, hours: float, seed: int, faults: tuple[str, ...], wo
     with console.status("writing the report"):
         write_report(out / "warehouse.duckdb", pools, out / "lake", Scope.everything(), report)
     if as_json:
-        click.echo(json.dumps({
-            "calibration": [dataclasses.asdict(e) for e in entries],
-            "simulation": dataclasses.asdict(summary),
-            "runs": [dataclasses.asdict(r) | {"hour": hour_key(r.hour)} for r in runs],
-            "costs": costs,
-            "report": str(report),
-        }, default=str, indent=2))
+        click.echo(
+            json.dumps(
+                {
+                    "calibration": [dataclasses.asdict(e) for e in entries],
+                    "simulation": dataclasses.asdict(summary),
+                    "runs": [dataclasses.asdict(r) | {"hour": hour_key(r.hour)} for r in runs],
+                    "costs": costs,
+                    "report": str(report),
+                },
+                default=str,
+                indent=2,
+            )
+        )
         return
     # Plain, unwrapped: the path is meant to be copied.
     click.echo(f"report: {report}")

@@ -10,7 +10,12 @@ import click
 
 @click.command("explain-step")
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--json", "as_json", is_flag=True, help="print JSON: one object, or an array for an array of steps")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="print JSON: one object, or an array for an array of steps",
+)
 def explain_step_command(file: Path, as_json: bool) -> None:
     """Split the step(s) in FILE among their slots and explain each share.
 
@@ -28,14 +33,18 @@ def explain_step_command(file: Path, as_json: bool) -> None:
     except OSError as err:
         raise click.ClickException(f"{file}: cannot read: {err.strerror}") from err
     except json.JSONDecodeError as err:
-        raise click.ClickException(f"{file}:{err.lineno}:{err.colno}: not valid JSON: {err.msg}") from err
+        raise click.ClickException(
+            f"{file}:{err.lineno}:{err.colno}: not valid JSON: {err.msg}"
+        ) from err
     try:
         steps, was_array = parse_steps(document, str(file))
         explained = explain_steps(steps)
     except (ExplainError, AllocationError) as err:
         raise click.ClickException(str(err)) from err
     except ImportError as err:
-        raise click.ClickException(f"{file}: kernel weights need the pricing package: {err}") from err
+        raise click.ClickException(
+            f"{file}: kernel weights need the pricing package: {err}"
+        ) from err
 
     if as_json:
         payload = [step.as_dict() for step in explained]
@@ -52,7 +61,18 @@ def explain_step_command(file: Path, as_json: bool) -> None:
             title=f"{title}{step.total} {step.unit}-dollars, alpha {step.alpha:g}, weights {step.weights}",
             title_justify="left",
         )
-        for column in ("request", "tokens", "context", "KV blocks", f"work {step.work_unit}", "compute", "KV", "weight", "exact", "share"):
+        for column in (
+            "request",
+            "tokens",
+            "context",
+            "KV blocks",
+            f"work {step.work_unit}",
+            "compute",
+            "KV",
+            "weight",
+            "exact",
+            "share",
+        ):
             table.add_column(column, justify="left" if column == "request" else "right")
         for slot in step.slots:
             table.add_row(
@@ -69,5 +89,9 @@ def explain_step_command(file: Path, as_json: bool) -> None:
             )
         console.print(table)
         for slot in step.slots:
-            console.print(f"  {slot.request_id}: {step.reason(slot)}", highlight=False, soft_wrap=True)
-        console.print("  * rounded up: the step's leftover units go to the largest remainders, earliest slot first")
+            console.print(
+                f"  {slot.request_id}: {step.reason(slot)}", highlight=False, soft_wrap=True
+            )
+        console.print(
+            "  * rounded up: the step's leftover units go to the largest remainders, earliest slot first"
+        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from datetime import UTC, datetime
@@ -26,7 +27,7 @@ def seq_runs(seqs: np.ndarray) -> list[tuple[int, int]]:
     breaks = np.flatnonzero(np.diff(ordered) != 1)
     firsts = np.concatenate(([ordered[0]], ordered[breaks + 1]))
     lasts = np.concatenate((ordered[breaks], [ordered[-1]]))
-    return [(int(a), int(b)) for a, b in zip(firsts, lasts)]
+    return [(int(a), int(b)) for a, b in zip(firsts, lasts, strict=False)]
 
 
 def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -42,7 +43,7 @@ def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 def _gaps(covered: list[tuple[int, int]], damage: list[dict]) -> list[dict]:
     """Sequence numbers missing between covered ranges, with the damage that explains them."""
     gaps = []
-    for (_, before), (after, _) in zip(covered, covered[1:]):
+    for (_, before), (after, _) in itertools.pairwise(covered):
         first, last = before + 1, after - 1
         causes = sorted(
             {
@@ -53,7 +54,14 @@ def _gaps(covered: list[tuple[int, int]], damage: list[dict]) -> list[dict]:
                 and (row["first_seq"] is not None or row["last_seq"] is not None)
             }
         )
-        gaps.append({"first_seq": first, "last_seq": last, "steps": last - first + 1, "explained_by": causes})
+        gaps.append(
+            {
+                "first_seq": first,
+                "last_seq": last,
+                "steps": last - first + 1,
+                "explained_by": causes,
+            }
+        )
     return gaps
 
 
@@ -67,7 +75,7 @@ def build_report(paths: list[Path]) -> dict:
     # The decoder emits steps segment by segment, in the order of its segments table, and
     # segments sorted by pool and replica: each segment and each replica is one slice.
     bounds = np.concatenate(([0], np.cumsum([s["steps"] for s in segments], dtype=np.int64)))
-    for segment, start, end in zip(segments, bounds[:-1], bounds[1:]):
+    for segment, start, end in zip(segments, bounds[:-1], bounds[1:], strict=False):
         segment["seq_ranges"] = seq_runs(step_seq[start:end])
         segment["wall_anchor_utc"] = _utc(segment["wall_anchor_ns"])
 
@@ -77,7 +85,11 @@ def build_report(paths: list[Path]) -> dict:
     for pool, replica in dict.fromkeys((s["pool"], s["replica"]) for s in segments):
         own = [i for i, s in enumerate(segments) if (s["pool"], s["replica"]) == (pool, replica)]
         own_paths = {segments[i]["path"] for i in own}
-        own_drops = [(d["first_seq"], d["last_seq"]) for d in drops if (d["pool"], d["replica"]) == (pool, replica)]
+        own_drops = [
+            (d["first_seq"], d["last_seq"])
+            for d in drops
+            if (d["pool"], d["replica"]) == (pool, replica)
+        ]
         seqs = step_seq[bounds[own[0]] : bounds[own[-1] + 1]]
         runs = seq_runs(seqs)
         own_damage = [row for row in damage if row["path"] in own_paths] + unattached_damage
@@ -104,7 +116,11 @@ def build_report(paths: list[Path]) -> dict:
 
 
 def _utc(ns: int) -> str:
-    return datetime.fromtimestamp(ns / 1e9, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return (
+        datetime.fromtimestamp(ns / 1e9, UTC)
+        .isoformat(timespec="milliseconds")
+        .replace("+00:00", "Z")
+    )
 
 
 def _ranges(ranges: list[tuple[int, int]]) -> str:
@@ -120,12 +136,25 @@ def _print(report: dict, console: Console) -> None:
         _print_segments(report, console)
     if report["damage"]:
         _print_damage(report, console)
-    console.print("[green]no damage[/green]" if report["ok"] else "[bold red]damage or missing steps found[/bold red]")
+    console.print(
+        "[green]no damage[/green]"
+        if report["ok"]
+        else "[bold red]damage or missing steps found[/bold red]"
+    )
 
 
 def _print_segments(report: dict, console: Console) -> None:
     table = Table(title=f"Segments ({len(report['segments'])} of {report['files']} files)")
-    for column in ("file", "pool / replica", "engine", "model", "opened (UTC)", "steps", "seq ranges", "dropped"):
+    for column in (
+        "file",
+        "pool / replica",
+        "engine",
+        "model",
+        "opened (UTC)",
+        "steps",
+        "seq ranges",
+        "dropped",
+    ):
         table.add_column(column, overflow="fold")
     for s in report["segments"]:
         table.add_row(
@@ -145,7 +174,8 @@ def _print_segments(report: dict, console: Console) -> None:
         table.add_column(column, overflow="fold")
     for r in report["replicas"]:
         gaps = [
-            f"{g['first_seq']}-{g['last_seq']} ({g['steps']}, {'/'.join(g['explained_by']) or 'MISSING'})" for g in r["gaps"]
+            f"{g['first_seq']}-{g['last_seq']} ({g['steps']}, {'/'.join(g['explained_by']) or 'MISSING'})"
+            for g in r["gaps"]
         ]
         table.add_row(
             f"{r['pool']} / {r['replica']}",
@@ -164,7 +194,9 @@ def _print_damage(report: dict, console: Console) -> None:
         table.add_column(column, overflow="fold")
     for d in report["damage"]:
         seqs = f"{'?' if d['first_seq'] is None else d['first_seq']}-{'?' if d['last_seq'] is None else d['last_seq']}"
-        table.add_row(d["path"], d["kind"], str(d["byte_offset"]), str(d["byte_length"]), seqs, d["detail"])
+        table.add_row(
+            d["path"], d["kind"], str(d["byte_offset"]), str(d["byte_length"]), seqs, d["detail"]
+        )
     console.print(table)
 
 
@@ -184,4 +216,3 @@ def inspect_command(paths: tuple[Path, ...], as_json: bool) -> None:
     else:
         _print(report, Console())
     sys.exit(0 if report["ok"] else 1)
-

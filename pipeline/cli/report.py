@@ -8,16 +8,34 @@ import click
 
 
 @click.command("report")
-@click.option("--data", "data_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="data directory holding lake/ and pools.yaml [default: the warehouse's directory, else demo-run]")
-@click.option("--warehouse", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="the DuckDB file [default: DATA/warehouse.duckdb]")
+@click.option(
+    "--data",
+    "data_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="data directory holding lake/ and pools.yaml [default: the warehouse's directory, else demo-run]",
+)
+@click.option(
+    "--warehouse",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="the DuckDB file [default: DATA/warehouse.duckdb]",
+)
 @click.option("--hour", "hour", metavar="YYYY-MM-DDTHH", default=None, help="report one UTC hour")
 @click.option("--day", "day", metavar="YYYY-MM-DD", default=None, help="report one UTC day")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="HTML file to write [default: DATA/report-<period>.html]")
-def report_command(data_dir: Path | None, warehouse: Path | None, hour: str | None, day: str | None,
-                   out: Path | None) -> None:
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="HTML file to write [default: DATA/report-<period>.html]",
+)
+def report_command(
+    data_dir: Path | None,
+    warehouse: Path | None,
+    hour: str | None,
+    day: str | None,
+    out: Path | None,
+) -> None:
     """Write an HTML report that opens offline: costs per tenant and feature by hour, idle and
     the other ledger lines, cost per request and per thousand tokens, the top requests, each
     tenant's SM/HBM/NVLink/NIC/host usage, reconciliation status, and each pool's bottleneck

@@ -23,8 +23,8 @@ class PoolHourRun:
     hour: datetime
     pool: str
     success: bool
-    failed_checks: list[str]   # "name: detail" of every failed check
-    error: str | None          # the first step failure, when a step raised
+    failed_checks: list[str]  # "name: detail" of every failed check
+    error: str | None  # the first step failure, when a step raised
 
 
 def hours_in_data(data_dir: Path) -> list[datetime]:
@@ -56,12 +56,15 @@ def run_pool_hours(
         for hour in hours:
             for pool in pools.pools:
                 result = job.execute_in_process(
-                    partition_key=partition_key(hour, pool.name), instance=instance,
-                    run_config=QUIET_RUN_CONFIG, raise_on_error=False,
+                    partition_key=partition_key(hour, pool.name),
+                    instance=instance,
+                    run_config=QUIET_RUN_CONFIG,
+                    raise_on_error=False,
                 )
                 # A failed blocking check also fails its step; only other failures are errors.
                 failures = [
-                    e for e in result.get_step_failure_events()
+                    e
+                    for e in result.get_step_failure_events()
                     if e.event_specific_data.error.cls_name != "DagsterAssetCheckFailedError"
                 ]
                 run = PoolHourRun(
@@ -73,7 +76,9 @@ def run_pool_hours(
                         for e in result.get_asset_check_evaluations()
                         if not e.passed
                     ],
-                    error=failures[0].event_specific_data.error.message.strip() if failures else None,
+                    error=failures[0].event_specific_data.error.message.strip()
+                    if failures
+                    else None,
                 )
                 runs.append(run)
                 if on_done:
@@ -101,35 +106,65 @@ def run_with_progress(
             progress.advance(task)
             if quiet:
                 return
-            status = "[green]published[/green]" if run.success and not run.error else "[red]held back[/red]"
+            status = (
+                "[green]published[/green]"
+                if run.success and not run.error
+                else "[red]held back[/red]"
+            )
             if run.error:
                 status = f"[red]failed[/red]: {run.error.splitlines()[0]}"
             console.print(f"{hour_key(run.hour)} {run.pool}: {status}")
             for finding in run.failed_checks:
                 shown = finding if len(finding) <= 150 else finding[:149] + "…"
-                console.print(f"    [yellow]check failed[/yellow] {shown}", overflow="ellipsis", no_wrap=True)
+                console.print(
+                    f"    [yellow]check failed[/yellow] {shown}", overflow="ellipsis", no_wrap=True
+                )
 
         return run_pool_hours(data_dir, hours, warehouse=warehouse, on_done=done)
 
 
 @click.command("run")
-@click.option("--data", "data_dir", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="directory with outbox/, gateway/, dcgm/ and pools.yaml (as `stepledger simulate` writes)")
-@click.option("--hour", "hour_keys", multiple=True, metavar="YYYY-MM-DDTHH",
-              help="an hour to (re)run; repeatable (default: every hour with a gateway file)")
-@click.option("--warehouse", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="the DuckDB file (default: DATA/warehouse.duckdb)")
-@click.option("--json", "as_json", is_flag=True, help="print one JSON object per pool-hour run, as an array")
-def run_command(data_dir: Path, hour_keys: tuple[str, ...], warehouse: Path | None, as_json: bool) -> None:
+@click.option(
+    "--data",
+    "data_dir",
+    required=True,
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="directory with outbox/, gateway/, dcgm/ and pools.yaml (as `stepledger simulate` writes)",
+)
+@click.option(
+    "--hour",
+    "hour_keys",
+    multiple=True,
+    metavar="YYYY-MM-DDTHH",
+    help="an hour to (re)run; repeatable (default: every hour with a gateway file)",
+)
+@click.option(
+    "--warehouse",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="the DuckDB file (default: DATA/warehouse.duckdb)",
+)
+@click.option(
+    "--json", "as_json", is_flag=True, help="print one JSON object per pool-hour run, as an array"
+)
+def run_command(
+    data_dir: Path, hour_keys: tuple[str, ...], warehouse: Path | None, as_json: bool
+) -> None:
     """Ingest, attribute, publish and reconcile every pool-hour of DATA."""
     try:
-        hours = sorted({parse_hour_key(k) for k in hour_keys}) if hour_keys else hours_in_data(data_dir)
+        hours = (
+            sorted({parse_hour_key(k) for k in hour_keys}) if hour_keys else hours_in_data(data_dir)
+        )
     except ValueError as err:
         raise click.BadParameter(str(err), param_hint="--hour") from err
     if not hours:
-        raise click.ClickException(f"{data_dir / 'gateway'}: no hourly gateway files, so no hours to run")
+        raise click.ClickException(
+            f"{data_dir / 'gateway'}: no hourly gateway files, so no hours to run"
+        )
     runs = run_with_progress(data_dir, hours, warehouse, quiet=as_json)
     if as_json:
-        click.echo(json.dumps([dataclasses.asdict(r) | {"hour": hour_key(r.hour)} for r in runs], indent=2))
+        click.echo(
+            json.dumps([dataclasses.asdict(r) | {"hour": hour_key(r.hour)} for r in runs], indent=2)
+        )
     if any(r.error for r in runs):
         raise click.ClickException("some pool-hours failed; see above")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import click
@@ -14,9 +14,11 @@ from schemas.config import DEFAULT_POOLS_PATH, ConfigError, load_pools
 
 
 def _fault_help() -> str:
-    lines = [f"{name}{f'[={value_name}]' if value_name else ''} ({help_text}"
-             + (f"; default {default:g})" if default is not None else ")")
-             for name, (default, value_name, help_text) in FAULTS.items()]
+    lines = [
+        f"{name}{f'[={value_name}]' if value_name else ''} ({help_text}"
+        + (f"; default {default:g})" if default is not None else ")")
+        for name, (default, value_name, help_text) in FAULTS.items()
+    ]
     return "Inject a fault, repeatable: " + "; ".join(lines) + "."
 
 
@@ -26,29 +28,69 @@ def _parse_start(ctx: click.Context, param: click.Parameter, value: str) -> date
     except ValueError as err:
         raise click.BadParameter(f"{value!r} is not an ISO time such as 2026-11-30T00:00Z") from err
     if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=timezone.utc)
-    moment = moment.astimezone(timezone.utc)
+        moment = moment.replace(tzinfo=UTC)
+    moment = moment.astimezone(UTC)
     if (moment.minute, moment.second, moment.microsecond) != (0, 0, 0):
         raise click.BadParameter(f"{value!r} is not on the hour")
     return moment
 
 
 @click.command("simulate")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True,
-              help="Run directory to create (must not already hold a run).")
-@click.option("--hours", type=click.FloatRange(min=0.0, min_open=True), required=True,
-              help="Simulated hours (fractions allowed).")
-@click.option("--seed", type=int, required=True, help="Random seed: the same seed gives the same data.")
-@click.option("--pools", "pools_path", type=click.Path(dir_okay=False, path_type=Path), default=DEFAULT_POOLS_PATH,
-              show_default=True, help="Pools file describing pools, replicas and workloads.")
-@click.option("--start", default="2026-11-30T00:00Z", show_default=True, callback=_parse_start,
-              help="UTC start of the span, on the hour.")
-@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Processes simulating replicas side by side (the data does not depend on it).")
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    help="Run directory to create (must not already hold a run).",
+)
+@click.option(
+    "--hours",
+    type=click.FloatRange(min=0.0, min_open=True),
+    required=True,
+    help="Simulated hours (fractions allowed).",
+)
+@click.option(
+    "--seed", type=int, required=True, help="Random seed: the same seed gives the same data."
+)
+@click.option(
+    "--pools",
+    "pools_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=DEFAULT_POOLS_PATH,
+    show_default=True,
+    help="Pools file describing pools, replicas and workloads.",
+)
+@click.option(
+    "--start",
+    default="2026-11-30T00:00Z",
+    show_default=True,
+    callback=_parse_start,
+    help="UTC start of the span, on the hour.",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Processes simulating replicas side by side (the data does not depend on it).",
+)
 @click.option("--fault", "fault_texts", multiple=True, metavar="NAME[=VALUE]", help=_fault_help())
-@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object instead of a table.")
-def simulate_command(out_dir: Path, hours: float, seed: int, pools_path: Path, start: datetime, workers: int,
-                     fault_texts: tuple[str, ...], as_json: bool) -> None:
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print the summary as one JSON object instead of a table.",
+)
+def simulate_command(
+    out_dir: Path,
+    hours: float,
+    seed: int,
+    pools_path: Path,
+    start: datetime,
+    workers: int,
+    fault_texts: tuple[str, ...],
+    as_json: bool,
+) -> None:
     """Simulate inference pools: step segments per replica (through the real StepRecorder),
     gateway request context and DCGM exporter scrapes, as production would deliver them.
 
@@ -56,7 +98,13 @@ def simulate_command(out_dir: Path, hours: float, seed: int, pools_path: Path, s
     (idle-replica: the last replica of the first pool with several); the summary names them.
     """
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
     from rich.table import Table
 
     from pipeline.simulator import simulate
@@ -71,17 +119,32 @@ def simulate_command(out_dir: Path, hours: float, seed: int, pools_path: Path, s
     console = Console(stderr=as_json)
     if not console.is_terminal:
         console.width = 160
-    columns = (TextColumn("simulating"), BarColumn(), TextColumn("{task.completed:,.0f}/{task.total:,.0f} replica-s"),
-               TimeElapsedColumn(), TimeRemainingColumn())
+    columns = (
+        TextColumn("simulating"),
+        BarColumn(),
+        TextColumn("{task.completed:,.0f}/{task.total:,.0f} replica-s"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
     with Progress(*columns, console=console, transient=True) as bar:
-        task = bar.add_task("simulate", total=hours * 3600 * sum(len(p.replicas) for p in pools.pools))
+        task = bar.add_task(
+            "simulate", total=hours * 3600 * sum(len(p.replicas) for p in pools.pools)
+        )
 
         def progress(done: float, total: float) -> None:
             bar.update(task, completed=done, total=total)
 
         try:
-            summary = simulate(out_dir, pools, hours=hours, seed=seed, start=start, faults=faults, progress=progress,
-                               workers=workers)
+            summary = simulate(
+                out_dir,
+                pools,
+                hours=hours,
+                seed=seed,
+                start=start,
+                faults=faults,
+                progress=progress,
+                workers=workers,
+            )
         except (FaultError, FileExistsError, ValueError) as err:
             raise click.ClickException(str(err)) from err
 
@@ -89,13 +152,32 @@ def simulate_command(out_dir: Path, hours: float, seed: int, pools_path: Path, s
         click.echo(json.dumps(dataclasses.asdict(summary), default=str, indent=2))
         return
     table = Table(title=f"{summary.requests:,} requests, {summary.steps:,} steps -> {out_dir}")
-    for column in ("pool", "replica", "requests", "finished", "steps", "dropped", "busy", "gpu busy",
-                   "preempted", "blocked steps"):
+    for column in (
+        "pool",
+        "replica",
+        "requests",
+        "finished",
+        "steps",
+        "dropped",
+        "busy",
+        "gpu busy",
+        "preempted",
+        "blocked steps",
+    ):
         table.add_column(column, justify="left" if column in ("pool", "replica") else "right")
     for r in summary.replicas:
-        table.add_row(r.pool, r.replica, f"{r.requests:,}", f"{r.finished:,}", f"{r.steps:,}", f"{r.dropped_steps:,}",
-                      f"{r.busy_fraction:.1%}", f"{r.gpu_busy_fraction:.1%}", f"{r.preemptions:,}",
-                      f"{r.admission_blocked_steps:,}")
+        table.add_row(
+            r.pool,
+            r.replica,
+            f"{r.requests:,}",
+            f"{r.finished:,}",
+            f"{r.steps:,}",
+            f"{r.dropped_steps:,}",
+            f"{r.busy_fraction:.1%}",
+            f"{r.gpu_busy_fraction:.1%}",
+            f"{r.preemptions:,}",
+            f"{r.admission_blocked_steps:,}",
+        )
     console.print(table)
     console.print(f"gateway lines: {summary.gateway_lines:,} of {summary.requests:,} requests")
     for name, what in summary.faults.items():

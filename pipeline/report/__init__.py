@@ -10,10 +10,21 @@ from pipeline.report.html import render_html
 from pipeline.report.money import usd, usd_per
 from schemas.config import PoolsFile
 
-__all__ = ["ReportData", "ReportError", "Scope", "load_report", "render_html", "usd", "usd_per", "write_report"]
+__all__ = [
+    "ReportData",
+    "ReportError",
+    "Scope",
+    "load_report",
+    "render_html",
+    "usd",
+    "usd_per",
+    "write_report",
+]
 
 
-def write_report(warehouse: Path, pools: PoolsFile, lake: Path, scope: Scope, out: Path) -> ReportData:
+def write_report(
+    warehouse: Path, pools: PoolsFile, lake: Path, scope: Scope, out: Path
+) -> ReportData:
     """Build the report for `scope` and write it to `out` (atomically: a reader never sees half a page)."""
     data = load_report(warehouse, pools, lake, scope)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import duckdb
@@ -43,7 +43,11 @@ class Scope:
 
     @classmethod
     def everything(cls) -> Scope:
-        return cls(datetime(1970, 1, 1, tzinfo=timezone.utc), datetime(9999, 1, 1, tzinfo=timezone.utc), "all hours")
+        return cls(
+            datetime(1970, 1, 1, tzinfo=UTC),
+            datetime(9999, 1, 1, tzinfo=UTC),
+            "all hours",
+        )
 
     @classmethod
     def hour(cls, key: str) -> Scope:
@@ -55,7 +59,7 @@ class Scope:
     @classmethod
     def day(cls, text: str) -> Scope:
         try:
-            start = datetime.strptime(text, "%Y-%m-%d").replace(tzinfo=timezone.utc)
+            start = datetime.strptime(text, "%Y-%m-%d").replace(tzinfo=UTC)
         except ValueError as err:
             raise ValueError(f"day {text!r} is not of the form YYYY-MM-DD") from err
         return cls(start, start + timedelta(days=1), f"day {text} UTC")
@@ -71,12 +75,12 @@ class BottleneckSweep:
     pool: str
     title: str
     context_tokens: int
-    context_source: str            # where the context length came from
+    context_source: str  # where the context length came from
     batches: np.ndarray
     resource_ms: dict[str, np.ndarray]
     overlap_ms: np.ndarray
     nooverlap_ms: np.ndarray
-    bottleneck_ranges: list[tuple[str, int, int]]   # (resource, first batch, last batch)
+    bottleneck_ranges: list[tuple[str, int, int]]  # (resource, first batch, last batch)
 
 
 @dataclass(frozen=True)
@@ -84,11 +88,15 @@ class ReportData:
     warehouse: Path
     scope: Scope
     generated_at: datetime
-    invoices: pl.DataFrame        # hour, pool, gpus, usd_per_gpu_hour, amount_nano, published, reason
-    lines: pl.DataFrame           # hour, pool, tenant, feature, line_kind, amount_nano, requests, new_tokens, cached_tokens
-    requests: pl.DataFrame        # the TOP_REQUESTS most expensive published request-hours
-    resources: pl.DataFrame       # tenant, <r>_us, <r>_nano per resource, compute_nano, kv_nano, requests
-    checks: pl.DataFrame          # reconciliation rows of the scope
+    invoices: pl.DataFrame  # hour, pool, gpus, usd_per_gpu_hour, amount_nano, published, reason
+    lines: (
+        pl.DataFrame
+    )  # hour, pool, tenant, feature, line_kind, amount_nano, requests, new_tokens, cached_tokens
+    requests: pl.DataFrame  # the TOP_REQUESTS most expensive published request-hours
+    resources: (
+        pl.DataFrame
+    )  # tenant, <r>_us, <r>_nano per resource, compute_nano, kv_nano, requests
+    checks: pl.DataFrame  # reconciliation rows of the scope
     alerts: pl.DataFrame
     sweeps: list[BottleneckSweep]
     notes: list[str] = field(default_factory=list)
@@ -146,7 +154,9 @@ def load_report(
         try:
             invoices = query_frame(con, _INVOICES, scope.params())
         except duckdb.CatalogException as err:
-            raise ReportError(f"{warehouse}: not a stepledger warehouse ({err}); run `stepledger run` first") from err
+            raise ReportError(
+                f"{warehouse}: not a stepledger warehouse ({err}); run `stepledger run` first"
+            ) from err
         if invoices.is_empty():
             raise ReportError(
                 f"{warehouse}: no invoiced hours in {scope.label}; run `stepledger run` for those hours, "
@@ -157,12 +167,23 @@ def load_report(
         checks = query_frame(con, _CHECKS, scope.params())
         alerts = query_frame(con, _ALERTS, scope.params())
         resources, decode_contexts = _resource_breakdown(con, pools, lake, invoices, notes)
-    sweeps = [_sweep(pool, decode_contexts.get(pool.name)) for pool in pools.pools
-              if pool.name in set(invoices["pool"].to_list())]
+    sweeps = [
+        _sweep(pool, decode_contexts.get(pool.name))
+        for pool in pools.pools
+        if pool.name in set(invoices["pool"].to_list())
+    ]
     return ReportData(
-        warehouse=warehouse, scope=scope, generated_at=now or datetime.now(timezone.utc),
-        invoices=invoices, lines=lines, requests=top, resources=resources, checks=checks, alerts=alerts,
-        sweeps=sweeps, notes=notes,
+        warehouse=warehouse,
+        scope=scope,
+        generated_at=now or datetime.now(UTC),
+        invoices=invoices,
+        lines=lines,
+        requests=top,
+        resources=resources,
+        checks=checks,
+        alerts=alerts,
+        sweeps=sweeps,
+        notes=notes,
     )
 
 
@@ -190,13 +211,20 @@ def _slot_resource_work(pool: Pool, steps: pl.DataFrame, slots: pl.DataFrame) ->
         batch.step_index, batch.new_tokens, batch.context_tokens, batch.prompt_tokens, batch.n_steps
     )
     fixed_split = np.column_stack(
-        [split_fixed(fixed_us[:, r], batch, pool.policies.fixed_cost) for r in range(len(RESOURCES))]
+        [
+            split_fixed(fixed_us[:, r], batch, pool.policies.fixed_cost)
+            for r in range(len(RESOURCES))
+        ]
     )
     return fixed_split + slot_us
 
 
 def _resource_breakdown(
-    con: duckdb.DuckDBPyConnection, pools: PoolsFile, lake: Path, invoices: pl.DataFrame, notes: list[str]
+    con: duckdb.DuckDBPyConnection,
+    pools: PoolsFile,
+    lake: Path,
+    invoices: pl.DataFrame,
+    notes: list[str],
 ) -> tuple[pl.DataFrame, dict[str, int]]:
     """Per tenant: kernel work per resource and its compute charge split over the resources.
 
@@ -220,15 +248,24 @@ def _resource_breakdown(
         costs = query_frame(con, _REQUEST_COSTS, [hour.replace(tzinfo=None), pool_name])
         if data.slots.is_empty():
             if costs.height:
-                notes.append(f"{hour_key(hour)} {pool_name}: no slots in {lake}, so its requests are "
-                             "missing from the resource breakdown")
+                notes.append(
+                    f"{hour_key(hour)} {pool_name}: no slots in {lake}, so its requests are "
+                    "missing from the resource breakdown"
+                )
             continue
-        steps = data.steps.with_row_index("step").select("replica", "seq", pl.col("step").cast(pl.Int64))
-        slots = data.slots.join(steps, on=["replica", "seq"], how="inner").sort("step", "slot_index")
+        steps = data.steps.with_row_index("step").select(
+            "replica", "seq", pl.col("step").cast(pl.Int64)
+        )
+        slots = data.slots.join(steps, on=["replica", "seq"], how="inner").sort(
+            "step", "slot_index"
+        )
         work = _slot_resource_work(pool, steps, slots)
         decode = (slots["context_tokens"] >= slots["prompt_tokens"]) & (
-            slots["new_tokens"] <= pool.engine.decode_threshold)
-        decode_contexts.setdefault(pool_name, []).append(slots.filter(decode)["context_tokens"].to_numpy())
+            slots["new_tokens"] <= pool.engine.decode_threshold
+        )
+        decode_contexts.setdefault(pool_name, []).append(
+            slots.filter(decode)["context_tokens"].to_numpy()
+        )
         request_work = (
             slots.select("request_id")
             .with_columns(pl.Series(f"{r}_us", work[:, i]) for i, r in enumerate(RESOURCES))
@@ -239,24 +276,38 @@ def _resource_breakdown(
         # Requests that only held KV blocks in the hour have no slot work and no compute charge;
         # they stay in for their KV memory.
         joined = costs.join(request_work, on="request_id", how="left").with_columns(
-            pl.col(f"{r}_us").fill_null(0.0) for r in RESOURCES)
-        unexplained = joined.filter((pl.col("compute_nano") > 0) & (pl.sum_horizontal(*(f"{r}_us" for r in RESOURCES)) == 0))
+            pl.col(f"{r}_us").fill_null(0.0) for r in RESOURCES
+        )
+        unexplained = joined.filter(
+            (pl.col("compute_nano") > 0) & (pl.sum_horizontal(*(f"{r}_us" for r in RESOURCES)) == 0)
+        )
         if unexplained.height:
-            notes.append(f"{hour_key(hour)} {pool_name}: {unexplained.height} request(s) charged for compute have no "
-                         f"slots in {lake} (e.g. {unexplained['request_id'][0]}); they are left out of the resource "
-                         "breakdown")
+            notes.append(
+                f"{hour_key(hour)} {pool_name}: {unexplained.height} request(s) charged for compute have no "
+                f"slots in {lake} (e.g. {unexplained['request_id'][0]}); they are left out of the resource "
+                "breakdown"
+            )
             joined = joined.join(unexplained.select("request_id"), on="request_id", how="anti")
         per_request.append(joined)
 
     frames = [f for f in per_request if f.height]
     if not frames:
-        empty = {"tenant": pl.String, "requests": pl.Int64, "compute_nano": pl.Int64, "kv_nano": pl.Int64}
-        empty |= {f"{r}_us": pl.Float64 for r in RESOURCES} | {f"{r}_nano": pl.Int64 for r in RESOURCES}
+        empty = {
+            "tenant": pl.String,
+            "requests": pl.Int64,
+            "compute_nano": pl.Int64,
+            "kv_nano": pl.Int64,
+        }
+        empty |= {f"{r}_us": pl.Float64 for r in RESOURCES} | {
+            f"{r}_nano": pl.Int64 for r in RESOURCES
+        }
         return pl.DataFrame(schema=empty), _medians(decode_contexts)
     rows = pl.concat(frames).sort("tenant", "request_id")
     work = rows.select(f"{r}_us" for r in RESOURCES).to_numpy()
     shares, _ = largest_remainder(
-        rows["compute_nano"].to_numpy(), np.repeat(np.arange(rows.height), len(RESOURCES)), work.reshape(-1)
+        rows["compute_nano"].to_numpy(),
+        np.repeat(np.arange(rows.height), len(RESOURCES)),
+        work.reshape(-1),
     )
     shares = shares.reshape(-1, len(RESOURCES))
     split = rows.with_columns(pl.Series(f"{r}_nano", shares[:, i]) for i, r in enumerate(RESOURCES))
@@ -290,12 +341,21 @@ def _sweep(pool: Pool, median_context: int | None) -> BottleneckSweep:
 
     kernel = _kernel(pool.model_dump_json())
     context = median_context if median_context is not None else FALLBACK_CONTEXT
-    source = "median decode context in the lake" if median_context is not None else "no decode slots in the lake: default"
+    source = (
+        "median decode context in the lake"
+        if median_context is not None
+        else "no decode slots in the lake: default"
+    )
     tokens = 1 + pool.engine.num_spec_tokens
     step_index = np.repeat(np.arange(SWEEP_BATCHES.size), SWEEP_BATCHES)
     computed = np.full(step_index.size, max(context - tokens, 0), dtype=np.int64)
-    prices = kernel.price_many(step_index, np.full(step_index.size, tokens, dtype=np.int64), computed, computed,
-                               n_steps=SWEEP_BATCHES.size)
+    prices = kernel.price_many(
+        step_index,
+        np.full(step_index.size, tokens, dtype=np.int64),
+        computed,
+        computed,
+        n_steps=SWEEP_BATCHES.size,
+    )
     bottleneck = prices.bottleneck.astype(np.int64)
     changes = np.flatnonzero(np.diff(bottleneck)) + 1
     ranges = [
@@ -305,8 +365,10 @@ def _sweep(pool: Pool, median_context: int | None) -> BottleneckSweep:
     d = deployment_for_pool(pool)
     return BottleneckSweep(
         pool=pool.name,
-        title=(f"{pool.name}: {d.model} {d.dtype or ''} on {d.tp}x {d.chip}, {d.cudagraph_mode}"
-               + (f", {d.num_spec_tokens} speculative token(s)" if d.num_spec_tokens else "")),
+        title=(
+            f"{pool.name}: {d.model} {d.dtype or ''} on {d.tp}x {d.chip}, {d.cudagraph_mode}"
+            + (f", {d.num_spec_tokens} speculative token(s)" if d.num_spec_tokens else "")
+        ),
         context_tokens=context,
         context_source=source,
         batches=SWEEP_BATCHES,

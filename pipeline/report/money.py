@@ -5,8 +5,8 @@ from __future__ import annotations
 from decimal import ROUND_HALF_EVEN, Decimal
 
 NANO_PER_USD = Decimal(1_000_000_000)
-AMOUNT_PLACES = 6     # micro-dollars: an hour's line, a request
-UNIT_PLACES = 8       # cost per request and per thousand tokens are fractions of a cent
+AMOUNT_PLACES = 6  # micro-dollars: an hour's line, a request
+UNIT_PLACES = 8  # cost per request and per thousand tokens are fractions of a cent
 
 
 def usd(nano: int, places: int = AMOUNT_PLACES) -> str:

@@ -53,14 +53,14 @@ PREEMPTED = 3
 FINISHED = 4
 
 # Indices into the `scalars` state vector.
-S_RUNNING = 0        # number of running requests
-S_WAIT_HEAD = 1      # waiting ring buffer: index of the first element
-S_WAIT_LEN = 2       # waiting ring buffer: length
-S_NEXT_ARRIVAL = 3   # first request not yet moved into the waiting queue
-S_USED = 4           # blocks referenced by a request
-S_EVICTABLE = 5      # cached prefix blocks with no holder (free, but still cached)
-S_STEP = 6           # steps run so far
-S_PREEMPTIONS = 7    # preemptions so far
+S_RUNNING = 0  # number of running requests
+S_WAIT_HEAD = 1  # waiting ring buffer: index of the first element
+S_WAIT_LEN = 2  # waiting ring buffer: length
+S_NEXT_ARRIVAL = 3  # first request not yet moved into the waiting queue
+S_USED = 4  # blocks referenced by a request
+S_EVICTABLE = 5  # cached prefix blocks with no holder (free, but still cached)
+S_STEP = 6  # steps run so far
+S_PREEMPTIONS = 7  # preemptions so far
 N_SCALARS = 8
 
 # Per-step features of the duration model: 1, scheduled tokens, context tokens read,
@@ -74,8 +74,19 @@ def _seed(seed: int) -> None:
 
 
 @njit(cache=True)
-def _free_request(r, feature, prefix_blocks, private_blocks, shares_prefix, feature_ref, feature_resident,
-                  feature_writer, feature_released_step, scalars, step):
+def _free_request(
+    r,
+    feature,
+    prefix_blocks,
+    private_blocks,
+    shares_prefix,
+    feature_ref,
+    feature_resident,
+    feature_writer,
+    feature_released_step,
+    scalars,
+    step,
+):
     """Release every block request `r` holds; returns nothing, updates the block counters."""
     scalars[S_USED] -= private_blocks[r]
     private_blocks[r] = 0
@@ -102,33 +113,83 @@ def _held_blocks(r, feature, prefix_blocks, private_blocks, shares_prefix, featu
 
 
 @njit(cache=True)
-def _make_room(needed, prefix_blocks, feature_ref, feature_resident, feature_released_step, scalars, total_blocks):
+def _make_room(
+    needed,
+    prefix_blocks,
+    feature_ref,
+    feature_resident,
+    feature_released_step,
+    scalars,
+    total_blocks,
+):
     """Evict unreferenced cached prefixes (least recently released first) until `needed` blocks are truly free."""
     while total_blocks - scalars[S_USED] - scalars[S_EVICTABLE] < needed:
         victim = -1
         for f in range(prefix_blocks.shape[0]):
-            if feature_resident[f] and feature_ref[f] == 0:
-                if victim < 0 or feature_released_step[f] < feature_released_step[victim]:
-                    victim = f
+            if (
+                feature_resident[f]
+                and feature_ref[f] == 0
+                and (victim < 0 or feature_released_step[f] < feature_released_step[victim])
+            ):
+                victim = f
         feature_resident[victim] = False
         scalars[S_EVICTABLE] -= prefix_blocks[victim]
 
 
 @njit(cache=True)
 def _run_steps(
-    arrival_ns, prompt_tokens, output_tokens, feature, prefix_blocks,
-    computed, generated, status, private_blocks, shares_prefix, scheduled_once, preemptions,
-    feature_ref, feature_resident, feature_writer, feature_released_step,
-    running, waiting, scalars,
-    block_size, total_blocks, max_num_seqs, max_num_batched_tokens, num_spec_tokens, spec_accept_prob,
-    visible_until_ns, max_steps, time_budget_ns, step_model,
-    step_features, step_num_slots, step_num_holders, step_admission_blocked, step_free_blocks, step_preempted,
-    slot_request, slot_new, slot_context, slot_kv, slot_prompt, slot_hit, slot_drafted, slot_accepted,
-    holder_request, holder_kv,
+    arrival_ns,
+    prompt_tokens,
+    output_tokens,
+    feature,
+    prefix_blocks,
+    computed,
+    generated,
+    status,
+    private_blocks,
+    shares_prefix,
+    scheduled_once,
+    preemptions,
+    feature_ref,
+    feature_resident,
+    feature_writer,
+    feature_released_step,
+    running,
+    waiting,
+    scalars,
+    block_size,
+    total_blocks,
+    max_num_seqs,
+    max_num_batched_tokens,
+    num_spec_tokens,
+    spec_accept_prob,
+    visible_until_ns,
+    max_steps,
+    time_budget_ns,
+    step_model,
+    step_features,
+    step_num_slots,
+    step_num_holders,
+    step_admission_blocked,
+    step_free_blocks,
+    step_preempted,
+    slot_request,
+    slot_new,
+    slot_context,
+    slot_kv,
+    slot_prompt,
+    slot_hit,
+    slot_drafted,
+    slot_accepted,
+    holder_request,
+    holder_kv,
 ):
     n_requests = arrival_ns.shape[0]
     capacity = waiting.shape[0]
-    while scalars[S_NEXT_ARRIVAL] < n_requests and arrival_ns[scalars[S_NEXT_ARRIVAL]] <= visible_until_ns:
+    while (
+        scalars[S_NEXT_ARRIVAL] < n_requests
+        and arrival_ns[scalars[S_NEXT_ARRIVAL]] <= visible_until_ns
+    ):
         r = scalars[S_NEXT_ARRIVAL]
         waiting[(scalars[S_WAIT_HEAD] + scalars[S_WAIT_LEN]) % capacity] = r
         scalars[S_WAIT_LEN] += 1
@@ -166,8 +227,19 @@ def _run_steps(
             while extra > total_blocks - scalars[S_USED]:
                 victim = running[scalars[S_RUNNING] - 1]
                 scalars[S_RUNNING] -= 1
-                _free_request(victim, feature, prefix_blocks, private_blocks, shares_prefix, feature_ref,
-                              feature_resident, feature_writer, feature_released_step, scalars, step)
+                _free_request(
+                    victim,
+                    feature,
+                    prefix_blocks,
+                    private_blocks,
+                    shares_prefix,
+                    feature_ref,
+                    feature_resident,
+                    feature_writer,
+                    feature_released_step,
+                    scalars,
+                    step,
+                )
                 computed[victim] = 0
                 status[victim] = PREEMPTED
                 preemptions[victim] += 1
@@ -181,8 +253,15 @@ def _run_steps(
             if not scheduled:
                 break
             if extra > 0:
-                _make_room(extra, prefix_blocks, feature_ref, feature_resident, feature_released_step, scalars,
-                           total_blocks)
+                _make_room(
+                    extra,
+                    prefix_blocks,
+                    feature_ref,
+                    feature_resident,
+                    feature_released_step,
+                    scalars,
+                    total_blocks,
+                )
                 scalars[S_USED] += extra
                 private_blocks[r] = needed_private
             slot_request[n_slots_total] = r
@@ -228,8 +307,15 @@ def _run_steps(
                         feature_writer[f] = r
                     feature_ref[f] += 1
                     shares_prefix[r] = True
-                _make_room(extra, prefix_blocks, feature_ref, feature_resident, feature_released_step, scalars,
-                           total_blocks)
+                _make_room(
+                    extra,
+                    prefix_blocks,
+                    feature_ref,
+                    feature_resident,
+                    feature_released_step,
+                    scalars,
+                    total_blocks,
+                )
                 scalars[S_USED] += extra
                 private_blocks[r] = needed_private
                 scalars[S_WAIT_HEAD] = (scalars[S_WAIT_HEAD] + 1) % capacity
@@ -255,14 +341,16 @@ def _run_steps(
 
         # Blocks held while the step runs: a shared prefix counts 1/k to each of its k holders.
         for s in range(first_slot, n_slots_total):
-            slot_kv[s] = _held_blocks(slot_request[s], feature, prefix_blocks, private_blocks, shares_prefix,
-                                      feature_ref)
+            slot_kv[s] = _held_blocks(
+                slot_request[s], feature, prefix_blocks, private_blocks, shares_prefix, feature_ref
+            )
         first_holder = n_holders_total
         for j in range(first_unscheduled_running, last_unscheduled_running):
             r = running[j]
             holder_request[n_holders_total] = r
-            holder_kv[n_holders_total] = _held_blocks(r, feature, prefix_blocks, private_blocks, shares_prefix,
-                                                      feature_ref)
+            holder_kv[n_holders_total] = _held_blocks(
+                r, feature, prefix_blocks, private_blocks, shares_prefix, feature_ref
+            )
             n_holders_total += 1
 
         # Predicted duration, so the caller can end the chunk when the next request arrives.
@@ -308,8 +396,19 @@ def _run_steps(
                 feature_resident[f] = True
                 feature_writer[f] = -1
             if generated[r] >= output_tokens[r]:
-                _free_request(r, feature, prefix_blocks, private_blocks, shares_prefix, feature_ref,
-                              feature_resident, feature_writer, feature_released_step, scalars, step)
+                _free_request(
+                    r,
+                    feature,
+                    prefix_blocks,
+                    private_blocks,
+                    shares_prefix,
+                    feature_ref,
+                    feature_resident,
+                    feature_writer,
+                    feature_released_step,
+                    scalars,
+                    step,
+                )
                 status[r] = FINISHED
                 any_finished = True
         if any_finished:
@@ -333,22 +432,22 @@ class StepBatch:
     """Steps run by one `Engine.run` call. Slot and holder rows are flat, in step order;
     `step_num_slots` / `step_num_holders` say how many belong to each step."""
 
-    step_features: np.ndarray         # float64 (steps, N_STEP_FEATURES): the duration model's inputs
-    step_num_slots: np.ndarray        # int64 per step
-    step_num_holders: np.ndarray      # int64 per step
-    admission_blocked: np.ndarray     # bool per step
-    free_blocks: np.ndarray           # int64 per step
-    preempted: np.ndarray             # int64 per step: requests preempted while scheduling it
-    slot_request: np.ndarray          # int64 request index per slot
-    new_tokens: np.ndarray            # int64
-    context_tokens: np.ndarray        # int64
-    kv_blocks: np.ndarray             # float64
-    prompt_tokens: np.ndarray         # int64
-    prefix_hit_tokens: np.ndarray     # int64
-    spec_drafted: np.ndarray          # int64
-    spec_accepted: np.ndarray         # int64
-    holder_request: np.ndarray        # int64 request index per holder
-    holder_kv_blocks: np.ndarray      # float64
+    step_features: np.ndarray  # float64 (steps, N_STEP_FEATURES): the duration model's inputs
+    step_num_slots: np.ndarray  # int64 per step
+    step_num_holders: np.ndarray  # int64 per step
+    admission_blocked: np.ndarray  # bool per step
+    free_blocks: np.ndarray  # int64 per step
+    preempted: np.ndarray  # int64 per step: requests preempted while scheduling it
+    slot_request: np.ndarray  # int64 request index per slot
+    new_tokens: np.ndarray  # int64
+    context_tokens: np.ndarray  # int64
+    kv_blocks: np.ndarray  # float64
+    prompt_tokens: np.ndarray  # int64
+    prefix_hit_tokens: np.ndarray  # int64
+    spec_drafted: np.ndarray  # int64
+    spec_accepted: np.ndarray  # int64
+    holder_request: np.ndarray  # int64 request index per holder
+    holder_kv_blocks: np.ndarray  # float64
 
     @property
     def steps(self) -> int:
@@ -399,12 +498,16 @@ class Engine:
         self.prefix_blocks = np.ascontiguousarray(self.prefix_blocks, dtype=np.int64)
         if n and (self.prompt_tokens.min() < 1 or self.output_tokens.min() < 1):
             raise ValueError("every request needs at least one prompt and one output token")
-        largest = (self.prompt_tokens + self.output_tokens + self.config.block_size - 1) // self.config.block_size
+        largest = (
+            self.prompt_tokens + self.output_tokens + self.config.block_size - 1
+        ) // self.config.block_size
         if n and largest.max() > self.config.total_blocks:
             raise ValueError(
                 f"a request needs {int(largest.max())} KV blocks but the replica has {self.config.total_blocks}"
             )
-        if n and np.any(self.prefix_blocks[self.feature] * self.config.block_size >= self.prompt_tokens):
+        if n and np.any(
+            self.prefix_blocks[self.feature] * self.config.block_size >= self.prompt_tokens
+        ):
             raise ValueError("a system prompt must be shorter than every prompt of its feature")
         self.computed = np.zeros(n, np.int64)
         self.generated = np.zeros(n, np.int64)
@@ -442,8 +545,13 @@ class Engine:
         index = int(self.scalars[S_NEXT_ARRIVAL])
         return int(self.arrival_ns[index]) if index < self.arrival_ns.shape[0] else None
 
-    def run(self, max_steps: int, visible_until_ns: int, time_budget_ns: float = np.inf,
-            step_model: np.ndarray | None = None) -> StepBatch:
+    def run(
+        self,
+        max_steps: int,
+        visible_until_ns: int,
+        time_budget_ns: float = np.inf,
+        step_model: np.ndarray | None = None,
+    ) -> StepBatch:
         """Make requests arrived by `visible_until_ns` visible, then run up to `max_steps` steps.
 
         Stops early when nothing is left to schedule (the engine would idle until the next
@@ -455,32 +563,88 @@ class Engine:
         slots_cap = max_steps * cfg.max_num_seqs
         # Three fresh buffers per call: the recorder keeps views of them.
         features = np.empty((max_steps, N_STEP_FEATURES), np.float64)
-        model = np.zeros(N_STEP_FEATURES) if step_model is None else np.ascontiguousarray(step_model, np.float64)
+        model = (
+            np.zeros(N_STEP_FEATURES)
+            if step_model is None
+            else np.ascontiguousarray(step_model, np.float64)
+        )
         per_step = np.empty((5, max_steps), np.int64)
         step_num_slots, step_num_holders, blocked, free_blocks, preempted = per_step
         per_slot = np.empty((8, slots_cap), np.int64)
-        (slot_request, slot_new, slot_context, slot_prompt, slot_hit, slot_drafted, slot_accepted,
-         holder_request) = per_slot
+        (
+            slot_request,
+            slot_new,
+            slot_context,
+            slot_prompt,
+            slot_hit,
+            slot_drafted,
+            slot_accepted,
+            holder_request,
+        ) = per_slot
         per_slot_float = np.empty((2, slots_cap), np.float64)
         slot_kv, holder_kv = per_slot_float
         steps, n_slots, n_holders = _run_steps(
-            self.arrival_ns, self.prompt_tokens, self.output_tokens, self.feature, self.prefix_blocks,
-            self.computed, self.generated, self.status, self.private_blocks, self.shares_prefix,
-            self.scheduled_once, self.preemptions,
-            self.feature_ref, self.feature_resident, self.feature_writer, self.feature_released_step,
-            self.running, self.waiting, self.scalars,
-            cfg.block_size, cfg.total_blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.num_spec_tokens,
-            cfg.spec_accept_prob, visible_until_ns, max_steps, float(time_budget_ns), model,
-            features, step_num_slots, step_num_holders, blocked, free_blocks, preempted,
-            slot_request, slot_new, slot_context, slot_kv, slot_prompt, slot_hit, slot_drafted, slot_accepted,
-            holder_request, holder_kv,
+            self.arrival_ns,
+            self.prompt_tokens,
+            self.output_tokens,
+            self.feature,
+            self.prefix_blocks,
+            self.computed,
+            self.generated,
+            self.status,
+            self.private_blocks,
+            self.shares_prefix,
+            self.scheduled_once,
+            self.preemptions,
+            self.feature_ref,
+            self.feature_resident,
+            self.feature_writer,
+            self.feature_released_step,
+            self.running,
+            self.waiting,
+            self.scalars,
+            cfg.block_size,
+            cfg.total_blocks,
+            cfg.max_num_seqs,
+            cfg.max_num_batched_tokens,
+            cfg.num_spec_tokens,
+            cfg.spec_accept_prob,
+            visible_until_ns,
+            max_steps,
+            float(time_budget_ns),
+            model,
+            features,
+            step_num_slots,
+            step_num_holders,
+            blocked,
+            free_blocks,
+            preempted,
+            slot_request,
+            slot_new,
+            slot_context,
+            slot_kv,
+            slot_prompt,
+            slot_hit,
+            slot_drafted,
+            slot_accepted,
+            holder_request,
+            holder_kv,
         )
         return StepBatch(
-            step_features=features[:steps], step_num_slots=step_num_slots[:steps], step_num_holders=step_num_holders[:steps],
-            admission_blocked=blocked[:steps].astype(np.bool_), free_blocks=free_blocks[:steps], preempted=preempted[:steps],
-            slot_request=slot_request[:n_slots], new_tokens=slot_new[:n_slots],
-            context_tokens=slot_context[:n_slots], kv_blocks=slot_kv[:n_slots],
-            prompt_tokens=slot_prompt[:n_slots], prefix_hit_tokens=slot_hit[:n_slots],
-            spec_drafted=slot_drafted[:n_slots], spec_accepted=slot_accepted[:n_slots],
-            holder_request=holder_request[:n_holders], holder_kv_blocks=holder_kv[:n_holders],
+            step_features=features[:steps],
+            step_num_slots=step_num_slots[:steps],
+            step_num_holders=step_num_holders[:steps],
+            admission_blocked=blocked[:steps].astype(np.bool_),
+            free_blocks=free_blocks[:steps],
+            preempted=preempted[:steps],
+            slot_request=slot_request[:n_slots],
+            new_tokens=slot_new[:n_slots],
+            context_tokens=slot_context[:n_slots],
+            kv_blocks=slot_kv[:n_slots],
+            prompt_tokens=slot_prompt[:n_slots],
+            prefix_hit_tokens=slot_hit[:n_slots],
+            spec_drafted=slot_drafted[:n_slots],
+            spec_accepted=slot_accepted[:n_slots],
+            holder_request=holder_request[:n_holders],
+            holder_kv_blocks=holder_kv[:n_holders],
         )

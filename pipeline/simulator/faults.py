@@ -29,7 +29,11 @@ from dataclasses import dataclass
 
 # name -> (default value, name of the value or None when it takes none, one-line help)
 FAULTS: dict[str, tuple[float | None, str | None, str]] = {
-    "drop-records": (0.02, "FRACTION", "lose a burst of FRACTION of the span's steps as counted drops"),
+    "drop-records": (
+        0.02,
+        "FRACTION",
+        "lose a burst of FRACTION of the span's steps as counted drops",
+    ),
     "torn-segment": (None, None, "truncate one segment mid-frame"),
     "duplicate-segment": (None, None, "deliver one segment twice under another name"),
     "clock-skew": (36.0, "SECONDS", "a replica's wall clock runs slow by SECONDS per hour"),
@@ -87,7 +91,7 @@ def validate_fault(name: str, value: float | None) -> float | None:
 class ReplicaFaults:
     """The faults that act while one replica is simulated."""
 
-    drop_window_ns: tuple[int, int] | None = None   # steps starting in [a, b) are dropped
-    wall_rate: float = 1.0                           # wall-clock seconds per true second
+    drop_window_ns: tuple[int, int] | None = None  # steps starting in [a, b) are dropped
+    wall_rate: float = 1.0  # wall-clock seconds per true second
     host_stall_fraction: float = 0.0
     engine_version: str = ENGINE_VERSION

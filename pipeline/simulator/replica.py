@@ -47,17 +47,17 @@ class ReplicaRun:
     """What happened on one replica; times are ns since the span start."""
 
     replica: str
-    requests: int                   # routed to the replica
-    finished: int                   # whose last token was produced before the simulation stopped
-    steps: int                      # steps started in the span (recorded or dropped)
+    requests: int  # routed to the replica
+    finished: int  # whose last token was produced before the simulation stopped
+    steps: int  # steps started in the span (recorded or dropped)
     recorded_steps: int
     dropped_steps: int
-    busy_ns: int                    # sum of step durations, host stalls included
+    busy_ns: int  # sum of step durations, host stalls included
     preemptions: int
     admission_blocked_steps: int
     prefix_hit_tokens: int
     mean_admission_lag_steps: float
-    gpu_busy_start_ns: np.ndarray   # when the GPU ran kernels (DCGM's view)
+    gpu_busy_start_ns: np.ndarray  # when the GPU ran kernels (DCGM's view)
     gpu_busy_end_ns: np.ndarray
     segments: list[Path]
 
@@ -124,17 +124,30 @@ def simulate_replica(
     """
     engine_settings = pool.engine
     engine = Engine(
-        EngineConfig(block_size=pool.kv_block_size, total_blocks=engine_settings.total_kv_blocks,
-                     max_num_seqs=engine_settings.max_num_seqs,
-                     max_num_batched_tokens=engine_settings.max_num_batched_tokens,
-                     num_spec_tokens=engine_settings.num_spec_tokens),
-        arrival_ns=arrival_ns, prompt_tokens=prompt_tokens, output_tokens=output_tokens, feature=feature,
-        prefix_blocks=prefix_tokens // pool.kv_block_size, seed=int(rng.integers(0, 2**31)),
+        EngineConfig(
+            block_size=pool.kv_block_size,
+            total_blocks=engine_settings.total_kv_blocks,
+            max_num_seqs=engine_settings.max_num_seqs,
+            max_num_batched_tokens=engine_settings.max_num_batched_tokens,
+            num_spec_tokens=engine_settings.num_spec_tokens,
+        ),
+        arrival_ns=arrival_ns,
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
+        feature=feature,
+        prefix_blocks=prefix_tokens // pool.kv_block_size,
+        seed=int(rng.integers(0, 2**31)),
     )
     header = SegmentHeader(
-        pool=pool.name, replica=replica.id, engine_name=ENGINE_NAME, engine_version=faults.engine_version,
-        driver_version=DRIVER_VERSION, model=pool.model, gpu_type=pool.gpu_type,
-        gpus_per_replica=pool.gpus_per_replica, kv_block_size=pool.kv_block_size,
+        pool=pool.name,
+        replica=replica.id,
+        engine_name=ENGINE_NAME,
+        engine_version=faults.engine_version,
+        driver_version=DRIVER_VERSION,
+        model=pool.model,
+        gpu_type=pool.gpu_type,
+        gpus_per_replica=pool.gpus_per_replica,
+        kv_block_size=pool.kv_block_size,
     )
     log = _Log(outbox, header, start_wall_ns, faults.wall_rate)
     arrivals = engine.arrival_ns
@@ -157,20 +170,28 @@ def simulate_replica(
         budget_ns = float(span_ns - now)
         if following < arrivals.shape[0]:
             budget_ns = min(budget_ns, float(arrivals[following] - now))
-        batch = engine.run(MAX_CHUNK_STEPS, visible_until_ns=now, time_budget_ns=budget_ns,
-                           step_model=step_model.coefficients)
+        batch = engine.run(
+            MAX_CHUNK_STEPS,
+            visible_until_ns=now,
+            time_budget_ns=budget_ns,
+            step_model=step_model.coefficients,
+        )
         if batch.steps == 0:
             if engine.has_work:
-                raise RuntimeError(f"replica {replica.id}: requests are waiting but none can be scheduled")
+                raise RuntimeError(
+                    f"replica {replica.id}: requests are waiting but none can be scheduled"
+                )
             continue
-        gpu_ns, stall_ns, gap_ns = _durations(kernel, batch, rng, step_noise, faults.host_stall_fraction)
+        gpu_ns, stall_ns, gap_ns = _durations(
+            kernel, batch, rng, step_noise, faults.host_stall_fraction
+        )
         step_ns = gpu_ns + stall_ns
         starts = now + np.concatenate([[0], np.cumsum(step_ns + gap_ns)[:-1]])
         ends = starts + step_ns
         keep = int(np.searchsorted(starts, span_ns, side="left"))
         # Requests arriving during the chunk become visible at its end; count the steps that
         # started after they arrived (in vLLM they would have joined the first of those).
-        arrived = arrivals[following:np.searchsorted(arrivals, ends[-1], side="right")]
+        arrived = arrivals[following : np.searchsorted(arrivals, ends[-1], side="right")]
         lag_steps += int((keep - np.searchsorted(starts[:keep], arrived, side="left")).sum())
         lag_requests += arrived.shape[0]
         log.record(batch, keep, starts, ends, request_ids, total_blocks, faults.drop_window_ns)
@@ -192,9 +213,16 @@ def simulate_replica(
         progress(span_ns - reported)
     finished = int((engine.status == FINISHED).sum())
     return ReplicaRun(
-        replica=replica.id, requests=int(arrival_ns.shape[0]), finished=finished, steps=steps_run,
-        recorded_steps=steps_run - log.dropped, dropped_steps=log.dropped, busy_ns=busy_ns,
-        preemptions=preemptions, admission_blocked_steps=blocked_steps, prefix_hit_tokens=hits,
+        replica=replica.id,
+        requests=int(arrival_ns.shape[0]),
+        finished=finished,
+        steps=steps_run,
+        recorded_steps=steps_run - log.dropped,
+        dropped_steps=log.dropped,
+        busy_ns=busy_ns,
+        preemptions=preemptions,
+        admission_blocked_steps=blocked_steps,
+        prefix_hit_tokens=hits,
         mean_admission_lag_steps=lag_steps / lag_requests if lag_requests else 0.0,
         gpu_busy_start_ns=np.concatenate(busy_start) if busy_start else np.zeros(0, np.int64),
         gpu_busy_end_ns=np.concatenate(busy_end) if busy_end else np.zeros(0, np.int64),
@@ -202,22 +230,33 @@ def simulate_replica(
     )
 
 
-def _durations(kernel: Kernel, batch: StepBatch, rng: np.random.Generator, step_noise: float,
-               host_stall_fraction: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _durations(
+    kernel: Kernel,
+    batch: StepBatch,
+    rng: np.random.Generator,
+    step_noise: float,
+    host_stall_fraction: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """GPU time, host stall and the following gap of every step in the batch, in ns."""
     step_index = np.repeat(np.arange(batch.steps), batch.step_num_slots)
-    prices = kernel.price_many(step_index, batch.new_tokens, batch.context_tokens, batch.prompt_tokens, batch.steps)
+    prices = kernel.price_many(
+        step_index, batch.new_tokens, batch.context_tokens, batch.prompt_tokens, batch.steps
+    )
     noise = np.clip(1.0 + step_noise * rng.standard_normal(batch.steps), 0.5, None)
     gpu_ns = np.rint(prices.nooverlap_us * 1000.0 * noise).astype(np.int64)
     stall_ns = np.rint(gpu_ns * host_stall_fraction).astype(np.int64)
-    gap_ns = GAP_FLOOR_NS + np.rint(rng.exponential(GAP_MEAN_EXTRA_NS, batch.steps)).astype(np.int64)
+    gap_ns = GAP_FLOOR_NS + np.rint(rng.exponential(GAP_MEAN_EXTRA_NS, batch.steps)).astype(
+        np.int64
+    )
     return gpu_ns, stall_ns, gap_ns
 
 
 class _Log:
     """Feeds steps to one StepRecorder per rotation window, continuing sequence numbers."""
 
-    def __init__(self, outbox: Path, header: SegmentHeader, start_wall_ns: int, wall_rate: float) -> None:
+    def __init__(
+        self, outbox: Path, header: SegmentHeader, start_wall_ns: int, wall_rate: float
+    ) -> None:
         self.outbox = outbox
         self.header = header
         self.start_wall_ns = start_wall_ns
@@ -234,14 +273,31 @@ class _Log:
             self.close()
             opened = window * ROTATE_NS
             # A skewed wall clock is read, like the real one, when the segment opens.
-            clock = _FrozenClock(BOOT_AGE_NS + opened, self.start_wall_ns + round(opened * self.wall_rate))
-            self.recorder = StepRecorder(self.outbox, self.header, overflow="block", rotate_seconds=1e9,
-                                         mono_clock=clock.mono, wall_clock=clock.wall, first_seq=self.next_seq)
+            clock = _FrozenClock(
+                BOOT_AGE_NS + opened, self.start_wall_ns + round(opened * self.wall_rate)
+            )
+            self.recorder = StepRecorder(
+                self.outbox,
+                self.header,
+                overflow="block",
+                rotate_seconds=1e9,
+                mono_clock=clock.mono,
+                wall_clock=clock.wall,
+                first_seq=self.next_seq,
+            )
             self.window = window
         return self.recorder
 
-    def record(self, batch: StepBatch, keep: int, starts: np.ndarray, ends: np.ndarray, request_ids: np.ndarray,
-               total_blocks: int, drop_window_ns: tuple[int, int] | None) -> None:
+    def record(
+        self,
+        batch: StepBatch,
+        keep: int,
+        starts: np.ndarray,
+        ends: np.ndarray,
+        request_ids: np.ndarray,
+        total_blocks: int,
+        drop_window_ns: tuple[int, int] | None,
+    ) -> None:
         slot_end = np.cumsum(batch.step_num_slots)
         holder_end = np.cumsum(batch.step_num_holders)
         slot_ids = request_ids[batch.slot_request]
@@ -257,12 +313,22 @@ class _Log:
             a, b = slot_end[j] - batch.step_num_slots[j], slot_end[j]
             h0, h1 = holder_end[j] - batch.step_num_holders[j], holder_end[j]
             recorder.record_step(
-                BOOT_AGE_NS + start, BOOT_AGE_NS + int(ends[j]), slot_ids[a:b].tolist(),
-                batch.new_tokens[a:b], batch.context_tokens[a:b], batch.kv_blocks[a:b], batch.prompt_tokens[a:b],
-                batch.prefix_hit_tokens[a:b], batch.spec_drafted[a:b], batch.spec_accepted[a:b],
-                holder_ids=holder_ids[h0:h1].tolist(), holder_blocks=batch.holder_kv_blocks[h0:h1],
-                holder_states=["waiting"] * int(h1 - h0), admission_blocked=bool(batch.admission_blocked[j]),
-                free_blocks=int(batch.free_blocks[j]), total_blocks=total_blocks,
+                BOOT_AGE_NS + start,
+                BOOT_AGE_NS + int(ends[j]),
+                slot_ids[a:b].tolist(),
+                batch.new_tokens[a:b],
+                batch.context_tokens[a:b],
+                batch.kv_blocks[a:b],
+                batch.prompt_tokens[a:b],
+                batch.prefix_hit_tokens[a:b],
+                batch.spec_drafted[a:b],
+                batch.spec_accepted[a:b],
+                holder_ids=holder_ids[h0:h1].tolist(),
+                holder_blocks=batch.holder_kv_blocks[h0:h1],
+                holder_states=["waiting"] * int(h1 - h0),
+                admission_blocked=bool(batch.admission_blocked[j]),
+                free_blocks=int(batch.free_blocks[j]),
+                total_blocks=total_blocks,
             )
 
     def close(self) -> None:

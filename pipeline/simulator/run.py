@@ -16,7 +16,7 @@ import shutil
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +36,7 @@ from pipeline.steplog import read_segments
 from pricing import Kernel, deployment_for_pool
 from schemas.config import Pool, PoolsFile, Replica
 
-DEFAULT_START = datetime(2026, 11, 30, tzinfo=timezone.utc)
+DEFAULT_START = datetime(2026, 11, 30, tzinfo=UTC)
 # Purposes of the seeded random streams.
 _TRAFFIC, _ENGINE, _GATEWAY, _DCGM = range(4)
 
@@ -51,8 +51,8 @@ class ReplicaSummary:
     steps: int
     recorded_steps: int
     dropped_steps: int
-    busy_fraction: float            # step time / span
-    gpu_busy_fraction: float        # kernel time / span (what DCGM tracks)
+    busy_fraction: float  # step time / span
+    gpu_busy_fraction: float  # kernel time / span (what DCGM tracks)
     preemptions: int
     admission_blocked_steps: int
     prefix_hit_tokens: int
@@ -88,8 +88,9 @@ def _fault_targets(pools: PoolsFile, faults: dict[str, float | None]) -> tuple[s
     return target, idle
 
 
-def _replica_faults(replica: str, target: str, faults: dict[str, float | None], span_ns: int,
-                    notes: dict[str, str]) -> ReplicaFaults:
+def _replica_faults(
+    replica: str, target: str, faults: dict[str, float | None], span_ns: int, notes: dict[str, str]
+) -> ReplicaFaults:
     if replica != target:
         return ReplicaFaults()
     drop_window = None
@@ -97,21 +98,31 @@ def _replica_faults(replica: str, target: str, faults: dict[str, float | None], 
         fraction = faults["drop-records"]
         first = int(0.4 * span_ns)
         drop_window = (first, first + int(fraction * span_ns))
-        notes["drop-records"] = (f"{replica}: steps starting {drop_window[0] / 1e9:.0f}-{drop_window[1] / 1e9:.0f} s "
-                                 "into the span recorded as counted drops")
+        notes["drop-records"] = (
+            f"{replica}: steps starting {drop_window[0] / 1e9:.0f}-{drop_window[1] / 1e9:.0f} s "
+            "into the span recorded as counted drops"
+        )
     wall_rate = 1.0
     if "clock-skew" in faults:
         wall_rate = 1.0 - faults["clock-skew"] / 3600.0
-        notes["clock-skew"] = f"{replica}: wall clock runs slow by {faults['clock-skew']:g} s per hour"
+        notes["clock-skew"] = (
+            f"{replica}: wall clock runs slow by {faults['clock-skew']:g} s per hour"
+        )
     stall = faults.get("host-stall") or 0.0
     if "host-stall" in faults:
-        notes["host-stall"] = f"{replica}: every step waits on the host for {stall:g} of its GPU time"
+        notes["host-stall"] = (
+            f"{replica}: every step waits on the host for {stall:g} of its GPU time"
+        )
     version = ENGINE_VERSION
     if "new-engine-version" in faults:
         version = UNCALIBRATED_ENGINE_VERSION
         notes["new-engine-version"] = f"{replica}: reports engine version {version}"
-    return ReplicaFaults(drop_window_ns=drop_window, wall_rate=wall_rate, host_stall_fraction=stall,
-                         engine_version=version)
+    return ReplicaFaults(
+        drop_window_ns=drop_window,
+        wall_rate=wall_rate,
+        host_stall_fraction=stall,
+        engine_version=version,
+    )
 
 
 def _tear(segment: Path) -> int:
@@ -162,9 +173,13 @@ def simulate(
     faults = {name: validate_fault(name, value) for name, value in (faults or {}).items()}
     for existing in ("pools.yaml", "outbox", "gateway", "dcgm"):
         if (out_dir / existing).exists():
-            raise FileExistsError(f"{out_dir / existing} exists: simulate into a new or empty directory")
+            raise FileExistsError(
+                f"{out_dir / existing} exists: simulate into a new or empty directory"
+            )
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "pools.yaml").write_text(yaml.safe_dump(pools.model_dump(mode="json"), sort_keys=False))
+    (out_dir / "pools.yaml").write_text(
+        yaml.safe_dump(pools.model_dump(mode="json"), sort_keys=False)
+    )
 
     span_ns = round(hours * 3_600_000_000_000)
     start_wall_ns = int(start.timestamp()) * 1_000_000_000
@@ -185,45 +200,72 @@ def simulate(
     jobs: list[tuple[Pool, Replica, dict]] = []
     for pool_index, pool in enumerate(pools.pools):
         serving = [i for i, r in enumerate(pool.replicas) if r.id != idle]
-        pool_traffic = generate_pool_traffic(pool, span_ns, _rng(seed, pool_index, _TRAFFIC), serving_replicas=serving)
+        pool_traffic = generate_pool_traffic(
+            pool, span_ns, _rng(seed, pool_index, _TRAFFIC), serving_replicas=serving
+        )
         traffic.append(pool_traffic)
         step_noise = pool.workload.step_noise if pool.workload is not None else 0.0
         for replica_index, replica in enumerate(pool.replicas):
             mine = pool_traffic.replica == replica_index
-            jobs.append((pool, replica, dict(
-                request_ids=pool_traffic.request_ids[mine], arrival_ns=pool_traffic.arrival_ns[mine],
-                prompt_tokens=pool_traffic.prompt_tokens[mine], output_tokens=pool_traffic.output_tokens[mine],
-                feature=pool_traffic.feature[mine], prefix_tokens=pool_traffic.prefix_tokens, span_ns=span_ns,
-                start_wall_ns=start_wall_ns, outbox=out_dir / "outbox" / replica.id,
-                faults=_replica_faults(replica.id, target, faults, span_ns, notes),
-                rng=_rng(seed, pool_index, _ENGINE, replica_index), step_noise=step_noise,
-            )))
+            jobs.append(
+                (
+                    pool,
+                    replica,
+                    dict(
+                        request_ids=pool_traffic.request_ids[mine],
+                        arrival_ns=pool_traffic.arrival_ns[mine],
+                        prompt_tokens=pool_traffic.prompt_tokens[mine],
+                        output_tokens=pool_traffic.output_tokens[mine],
+                        feature=pool_traffic.feature[mine],
+                        prefix_tokens=pool_traffic.prefix_tokens,
+                        span_ns=span_ns,
+                        start_wall_ns=start_wall_ns,
+                        outbox=out_dir / "outbox" / replica.id,
+                        faults=_replica_faults(replica.id, target, faults, span_ns, notes),
+                        rng=_rng(seed, pool_index, _ENGINE, replica_index),
+                        step_noise=step_noise,
+                    ),
+                )
+            )
 
     if workers == 1:
         kernels = {pool.name: Kernel.build(deployment_for_pool(pool)) for pool in pools.pools}
-        replica_runs = [simulate_replica(pool, replica, kernels[pool.name], progress=advance, **job)
-                        for pool, replica, job in jobs]
+        replica_runs = [
+            simulate_replica(pool, replica, kernels[pool.name], progress=advance, **job)
+            for pool, replica, job in jobs
+        ]
     else:
         # Replicas are independent and seeded on their own, so processes give the same data.
         with ProcessPoolExecutor(max_workers=workers) as executor:
-            futures = [executor.submit(_simulate_in_worker, pool, replica, job) for pool, replica, job in jobs]
+            futures = [
+                executor.submit(_simulate_in_worker, pool, replica, job)
+                for pool, replica, job in jobs
+            ]
             for future in as_completed(futures):
                 future.result()
                 advance(span_ns)
             replica_runs = [future.result() for future in futures]
-    runs = [(pool, replica.hostname, run, job["faults"].engine_version)
-            for (pool, replica, job), run in zip(jobs, replica_runs)]
+    runs = [
+        (pool, replica.hostname, run, job["faults"].engine_version)
+        for (pool, replica, job), run in zip(jobs, replica_runs, strict=False)
+    ]
 
-    gateway_lines = write_gateway(out_dir, traffic, start, faults.get("missing-context") or 0.0,
-                                  _rng(seed, _GATEWAY))
+    gateway_lines = write_gateway(
+        out_dir, traffic, start, faults.get("missing-context") or 0.0, _rng(seed, _GATEWAY)
+    )
     if "missing-context" in faults:
         notes["missing-context"] = f"{faults['missing-context']:g} of requests have no gateway line"
     run_of = {run.replica: run for _, _, run, _ in runs}
     activities = [
-        GpuActivity(hostname=replica.hostname, gpu_uuids=list(replica.gpu_uuids),
-                    model_name=gpu_model_name(pool.gpu_type), busy_start_ns=run_of[replica.id].gpu_busy_start_ns,
-                    busy_end_ns=run_of[replica.id].gpu_busy_end_ns)
-        for pool in pools.pools for replica in pool.replicas
+        GpuActivity(
+            hostname=replica.hostname,
+            gpu_uuids=list(replica.gpu_uuids),
+            model_name=gpu_model_name(pool.gpu_type),
+            busy_start_ns=run_of[replica.id].gpu_busy_start_ns,
+            busy_end_ns=run_of[replica.id].gpu_busy_end_ns,
+        )
+        for pool in pools.pools
+        for replica in pool.replicas
     ]
     write_dcgm(out_dir, activities, start, span_ns, _rng(seed, _DCGM))
 
@@ -243,21 +285,39 @@ def simulate(
             notes[name] = f"{segment.relative_to(out_dir)} delivered again as {copy.name}"
         else:
             segment = target_segments[middle]
-            notes[name] = f"{segment.relative_to(out_dir)} truncated to {_tear(segment)} bytes mid-frame"
+            notes[name] = (
+                f"{segment.relative_to(out_dir)} truncated to {_tear(segment)} bytes mid-frame"
+            )
 
     replicas = [
         ReplicaSummary(
-            pool=pool.name, replica=run.replica, hostname=hostname, requests=run.requests, finished=run.finished,
-            steps=run.steps, recorded_steps=run.recorded_steps, dropped_steps=run.dropped_steps,
+            pool=pool.name,
+            replica=run.replica,
+            hostname=hostname,
+            requests=run.requests,
+            finished=run.finished,
+            steps=run.steps,
+            recorded_steps=run.recorded_steps,
+            dropped_steps=run.dropped_steps,
             busy_fraction=run.busy_ns / span_ns,
             gpu_busy_fraction=int((run.gpu_busy_end_ns - run.gpu_busy_start_ns).sum()) / span_ns,
-            preemptions=run.preemptions, admission_blocked_steps=run.admission_blocked_steps,
-            prefix_hit_tokens=run.prefix_hit_tokens, mean_admission_lag_steps=run.mean_admission_lag_steps,
-            segments=len(run.segments), engine_version=version,
+            preemptions=run.preemptions,
+            admission_blocked_steps=run.admission_blocked_steps,
+            prefix_hit_tokens=run.prefix_hit_tokens,
+            mean_admission_lag_steps=run.mean_admission_lag_steps,
+            segments=len(run.segments),
+            engine_version=version,
         )
         for pool, hostname, run, version in runs
     ]
     return SimulationSummary(
-        out_dir=out_dir, start=start, hours=hours, seed=seed, requests=sum(len(t) for t in traffic),
-        gateway_lines=gateway_lines, steps=sum(r.steps for r in replicas), replicas=replicas, faults=notes,
+        out_dir=out_dir,
+        start=start,
+        hours=hours,
+        seed=seed,
+        requests=sum(len(t) for t in traffic),
+        gateway_lines=gateway_lines,
+        steps=sum(r.steps for r in replicas),
+        replicas=replicas,
+        faults=notes,
     )

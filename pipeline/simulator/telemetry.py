@@ -53,12 +53,16 @@ class GpuActivity:
     hostname: str
     gpu_uuids: list[str]
     model_name: str
-    busy_start_ns: np.ndarray   # int64, sorted, non-overlapping
+    busy_start_ns: np.ndarray  # int64, sorted, non-overlapping
     busy_end_ns: np.ndarray
 
 
-def busy_between(busy_start_ns: np.ndarray, busy_end_ns: np.ndarray, window_start_ns: np.ndarray,
-                 window_end_ns: np.ndarray) -> np.ndarray:
+def busy_between(
+    busy_start_ns: np.ndarray,
+    busy_end_ns: np.ndarray,
+    window_start_ns: np.ndarray,
+    window_end_ns: np.ndarray,
+) -> np.ndarray:
     """Busy ns inside each window [start, end), for sorted non-overlapping busy intervals."""
     if busy_start_ns.shape[0] == 0:
         return np.zeros(window_start_ns.shape[0], np.int64)
@@ -75,8 +79,13 @@ def busy_between(busy_start_ns: np.ndarray, busy_end_ns: np.ndarray, window_star
     return busy_before(window_end_ns) - busy_before(window_start_ns)
 
 
-def write_dcgm(out_dir: Path, activities: list[GpuActivity], start: datetime, span_ns: int,
-               rng: np.random.Generator) -> list[Path]:
+def write_dcgm(
+    out_dir: Path,
+    activities: list[GpuActivity],
+    start: datetime,
+    span_ns: int,
+    rng: np.random.Generator,
+) -> list[Path]:
     """Write every host's scrapes over the span; returns the files written."""
     by_host: dict[str, list[GpuActivity]] = {}
     for activity in activities:
@@ -90,16 +99,30 @@ def write_dcgm(out_dir: Path, activities: list[GpuActivity], start: datetime, sp
         lines_per_scrape: list[np.ndarray] = []
         gpu_index = 0
         for activity in by_host[hostname]:
-            busy = busy_between(activity.busy_start_ns, activity.busy_end_ns, window_start, scrape_ns)
+            busy = busy_between(
+                activity.busy_start_ns, activity.busy_end_ns, window_start, scrape_ns
+            )
             fraction = busy / (scrape_ns - window_start)
             for uuid in activity.gpu_uuids:
-                reading = np.clip(fraction + rng.normal(0.0, DCGM_NOISE, scrape_ns.shape[0]), 0.0, 1.0)
-                labels = (f'{DCGM_METRIC}{{gpu="{gpu_index}",UUID="{uuid}",Hostname="{hostname}",'
-                          f'modelName="{activity.model_name}"}} ')
+                reading = np.clip(
+                    fraction + rng.normal(0.0, DCGM_NOISE, scrape_ns.shape[0]), 0.0, 1.0
+                )
+                labels = (
+                    f'{DCGM_METRIC}{{gpu="{gpu_index}",UUID="{uuid}",Hostname="{hostname}",'
+                    f'modelName="{activity.model_name}"}} '
+                )
                 timestamps = start_ms + scrape_ns // 1_000_000
-                lines_per_scrape.append(np.array(
-                    [f"{labels}{value:.6f} {ms}" for value, ms in zip(reading.tolist(), timestamps.tolist())],
-                    dtype=object))
+                lines_per_scrape.append(
+                    np.array(
+                        [
+                            f"{labels}{value:.6f} {ms}"
+                            for value, ms in zip(
+                                reading.tolist(), timestamps.tolist(), strict=False
+                            )
+                        ],
+                        dtype=object,
+                    )
+                )
                 gpu_index += 1
         # One block per scrape, GPUs in order, as an exporter serves them.
         lines = np.stack(lines_per_scrape, axis=1) if lines_per_scrape else np.zeros((0, 0), object)
@@ -108,16 +131,23 @@ def write_dcgm(out_dir: Path, activities: list[GpuActivity], start: datetime, sp
         host_dir.mkdir(parents=True, exist_ok=True)
         for hour in np.unique(hour_of_scrape).tolist():
             rows = lines[hour_of_scrape == hour]
-            header = (f"# HELP {DCGM_METRIC} Ratio of time the graphics engine is active.\n"
-                      f"# TYPE {DCGM_METRIC} gauge\n")
+            header = (
+                f"# HELP {DCGM_METRIC} Ratio of time the graphics engine is active.\n"
+                f"# TYPE {DCGM_METRIC} gauge\n"
+            )
             path = host_dir / f"{hour_key(start + timedelta(hours=hour))}.prom"
             path.write_text(header + "\n".join(rows.ravel().tolist()) + "\n")
             written.append(path)
     return written
 
 
-def write_gateway(out_dir: Path, traffic: list[PoolTraffic], start: datetime, missing_fraction: float,
-                  rng: np.random.Generator) -> int:
+def write_gateway(
+    out_dir: Path,
+    traffic: list[PoolTraffic],
+    start: datetime,
+    missing_fraction: float,
+    rng: np.random.Generator,
+) -> int:
     """Write the gateway context of every request, leaving out `missing_fraction` of them at
     random; returns the number of lines written."""
     start_ns = int(start.timestamp()) * 1_000_000_000
@@ -127,20 +157,29 @@ def write_gateway(out_dir: Path, traffic: list[PoolTraffic], start: datetime, mi
             continue
         tenants = np.array(pool.feature_tenants, dtype=object)[pool.feature]
         features = np.array(pool.feature_names, dtype=object)[pool.feature]
-        retry_of = np.where(pool.retry_of >= 0, pool.request_ids[np.maximum(pool.retry_of, 0)], None)
-        causes = np.array(RETRY_CAUSES + (None,), dtype=object)[pool.retry_cause]
+        retry_of = np.where(
+            pool.retry_of >= 0, pool.request_ids[np.maximum(pool.retry_of, 0)], None
+        )
+        causes = np.array((*RETRY_CAUSES, None), dtype=object)[pool.retry_cause]
         received = (start_ns + pool.received_ns).astype("datetime64[ns]")
-        frames.append(pl.DataFrame({
-            "request_id": pool.request_ids.tolist(),
-            "tenant": tenants.tolist(),
-            "feature": features.tolist(),
-            "api_key": pool.api_key.tolist(),
-            "retry_of": retry_of.tolist(),
-            "retry_cause": causes.tolist(),
-            "received_at": [s + "Z" for s in np.datetime_as_string(received, unit="us").tolist()],
-            "hour": ((pool.received_ns // HOUR_NS)).tolist(),
-            "received_ns": pool.received_ns.tolist(),
-        }, schema_overrides={"retry_of": pl.String, "retry_cause": pl.String}))
+        frames.append(
+            pl.DataFrame(
+                {
+                    "request_id": pool.request_ids.tolist(),
+                    "tenant": tenants.tolist(),
+                    "feature": features.tolist(),
+                    "api_key": pool.api_key.tolist(),
+                    "retry_of": retry_of.tolist(),
+                    "retry_cause": causes.tolist(),
+                    "received_at": [
+                        s + "Z" for s in np.datetime_as_string(received, unit="us").tolist()
+                    ],
+                    "hour": (pool.received_ns // HOUR_NS).tolist(),
+                    "received_ns": pool.received_ns.tolist(),
+                },
+                schema_overrides={"retry_of": pl.String, "retry_cause": pl.String},
+            )
+        )
     if not frames:
         return 0
     lines = pl.concat(frames).sort("received_ns", maintain_order=True)

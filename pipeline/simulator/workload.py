@@ -31,19 +31,19 @@ class PoolTraffic:
     tenants are `feature_tenants`; `retry_of` is the index of the retried request or -1.
     """
 
-    request_ids: np.ndarray          # str
-    received_ns: np.ndarray          # int64: at the gateway
-    arrival_ns: np.ndarray           # int64: at the engine
-    replica: np.ndarray              # int64 index into the pool's replicas
-    feature: np.ndarray              # int64
-    prompt_tokens: np.ndarray        # int64, system prompt included
-    output_tokens: np.ndarray        # int64
-    api_key: np.ndarray              # str
-    retry_of: np.ndarray             # int64
-    retry_cause: np.ndarray          # int8 index into RETRY_CAUSES, -1 when not a retry
+    request_ids: np.ndarray  # str
+    received_ns: np.ndarray  # int64: at the gateway
+    arrival_ns: np.ndarray  # int64: at the engine
+    replica: np.ndarray  # int64 index into the pool's replicas
+    feature: np.ndarray  # int64
+    prompt_tokens: np.ndarray  # int64, system prompt included
+    output_tokens: np.ndarray  # int64
+    api_key: np.ndarray  # str
+    retry_of: np.ndarray  # int64
+    retry_cause: np.ndarray  # int8 index into RETRY_CAUSES, -1 when not a retry
     feature_names: tuple[str, ...]
     feature_tenants: tuple[str, ...]
-    prefix_tokens: np.ndarray        # int64 per feature: system prompt tokens
+    prefix_tokens: np.ndarray  # int64 per feature: system prompt tokens
 
     def __len__(self) -> int:
         return int(self.arrival_ns.shape[0])
@@ -54,8 +54,9 @@ def _lengths(rng: np.random.Generator, dist: LengthDistribution, n: int) -> np.n
     return np.clip(drawn, dist.min, dist.max).astype(np.int64)
 
 
-def generate_pool_traffic(pool: Pool, span_ns: int, rng: np.random.Generator, *,
-                          serving_replicas: list[int]) -> PoolTraffic:
+def generate_pool_traffic(
+    pool: Pool, span_ns: int, rng: np.random.Generator, *, serving_replicas: list[int]
+) -> PoolTraffic:
     """Draw the pool's requests over [0, span_ns) and route them to `serving_replicas`.
 
     Requests whose prompt plus output would not fit the replica's KV blocks have their output
@@ -79,29 +80,53 @@ def generate_pool_traffic(pool: Pool, span_ns: int, rng: np.random.Generator, *,
         keys[is_retry] = keys[previous[is_retry]]
         prompt[is_retry] = prompt[previous[is_retry]]
         output[is_retry] = output[previous[is_retry]]
-        cause = np.where(is_retry, (rng.random(n) < workload.platform_timeout_fraction).astype(np.int8), -1)
-        parts.append({
-            "received": received, "prompt": prompt, "output": output, "key": keys,
-            "feature": np.full(n, index, np.int64), "retry_local": np.where(is_retry, previous, -1),
-            "cause": cause.astype(np.int8),
-        })
+        cause = np.where(
+            is_retry, (rng.random(n) < workload.platform_timeout_fraction).astype(np.int8), -1
+        )
+        parts.append(
+            {
+                "received": received,
+                "prompt": prompt,
+                "output": output,
+                "key": keys,
+                "feature": np.full(n, index, np.int64),
+                "retry_local": np.where(is_retry, previous, -1),
+                "cause": cause.astype(np.int8),
+            }
+        )
 
     if parts:
         offsets = np.cumsum([0] + [p["received"].shape[0] for p in parts[:-1]])
         received = np.concatenate([p["received"] for p in parts])
-        retry_global = np.concatenate([
-            np.where(p["retry_local"] >= 0, p["retry_local"] + offset, -1) for p, offset in zip(parts, offsets)
-        ])
-        columns = {k: np.concatenate([p[k] for p in parts]) for k in ("prompt", "output", "key", "feature", "cause")}
+        retry_global = np.concatenate(
+            [
+                np.where(p["retry_local"] >= 0, p["retry_local"] + offset, -1)
+                for p, offset in zip(parts, offsets, strict=False)
+            ]
+        )
+        columns = {
+            k: np.concatenate([p[k] for p in parts])
+            for k in ("prompt", "output", "key", "feature", "cause")
+        }
     else:
         received = np.zeros(0, np.int64)
         retry_global = np.zeros(0, np.int64)
-        columns = {"prompt": np.zeros(0, np.int64), "output": np.zeros(0, np.int64),
-                   "key": np.zeros(0, object), "feature": np.zeros(0, np.int64), "cause": np.zeros(0, np.int8)}
+        columns = {
+            "prompt": np.zeros(0, np.int64),
+            "output": np.zeros(0, np.int64),
+            "key": np.zeros(0, object),
+            "feature": np.zeros(0, np.int64),
+            "cause": np.zeros(0, np.int8),
+        }
     n_total = received.shape[0]
     arrival = received + rng.integers(*ROUTING_DELAY_NS, n_total)
-    replica = np.asarray(serving_replicas, np.int64)[rng.integers(0, max(len(serving_replicas), 1), n_total)] \
-        if n_total else np.zeros(0, np.int64)
+    replica = (
+        np.asarray(serving_replicas, np.int64)[
+            rng.integers(0, max(len(serving_replicas), 1), n_total)
+        ]
+        if n_total
+        else np.zeros(0, np.int64)
+    )
 
     capacity_tokens = pool.engine.total_kv_blocks * pool.kv_block_size
     prompt = np.minimum(columns["prompt"], capacity_tokens // 2)

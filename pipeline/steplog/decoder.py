@@ -91,7 +91,13 @@ class _File:
         return len(self.step_fixed)
 
     def step_parts(self) -> tuple[list[memoryview], ...]:
-        return (self.step_fixed, self.slot_records, self.slot_ids, self.holder_records, self.holder_ids)
+        return (
+            self.step_fixed,
+            self.slot_records,
+            self.slot_ids,
+            self.holder_records,
+            self.holder_ids,
+        )
 
     @property
     def size(self) -> int:
@@ -119,8 +125,15 @@ def _fits_its_kind(buf: memoryview, kind: int, payload: int, end: int) -> bool:
         return True
     if length < STEP_STRUCT.size:
         return False
-    *_, n_slots, n_holders, id_bytes, holder_id_bytes, blocked = STEP_STRUCT.unpack_from(buf, payload)
-    records = n_slots * SLOT_DTYPE.itemsize + id_bytes + n_holders * HOLDER_DTYPE.itemsize + holder_id_bytes
+    *_, n_slots, n_holders, id_bytes, holder_id_bytes, blocked = STEP_STRUCT.unpack_from(
+        buf, payload
+    )
+    records = (
+        n_slots * SLOT_DTYPE.itemsize
+        + id_bytes
+        + n_holders * HOLDER_DTYPE.itemsize
+        + holder_id_bytes
+    )
     return blocked <= 1 and STEP_STRUCT.size + records == length
 
 
@@ -134,7 +147,13 @@ def _check_frame(decoded: _File, buf: memoryview, pos: int) -> tuple[int, int] |
         tail = bytes(buf[pos : pos + len(FRAME_MARKER)])
         return "truncated" if FRAME_MARKER.startswith(tail) else "invalid"
     marker, kind, flags, reserved, length, crc = FRAME_PREFIX.unpack_from(buf, pos)
-    if marker != FRAME_MARKER or kind not in _KINDS or flags or reserved or length > MAX_FRAME_PAYLOAD:
+    if (
+        marker != FRAME_MARKER
+        or kind not in _KINDS
+        or flags
+        or reserved
+        or length > MAX_FRAME_PAYLOAD
+    ):
         return "invalid"
     payload = pos + FRAME_PREFIX.size
     end = payload + length
@@ -167,9 +186,13 @@ def _read_header(decoded: _File, buf: memoryview, data: bytes) -> int | None:
     size = len(data)
     if size < PREAMBLE.size:
         if FILE_MAGIC.startswith(data[: len(FILE_MAGIC)]):
-            decoded.damage.append(_Damage("torn_tail", 0, size, f"file ends inside the {PREAMBLE.size}-byte preamble"))
+            decoded.damage.append(
+                _Damage("torn_tail", 0, size, f"file ends inside the {PREAMBLE.size}-byte preamble")
+            )
         else:
-            decoded.damage.append(_Damage("bad_header", 0, size, "not a step segment (no STEPLOG magic)"))
+            decoded.damage.append(
+                _Damage("bad_header", 0, size, "not a step segment (no STEPLOG magic)")
+            )
         return None
     magic, version = PREAMBLE.unpack_from(data, 0)
     if magic != FILE_MAGIC or data[12:16] != b"\0\0\0\0":
@@ -177,24 +200,44 @@ def _read_header(decoded: _File, buf: memoryview, data: bytes) -> int | None:
         return None
     if version != FORMAT_VERSION:
         decoded.damage.append(
-            _Damage("unknown_version", 0, size, f"format version {version}; this decoder reads version {FORMAT_VERSION}")
+            _Damage(
+                "unknown_version",
+                0,
+                size,
+                f"format version {version}; this decoder reads version {FORMAT_VERSION}",
+            )
         )
         return None
     checked = _check_frame(decoded, buf, PREAMBLE.size)
     if checked == "truncated" and not _frames_follow(decoded, buf, PREAMBLE.size):
         decoded.damage.append(
-            _Damage("torn_tail", PREAMBLE.size, size - PREAMBLE.size, "file ends inside the segment header frame")
+            _Damage(
+                "torn_tail",
+                PREAMBLE.size,
+                size - PREAMBLE.size,
+                "file ends inside the segment header frame",
+            )
         )
         return None
     if isinstance(checked, str) or checked[0] != FrameKind.HEADER:
-        decoded.damage.append(_Damage("bad_header", PREAMBLE.size, size - PREAMBLE.size, "segment header frame damaged"))
+        decoded.damage.append(
+            _Damage(
+                "bad_header", PREAMBLE.size, size - PREAMBLE.size, "segment header frame damaged"
+            )
+        )
         return None
     end = checked[1]
     try:
-        header = HeaderFrame.model_validate(json.loads(bytes(buf[PREAMBLE.size + FRAME_PREFIX.size : end])))
+        header = HeaderFrame.model_validate(
+            json.loads(bytes(buf[PREAMBLE.size + FRAME_PREFIX.size : end]))
+        )
     except (ValueError, ValidationError) as err:
-        reason = str(err).splitlines()[0] if not isinstance(err, ValidationError) else _first_error(err)
-        decoded.damage.append(_Damage("bad_header", PREAMBLE.size, size - PREAMBLE.size, f"segment header: {reason}"))
+        reason = (
+            str(err).splitlines()[0] if not isinstance(err, ValidationError) else _first_error(err)
+        )
+        decoded.damage.append(
+            _Damage("bad_header", PREAMBLE.size, size - PREAMBLE.size, f"segment header: {reason}")
+        )
         return None
     if header.format_version != FORMAT_VERSION or header.layout != LAYOUT:
         decoded.damage.append(
@@ -208,7 +251,12 @@ def _read_header(decoded: _File, buf: memoryview, data: bytes) -> int | None:
         )
         return None
     # Numbers past int64 cannot reach the int64 columns (and would overflow the UTC shift).
-    numbers = (header.first_seq, header.mono_anchor_ns, header.wall_anchor_ns, header.wall_anchor_ns - header.mono_anchor_ns)
+    numbers = (
+        header.first_seq,
+        header.mono_anchor_ns,
+        header.wall_anchor_ns,
+        header.wall_anchor_ns - header.mono_anchor_ns,
+    )
     if not all(-_INT64_LIMIT <= value < _INT64_LIMIT for value in numbers):
         why = "segment header: first_seq or a clock anchor exceeds int64"
         decoded.damage.append(_Damage("bad_header", PREAMBLE.size, size - PREAMBLE.size, why))
@@ -321,7 +369,9 @@ def _decode_file(path: Path) -> _File:
     if body is not None:
         _read_body(decoded, buf, body)
         _bound_damage(decoded)
-    elif decoded.damage[-1].kind == "bad_header" and decoded.damage[-1].byte_offset == PREAMBLE.size:
+    elif (
+        decoded.damage[-1].kind == "bad_header" and decoded.damage[-1].byte_offset == PREAMBLE.size
+    ):
         # The preamble vouches for the framing, so intact frames can at least be counted.
         _note_unreadable_seqs(decoded, buf, data)
     return decoded
@@ -353,7 +403,9 @@ def _offsets(lengths: np.ndarray) -> np.ndarray:
 
 def _strings(offsets: np.ndarray, blobs: list[memoryview]) -> pa.Array:
     data = b"".join(blobs)
-    array = pa.StringArray.from_buffers(len(offsets) - 1, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(data))
+    array = pa.StringArray.from_buffers(
+        len(offsets) - 1, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(data)
+    )
     array.validate(full=True)
     return array
 
@@ -404,7 +456,12 @@ def _tables(decoded: _File) -> tuple[pa.Table, pa.Table, pa.Table]:
             slot_ids = _strings(slot_offsets, decoded.slot_ids)
             holder_ids = _strings(holder_offsets, decoded.holder_ids)
         except pa.ArrowInvalid:
-            bad = np.array([not _utf8(a) or not _utf8(b) for a, b in zip(decoded.slot_ids, decoded.holder_ids)])
+            bad = np.array(
+                [
+                    not _utf8(a) or not _utf8(b)
+                    for a, b in zip(decoded.slot_ids, decoded.holder_ids, strict=False)
+                ]
+            )
     if bad.any():
         why = "step frame whose id lengths, ids or holder states disagree with its counts"
         _discard_steps(decoded, bad, fixed["seq"], why)
@@ -538,7 +595,9 @@ def _resolve_duplicates(files: list[_File]) -> tuple[list[_File], list[tuple[_Fi
         if other is None:
             kept[key] = decoded
             continue
-        best, worse = sorted((other, decoded), key=lambda f: (-f.step_count, len(f.damage), str(f.path)))
+        best, worse = sorted(
+            (other, decoded), key=lambda f: (-f.step_count, len(f.damage), str(f.path))
+        )
         kept[key] = best
         duplicates.append((worse, best))
     damage = []
@@ -589,7 +648,9 @@ def read_segments(paths: Iterable[Path], following: Iterable[Path] = ()) -> Deco
     unique = sorted({Path(p) for p in paths}, key=str)
     decoded_files = [_decode_file(path) for path in unique]
     files, duplicate_damage = _resolve_duplicates(decoded_files)
-    _bound_by_next_segment(files, [_decode_file(Path(p)) for p in following if Path(p) not in unique])
+    _bound_by_next_segment(
+        files, [_decode_file(Path(p)) for p in following if Path(p) not in unique]
+    )
     readable = sorted(
         (f for f in files if f.header is not None),
         key=lambda f: (f.header.pool, f.header.replica, _seq_range(f)[0] or 0, f.header.segment_id),
@@ -616,7 +677,13 @@ def read_segments(paths: Iterable[Path], following: Iterable[Path] = ()) -> Deco
             }
         )
         drop_rows.extend(
-            {"pool": header.pool, "replica": header.replica, "first_seq": a, "last_seq": b, "steps": b - a + 1}
+            {
+                "pool": header.pool,
+                "replica": header.replica,
+                "first_seq": a,
+                "last_seq": b,
+                "steps": b - a + 1,
+            }
             for a, b in sorted(decoded.drops)
         )
 

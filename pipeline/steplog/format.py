@@ -47,7 +47,9 @@ def frame_crc(prefix_checked: bytes | memoryview, payload: bytes | memoryview) -
 
 def frame(kind: FrameKind, payload: bytes) -> bytes:
     if len(payload) > MAX_FRAME_PAYLOAD:
-        raise InvalidStep(f"a {kind.name.lower()} frame of {len(payload)} bytes exceeds {MAX_FRAME_PAYLOAD}")
+        raise InvalidStep(
+            f"a {kind.name.lower()} frame of {len(payload)} bytes exceeds {MAX_FRAME_PAYLOAD}"
+        )
     checked = FRAME_PREFIX.pack(FRAME_MARKER, kind, 0, 0, len(payload), 0)[:FRAME_CHECKED_BYTES]
     return checked + frame_crc(checked, payload).to_bytes(4, "little") + payload
 
@@ -142,7 +144,9 @@ def step_frame(
         slots[name] = _counts(name, values, n)
     slots["kv_blocks"] = _blocks("kv_blocks", kv_blocks, n)
     if np.any(slots["spec_drafted"] > slots["new_tokens"]):
-        raise InvalidStep("spec_drafted exceeds new_tokens (drafts are part of the step's new tokens)")
+        raise InvalidStep(
+            "spec_drafted exceeds new_tokens (drafts are part of the step's new tokens)"
+        )
     if np.any(slots["spec_accepted"] > slots["spec_drafted"]):
         raise InvalidStep("spec_accepted exceeds spec_drafted")
 
@@ -156,8 +160,12 @@ def step_frame(
     if n_holders:
         codes = pc.index_in(pa.array(holder_states, pa.string()), value_set=_HOLDER_STATE_VALUES)
         if codes.null_count:
-            unknown = sorted({s for s, c in zip(holder_states, codes.to_pylist()) if c is None})
-            raise InvalidStep(f"holder_states: unknown states {unknown}; expected one of {HOLDER_STATES}")
+            unknown = sorted(
+                {s for s, c in zip(holder_states, codes.to_pylist(), strict=False) if c is None}
+            )
+            raise InvalidStep(
+                f"holder_states: unknown states {unknown}; expected one of {HOLDER_STATES}"
+            )
         holders["state"] = codes.to_numpy()
 
     try:
@@ -174,8 +182,12 @@ def step_frame(
             bool(admission_blocked),
         )
     except struct.error as err:
-        raise InvalidStep(f"step fields do not fit the record (seq, start_ns, end_ns are int64): {err}") from err
-    return frame(FrameKind.STEP, b"".join((fixed, slots.tobytes(), id_blob, holders.tobytes(), holder_blob)))
+        raise InvalidStep(
+            f"step fields do not fit the record (seq, start_ns, end_ns are int64): {err}"
+        ) from err
+    return frame(
+        FrameKind.STEP, b"".join((fixed, slots.tobytes(), id_blob, holders.tobytes(), holder_blob))
+    )
 
 
 # Positions in a step tuple: step_frame's positional arguments, in order.
@@ -217,7 +229,7 @@ def _batch_column(columns: list, lengths: list[int], kinds: str) -> np.ndarray |
     """One step's values after another, or None unless every step has one value per entry
     of a dtype kind in `kinds` (an empty step's dtype is free, as in step_frame)."""
     arrays = [np.asarray(values) for values in columns]
-    if any(array.shape != (n,) for array, n in zip(arrays, lengths)):
+    if any(array.shape != (n,) for array, n in zip(arrays, lengths, strict=False)):
         return None
     if any(array.dtype.kind not in kinds for array in arrays if array.size):
         return None
@@ -233,7 +245,9 @@ def _batch_ids(columns: list) -> tuple[np.ndarray, np.ndarray, memoryview] | Non
     if not isinstance(array, pa.Array) or array.null_count:
         return None
     entries = np.fromiter(map(len, columns), np.int64, len(columns))
-    offsets = np.frombuffer(array.buffers()[1], np.int32, count=len(array) + 1, offset=array.offset * 4)
+    offsets = np.frombuffer(
+        array.buffers()[1], np.int32, count=len(array) + 1, offset=array.offset * 4
+    )
     offsets = offsets.astype(np.int64)
     data = array.buffers()[2]
     blob = memoryview(data if data is not None else b"")
@@ -259,7 +273,7 @@ def _batch_frames(steps: Sequence[tuple]) -> list[bytes | Exception] | None:
 
 def _pack_batch(steps: Sequence[tuple]) -> list[bytes | Exception] | None:
     """step_frame's checks over whole columns; None as soon as any step fails one."""
-    columns = list(zip(*steps))
+    columns = list(zip(*steps, strict=False))
     if not columns:
         return []
     ids = _batch_ids(columns[_REQUEST_IDS])
@@ -281,7 +295,9 @@ def _pack_batch(steps: Sequence[tuple]) -> list[bytes | Exception] | None:
     if not _valid_blocks(kv_blocks):
         return None
     slots["kv_blocks"] = kv_blocks
-    if np.any(slots["spec_drafted"] > slots["new_tokens"]) or np.any(slots["spec_accepted"] > slots["spec_drafted"]):
+    if np.any(slots["spec_drafted"] > slots["new_tokens"]) or np.any(
+        slots["spec_accepted"] > slots["spec_drafted"]
+    ):
         return None
 
     holders = np.empty(len(holder_offsets) - 1, HOLDER_DTYPE)
@@ -291,9 +307,14 @@ def _pack_batch(steps: Sequence[tuple]) -> list[bytes | Exception] | None:
         return None
     holders["kv_blocks"] = holder_blocks
     states = columns[_HOLDER_STATES]
-    if not all(type(s) is list or type(s) is tuple for s in states) or list(map(len, states)) != holder_lengths:
+    if (
+        not all(type(s) is list or type(s) is tuple for s in states)
+        or list(map(len, states)) != holder_lengths
+    ):
         return None
-    codes = pc.index_in(pa.array(list(chain.from_iterable(states)), pa.string()), value_set=_HOLDER_STATE_VALUES)
+    codes = pc.index_in(
+        pa.array(list(chain.from_iterable(states)), pa.string()), value_set=_HOLDER_STATE_VALUES
+    )
     if codes.null_count:
         return None
     holders["state"] = codes.to_numpy(zero_copy_only=False)
@@ -321,7 +342,9 @@ def _pack_batch(steps: Sequence[tuple]) -> list[bytes | Exception] | None:
     fixed["num_holders"] = holder_entries
     fixed["request_id_bytes"] = np.diff(id_bounds)
     fixed["holder_id_bytes"] = np.diff(holder_id_bounds)
-    fixed["admission_blocked"] = np.fromiter(map(bool, columns[_ADMISSION_BLOCKED]), np.bool_, len(steps))
+    fixed["admission_blocked"] = np.fromiter(
+        map(bool, columns[_ADMISSION_BLOCKED]), np.bool_, len(steps)
+    )
 
     payload_bytes = (
         _STEP_PAYLOAD_FIXED

@@ -89,7 +89,9 @@ def recover_partial_segments(outbox: Path) -> list[Path]:
 class _Segment:
     """The open segment file of the writer thread."""
 
-    def __init__(self, outbox: Path, header: HeaderFrame, first_seq: int, opened_mono_ns: int) -> None:
+    def __init__(
+        self, outbox: Path, header: HeaderFrame, first_seq: int, opened_mono_ns: int
+    ) -> None:
         replica = _UNSAFE_NAME.sub("_", header.replica)
         self.name = f"{replica}.{first_seq:012d}.{header.segment_id[:12]}{SEGMENT_SUFFIX}"
         self.final_path = outbox / self.name
@@ -180,7 +182,9 @@ class StepRecorder:
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._room = threading.Condition()
-        self._writer = threading.Thread(target=self._run, name=f"step-recorder-{header.replica}", daemon=True)
+        self._writer = threading.Thread(
+            target=self._run, name=f"step-recorder-{header.replica}", daemon=True
+        )
         self._writer.start()
         atexit.register(self.close)
 
@@ -286,7 +290,9 @@ class StepRecorder:
         self._stop.set()
         self._writer.join()
         if self._error is not None:
-            raise RecorderError(f"step recorder for replica {self.header.replica!r} failed: {self._error}") from self._error
+            raise RecorderError(
+                f"step recorder for replica {self.header.replica!r} failed: {self._error}"
+            ) from self._error
 
     def __enter__(self) -> StepRecorder:
         return self
@@ -334,7 +340,7 @@ class StepRecorder:
                 with self._room:
                     self._room.notify()
             frames = fmt.step_frames([item[:1] + item[2:] for item in batch])
-            for item, data in zip(batch, frames):
+            for item, data in zip(batch, frames, strict=False):
                 seq, drops_before = item[0], item[1]
                 if drops_before:
                     self._write_drop(seq - drops_before, seq - 1)
@@ -372,7 +378,10 @@ class StepRecorder:
             self._rotate_if_old()
 
     def _rotate_if_old(self) -> None:
-        if self._segment is not None and self._mono_clock() - self._segment.opened_mono_ns >= self._rotate_ns:
+        if (
+            self._segment is not None
+            and self._mono_clock() - self._segment.opened_mono_ns >= self._rotate_ns
+        ):
             self._ship()
 
     def _open(self, first_seq: int) -> _Segment:

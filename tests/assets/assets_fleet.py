@@ -11,4 +11,6 @@ def small_pools() -> PoolsFile:
     """The default pools cut to two chat replicas, so a simulated hour takes seconds."""
     pools = load_pools()
     chat = pools.pool("chat-8b")
-    return pools.model_copy(update={"pools": [chat.model_copy(update={"replicas": chat.replicas[:2]})]})
+    return pools.model_copy(
+        update={"pools": [chat.model_copy(update={"replicas": chat.replicas[:2]})]}
+    )

@@ -8,7 +8,7 @@ import pytest
 # pytest runs in importlib mode, which does not put test folders on the import path.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from assets_fleet import HOURS, small_pools  # noqa: E402
+from assets_fleet import HOURS, small_pools
 
 
 @pytest.fixture(scope="module")

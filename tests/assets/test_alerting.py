@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import dagster as dg
@@ -14,7 +14,7 @@ from assets.definitions import build_definitions
 from assets.partitions import partition_key
 from pipeline.ingest import segment_files
 
-HOUR = datetime(2026, 11, 30, 0, tzinfo=timezone.utc)
+HOUR = datetime(2026, 11, 30, 0, tzinfo=UTC)
 QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
 
 
@@ -27,35 +27,48 @@ def test_a_failed_blocking_check_holds_the_hour_back_and_pages_once(
     damaged = segment_files(data / "outbox", ["chat-8b-r1"])[0]
     content = bytearray(damaged.read_bytes())
     middle = len(content) // 2
-    content[middle:middle + 16] = bytes(16)
+    content[middle : middle + 16] = bytes(16)
     damaged.write_bytes(bytes(content))
     alert_file = tmp_path / "alerts.jsonl"
     monkeypatch.setenv("STEPLEDGER_ALERT_FILE", str(alert_file))
-    for name in ("STEPLEDGER_ALERT_WEBHOOK_URL", "STEPLEDGER_PAGERDUTY_ROUTING_KEY", "STEPLEDGER_ALERT_FORMAT"):
+    for name in (
+        "STEPLEDGER_ALERT_WEBHOOK_URL",
+        "STEPLEDGER_PAGERDUTY_ROUTING_KEY",
+        "STEPLEDGER_ALERT_FORMAT",
+    ):
         monkeypatch.delenv(name, raising=False)
 
     defs = build_definitions(small_pools(), data)
     instance = dg.DagsterInstance.ephemeral()
     result = defs.resolve_job_def("pool_hour_job").execute_in_process(
-        partition_key=partition_key(HOUR, "chat-8b"), instance=instance, run_config=QUIET, raise_on_error=False
+        partition_key=partition_key(HOUR, "chat-8b"),
+        instance=instance,
+        run_config=QUIET,
+        raise_on_error=False,
     )
     assert not result.success
     failed = {e.check_name for e in result.get_asset_check_evaluations() if not e.passed}
     assert "sequence" in failed
     with duckdb.connect(str(data / "warehouse.duckdb"), read_only=True) as con:
         assert con.execute("SELECT pool, reason FROM held_back_hours").fetchall() == [
-            ("chat-8b", "failed blocking checks: sequence")]
+            ("chat-8b", "failed blocking checks: sequence")
+        ]
         assert con.execute("SELECT count(*) FROM tenant_costs_hourly").fetchone() == (0,)
 
     sensor = defs.resolve_sensor_def("page_on_call")
     for _ in range(2):
         context = dg.build_run_status_sensor_context(
-            sensor_name="page_on_call", dagster_instance=instance, dagster_run=result.dagster_run,
-            dagster_event=result.get_run_failure_event(), resources=defs.resources,
+            sensor_name="page_on_call",
+            dagster_instance=instance,
+            dagster_run=result.dagster_run,
+            dagster_event=result.get_run_failure_event(),
+            resources=defs.resources,
         ).for_run_failure()
         sensor(context)
     paged = [json.loads(line) for line in alert_file.read_text().splitlines()]
     sequence = [a for a in paged if a["kind"] == "sequence"]
-    assert [(a["pool"], a["replica"], a["hour"]) for a in sequence] == [("chat-8b", "chat-8b-r1", "2026-11-30T00")]
+    assert [(a["pool"], a["replica"], a["hour"]) for a in sequence] == [
+        ("chat-8b", "chat-8b-r1", "2026-11-30T00")
+    ]
     assert len(paged) == len({a["dedup_key"] for a in paged})
     assert (data / "alerts_sent.keys").read_text().split() == [a["dedup_key"] for a in paged]

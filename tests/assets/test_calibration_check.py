@@ -4,7 +4,7 @@ the segments' engine and driver versions, and the kernel's measured engine relea
 from __future__ import annotations
 
 import shutil
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import dagster as dg
@@ -20,14 +20,16 @@ from pipeline.simulator import simulate
 from pipeline.simulator.faults import DRIVER_VERSION, ENGINE_VERSION, UNCALIBRATED_ENGINE_VERSION
 from schemas.config import PoolsFile
 
-HOUR = datetime(2026, 11, 30, 0, tzinfo=timezone.utc)
+HOUR = datetime(2026, 11, 30, 0, tzinfo=UTC)
 QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
 
 
 def run_hour(data: Path, pools: PoolsFile) -> dg.ExecuteInProcessResult:
     defs = build_definitions(pools, data)
     return defs.resolve_job_def("pool_hour_job").execute_in_process(
-        partition_key=partition_key(HOUR, "chat-8b"), instance=dg.DagsterInstance.ephemeral(), run_config=QUIET,
+        partition_key=partition_key(HOUR, "chat-8b"),
+        instance=dg.DagsterInstance.ephemeral(),
+        run_config=QUIET,
         raise_on_error=False,
     )
 
@@ -46,8 +48,15 @@ def checks_of(result: dg.ExecuteInProcessResult) -> dict[str, tuple[bool, dg.Ass
 
 def fitted(pools: PoolsFile) -> PoolsFile:
     chat = pools.pool("chat-8b")
-    return pools.model_copy(update={"pools": [chat.model_copy(
-        update={"policies": chat.policies.model_copy(update={"weights": "fitted"})})]})
+    return pools.model_copy(
+        update={
+            "pools": [
+                chat.model_copy(
+                    update={"policies": chat.policies.model_copy(update={"weights": "fitted"})}
+                )
+            ]
+        }
+    )
 
 
 @pytest.fixture
@@ -65,43 +74,69 @@ def test_a_calibrated_engine_version_passes(calibrated: Path) -> None:
     assert checks_of(result)["calibration"] == (True, dg.AssetCheckSeverity.ERROR)
     known = f"coefficients known for vllm {ENGINE_VERSION} / driver {DRIVER_VERSION}"
     assert calibration_rows(calibrated) == [
-        ("calibration", "chat-8b-r0", True, "WARN", known), ("calibration", "chat-8b-r1", True, "WARN", known)]
+        ("calibration", "chat-8b-r0", True, "WARN", known),
+        ("calibration", "chat-8b-r1", True, "WARN", known),
+    ]
 
 
-def test_without_a_sweep_the_kernels_own_release_is_the_only_one_it_vouches_for(simulated: Path, tmp_path: Path) -> None:
+def test_without_a_sweep_the_kernels_own_release_is_the_only_one_it_vouches_for(
+    simulated: Path, tmp_path: Path
+) -> None:
     data = tmp_path / "run"
     shutil.copytree(simulated, data)
     result = run_hour(data, small_pools())
     # A WARN: the hour is published and nobody is paged.
-    assert result.success and checks_of(result)["calibration"] == (False, dg.AssetCheckSeverity.WARN)
-    detail = (f"the log reports vllm {ENGINE_VERSION} / driver {DRIVER_VERSION}, the kernel's coefficients were "
-              "measured on vLLM 0.25.0 and the calibration store has nothing for llama-3.1-8b-instruct on h100: "
-              "run a calibration sweep to confirm the kernel's weights still hold")
+    assert result.success and checks_of(result)["calibration"] == (
+        False,
+        dg.AssetCheckSeverity.WARN,
+    )
+    detail = (
+        f"the log reports vllm {ENGINE_VERSION} / driver {DRIVER_VERSION}, the kernel's coefficients were "
+        "measured on vLLM 0.25.0 and the calibration store has nothing for llama-3.1-8b-instruct on h100: "
+        "run a calibration sweep to confirm the kernel's weights still hold"
+    )
     assert calibration_rows(data) == [
-        ("calibration", "chat-8b-r0", False, "WARN", detail), ("calibration", "chat-8b-r1", False, "WARN", detail)]
+        ("calibration", "chat-8b-r0", False, "WARN", detail),
+        ("calibration", "chat-8b-r1", False, "WARN", detail),
+    ]
 
 
 def test_a_new_engine_version_warns_without_paging(simulated: Path, tmp_path: Path) -> None:
     data = tmp_path / "new-engine"
     simulate(data, small_pools(), hours=HOURS, seed=7, faults={"new-engine-version": None})
-    calibrate_from_segments(sorted((simulated / "outbox").glob("*/*.seg")), data / "calibration.yaml")
+    calibrate_from_segments(
+        sorted((simulated / "outbox").glob("*/*.seg")), data / "calibration.yaml"
+    )
     result = run_hour(data, small_pools())
-    assert result.success and checks_of(result)["calibration"] == (False, dg.AssetCheckSeverity.WARN)
-    stale = (f"the log reports vllm {UNCALIBRATED_ENGINE_VERSION} / driver {DRIVER_VERSION}, the kernel's coefficients "
-             f"were measured on vLLM 0.25.0 and stored coefficients are for {ENGINE_VERSION} / driver "
-             f"{DRIVER_VERSION} only (stale): run a calibration sweep to confirm the kernel's weights still hold")
+    assert result.success and checks_of(result)["calibration"] == (
+        False,
+        dg.AssetCheckSeverity.WARN,
+    )
+    stale = (
+        f"the log reports vllm {UNCALIBRATED_ENGINE_VERSION} / driver {DRIVER_VERSION}, the kernel's coefficients "
+        f"were measured on vLLM 0.25.0 and stored coefficients are for {ENGINE_VERSION} / driver "
+        f"{DRIVER_VERSION} only (stale): run a calibration sweep to confirm the kernel's weights still hold"
+    )
     known = f"coefficients known for vllm {ENGINE_VERSION} / driver {DRIVER_VERSION}"
     assert calibration_rows(data) == [
-        ("calibration", "chat-8b-r0", False, "WARN", stale), ("calibration", "chat-8b-r1", True, "WARN", known)]
+        ("calibration", "chat-8b-r0", False, "WARN", stale),
+        ("calibration", "chat-8b-r1", True, "WARN", known),
+    ]
     with duckdb.connect(str(data / "warehouse.duckdb"), read_only=True) as con:
-        assert con.execute("SELECT severity, kind, replica FROM alerts WHERE kind LIKE 'calibration%'").fetchall() == [
-            ("WARN", "calibration", "chat-8b-r0")]
+        assert con.execute(
+            "SELECT severity, kind, replica FROM alerts WHERE kind LIKE 'calibration%'"
+        ).fetchall() == [("WARN", "calibration", "chat-8b-r0")]
 
 
 def test_a_fitted_pool_compares_a_fresh_fit_with_the_stored_one(calibrated: Path) -> None:
     result = run_hour(calibrated, fitted(small_pools()))
-    assert result.success and checks_of(result)["calibration_drift"] == (True, dg.AssetCheckSeverity.ERROR)
-    ((name, replica, passed, severity, detail),) = [r for r in calibration_rows(calibrated) if r[0] == "calibration_drift"]
+    assert result.success and checks_of(result)["calibration_drift"] == (
+        True,
+        dg.AssetCheckSeverity.ERROR,
+    )
+    ((name, replica, passed, severity, detail),) = [
+        r for r in calibration_rows(calibrated) if r[0] == "calibration_drift"
+    ]
     # The stored fit is of the same steps: no drift at all.
     assert (name, replica, passed, severity) == ("calibration_drift", None, True, "ERROR")
     assert detail.startswith("fresh fit within 15%: a_ms ") and detail.count("(0.0%)") == 3
@@ -113,8 +148,12 @@ def test_a_drifted_fit_of_a_fitted_pool_fails_the_run(calibrated: Path) -> None:
     entry["c0_ms"] = entry["c0_ms"] * 2
     (calibrated / "calibration.yaml").write_text(yaml.safe_dump(store))
     result = run_hour(calibrated, fitted(small_pools()))
-    assert not result.success and checks_of(result)["calibration_drift"] == (False, dg.AssetCheckSeverity.ERROR)
+    assert not result.success and checks_of(result)["calibration_drift"] == (
+        False,
+        dg.AssetCheckSeverity.ERROR,
+    )
     ((detail,),) = [(r[4],) for r in calibration_rows(calibrated) if r[0] == "calibration_drift"]
     assert detail.startswith("a fresh fit drifted beyond 15% in c0_ms: ")
     assert "(50.0%)" in detail and detail.endswith(
-        "charges shift between prefill-heavy and decode-heavy tenants: recalibrate")
+        "charges shift between prefill-heavy and decode-heavy tenants: recalibrate"
+    )

@@ -31,10 +31,17 @@ def test_run_then_costs_without_sql(simulated: Path, tmp_path: Path) -> None:
     ]
     # The short fixture hour warns (plausibility, calibration) without holding the hour back.
     assert all(isinstance(r["failed_checks"], list) for r in runs)
-    report = json.loads(runner.invoke(main, ["costs", "--data", str(data), "--by", "feature", "--json"]).output)
-    assert sum(row["amount_nano"] for row in report["costs"]) == 2 * small_pools().pool("chat-8b").nano_per_gpu_hour
+    report = json.loads(
+        runner.invoke(main, ["costs", "--data", str(data), "--by", "feature", "--json"]).output
+    )
+    assert (
+        sum(row["amount_nano"] for row in report["costs"])
+        == 2 * small_pools().pool("chat-8b").nano_per_gpu_hour
+    )
     assert report["held_back"] == []
-    daily = json.loads(runner.invoke(main, ["costs", "--data", str(data), "--by", "day", "--json"]).output)
+    daily = json.loads(
+        runner.invoke(main, ["costs", "--data", str(data), "--by", "day", "--json"]).output
+    )
     assert {row["day"] for row in daily["costs"]} == {"2026-11-30"}
     table = runner.invoke(main, ["costs", "--data", str(data)])
     assert table.exit_code == 0 and "costs by tenant" in table.output
@@ -66,7 +73,9 @@ def test_demo_replaces_only_an_earlier_demo(tmp_path: Path) -> None:
 
 def test_demo_calibrates_bills_and_writes_the_report(tmp_path: Path) -> None:
     out = tmp_path / "demo"
-    result = CliRunner().invoke(main, ["demo", "--out", str(out), "--hours", "0.01", "--workers", "2"])
+    result = CliRunner().invoke(
+        main, ["demo", "--out", str(out), "--hours", "0.01", "--workers", "2"]
+    )
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert lines[-1] == f"report: {out / 'report.html'}"
@@ -78,20 +87,29 @@ def test_demo_calibrates_bills_and_writes_the_report(tmp_path: Path) -> None:
     assert "check failed calibration" not in result.output
     store = yaml.safe_load((out / "calibration.yaml").read_text())
     assert sorted((e["model"], e["gpu_type"], e["engine_version"]) for e in store["entries"]) == [
-        ("deepseek-v3", "h200", ENGINE_VERSION), ("llama-3.1-8b-instruct", "h100", ENGINE_VERSION)]
+        ("deepseek-v3", "h200", ENGINE_VERSION),
+        ("llama-3.1-8b-instruct", "h100", ENGINE_VERSION),
+    ]
     with duckdb.connect(str(out / "warehouse.duckdb"), read_only=True) as con:
-        assert con.execute("SELECT count(*), bool_and(passed) FROM reconciliation WHERE check_name = 'calibration'"
-                           ).fetchone() == (5, True)
+        assert con.execute(
+            "SELECT count(*), bool_and(passed) FROM reconciliation WHERE check_name = 'calibration'"
+        ).fetchone() == (5, True)
 
 
 def test_demo_json_is_one_object_on_stdout(tmp_path: Path) -> None:
     out = tmp_path / "demo"
-    result = CliRunner().invoke(main, ["demo", "--out", str(out), "--hours", "0.005", "--workers", "2", "--json"])
+    result = CliRunner().invoke(
+        main, ["demo", "--out", str(out), "--hours", "0.005", "--workers", "2", "--json"]
+    )
     assert result.exit_code == 0, result.output
     demo = json.loads(result.stdout)
     assert demo["report"] == str(out / "report.html")
     assert [(r["hour"], r["pool"], r["success"]) for r in demo["runs"]] == [
-        ("2026-11-30T00", "chat-8b", True), ("2026-11-30T00", "reason-dsv3", True)]
-    invoiced = sum(p.nano_per_gpu_hour * p.gpus_per_replica * len(p.replicas) for p in load_pools().pools)
+        ("2026-11-30T00", "chat-8b", True),
+        ("2026-11-30T00", "reason-dsv3", True),
+    ]
+    invoiced = sum(
+        p.nano_per_gpu_hour * p.gpus_per_replica * len(p.replicas) for p in load_pools().pools
+    )
     assert sum(row["amount_nano"] for row in demo["costs"]["costs"]) == invoiced
     assert {e["model"] for e in demo["calibration"]} == {"deepseek-v3", "llama-3.1-8b-instruct"}

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import dagster as dg
@@ -17,11 +17,11 @@ from assets.definitions import build_definitions
 from assets.resources import StepledgerData
 from pipeline.warehouse import connect
 
-BEFORE_FIRST = datetime(2026, 10, 31, 23, tzinfo=timezone.utc)
+BEFORE_FIRST = datetime(2026, 10, 31, 23, tzinfo=UTC)
 
 
 def at(hour: int, minute: int = 0, day: int = 30) -> datetime:
-    return datetime(2026, 11, day, hour, minute, tzinfo=timezone.utc)
+    return datetime(2026, 11, day, hour, minute, tzinfo=UTC)
 
 
 def reconciled(rows: list[tuple[str, datetime]]) -> pl.DataFrame:
@@ -34,7 +34,10 @@ def reconciled(rows: list[tuple[str, datetime]]) -> pl.DataFrame:
 def test_last_reconciled_hour_is_the_end_of_the_first_gapless_run():
     rows = [("a", at(h)) for h in (3, 4, 5, 7, 8)] + [("b", at(h)) for h in (1, 2)] + [("b", at(2))]
     assert last_reconciled_hours(reconciled(rows), ["a", "b", "c"], BEFORE_FIRST) == {
-        "a": at(5), "b": at(2), "c": BEFORE_FIRST}
+        "a": at(5),
+        "b": at(2),
+        "c": BEFORE_FIRST,
+    }
 
 
 def write_reconciled(warehouse: Path, pool: str, hours: list[datetime]) -> None:
@@ -52,15 +55,21 @@ def alert_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path / "alerts.jsonl"
     monkeypatch.setenv("STEPLEDGER_ALERT_FILE", str(path))
     monkeypatch.setenv("STEPLEDGER_FIRST_HOUR", "2026-11-30T00")
-    for name in ("STEPLEDGER_ALERT_WEBHOOK_URL", "STEPLEDGER_PAGERDUTY_ROUTING_KEY", "STEPLEDGER_ALERT_FORMAT"):
+    for name in (
+        "STEPLEDGER_ALERT_WEBHOOK_URL",
+        "STEPLEDGER_PAGERDUTY_ROUTING_KEY",
+        "STEPLEDGER_ALERT_FORMAT",
+    ):
         monkeypatch.delenv(name, raising=False)
     return path
 
 
 def tick(data: Path, now: datetime) -> str:
     sensor = build_deadman_sensor(small_pools(), clock=lambda: now)
-    resources = {"data": StepledgerData(data_dir=str(data)),
-                 "warehouse": DuckDBResource(database=str(data / "warehouse.duckdb"))}
+    resources = {
+        "data": StepledgerData(data_dir=str(data)),
+        "warehouse": DuckDBResource(database=str(data / "warehouse.duckdb")),
+    }
     with dg.build_sensor_context(resources=resources) as context:
         result = sensor(context)
     assert isinstance(result, dg.SkipReason)
@@ -68,7 +77,11 @@ def tick(data: Path, now: datetime) -> str:
 
 
 def paged(alert_file: Path) -> list[dict]:
-    return [json.loads(line) for line in alert_file.read_text().splitlines()] if alert_file.exists() else []
+    return (
+        [json.loads(line) for line in alert_file.read_text().splitlines()]
+        if alert_file.exists()
+        else []
+    )
 
 
 def test_the_deadman_sensor_is_scheduled_and_running(tmp_path: Path):
@@ -88,18 +101,32 @@ def test_a_late_pool_pages_once_however_often_the_sensor_ticks(tmp_path: Path, a
     write_reconciled(tmp_path / "warehouse.duckdb", "chat-8b", [at(h) for h in (0, 1, 2, 4)])
     first = tick(tmp_path, at(7, 1))
     assert first == "1 pool(s) overdue, 1 newly paged: chat-8b reconciled to 2026-11-30T02"
-    assert tick(tmp_path, at(7, 6)) == "1 pool(s) overdue, 0 newly paged: chat-8b reconciled to 2026-11-30T02"
+    assert (
+        tick(tmp_path, at(7, 6))
+        == "1 pool(s) overdue, 0 newly paged: chat-8b reconciled to 2026-11-30T02"
+    )
     (alert,) = paged(alert_file)
     assert (alert["kind"], alert["pool"], alert["hour"], alert["finding"], alert["severity"]) == (
-        "deadman", "chat-8b", "2026-11-30T03", "not_reconciled", "ERROR")
+        "deadman",
+        "chat-8b",
+        "2026-11-30T03",
+        "not_reconciled",
+        "ERROR",
+    )
     assert alert["detail"] == (
         "pool chat-8b: 2 hour(s) not reconciled within 120 min of their end (2026-11-30T03 to 2026-11-30T04): "
-        "the scheduler, its daemon or the hourly run is not running")
+        "the scheduler, its daemon or the hourly run is not running"
+    )
 
 
-def test_without_a_warehouse_every_hour_since_the_first_partition_is_overdue(tmp_path: Path, alert_file: Path):
+def test_without_a_warehouse_every_hour_since_the_first_partition_is_overdue(
+    tmp_path: Path, alert_file: Path
+):
     assert tick(tmp_path, at(2, 0)) == "every pool on time: chat-8b reconciled to 2026-11-29T23"
-    assert tick(tmp_path, at(3, 0)) == "1 pool(s) overdue, 1 newly paged: chat-8b reconciled to 2026-11-29T23"
+    assert (
+        tick(tmp_path, at(3, 0))
+        == "1 pool(s) overdue, 1 newly paged: chat-8b reconciled to 2026-11-29T23"
+    )
     assert [a["hour"] for a in paged(alert_file)] == ["2026-11-30T00"]
 
 
@@ -113,8 +140,12 @@ def test_a_busy_warehouse_is_skipped_without_paging(tmp_path: Path, alert_file: 
 
 @settings(max_examples=60, deadline=None)
 @given(st.sets(st.integers(min_value=0, max_value=47), min_size=1, max_size=20))
-def test_every_hour_up_to_the_last_reconciled_one_is_reconciled_and_the_next_is_not(offsets: set[int]):
+def test_every_hour_up_to_the_last_reconciled_one_is_reconciled_and_the_next_is_not(
+    offsets: set[int],
+):
     first = min(offsets)
-    last = last_reconciled_hours(reconciled([("a", at(0) + timedelta(hours=o)) for o in offsets]), ["a"], BEFORE_FIRST)["a"]
+    last = last_reconciled_hours(
+        reconciled([("a", at(0) + timedelta(hours=o)) for o in offsets]), ["a"], BEFORE_FIRST
+    )["a"]
     last_offset = round((last - at(0)) / timedelta(hours=1))
     assert set(range(first, last_offset + 1)) <= offsets and last_offset + 1 not in offsets

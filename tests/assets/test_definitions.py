@@ -3,7 +3,7 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import dagster as dg
@@ -22,26 +22,42 @@ def test_definitions_load(tmp_path: Path) -> None:
     # reads only the lake, so pool-hours can attribute while another holds the warehouse.
     nodes = {node.name: node.definition for node in job.nodes_in_topological_order}
     assert {name: node.pool for name, node in nodes.items()} == {
-        "step_log": "duckdb", "request_context": "duckdb", "charges": None, "ledger": "duckdb",
-        "reconciliation": "duckdb"}
+        "step_log": "duckdb",
+        "request_context": "duckdb",
+        "charges": None,
+        "ledger": "duckdb",
+        "reconciliation": "duckdb",
+    }
     assert {name for name, node in nodes.items() if "warehouse" in node.required_resource_keys} == {
-        "step_log", "request_context", "ledger", "reconciliation"}
-    keys = job.partitions_def.get_partition_keys(current_time=datetime(2026, 11, 1, 2, tzinfo=timezone.utc))
+        "step_log",
+        "request_context",
+        "ledger",
+        "reconciliation",
+    }
+    keys = job.partitions_def.get_partition_keys(current_time=datetime(2026, 11, 1, 2, tzinfo=UTC))
     assert [str(k) for k in keys] == [
-        "2026-11-01-00:00|chat-8b", "2026-11-01-00:00|reason-dsv3",
-        "2026-11-01-01:00|chat-8b", "2026-11-01-01:00|reason-dsv3",
+        "2026-11-01-00:00|chat-8b",
+        "2026-11-01-00:00|reason-dsv3",
+        "2026-11-01-01:00|chat-8b",
+        "2026-11-01-01:00|reason-dsv3",
     ]
 
 
-def test_lazy_definitions_read_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lazy_definitions_read_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (tmp_path / "pools.yaml").write_text(
-        (Path(__file__).parents[2] / "pipeline" / "data" / "pools.yaml").read_text().replace("chat-8b", "chat-small")
+        (Path(__file__).parents[2] / "pipeline" / "data" / "pools.yaml")
+        .read_text()
+        .replace("chat-8b", "chat-small")
     )
     monkeypatch.setenv("STEPLEDGER_DATA", str(tmp_path))
     module = importlib.reload(importlib.import_module("assets.definitions"))
     defs = module.defs()
     dg.Definitions.validate_loadable(defs)
-    pool_keys = defs.resolve_job_def("pool_hour_job").partitions_def.get_partitions_def_for_dimension("pool")
+    pool_keys = defs.resolve_job_def(
+        "pool_hour_job"
+    ).partitions_def.get_partitions_def_for_dimension("pool")
     assert pool_keys.get_partition_keys() == ["chat-small", "reason-dsv3"]
     assert defs.resources["warehouse"].database == str(tmp_path / "warehouse.duckdb")
 
@@ -55,18 +71,24 @@ def test_importing_the_code_location_does_no_io(tmp_path: Path) -> None:
         "import assets.definitions\n"
         "print([f for f in opened if 'stepledger' in f or f.endswith(('.yaml', '.duckdb'))])\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=tmp_path
+    )
     assert out.stdout.strip() == "[]"
 
 
 def scheduled_partitions(delay_minutes: int, tmp_path: Path) -> tuple[str, list[tuple[str, str]]]:
     """The schedule's cron, and the (partition, run key) pairs its 06:15 UTC tick requests."""
     pools = small_pools()
-    pools = pools.model_copy(update={"settings": pools.settings.model_copy(update={"late_file_delay_minutes": delay_minutes})})
+    pools = pools.model_copy(
+        update={
+            "settings": pools.settings.model_copy(update={"late_file_delay_minutes": delay_minutes})
+        }
+    )
     defs = build_definitions(pools, tmp_path)
     schedule = defs.resolve_schedule_def("hourly_ledger")
     tick = dg.build_schedule_context(
-        scheduled_execution_time=datetime(2026, 11, 30, 6, 15, tzinfo=timezone.utc),
+        scheduled_execution_time=datetime(2026, 11, 30, 6, 15, tzinfo=UTC),
         repository_def=defs.get_repository_def(),
     )
     requests = schedule.evaluate_tick(tick).run_requests
@@ -75,12 +97,16 @@ def scheduled_partitions(delay_minutes: int, tmp_path: Path) -> tuple[str, list[
 
 def test_schedule_targets_each_pool_after_the_late_file_delay(tmp_path: Path) -> None:
     assert scheduled_partitions(15, tmp_path) == (
-        "15 * * * *", [("2026-11-30-05:00|chat-8b", "2026-11-30T05|chat-8b")])
+        "15 * * * *",
+        [("2026-11-30-05:00|chat-8b", "2026-11-30T05|chat-8b")],
+    )
 
 
 def test_a_delay_past_the_hour_targets_an_earlier_hour(tmp_path: Path) -> None:
     assert scheduled_partitions(75, tmp_path) == (
-        "15 * * * *", [("2026-11-30-04:00|chat-8b", "2026-11-30T04|chat-8b")])
+        "15 * * * *",
+        [("2026-11-30-04:00|chat-8b", "2026-11-30T04|chat-8b")],
+    )
 
 
 def test_the_warehouse_directory_is_created_on_first_use(tmp_path: Path) -> None:

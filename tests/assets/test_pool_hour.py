@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import shutil
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import dagster as dg
@@ -14,24 +14,33 @@ from assets.partitions import partition_key
 from assets.resources import StepledgerData
 from pipeline.ingest import segment_files
 
-HOUR = datetime(2026, 11, 30, 0, tzinfo=timezone.utc)
+HOUR = datetime(2026, 11, 30, 0, tzinfo=UTC)
 QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
 
 
 def run_hour(data: Path, instance: dg.DagsterInstance) -> dg.ExecuteInProcessResult:
     defs = build_definitions(small_pools(), data)
     return defs.resolve_job_def("pool_hour_job").execute_in_process(
-        partition_key=partition_key(HOUR, "chat-8b"), instance=instance, run_config=QUIET, raise_on_error=False
+        partition_key=partition_key(HOUR, "chat-8b"),
+        instance=instance,
+        run_config=QUIET,
+        raise_on_error=False,
     )
 
 
 def snapshot(warehouse: Path) -> dict[str, list[tuple]]:
     with duckdb.connect(str(warehouse), read_only=True) as con:
         return {
-            table: con.execute(f"SELECT * EXCLUDE ({excluded}) FROM {table} ORDER BY ALL").fetchall()
+            table: con.execute(
+                f"SELECT * EXCLUDE ({excluded}) FROM {table} ORDER BY ALL"
+            ).fetchall()
             for table, excluded in (
-                ("invoices", "gpus"), ("ledger_lines", "weights_version"), ("request_costs", "steps"),
-                ("reconciliation", "checked_at"), ("segments", "batch_id"), ("request_context", "received_at"),
+                ("invoices", "gpus"),
+                ("ledger_lines", "weights_version"),
+                ("request_costs", "steps"),
+                ("reconciliation", "checked_at"),
+                ("segments", "batch_id"),
+                ("request_context", "received_at"),
             )
         }
 
@@ -51,13 +60,17 @@ def test_a_simulated_hour_end_to_end(data: Path) -> None:
     with duckdb.connect(str(data / "warehouse.duckdb"), read_only=True) as con:
         invoice = con.execute("SELECT gpus, amount_nano FROM invoices").fetchall()
         lines_total = con.execute("SELECT sum(amount_nano) FROM ledger_lines").fetchone()[0]
-        kinds = {r[0] for r in con.execute("SELECT DISTINCT line_kind FROM ledger_lines").fetchall()}
+        kinds = {
+            r[0] for r in con.execute("SELECT DISTINCT line_kind FROM ledger_lines").fetchall()
+        }
         requests_total = con.execute("SELECT sum(amount_nano) FROM request_costs").fetchone()[0]
         charged = con.execute(
             "SELECT sum(amount_nano) FROM ledger_lines WHERE line_kind IN ('usage', 'unattributed', 'platform_retry')"
         ).fetchone()[0]
         published = con.execute("SELECT sum(amount_nano) FROM tenant_costs_hourly").fetchone()[0]
-        focus = con.execute("SELECT sum(x_AmountNano), min(ChargePeriodStart) FROM focus_costs").fetchone()
+        focus = con.execute(
+            "SELECT sum(x_AmountNano), min(ChargePeriodStart) FROM focus_costs"
+        ).fetchone()
     # Two one-GPU replicas for the hour, at the pool's GPU-hour price, to the nano-dollar.
     expected = 2 * small_pools().pool("chat-8b").nano_per_gpu_hour
     assert invoice == [(2, expected)]
@@ -78,7 +91,9 @@ def test_rerunning_an_hour_and_redelivering_a_segment_change_nothing(data: Path)
     assert run_hour(data, instance).success
     assert snapshot(data / "warehouse.duckdb") == before
     with duckdb.connect(str(data / "warehouse.duckdb"), read_only=True) as con:
-        assert con.execute("SELECT count(*) FROM segment_files WHERE status = 'duplicate'").fetchone() == (1,)
+        assert con.execute(
+            "SELECT count(*) FROM segment_files WHERE status = 'duplicate'"
+        ).fetchone() == (1,)
 
 
 def test_sensor_requests_ingestion_for_new_segments(data: Path) -> None:
@@ -100,8 +115,15 @@ def test_the_ledger_materialization_tells_the_hour(data: Path) -> None:
     (materialization,) = result.asset_materializations_for_node("ledger")
     metadata = {key: value.value for key, value in materialization.metadata.items()}
     with duckdb.connect(str(data / "warehouse.duckdb"), read_only=True) as con:
-        by_kind = dict(con.execute("SELECT line_kind, sum(amount_nano)::BIGINT FROM ledger_lines GROUP BY ALL").fetchall())
-        rows = [con.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in ("invoices", "ledger_lines", "request_costs")]
+        by_kind = dict(
+            con.execute(
+                "SELECT line_kind, sum(amount_nano)::BIGINT FROM ledger_lines GROUP BY ALL"
+            ).fetchall()
+        )
+        rows = [
+            con.execute(f"SELECT count(*) FROM {t}").fetchone()[0]
+            for t in ("invoices", "ledger_lines", "request_costs")
+        ]
         tenants = con.execute(
             "SELECT coalesce(tenant, '(no tenant)'), sum(amount_nano)::BIGINT, sum(requests)::BIGINT "
             "FROM ledger_lines GROUP BY ALL ORDER BY 2 DESC, 1"
@@ -109,18 +131,40 @@ def test_the_ledger_materialization_tells_the_hour(data: Path) -> None:
     invoice = 2 * small_pools().pool("chat-8b").nano_per_gpu_hour
     assert invoice == 7_200_000_000
     assert {k: v for k, v in metadata.items() if k != "top_tenants"} == {
-        "invoice_nano": invoice, "invoice_usd": "$7.200000", "ledger_nano": invoice, "balanced": True,
-        **{f"{kind}_nano": by_kind.get(kind, 0) for kind in
-           ("usage", "idle", "headroom", "unattributed", "platform_retry", "cache_credit")},
-        "invoice_rows": rows[0], "ledger_line_rows": rows[1], "request_cost_rows": rows[2],
+        "invoice_nano": invoice,
+        "invoice_usd": "$7.200000",
+        "ledger_nano": invoice,
+        "balanced": True,
+        **{
+            f"{kind}_nano": by_kind.get(kind, 0)
+            for kind in (
+                "usage",
+                "idle",
+                "headroom",
+                "unattributed",
+                "platform_retry",
+                "cache_credit",
+            )
+        },
+        "invoice_rows": rows[0],
+        "ledger_line_rows": rows[1],
+        "request_cost_rows": rows[2],
     }
     table = metadata["top_tenants"].splitlines()
-    assert table[:2] == ["| tenant | amount | share of invoice | requests | new tokens | line kinds |",
-                         "|---|---:|---:|---:|---:|---|"]
-    assert [line.split(" | ")[0].removeprefix("| ") for line in table[2:]] == [t for t, _, _ in tenants]
+    assert table[:2] == [
+        "| tenant | amount | share of invoice | requests | new tokens | line kinds |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    assert [line.split(" | ")[0].removeprefix("| ") for line in table[2:]] == [
+        t for t, _, _ in tenants
+    ]
     top, amount, requests = tenants[0]
-    assert table[2].startswith(f"| {top} | ${amount / 1e9:,.6f} | {amount / invoice:.1%} | {requests:,} | ")
+    assert table[2].startswith(
+        f"| {top} | ${amount / 1e9:,.6f} | {amount / invoice:.1%} | {requests:,} | "
+    )
     checks = {e.check_name: e.metadata for e in result.get_asset_check_evaluations()}
     money = checks["money"]["results_table"].value.splitlines()
     assert money[0] == "| scope | status | expected | observed | detail |"
-    assert money[2].startswith(f"| chat-8b | passed | {invoice} nano-dollars (invoice) | {invoice} nano-dollars in ")
+    assert money[2].startswith(
+        f"| chat-8b | passed | {invoice} nano-dollars (invoice) | {invoice} nano-dollars in "
+    )

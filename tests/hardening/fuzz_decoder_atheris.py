@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 with atheris.instrument_imports(include=["pipeline.steplog", "schemas"]):
     from pipeline.steplog import read_segments
 
-from segment_bytes import recorded_segments  # noqa: E402
+from segment_bytes import recorded_segments
 
 # In the working directory, next to libFuzzer's own findings: libFuzzer ends the process
 # without running Python's exit handlers, so a temporary directory would be left behind.

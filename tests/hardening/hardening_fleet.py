@@ -3,36 +3,44 @@
 from __future__ import annotations
 
 import warnings
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import dagster as dg
 
 from schemas.config import PoolsFile, load_pools
 
-HOUR = datetime(2026, 11, 30, 0, tzinfo=timezone.utc)
+HOUR = datetime(2026, 11, 30, 0, tzinfo=UTC)
 MINUTES = 3
 QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
 
 
-def small_pools(tenant_names: list[str] | None = None, feature_names: list[str] | None = None) -> PoolsFile:
+def small_pools(
+    tenant_names: list[str] | None = None, feature_names: list[str] | None = None
+) -> PoolsFile:
     """The default chat pool cut to two replicas; tenants and features renamed when given."""
     pools = load_pools()
     chat = pools.pool("chat-8b")
     tenants = chat.workload.tenants
     if tenant_names is not None:
         tenants = [
-            tenant.model_copy(update={
-                "name": tenant_names[i],
-                "features": [f.model_copy(update={"name": feature_names[i] if feature_names else f.name})
-                             for f in tenant.features],
-            })
+            tenant.model_copy(
+                update={
+                    "name": tenant_names[i],
+                    "features": [
+                        f.model_copy(update={"name": feature_names[i] if feature_names else f.name})
+                        for f in tenant.features
+                    ],
+                }
+            )
             for i, tenant in enumerate(tenants)
         ]
-    chat = chat.model_copy(update={
-        "replicas": chat.replicas[:2],
-        "workload": chat.workload.model_copy(update={"tenants": tenants}),
-    })
+    chat = chat.model_copy(
+        update={
+            "replicas": chat.replicas[:2],
+            "workload": chat.workload.model_copy(update={"tenants": tenants}),
+        }
+    )
     return pools.model_copy(update={"pools": [chat]})
 
 
@@ -43,8 +51,13 @@ def simulate_small(out: Path, pools: PoolsFile | None = None, **options) -> Path
     return out
 
 
-def bill(data: Path, pools: PoolsFile, instance: dg.DagsterInstance, hour: datetime = HOUR,
-         run_config: dict = QUIET) -> list:
+def bill(
+    data: Path,
+    pools: PoolsFile,
+    instance: dg.DagsterInstance,
+    hour: datetime = HOUR,
+    run_config: dict = QUIET,
+) -> list:
     """Materialize every pool of `hour` through the pool-hour job; the run results."""
     from assets.definitions import build_definitions
     from assets.partitions import partition_key
@@ -52,13 +65,19 @@ def bill(data: Path, pools: PoolsFile, instance: dg.DagsterInstance, hour: datet
     warnings.filterwarnings("ignore", module="dagster")
     job = build_definitions(pools, data).resolve_job_def("pool_hour_job")
     return [
-        job.execute_in_process(partition_key=partition_key(hour, pool.name), instance=instance,
-                               run_config=run_config, raise_on_error=False)
+        job.execute_in_process(
+            partition_key=partition_key(hour, pool.name),
+            instance=instance,
+            run_config=run_config,
+            raise_on_error=False,
+        )
         for pool in pools.pools
     ]
 
 
-def rerecord(data: Path, rename=lambda request_id: request_id, rotate_bytes: int | None = None) -> None:
+def rerecord(
+    data: Path, rename=lambda request_id: request_id, rotate_bytes: int | None = None
+) -> None:
     """Rewrite a run directory so every request id becomes `rename(id)`: each segment is
     decoded and recorded again through the StepRecorder (same header, anchors and sequence
     numbers; split into segments of `rotate_bytes` when given), and the gateway files are
@@ -80,19 +99,43 @@ def rerecord(data: Path, rename=lambda request_id: request_id, rotate_bytes: int
         holders = decoded.holders.to_pydict()
         slot_bounds = np.cumsum([0] + [s["num_slots"] for s in steps])
         holder_bounds = np.cumsum([0] + [s["num_holders"] for s in steps])
-        clocks = {"mono_clock": lambda: segment["mono_anchor_ns"], "wall_clock": lambda: segment["wall_anchor_ns"]}
-        with StepRecorder(path.parent, header, overflow="block", rotate_bytes=rotate_bytes or MAX_SEGMENT_BYTES,
-                          first_seq=segment["first_seq"], **clocks) as recorder:
+        clocks = {
+            "mono_clock": lambda anchor=segment["mono_anchor_ns"]: anchor,
+            "wall_clock": lambda anchor=segment["wall_anchor_ns"]: anchor,
+        }
+        with StepRecorder(
+            path.parent,
+            header,
+            overflow="block",
+            rotate_bytes=rotate_bytes or MAX_SEGMENT_BYTES,
+            first_seq=segment["first_seq"],
+            **clocks,
+        ) as recorder:
             for index, step in enumerate(steps):
                 s = slice(slot_bounds[index], slot_bounds[index + 1])
                 h = slice(holder_bounds[index], holder_bounds[index + 1])
                 recorder.record_step(
-                    step["start_ns"], step["end_ns"], [rename(r) for r in slots["request_id"][s]],
-                    *(slots[name][s] for name in ("new_tokens", "context_tokens", "kv_blocks", "prompt_tokens",
-                                                  "prefix_hit_tokens", "spec_drafted", "spec_accepted")),
-                    holder_ids=[rename(r) for r in holders["request_id"][h]], holder_blocks=holders["kv_blocks"][h],
-                    holder_states=holders["state"][h], admission_blocked=step["admission_blocked"],
-                    free_blocks=step["free_blocks"], total_blocks=step["total_blocks"],
+                    step["start_ns"],
+                    step["end_ns"],
+                    [rename(r) for r in slots["request_id"][s]],
+                    *(
+                        slots[name][s]
+                        for name in (
+                            "new_tokens",
+                            "context_tokens",
+                            "kv_blocks",
+                            "prompt_tokens",
+                            "prefix_hit_tokens",
+                            "spec_drafted",
+                            "spec_accepted",
+                        )
+                    ),
+                    holder_ids=[rename(r) for r in holders["request_id"][h]],
+                    holder_blocks=holders["kv_blocks"][h],
+                    holder_states=holders["state"][h],
+                    admission_blocked=step["admission_blocked"],
+                    free_blocks=step["free_blocks"],
+                    total_blocks=step["total_blocks"],
                 )
         path.unlink()
     for path in sorted((data / "gateway").glob("*.jsonl")):

@@ -43,19 +43,30 @@ def main(argv: list[str]) -> None:
     warnings.filterwarnings("ignore")
     data, pool, hour = Path(argv[0]), argv[1], parse_hour_key(argv[2])
     if "--die-before-ingest-commit" in argv:
+
         def die(con):
             os.kill(os.getpid(), signal.SIGKILL)
 
         ingest.transaction = die
-    stages = [(pool_hour, "ingest_outbox"), (context, "load_gateway_files"), (hourly, "save_inputs"),
-              (hourly, "charge_hour"),
-              (hourly, "save_charges"), (hourly, "publish_hour"), (hourly, "reconcile_hour")]
+    stages = [
+        (pool_hour, "ingest_outbox"),
+        (context, "load_gateway_files"),
+        (hourly, "save_inputs"),
+        (hourly, "charge_hour"),
+        (hourly, "save_charges"),
+        (hourly, "publish_hour"),
+        (hourly, "reconcile_hour"),
+    ]
     for module, name in stages:
         setattr(module, name, announced(name, getattr(module, name)))
     job = build_definitions(load_pools(pools_file(data)), data).resolve_job_def("pool_hour_job")
     print("ready", flush=True)
-    job.execute_in_process(partition_key=partition_key(hour, pool), instance=dg.DagsterInstance.ephemeral(),
-                           run_config=QUIET, raise_on_error=False)
+    job.execute_in_process(
+        partition_key=partition_key(hour, pool),
+        instance=dg.DagsterInstance.ephemeral(),
+        run_config=QUIET,
+        raise_on_error=False,
+    )
     print("done", flush=True)
 
 

@@ -9,10 +9,15 @@ from pathlib import Path
 from pipeline.steplog import StepRecorder
 from pipeline.steplog.format import frame_crc
 from schemas.records import FRAME_CHECKED_BYTES, FRAME_PREFIX
-from tests.pipeline.steplog.samples import HEADER, MONO_ANCHOR, fixed_clocks  # noqa: F401 (HEADER re-exported)
+from tests.pipeline.steplog.samples import HEADER, MONO_ANCHOR, fixed_clocks
 
 # Ids a hostile client could choose: quotes, SQL, control characters, non-ASCII.
-HOSTILE_IDS = ("req-'\"", "'); DROP TABLE ledger_lines; --", "a\nb\r\0\x1b[31m", "日本語-é-\u2028-🙂")
+HOSTILE_IDS = (
+    "req-'\"",
+    "'); DROP TABLE ledger_lines; --",
+    "a\nb\r\0\x1b[31m",
+    "日本語-é-\u2028-🙂",
+)
 
 
 def record_steps(recorder: StepRecorder, first: int, count: int) -> None:
@@ -43,7 +48,9 @@ def record_steps(recorder: StepRecorder, first: int, count: int) -> None:
 def recorded_segments(steps: int = 24, rotate_bytes: int = 2500) -> tuple[bytes, ...]:
     """The bytes of the segments a recorder ships for `steps` steps (with one counted drop)."""
     with tempfile.TemporaryDirectory(prefix="hardening-segments-") as tmp:
-        with StepRecorder(Path(tmp), HEADER, overflow="block", rotate_bytes=rotate_bytes, **fixed_clocks()) as recorder:
+        with StepRecorder(
+            Path(tmp), HEADER, overflow="block", rotate_bytes=rotate_bytes, **fixed_clocks()
+        ) as recorder:
             record_steps(recorder, 0, steps // 2)
             recorder.drop_step()
             record_steps(recorder, steps // 2 + 1, steps - steps // 2 - 1)

@@ -16,9 +16,21 @@ RUNS = 3000
 def test_coverage_guided_fuzzing_finds_no_crash_hang_or_memory_blowup(tmp_path):
     pytest.importorskip("atheris")
     result = subprocess.run(
-        [sys.executable, str(HARNESS), f"-runs={RUNS}", "-timeout=10", "-rss_limit_mb=3072", "-seed=1"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=280,
+        [
+            sys.executable,
+            str(HARNESS),
+            f"-runs={RUNS}",
+            "-timeout=10",
+            "-rss_limit_mb=3072",
+            "-seed=1",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=280,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert f"Done {RUNS} runs" in result.stderr
-    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(("crash-", "timeout-", "oom-"))]
+    assert not [
+        p.name for p in tmp_path.iterdir() if p.name.startswith(("crash-", "timeout-", "oom-"))
+    ]

@@ -4,6 +4,7 @@ killed mid-write leaves segments that decode up to their last complete frame."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import shutil
@@ -27,7 +28,15 @@ HERE = Path(__file__).resolve().parent
 MATERIALIZE = HERE / "materialize_hour.py"
 # Columns that name where or when something happened rather than what it is: a copy of the
 # data in another directory, run at another time, differs there and nowhere else.
-CIRCUMSTANTIAL = {"path", "source_file", "raised_at", "ingested_at", "loaded_at", "checked_at", "batch_id"}
+CIRCUMSTANTIAL = {
+    "path",
+    "source_file",
+    "raised_at",
+    "ingested_at",
+    "loaded_at",
+    "checked_at",
+    "batch_id",
+}
 KILL_SEED = 20261130
 # Three kills keep the suite fast; set STEPLEDGER_CRASH_KILLS higher for a longer hunt.
 KILLS = int(os.environ.get("STEPLEDGER_CRASH_KILLS", "3"))
@@ -38,7 +47,11 @@ def snapshot(data: Path) -> dict[str, list[tuple]]:
     tables: dict[str, list[tuple]] = {}
     with duckdb.connect(str(data / "warehouse.duckdb"), read_only=True) as con:
         for (table,) in con.execute("SELECT table_name FROM duckdb_tables() ORDER BY 1").fetchall():
-            columns = [r[0] for r in con.execute(f'DESCRIBE "{table}"').fetchall() if r[0] not in CIRCUMSTANTIAL]
+            columns = [
+                r[0]
+                for r in con.execute(f'DESCRIBE "{table}"').fetchall()
+                if r[0] not in CIRCUMSTANTIAL
+            ]
             listed = ", ".join(f'"{c}"' for c in columns)
             tables[table] = con.execute(f'SELECT {listed} FROM "{table}" ORDER BY ALL').fetchall()
     lake = data / "lake"
@@ -54,7 +67,9 @@ def snapshot(data: Path) -> dict[str, list[tuple]]:
 def start(data: Path, *flags: str) -> subprocess.Popen:
     process = subprocess.Popen(
         [sys.executable, str(MATERIALIZE), str(data), "chat-8b", hour_key(HOUR), *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
     assert process.stdout.readline().strip() == "ready"
     return process
@@ -76,10 +91,14 @@ def uninterrupted(simulated, tmp_path_factory) -> tuple[dict, list[str]]:
     process = start(data)
     lines = process.stdout.read().split()
     assert process.wait(timeout=300) == 0 and lines[-1] == "done"
-    return snapshot(data), [word for previous, word in zip(lines, lines[1:]) if previous == "stage"]
+    return snapshot(data), [
+        word for previous, word in itertools.pairwise(lines) if previous == "stage"
+    ]
 
 
-def test_sigkill_anywhere_then_rerun_gives_the_uninterrupted_ledger(simulated, uninterrupted, tmp_path):
+def test_sigkill_anywhere_then_rerun_gives_the_uninterrupted_ledger(
+    simulated, uninterrupted, tmp_path
+):
     expected, stages = uninterrupted
     assert expected["invoices"] and expected["request_costs"]
     rng = random.Random(KILL_SEED)
@@ -96,13 +115,17 @@ def test_sigkill_anywhere_then_rerun_gives_the_uninterrupted_ledger(simulated, u
                 assert line, f"the run ended before stage {stage}"
             time.sleep(delay)
             process.send_signal(signal.SIGKILL)
-            assert process.wait(timeout=60) == -signal.SIGKILL, f"the run ended before the kill in {stage}"
+            assert process.wait(timeout=60) == -signal.SIGKILL, (
+                f"the run ended before the kill in {stage}"
+            )
             (result,) = bill(data, small_pools(), instance)
             assert result.success, (stage, delay)
             assert snapshot(data) == expected, f"killed {delay:.2f} s into {stage}"
 
 
-def test_killed_between_lake_write_and_warehouse_commit_then_more_segments_arrive(simulated, uninterrupted, tmp_path):
+def test_killed_between_lake_write_and_warehouse_commit_then_more_segments_arrive(
+    simulated, uninterrupted, tmp_path
+):
     # The lake files of an ingest batch are written before the warehouse records the batch. A
     # crash in between, followed by a new segment arriving before the retry, gives the retry
     # another batch id: the dead batch's files must not be counted as well.
@@ -118,7 +141,9 @@ def test_killed_between_lake_write_and_warehouse_commit_then_more_segments_arriv
     held_back.rename(late)
     with dg.DagsterInstance.ephemeral() as instance:
         (result,) = bill(data, small_pools(), instance)
-    assert result.success, [e.event_specific_data.error.message for e in result.get_step_failure_events()]
+    assert result.success, [
+        e.event_specific_data.error.message for e in result.get_step_failure_events()
+    ]
     got = snapshot(data)
     assert got["lake/steps"] == expected["lake/steps"]
     assert got["ledger_lines"] == expected["ledger_lines"]
@@ -152,13 +177,19 @@ def complete_frames(data: bytes) -> int:
 
 # The first delay usually kills the engine before its first write reaches the disk.
 @pytest.mark.parametrize("delay", [0.3, 1.5, 4.0])
-def test_an_engine_killed_mid_write_leaves_segments_that_decode_to_its_last_complete_frame(tmp_path, delay):
+def test_an_engine_killed_mid_write_leaves_segments_that_decode_to_its_last_complete_frame(
+    tmp_path, delay
+):
     from pipeline.steplog import read_segments, recover_partial_segments
     from pipeline.steplog.recorder import PARTIAL_SUFFIX
 
     outbox = tmp_path / "outbox"
-    engine = subprocess.Popen([sys.executable, "-c", ENGINE, str(outbox), str(HERE)],
-                              stdout=subprocess.PIPE, text=True, cwd=HERE.parents[1])
+    engine = subprocess.Popen(
+        [sys.executable, "-c", ENGINE, str(outbox), str(HERE)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=HERE.parents[1],
+    )
     assert engine.stdout.readline().strip() == "recording"
     time.sleep(delay)
     os.kill(engine.pid, signal.SIGKILL)
@@ -177,8 +208,12 @@ def test_an_engine_killed_mid_write_leaves_segments_that_decode_to_its_last_comp
     in_recovered = segments[str(recovered)]["steps"] if str(recovered) in segments else 0
     assert in_recovered == max(complete_frames(partial_bytes) - 1, 0)
     damage = decoded.damage.to_pylist()
-    assert all(row["path"] == str(recovered) and row["kind"] == "torn_tail" for row in damage), damage
-    expected_slots = pl.from_arrow(read_segments_of_steps(tmp_path, len(seqs)).slots).drop("replica", "pool")
+    assert all(row["path"] == str(recovered) and row["kind"] == "torn_tail" for row in damage), (
+        damage
+    )
+    expected_slots = pl.from_arrow(read_segments_of_steps(tmp_path, len(seqs)).slots).drop(
+        "replica", "pool"
+    )
     assert pl.from_arrow(decoded.slots).drop("replica", "pool").equals(expected_slots)
 
 
@@ -188,6 +223,8 @@ def read_segments_of_steps(tmp_path: Path, steps: int):
 
     from pipeline.steplog import StepRecorder, read_segments
 
-    with StepRecorder(tmp_path / "clean", HEADER, overflow="block", rotate_bytes=3 << 19) as recorder:
+    with StepRecorder(
+        tmp_path / "clean", HEADER, overflow="block", rotate_bytes=3 << 19
+    ) as recorder:
         record_steps(recorder, 0, steps)
     return read_segments(recorder.shipped_segments)

@@ -20,14 +20,16 @@ import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
 from segment_bytes import recorded_segments, resealed, with_length
-from tests.pipeline.steplog.samples import frame_spans
 
 from pipeline.steplog import decoder, read_segments
 from schemas.records import FRAME_MARKER, FRAME_PREFIX, MAX_FRAME_PAYLOAD, FrameKind
 from schemas.tables import DAMAGE, DROPS, HOLDERS, SEGMENTS, SLOTS, STEPS
+from tests.pipeline.steplog.samples import frame_spans
 
 pytestmark = pytest.mark.timeout(120)
-FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+FUZZ = settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 # Bytes a decode may allocate (as tracked by tracemalloc) per input byte, plus a constant.
 MEMORY_PER_INPUT_BYTE = 16
 MEMORY_CONSTANT = 2 << 20
@@ -48,8 +50,10 @@ def original_rows() -> dict[str, list[dict]]:
     """Every row the intact segments decode to, without the segment id (splices move frames
     under another segment's header)."""
     decoded = read_segments_from_bytes(recorded_segments())
-    return {name: [_without_segment(row) for row in getattr(decoded, name).to_pylist()]
-            for name in ("steps", "slots", "holders")}
+    return {
+        name: [_without_segment(row) for row in getattr(decoded, name).to_pylist()]
+        for name in ("steps", "slots", "holders")
+    }
 
 
 def read_segments_from_bytes(contents: tuple[bytes, ...]):
@@ -62,8 +66,14 @@ def _without_segment(row: dict) -> dict:
 
 
 def assert_well_formed(decoded) -> None:
-    for name, schema in (("steps", STEPS), ("slots", SLOTS), ("holders", HOLDERS), ("segments", SEGMENTS),
-                         ("damage", DAMAGE), ("drops", DROPS)):
+    for name, schema in (
+        ("steps", STEPS),
+        ("slots", SLOTS),
+        ("holders", HOLDERS),
+        ("segments", SEGMENTS),
+        ("damage", DAMAGE),
+        ("drops", DROPS),
+    ):
         table = getattr(decoded, name)
         assert isinstance(table, pa.Table) and table.schema.equals(schema), name
         table.validate(full=True)
@@ -76,7 +86,9 @@ def damaged_files(draw) -> list[bytes]:
     segments = recorded_segments()
     first = bytearray(draw(st.sampled_from(segments)))
     for _ in range(draw(st.integers(1, 4))):
-        action = draw(st.sampled_from(["flip", "insert", "delete", "truncate", "splice", "garbage", "length"]))
+        action = draw(
+            st.sampled_from(["flip", "insert", "delete", "truncate", "splice", "garbage", "length"])
+        )
         at = draw(st.integers(0, max(len(first) - 1, 0)))
         if action == "flip" and first:
             first[at] ^= draw(st.integers(1, 255))
@@ -94,7 +106,11 @@ def damaged_files(draw) -> list[bytes]:
         elif action == "length":
             spans = frame_spans(segments[0])
             start = draw(st.sampled_from([s for s, _ in spans]))
-            length = draw(st.sampled_from([2**32 - 1, 2**31, MAX_FRAME_PAYLOAD, MAX_FRAME_PAYLOAD + 1, 10**6, 0, 1]))
+            length = draw(
+                st.sampled_from(
+                    [2**32 - 1, 2**31, MAX_FRAME_PAYLOAD, MAX_FRAME_PAYLOAD + 1, 10**6, 0, 1]
+                )
+            )
             first = bytearray(with_length(segments[0], start, length))
     files = [bytes(first)]
     if draw(st.booleans()):
@@ -114,7 +130,10 @@ def test_damaged_segments_decode_to_true_rows_only(tmp_path, files):
 
 
 @FUZZ
-@given(garbage=st.binary(max_size=4096), prefix=st.sampled_from([b"", b"STEPLOG\x00\x01\x00\x00\x00\x00\x00\x00\x00"]))
+@given(
+    garbage=st.binary(max_size=4096),
+    prefix=st.sampled_from([b"", b"STEPLOG\x00\x01\x00\x00\x00\x00\x00\x00\x00"]),
+)
 def test_random_garbage_is_reported_never_decoded(tmp_path, garbage, prefix):
     decoded = decode(tmp_path, prefix + garbage)
     assert_well_formed(decoded)
@@ -136,7 +155,9 @@ def resealed_frames(draw) -> bytes:
             payload[at : at + 8] = draw(st.binary(min_size=1, max_size=8))
         elif action == "extreme":
             width = draw(st.sampled_from([1, 4, 8]))
-            payload[at : at + width] = draw(st.sampled_from([b"\xff", b"\x00", b"\x7f", b"\x80"])) * width
+            payload[at : at + width] = (
+                draw(st.sampled_from([b"\xff", b"\x00", b"\x7f", b"\x80"])) * width
+            )
         elif draw(st.booleans()):
             payload[at:at] = draw(st.binary(min_size=1, max_size=32))
         else:
@@ -178,11 +199,15 @@ def test_a_huge_declared_length_allocates_nothing(tmp_path, length, frame):
     damage = decoded.damage.to_pylist()
     assert damage and damage[0]["byte_offset"] == start
     # Every frame before the damaged one still decodes.
-    intact_steps = sum(1 for s, e in frame_spans(data)[1:] if e <= start and data[s + 4] == FrameKind.STEP)
+    intact_steps = sum(
+        1 for s, e in frame_spans(data)[1:] if e <= start and data[s + 4] == FrameKind.STEP
+    )
     assert decoded.steps.num_rows >= intact_steps
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(files=damaged_files())
 def test_memory_is_bounded_by_the_input(tmp_path, files):
     paths = []
@@ -207,8 +232,12 @@ def header_with(data: bytes, **fields) -> bytes:
 
 @pytest.mark.parametrize(
     "fields",
-    [{"wall_anchor_ns": 10**30}, {"mono_anchor_ns": -(10**30)}, {"first_seq": 2**70},
-     {"wall_anchor_ns": 2**62, "mono_anchor_ns": -(2**62)}],
+    [
+        {"wall_anchor_ns": 10**30},
+        {"mono_anchor_ns": -(10**30)},
+        {"first_seq": 2**70},
+        {"wall_anchor_ns": 2**62, "mono_anchor_ns": -(2**62)},
+    ],
     ids=["wall-anchor", "mono-anchor", "first-seq", "anchor-difference"],
 )
 def test_header_numbers_beyond_int64_are_a_bad_header(tmp_path, fields):
@@ -231,7 +260,9 @@ def test_header_numbers_beyond_int64_are_a_bad_header(tmp_path, fields):
 @FUZZ
 def test_any_header_numbers_decode_or_are_reported(tmp_path, anchors, first_seq):
     data = recorded_segments()[0]
-    hostile = header_with(data, mono_anchor_ns=anchors[0], wall_anchor_ns=anchors[1], first_seq=first_seq)
+    hostile = header_with(
+        data, mono_anchor_ns=anchors[0], wall_anchor_ns=anchors[1], first_seq=first_seq
+    )
     decoded = decode(tmp_path, hostile[:-7])
     assert_well_formed(decoded)
 
@@ -264,7 +295,9 @@ def test_resynchronising_after_damage_is_linear_in_the_input(tmp_path, monkeypat
     data = recorded_segments()[0]
     count = 4096
     storm = b"".join(
-        FRAME_PREFIX.pack(FRAME_MARKER, FrameKind.STEP, 0, 0, (count - i - 1) * FRAME_PREFIX.size, 0)
+        FRAME_PREFIX.pack(
+            FRAME_MARKER, FrameKind.STEP, 0, 0, (count - i - 1) * FRAME_PREFIX.size, 0
+        )
         for i in range(count)
     )
     hostile = data + storm

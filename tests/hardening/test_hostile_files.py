@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import re
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import hypothesis.strategies as st
@@ -18,27 +18,64 @@ from pipeline.dcgm import DcgmParseError, parse_dcgm, read_dcgm_hour
 from schemas.config import DEFAULT_POOLS_PATH, ConfigError, load_pools
 
 pytestmark = pytest.mark.timeout(180)
-FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+FUZZ = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 SALT = b"hardening-salt"
 HOUR_MS = 1_764_464_400_000  # 2026-11-30T01:00Z
 
 GATEWAY_LINES = [
-    json.dumps({"request_id": f"req-{i}", "tenant": "acme", "feature": "bot", "api_key": "sk-acme-01",
-                "retry_of": f"req-{i - 1}" if i % 5 == 4 else None,
-                "retry_cause": "client_timeout" if i % 5 == 4 else None,
-                "received_at": f"2026-11-30T01:{i:02d}:01.123456Z"})
+    json.dumps(
+        {
+            "request_id": f"req-{i}",
+            "tenant": "acme",
+            "feature": "bot",
+            "api_key": "sk-acme-01",
+            "retry_of": f"req-{i - 1}" if i % 5 == 4 else None,
+            "retry_cause": "client_timeout" if i % 5 == 4 else None,
+            "received_at": f"2026-11-30T01:{i:02d}:01.123456Z",
+        }
+    )
     for i in range(12)
 ]
 DCGM_LINES = [
     "# HELP DCGM_FI_PROF_GR_ENGINE_ACTIVE Ratio of time the graphics engine is active.",
     "# TYPE DCGM_FI_PROF_GR_ENGINE_ACTIVE gauge",
-    *(f'DCGM_FI_PROF_GR_ENGINE_ACTIVE{{gpu="{g}",UUID="GPU-{g}",Hostname="gpu-node-01",modelName="NVIDIA H100"}} '
-      f"0.{g}5 {HOUR_MS + 15_000 * t}" for t in range(4) for g in range(2)),
+    *(
+        f'DCGM_FI_PROF_GR_ENGINE_ACTIVE{{gpu="{g}",UUID="GPU-{g}",Hostname="gpu-node-01",modelName="NVIDIA H100"}} '
+        f"0.{g}5 {HOUR_MS + 15_000 * t}"
+        for t in range(4)
+        for g in range(2)
+    ),
     'DCGM_FI_DEV_GPU_UTIL{gpu="0",UUID="GPU-0",Hostname="gpu-node-01"} 73',
 ]
 # Tokens a broken writer or an attacker might leave where a value belongs.
-ODD_TOKENS = ["", "-1", "1e309", "nan", "null", "[]", "{", "}", '"', "'", "\\", "\t", "\0", "\x85", "\u2028", "é",
-              "0x10", "~", "&anchor", "*alias", "!!python/object:os.system", "'); DROP TABLE x; --", "true", ":"]
+ODD_TOKENS = [
+    "",
+    "-1",
+    "1e309",
+    "nan",
+    "null",
+    "[]",
+    "{",
+    "}",
+    '"',
+    "'",
+    "\\",
+    "\t",
+    "\0",
+    "\x85",
+    "\u2028",
+    "é",
+    "0x10",
+    "~",
+    "&anchor",
+    "*alias",
+    "!!python/object:os.system",
+    "'); DROP TABLE x; --",
+    "true",
+    ":",
+]
 
 
 @st.composite
@@ -97,7 +134,9 @@ def test_mutated_gateway_files_load_or_name_file_line_and_field(tmp_path, data):
     except ContextError as err:
         message = str(err)
         assert_names_the_file(message, path, data.count(b"\n") + 1)
-        assert re.match(rf"{re.escape(str(path))}:\d+: field ", message) or "UTF-8" in message, message
+        assert re.match(rf"{re.escape(str(path))}:\d+: field ", message) or "UTF-8" in message, (
+            message
+        )
     else:
         assert frame.height <= data.count(b"\n") + 1
         assert not any("sk-" in key for key in frame["api_key_id"].to_list())
@@ -121,15 +160,23 @@ def test_a_dcgm_file_that_is_not_utf8_names_the_file(tmp_path):
     path = tmp_path / "gpu-node-01" / "2026-11-30T01.prom"
     path.parent.mkdir()
     path.write_bytes("\n".join(DCGM_LINES).encode() + b"\n\xff\xfe\n")
-    with pytest.raises(DcgmParseError, match=rf"^{re.escape(str(path))}: cannot read DCGM samples: 'utf-8' codec"):
-        read_dcgm_hour(tmp_path, datetime(2026, 11, 30, 1, tzinfo=timezone.utc))
+    with pytest.raises(
+        DcgmParseError, match=rf"^{re.escape(str(path))}: cannot read DCGM samples: 'utf-8' codec"
+    ):
+        read_dcgm_hour(tmp_path, datetime(2026, 11, 30, 1, tzinfo=UTC))
 
 
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        (b"settings:\n  dcgm_tolerance: 2\npools: []\n", r"pools\.yaml:2: field settings\.dcgm_tolerance: "),
-        (b"pools:\n  - name: 'a b'\n", r"pools\.yaml:2: field pools\.0\.name: String should match pattern"),
+        (
+            b"settings:\n  dcgm_tolerance: 2\npools: []\n",
+            r"pools\.yaml:2: field settings\.dcgm_tolerance: ",
+        ),
+        (
+            b"pools:\n  - name: 'a b'\n",
+            r"pools\.yaml:2: field pools\.0\.name: String should match pattern",
+        ),
         (b"pools:\n\t- name: x\n", r"pools\.yaml:2: not valid YAML"),
         (b"pools: !!python/object/apply:os.system ['true']\n", r"pools\.yaml:1: not valid YAML"),
     ],
@@ -141,8 +188,11 @@ def test_hostile_pools_files_name_file_line_and_field(tmp_path, content, message
         load_pools(path)
 
 
-@pytest.mark.parametrize("content", [b"", b"# only a comment\n", b"pools:\n  - name: caf\xe9\n"],
-                         ids=["empty", "comment-only", "latin-1"])
+@pytest.mark.parametrize(
+    "content",
+    [b"", b"# only a comment\n", b"pools:\n  - name: caf\xe9\n"],
+    ids=["empty", "comment-only", "latin-1"],
+)
 def test_empty_and_non_utf8_pools_files_are_config_errors(tmp_path, content):
     path = tmp_path / "pools.yaml"
     path.write_bytes(content)
@@ -155,5 +205,7 @@ def test_a_tenant_name_with_a_unicode_line_separator_is_read_verbatim(tmp_path, 
     # JSON allows these characters raw inside strings, and many encoders write them raw.
     record = json.loads(GATEWAY_LINES[0]) | {"tenant": f"acme{separator}emea"}
     path = tmp_path / "2026-11-30T01.jsonl"
-    path.write_text(json.dumps(record, ensure_ascii=False).replace("\\u001c", "\x1c") + "\n", encoding="utf-8")
+    path.write_text(
+        json.dumps(record, ensure_ascii=False).replace("\\u001c", "\x1c") + "\n", encoding="utf-8"
+    )
     assert read_gateway_file(path, SALT)["tenant"].to_list() == [f"acme{separator}emea"]

@@ -14,9 +14,30 @@ from hardening_fleet import bill, rerecord, simulate_small, small_pools
 
 pytestmark = pytest.mark.timeout(300)
 
-HOSTILE = ["'", '"', "'); DROP TABLE ledger_lines; --", "\n", "\r\n", "\0", "\x1b[2J", "\t", "\\", "%_",
-           "日本語", "é", "🙂", "\u2028", "\ufeff", " "]
-TENANTS = ["acme-'\"", "'); DROP TABLE ledger_lines; --", "tab\there\nnl\0nul\x1b[31m", "日本語-é-🙂 "]
+HOSTILE = [
+    "'",
+    '"',
+    "'); DROP TABLE ledger_lines; --",
+    "\n",
+    "\r\n",
+    "\0",
+    "\x1b[2J",
+    "\t",
+    "\\",
+    "%_",
+    "日本語",
+    "é",
+    "🙂",
+    "\u2028",
+    "\ufeff",
+    " ",
+]
+TENANTS = [
+    "acme-'\"",
+    "'); DROP TABLE ledger_lines; --",
+    "tab\there\nnl\0nul\x1b[31m",
+    "日本語-é-🙂 ",
+]
 FEATURES = ["f'1", "f;2--", "f\r\n3", "ƒ4"]
 
 
@@ -48,29 +69,52 @@ def rows(data: Path, sql: str) -> list[tuple]:
 def test_hostile_request_ids_are_stored_verbatim_and_cost_the_same(billed):
     plain, hostile = billed
     columns = "request_id, tenant, feature, api_key_id, compute_nano, kv_nano, amount_nano, steps, new_tokens"
-    expected = sorted((hostile_id(r[0]), *r[1:]) for r in rows(plain, f"SELECT {columns} FROM request_costs"))
+    expected = sorted(
+        (hostile_id(r[0]), *r[1:]) for r in rows(plain, f"SELECT {columns} FROM request_costs")
+    )
     stored = sorted(rows(hostile, f"SELECT {columns} FROM request_costs"))
     assert len(stored) > 100
     assert stored == expected
     in_view = sorted(rows(hostile, f"SELECT {columns} FROM cost_per_request"))
     assert in_view == expected
-    lake_ids = rows(hostile, f"SELECT DISTINCT request_id FROM read_parquet('{hostile}/lake/slots/**/*.parquet')")
+    lake_ids = rows(
+        hostile,
+        f"SELECT DISTINCT request_id FROM read_parquet('{hostile}/lake/slots/**/*.parquet')",
+    )
     assert {r[0] for r in lake_ids} >= {r[0] for r in expected}
 
 
 def test_hostile_tenant_names_reach_every_finance_view_verbatim(billed):
     plain, hostile = billed
-    ledger = "SELECT tenant, feature, line_kind, amount_nano, requests FROM ledger_lines ORDER BY ALL"
+    ledger = (
+        "SELECT tenant, feature, line_kind, amount_nano, requests FROM ledger_lines ORDER BY ALL"
+    )
     assert rows(hostile, ledger) == rows(plain, ledger)
-    tenants = {r[0] for r in rows(hostile, "SELECT DISTINCT tenant FROM ledger_lines WHERE line_kind = 'usage'")}
+    tenants = {
+        r[0]
+        for r in rows(hostile, "SELECT DISTINCT tenant FROM ledger_lines WHERE line_kind = 'usage'")
+    }
     assert tenants == set(TENANTS)
-    assert {r[0] for r in rows(hostile, "SELECT DISTINCT tenant FROM tenant_costs_hourly")} >= set(TENANTS)
-    assert {r[0] for r in rows(hostile, "SELECT DISTINCT tenant FROM tenant_costs_daily")} >= set(TENANTS)
-    assert {r[0] for r in rows(hostile, "SELECT DISTINCT BillingAccountName FROM focus_costs")} >= set(TENANTS)
-    features = {r[0] for r in rows(hostile, "SELECT DISTINCT feature FROM ledger_lines WHERE line_kind = 'usage'")}
+    assert {r[0] for r in rows(hostile, "SELECT DISTINCT tenant FROM tenant_costs_hourly")} >= set(
+        TENANTS
+    )
+    assert {r[0] for r in rows(hostile, "SELECT DISTINCT tenant FROM tenant_costs_daily")} >= set(
+        TENANTS
+    )
+    assert {
+        r[0] for r in rows(hostile, "SELECT DISTINCT BillingAccountName FROM focus_costs")
+    } >= set(TENANTS)
+    features = {
+        r[0]
+        for r in rows(
+            hostile, "SELECT DISTINCT feature FROM ledger_lines WHERE line_kind = 'usage'"
+        )
+    }
     assert features == set(FEATURES)
     invoice = rows(hostile, "SELECT sum(amount_nano) FROM invoices")[0][0]
     assert rows(hostile, "SELECT sum(amount_nano) FROM ledger_lines")[0][0] == invoice
     checks = "SELECT check_name, replica, passed, detail FROM reconciliation ORDER BY ALL"
     assert rows(hostile, checks) == rows(plain, checks)
-    assert rows(hostile, "SELECT count(*) FROM reconciliation WHERE blocking AND NOT passed") == [(0,)]
+    assert rows(hostile, "SELECT count(*) FROM reconciliation WHERE blocking AND NOT passed") == [
+        (0,)
+    ]

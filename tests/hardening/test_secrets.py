@@ -14,6 +14,7 @@ import socket
 import threading
 import traceback
 from pathlib import Path
+from typing import ClassVar
 
 import dagster as dg
 import duckdb
@@ -36,9 +37,9 @@ DEBUG_RUN = {"loggers": {"console": {"config": {"log_level": "DEBUG"}}}}
 
 
 class _Webhook(http.server.BaseHTTPRequestHandler):
-    received: list[tuple[str, dict]] = []
+    received: ClassVar[list[tuple[str, dict]]] = []
 
-    def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+    def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers["Content-Length"]))
         type(self).received.append((self.path, json.loads(body)))
         self.send_response(202)
@@ -59,8 +60,12 @@ def billed_run(tmp_path_factory):
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Webhook)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_port}{WEBHOOK_PATH}"
-    environment = {"STEPLEDGER_ALERT_WEBHOOK_URL": url, "STEPLEDGER_PAGERDUTY_ROUTING_KEY": ROUTING_KEY,
-                   "STEPLEDGER_ALERT_FORMAT": "pagerduty", "STEPLEDGER_KEY_SALT": "hardening-salt"}
+    environment = {
+        "STEPLEDGER_ALERT_WEBHOOK_URL": url,
+        "STEPLEDGER_PAGERDUTY_ROUTING_KEY": ROUTING_KEY,
+        "STEPLEDGER_ALERT_FORMAT": "pagerduty",
+        "STEPLEDGER_KEY_SALT": "hardening-salt",
+    }
     log_file = data / "logs" / "pipeline.log"
     log_file.parent.mkdir()
     handler = logging.FileHandler(log_file)
@@ -80,7 +85,9 @@ def billed_run(tmp_path_factory):
                 assert not result.success
                 page_on_call(data, pools, instance, result)
             runner = CliRunner()
-            costs = runner.invoke(main, ["costs", "--data", str(data), "--json"], catch_exceptions=False)
+            costs = runner.invoke(
+                main, ["costs", "--data", str(data), "--json"], catch_exceptions=False
+            )
             (data / "logs" / "costs.json").write_text(costs.output)
             report = runner.invoke(main, ["report", "--data", str(data)], catch_exceptions=False)
             assert report.exit_code == 0, report.output
@@ -98,8 +105,11 @@ def page_on_call(data: Path, pools, instance: dg.DagsterInstance, result) -> Non
 
     defs = build_definitions(pools, data)
     context = dg.build_run_status_sensor_context(
-        sensor_name="page_on_call", dagster_instance=instance, dagster_run=result.dagster_run,
-        dagster_event=result.get_run_failure_event(), resources=defs.resources,
+        sensor_name="page_on_call",
+        dagster_instance=instance,
+        dagster_run=result.dagster_run,
+        dagster_event=result.get_run_failure_event(),
+        resources=defs.resources,
     ).for_run_failure()
     defs.resolve_sensor_def("page_on_call")(context)
 
@@ -119,9 +129,13 @@ def secrets_in(path: Path, secrets: list[str]) -> set[str]:
         found |= {s for s in secrets if s in text}
     elif path.suffix == ".duckdb":
         with duckdb.connect(str(path), read_only=True) as con:
-            tables = [r[0] for r in con.execute("SELECT table_name FROM duckdb_tables()").fetchall()]
+            tables = [
+                r[0] for r in con.execute("SELECT table_name FROM duckdb_tables()").fetchall()
+            ]
             for table in tables:
-                for row in con.execute(f'SELECT CAST(COLUMNS(*) AS VARCHAR) FROM "{table}"').fetchall():
+                for row in con.execute(
+                    f'SELECT CAST(COLUMNS(*) AS VARCHAR) FROM "{table}"'
+                ).fetchall():
                     text = "\x1f".join(str(v) for v in row)
                     found |= {s for s in secrets if s in text}
     return found
@@ -129,13 +143,23 @@ def secrets_in(path: Path, secrets: list[str]) -> set[str]:
 
 def test_no_raw_api_key_or_webhook_secret_in_any_output_file(billed_run):
     pools, root, data, url = billed_run
-    api_keys = sorted({key for pool in pools.pools for tenant in pool.workload.tenants for key in tenant.api_keys})
+    api_keys = sorted(
+        {key for pool in pools.pools for tenant in pool.workload.tenants for key in tenant.api_keys}
+    )
     secrets = [*api_keys, WEBHOOK_PATH, ROUTING_KEY, url]
-    outputs = [p for p in every_file(root) if not (p.is_relative_to(data) and p.relative_to(data).parts[0] in INPUTS)]
+    outputs = [
+        p
+        for p in every_file(root)
+        if not (p.is_relative_to(data) and p.relative_to(data).parts[0] in INPUTS)
+    ]
     suffixes = {p.suffix for p in outputs}
     # The search covered every kind of output, so an empty result means something.
     assert {".seg", ".parquet", ".duckdb", ".log", ".json", ".html", ".db"} <= suffixes, suffixes
-    leaks = {str(p.relative_to(root)): sorted(found) for p in outputs if (found := secrets_in(p, secrets))}
+    leaks = {
+        str(p.relative_to(root)): sorted(found)
+        for p in outputs
+        if (found := secrets_in(p, secrets))
+    }
     assert leaks == {}
     # The same search does find the keys where they belong: the gateway log it was given.
     gateway_hits = set().union(*(secrets_in(p, secrets) for p in every_file(data / "gateway")))
@@ -143,7 +167,7 @@ def test_no_raw_api_key_or_webhook_secret_in_any_output_file(billed_run):
 
 
 def test_pages_went_out_with_the_secrets_only_in_the_request(billed_run):
-    pools, root, data, url = billed_run
+    _pools, _root, data, _url = billed_run
     assert _Webhook.received, "no page reached the webhook"
     assert {path for path, _ in _Webhook.received} == {WEBHOOK_PATH}
     assert {body["routing_key"] for _, body in _Webhook.received} == {ROUTING_KEY}
@@ -153,7 +177,7 @@ def test_pages_went_out_with_the_secrets_only_in_the_request(billed_run):
 
 
 def test_the_dagster_event_log_holds_no_secret(billed_run):
-    pools, root, data, url = billed_run
+    _pools, root, _data, _url = billed_run
     storage = every_file(root / "dagster_home")
     assert any(p.suffix == ".db" for p in storage)
     text = "".join(p.read_bytes().decode("utf-8", "replace") for p in storage)
@@ -162,8 +186,10 @@ def test_the_dagster_event_log_holds_no_secret(billed_run):
         assert secret not in text
 
 
-def test_a_failed_delivery_names_neither_url_nor_key_in_its_traceback(billed_run, tmp_path, monkeypatch):
-    pools, root, data, url = billed_run
+def test_a_failed_delivery_names_neither_url_nor_key_in_its_traceback(
+    billed_run, tmp_path, monkeypatch
+):
+    pools, _root, data, _url = billed_run
     copy = tmp_path / "run"
     shutil.copytree(data, copy)
     (copy / "alerts_sent.keys").unlink()
@@ -186,7 +212,7 @@ def test_a_failed_delivery_names_neither_url_nor_key_in_its_traceback(billed_run
 
 
 def test_finance_entry_points_open_the_warehouse_read_only(billed_run, monkeypatch, tmp_path):
-    pools, root, data, url = billed_run
+    _pools, _root, data, _url = billed_run
     warehouse = data / "warehouse.duckdb"
     before = hashlib.sha256(warehouse.read_bytes()).hexdigest()
     opened: list[tuple[str, bool]] = []
@@ -220,11 +246,13 @@ def test_finance_entry_points_open_the_warehouse_read_only(billed_run, monkeypat
     ],
 )
 def test_a_write_through_the_finance_connection_fails(billed_run, statement):
-    pools, root, data, url = billed_run
+    _pools, _root, data, _url = billed_run
     warehouse = data / "warehouse.duckdb"
     with connect_read_only(warehouse) as con:
         before = con.execute("SELECT count(*), sum(amount_nano) FROM ledger_lines").fetchone()
         with pytest.raises(duckdb.Error, match="read-only"):
             con.execute(statement)
     with connect_read_only(warehouse) as con:
-        assert con.execute("SELECT count(*), sum(amount_nano) FROM ledger_lines").fetchone() == before
+        assert (
+            con.execute("SELECT count(*), sum(amount_nano) FROM ledger_lines").fetchone() == before
+        )

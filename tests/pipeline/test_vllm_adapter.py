@@ -47,7 +47,10 @@ class KVCacheManager:
         for groups in self.held.values():
             for block in (b for group in groups for b in group):
                 ref_counts[block] = ref_counts.get(block, 0) + 1
-        blocks = [SimpleNamespace(block_id=i, ref_cnt=ref_counts.get(i, 0)) for i in range(self.num_gpu_blocks)]
+        blocks = [
+            SimpleNamespace(block_id=i, ref_cnt=ref_counts.get(i, 0))
+            for i in range(self.num_gpu_blocks)
+        ]
         self.block_pool = SimpleNamespace(
             blocks=blocks,
             null_block=blocks[0],
@@ -67,7 +70,9 @@ def scheduler_state() -> tuple[SimpleNamespace, SimpleNamespace]:
         "dec": Request("dec", num_prompt_tokens=40),
         "chunk": Request("chunk", num_prompt_tokens=900, num_cached_tokens=0),
         "idle": Request("idle", num_prompt_tokens=20),
-        "pre": Request("pre", num_prompt_tokens=50, status=RequestStatus.PREEMPTED, num_preemptions=1),
+        "pre": Request(
+            "pre", num_prompt_tokens=50, status=RequestStatus.PREEMPTED, num_preemptions=1
+        ),
         "queued": Request("queued", num_prompt_tokens=70, status=RequestStatus.WAITING),
     }
     # Block 1-2 shared by "new" and "dec" (a common prefix); block 0 is vLLM's null block.
@@ -90,7 +95,9 @@ def scheduler_state() -> tuple[SimpleNamespace, SimpleNamespace]:
     )
     output = SimpleNamespace(
         scheduled_new_reqs=[SimpleNamespace(req_id="new", num_computed_tokens=256)],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=["dec", "chunk"], num_computed_tokens=[57, 512], resumed_req_ids=set()),
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=["dec", "chunk"], num_computed_tokens=[57, 512], resumed_req_ids=set()
+        ),
         num_scheduled_tokens={"dec": 3, "chunk": 388, "new": 44},
         total_num_scheduled_tokens=435,
         scheduled_spec_decode_tokens={"dec": [11, 12]},
@@ -144,13 +151,18 @@ def test_block_shares_of_all_holders_sum_to_the_blocks_held(requests):
     """Requests share prefixes of one cached chain (blocks 1-6), then own private blocks."""
     held, next_private = {}, 100
     for index, (shared, private) in enumerate(requests):
-        held[f"r{index}"] = (list(range(1, shared + 1)) + list(range(next_private, next_private + private)),)
+        held[f"r{index}"] = (
+            list(range(1, shared + 1)) + list(range(next_private, next_private + private)),
+        )
         next_private += private
     kv = KVCacheManager(held=held, num_gpu_blocks=200)
     shares = adapter._BlockShares(kv).held(list(held))
     distinct = {block for groups in held.values() for block in groups[0]}
     assert math.isclose(shares.sum(), len(distinct), rel_tol=1e-12)
-    expected = [sum(1 / sum(b in other[0] for other in held.values()) for b in groups[0]) for groups in held.values()]
+    expected = [
+        sum(1 / sum(b in other[0] for other in held.values()) for b in groups[0])
+        for groups in held.values()
+    ]
     assert np.allclose(shares, expected, rtol=1e-12, atol=0)
 
 
@@ -172,7 +184,9 @@ def test_prefix_hits_only_on_a_first_schedule():
 def test_accepted_tokens_are_sampled_tokens_minus_the_bonus():
     scheduler, output = scheduler_state()
     step = adapter.scheduled_step(scheduler, output)
-    runner = SimpleNamespace(req_id_to_index={"chunk": 0, "dec": 1, "new": 2}, sampled_token_ids=[[], [5, 6], [9]])
+    runner = SimpleNamespace(
+        req_id_to_index={"chunk": 0, "dec": 1, "new": 2}, sampled_token_ids=[[], [5, 6], [9]]
+    )
     assert adapter.accepted_tokens(step, runner) == [1, 0, 0]
     runner.sampled_token_ids = [[], [5, 6, 7], [9]]
     assert adapter.accepted_tokens(step, runner) == [2, 0, 0]
@@ -203,12 +217,18 @@ class FakeScheduler:
 
 def test_recording_scheduler_records_each_scheduled_step(tmp_path: Path):
     pool = load_pools().pools[0]
-    header = adapter.header_for(pool, pool.replicas[0].id, "0.11.0", "550.54.15", pool.gpus_per_replica, 16)
+    header = adapter.header_for(
+        pool, pool.replicas[0].id, "0.11.0", "550.54.15", pool.gpus_per_replica, 16
+    )
     _, output = scheduler_state()
     idle = SimpleNamespace(total_num_scheduled_tokens=0)
-    runner = SimpleNamespace(req_id_to_index={"dec": 0, "chunk": 1, "new": 2}, sampled_token_ids=[[5, 6, 7], [], [1]])
+    runner = SimpleNamespace(
+        req_id_to_index={"dec": 0, "chunk": 1, "new": 2}, sampled_token_ids=[[5, 6, 7], [], [1]]
+    )
     outbox = tmp_path / "outbox"
-    recording = adapter.recording_scheduler_class(FakeScheduler, lambda scheduler: StepRecorder(outbox, header))
+    recording = adapter.recording_scheduler_class(
+        FakeScheduler, lambda scheduler: StepRecorder(outbox, header)
+    )
     assert recording.__name__ == "RecordingFakeScheduler"
     scheduler = recording([(output, runner), (idle, None)])
     first = scheduler.schedule()
@@ -220,7 +240,9 @@ def test_recording_scheduler_records_each_scheduled_step(tmp_path: Path):
     decoded = read_segments(outbox.glob("*.seg"))
     assert decoded.steps.column("seq").to_pylist() == [0]
     slots = decoded.slots.to_pylist()
-    assert [(s["request_id"], s["new_tokens"], s["spec_drafted"], s["spec_accepted"]) for s in slots] == [
+    assert [
+        (s["request_id"], s["new_tokens"], s["spec_drafted"], s["spec_accepted"]) for s in slots
+    ] == [
         ("dec", 3, 2, 2),
         ("chunk", 388, 0, 0),
         ("new", 44, 0, 0),
@@ -234,7 +256,12 @@ def test_header_checks_the_pools_file():
     pool = load_pools().pools[0]
     replica = pool.replicas[0].id
     header = adapter.header_for(pool, replica, "0.11.0", "550.54.15", pool.gpus_per_replica, 16)
-    assert (header.pool, header.replica, header.model, header.gpu_type) == (pool.name, replica, pool.model, pool.gpu_type)
+    assert (header.pool, header.replica, header.model, header.gpu_type) == (
+        pool.name,
+        replica,
+        pool.model,
+        pool.gpu_type,
+    )
     with pytest.raises(ConfigError, match="runs on 3 GPUs"):
         adapter.header_for(pool, replica, "0.11.0", "550", 3, 16)
     with pytest.raises(ConfigError, match="not listed in pool"):

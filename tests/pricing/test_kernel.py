@@ -15,7 +15,14 @@ from pricing.spec import ChipSpec, ModelSpec, _load, chip_names, load_chip
 from schemas.config import load_pools
 
 DEPLOYMENTS = [
-    Deployment(model="deepseek-v3", chip="h200", dtype="fp8", cache_dtype="fp8", tp=8, cudagraph_mode="PIECEWISE"),
+    Deployment(
+        model="deepseek-v3",
+        chip="h200",
+        dtype="fp8",
+        cache_dtype="fp8",
+        tp=8,
+        cudagraph_mode="PIECEWISE",
+    ),
     Deployment(model="gpt-oss-120b", chip="h100", tp=4, cache_dtype="fp8"),
     Deployment(model="gpt-oss-120b", chip="b200", tp=2, cudagraph_mode="FULL_DECODE_ONLY"),
     Deployment(model="llama-3.1-8b-instruct", chip="h100", max_num_seqs=16, decode_threshold=4),
@@ -31,7 +38,9 @@ def kernel_for(index: int, compat: str) -> Kernel:
 
 
 requests = st.lists(
-    st.tuples(st.one_of(st.integers(1, 3), st.integers(1, 4096)), st.integers(0, 60_000)), min_size=0, max_size=40
+    st.tuples(st.one_of(st.integers(1, 3), st.integers(1, 4096)), st.integers(0, 60_000)),
+    min_size=0,
+    max_size=40,
 )
 deployment_index = st.integers(0, len(DEPLOYMENTS) - 1)
 compat = st.sampled_from(["physics", "go"])
@@ -60,7 +69,7 @@ def test_adding_a_request_never_lowers_the_price(index, batch, extra):
     # attention floor, which moves from HBM (decode) to SM (prefill) when a prompt joins.
     kernel = kernel_for(index, "physics")
     before = kernel.price(*_arrays(batch))
-    after = kernel.price(*_arrays(batch + [extra]))
+    after = kernel.price(*_arrays([*batch, extra]))
     assert after.nooverlap_us >= before.nooverlap_us * (1 - 1e-12)
 
 
@@ -101,7 +110,12 @@ def test_many_steps_match_one_step_at_a_time(index, mode, steps):
 def test_empty_step_costs_host_only():
     kernel = kernel_for(0, "go")
     price = kernel.price([], [], [])
-    assert price.nooverlap_us == price.overlap_us == price.host_us == pytest.approx(62 * 7.0 + 972 * 3.2)
+    assert (
+        price.nooverlap_us
+        == price.overlap_us
+        == price.host_us
+        == pytest.approx(62 * 7.0 + 972 * 3.2)
+    )
     assert price.bottleneck == "host"
     prices = kernel.price_many(np.array([0, 2]), [1, 1], [10, 10], [10, 10], n_steps=4)
     np.testing.assert_allclose(prices.nooverlap_us[[1, 3]], 62 * 7.0 + 972 * 3.2)
@@ -115,7 +129,11 @@ def test_llama_decode_layer_by_hand():
     kernel = Kernel.build(Deployment(model="llama-3.1-8b-instruct", chip="h100"))
     layer = kernel.price([1, 1], [999, 1999], [999, 1999]).per_kind["decoder"]
     kv_per_token = 2 * 8 * 128 * 2
-    hbm = (LLAMA_8B_LAYER_WEIGHT_BYTES + 2 * 2 * 16384) / H100_BANDWIDTH + 14.5 + 3000 * kv_per_token / 2_412_000
+    hbm = (
+        (LLAMA_8B_LAYER_WEIGHT_BYTES + 2 * 2 * 16384) / H100_BANDWIDTH
+        + 14.5
+        + 3000 * kv_per_token / 2_412_000
+    )
     assert layer["hbm_us"] == pytest.approx(hbm, rel=1e-12)
     flops = 2 * LLAMA_8B_LAYER_WEIGHT_BYTES / 2
     assert layer["sm_us"] == pytest.approx(2 * flops / (989.5e6 * 1.0 * 2 / 172), rel=1e-12)
@@ -138,8 +156,14 @@ def test_slot_work_by_hand_for_two_llama_decodes():
     np.testing.assert_allclose(work.fixed_us, fixed, rtol=1e-12)
     activations = 32 * 2 * 16384 / H100_BANDWIDTH
     reads = [32 * context * 4096 / 2_412_000 for context in (1000, 3000)]
-    np.testing.assert_allclose(work.slot_us, [[gemm_us_per_token, activations + reads[0], 0, 0, 0],
-                                              [gemm_us_per_token, activations + reads[1], 0, 0, 0]], rtol=1e-12)
+    np.testing.assert_allclose(
+        work.slot_us,
+        [
+            [gemm_us_per_token, activations + reads[0], 0, 0, 0],
+            [gemm_us_per_token, activations + reads[1], 0, 0, 0],
+        ],
+        rtol=1e-12,
+    )
 
 
 def test_mixed_step_pays_one_attention_floor_and_prefill_at_its_own_ramp():
@@ -162,10 +186,18 @@ def test_sliding_window_reads_at_most_the_window_unless_go():
     physics = Kernel.build(Deployment(model="gpt-oss-120b", chip="h100", tp=4))
     go = Kernel.build(Deployment(model="gpt-oss-120b", chip="h100", tp=4, compat="go"))
     batch = ([1], [4095], [4095])
-    swa_physics, swa_go = physics.price(*batch).per_kind["swa_moe"], go.price(*batch).per_kind["swa_moe"]
+    swa_physics, swa_go = (
+        physics.price(*batch).per_kind["swa_moe"],
+        go.price(*batch).per_kind["swa_moe"],
+    )
     kv_per_token = 2 * 2 * 64 * 2  # 8 KV heads over TP4, bf16
-    assert swa_go["hbm_us"] - swa_physics["hbm_us"] == pytest.approx((4096 - 128) * kv_per_token / 871_000, rel=1e-9)
-    assert physics.price(*batch).per_kind["full_moe"]["hbm_us"] == go.price(*batch).per_kind["full_moe"]["hbm_us"]
+    assert swa_go["hbm_us"] - swa_physics["hbm_us"] == pytest.approx(
+        (4096 - 128) * kv_per_token / 871_000, rel=1e-9
+    )
+    assert (
+        physics.price(*batch).per_kind["full_moe"]["hbm_us"]
+        == go.price(*batch).per_kind["full_moe"]["hbm_us"]
+    )
 
 
 def test_host_time_follows_the_graph_mode_and_the_capture_ceiling():
@@ -174,7 +206,9 @@ def test_host_time_follows_the_graph_mode_and_the_capture_ceiling():
     dispatch = 258 * 3.2
     assert kernel.price([1] * 4, [10] * 4, [10] * 4).host_us == pytest.approx(7.0 + dispatch)
     assert kernel.price([1, 2], [10, 10], [10, 10]).host_us == pytest.approx(7.0 * 33 + dispatch)
-    assert kernel.price([1] * 40, [10] * 40, [10] * 40).host_us == pytest.approx(7.0 * 32 + dispatch)
+    assert kernel.price([1] * 40, [10] * 40, [10] * 40).host_us == pytest.approx(
+        7.0 * 32 + dispatch
+    )
     assert kernel.price([40], [0], [40]).host_us == pytest.approx(7.0 * 33 + dispatch)
 
 
@@ -184,14 +218,23 @@ def test_cross_node_collectives_go_to_nic_with_the_span_factor():
     price = kernel_for(5, "physics").price([1], [100], [100])
     span = 1 + (450 / 50 - 1) * 3 / 31
     assert price.nvlink_us == 0.0
-    assert price.per_kind["decoder"]["nic_us"] == pytest.approx(2 * (4.71 + 8192 * 2 * span / 104250), rel=1e-12)
+    assert price.per_kind["decoder"]["nic_us"] == pytest.approx(
+        2 * (4.71 + 8192 * 2 * span / 104250), rel=1e-12
+    )
     assert price.nic_us == pytest.approx(80 * price.per_kind["decoder"]["nic_us"], rel=1e-12)
 
 
 def test_kv_bytes_per_token_whole_replica():
-    assert Kernel.build(Deployment(model="llama-3.1-8b-instruct", chip="h100")).kv_bytes_per_token == 131072
-    assert Kernel.build(Deployment(model="llama-3.1-70b-instruct", chip="h100", tp=8,
-                                   cache_dtype="fp8")).kv_bytes_per_token == 8 * 80 * 2 * 1 * 128
+    assert (
+        Kernel.build(Deployment(model="llama-3.1-8b-instruct", chip="h100")).kv_bytes_per_token
+        == 131072
+    )
+    assert (
+        Kernel.build(
+            Deployment(model="llama-3.1-70b-instruct", chip="h100", tp=8, cache_dtype="fp8")
+        ).kv_bytes_per_token
+        == 8 * 80 * 2 * 1 * 128
+    )
     deepseek = kernel_for(0, "physics")
     assert deepseek.kv_bytes_per_token == 8 * 35136  # the latent is replicated on every rank
     packed = Kernel.build(DEPLOYMENTS[0].model_copy(update={"cache_dtype": "fp8_ds_mla"}))
@@ -199,36 +242,74 @@ def test_kv_bytes_per_token_whole_replica():
     gpt_oss = Kernel.build(Deployment(model="gpt-oss-120b", chip="h100", tp=4))
     per_layer_all_ranks = 4 * 2 * 2 * 64 * 2
     assert gpt_oss.kv_bytes_per_token == 18 * per_layer_all_ranks  # full layers only
-    np.testing.assert_array_equal(gpt_oss.kv_bytes([1000, 100, 0]), [
-        1000 * 18 * per_layer_all_ranks + 128 * 18 * per_layer_all_ranks,
-        100 * 18 * per_layer_all_ranks + 100 * 18 * per_layer_all_ranks,
-        0,
-    ])
+    np.testing.assert_array_equal(
+        gpt_oss.kv_bytes([1000, 100, 0]),
+        [
+            1000 * 18 * per_layer_all_ranks + 128 * 18 * per_layer_all_ranks,
+            100 * 18 * per_layer_all_ranks + 100 * 18 * per_layer_all_ranks,
+            0,
+        ],
+    )
 
 
 def test_deployment_for_pool_uses_the_pool_and_engine_settings():
     pools = load_pools()
     chat = deployment_for_pool(pools.pool("chat-8b"))
-    assert chat == Deployment(model="llama-3.1-8b-instruct", chip="h100", dtype="bf16", cache_dtype="bf16", tp=1,
-                              nodes=1, cudagraph_mode="FULL_AND_PIECEWISE", max_num_seqs=256, decode_threshold=1,
-                              num_spec_tokens=0)
+    assert chat == Deployment(
+        model="llama-3.1-8b-instruct",
+        chip="h100",
+        dtype="bf16",
+        cache_dtype="bf16",
+        tp=1,
+        nodes=1,
+        cudagraph_mode="FULL_AND_PIECEWISE",
+        max_num_seqs=256,
+        decode_threshold=1,
+        num_spec_tokens=0,
+    )
     reason = deployment_for_pool(pools.pool("reason-dsv3"))
-    assert (reason.chip, reason.tp, reason.nodes, reason.num_spec_tokens, reason.cudagraph_mode) == \
-        ("h200", 8, 1, 1, "PIECEWISE")
+    assert (
+        reason.chip,
+        reason.tp,
+        reason.nodes,
+        reason.num_spec_tokens,
+        reason.cudagraph_mode,
+    ) == ("h200", 8, 1, 1, "PIECEWISE")
     Kernel.build(reason)
 
 
 # ------------------------------------------------------------------ errors
-@pytest.mark.parametrize(("deployment", "message"), [
-    (Deployment(model="llama-9", chip="h100"), "unknown model 'llama-9'"),
-    (Deployment(model="llama-3.1-8b-instruct", chip="mi300"), "unknown chip 'mi300'"),
-    (Deployment(model="llama-3.1-8b-instruct", chip="h100", tp=3), "all_reduce collective for a group of 3 GPUs"),
-    (Deployment(model="llama-3.1-8b-instruct", chip="h100", tp=16, nodes=2), "no inter_node_gb_s"),
-    (Deployment(model="llama-3.1-70b-instruct", chip="h200", tp=16, nodes=2), "group of 16 GPUs"),
-    (Deployment(model="llama-3.1-8b-instruct", chip="h100", tp=16), "does not fit 'h100' nodes of 8 GPUs"),
-    (Deployment(model="llama-3.1-8b-instruct", chip="h100", dtype="fp6"), "unknown dtype 'fp6'"),
-    (Deployment(model="llama-3.1-8b-instruct", chip="h100", cache_dtype="int3"), "unknown cache dtype 'int3'"),
-])
+@pytest.mark.parametrize(
+    ("deployment", "message"),
+    [
+        (Deployment(model="llama-9", chip="h100"), "unknown model 'llama-9'"),
+        (Deployment(model="llama-3.1-8b-instruct", chip="mi300"), "unknown chip 'mi300'"),
+        (
+            Deployment(model="llama-3.1-8b-instruct", chip="h100", tp=3),
+            "all_reduce collective for a group of 3 GPUs",
+        ),
+        (
+            Deployment(model="llama-3.1-8b-instruct", chip="h100", tp=16, nodes=2),
+            "no inter_node_gb_s",
+        ),
+        (
+            Deployment(model="llama-3.1-70b-instruct", chip="h200", tp=16, nodes=2),
+            "group of 16 GPUs",
+        ),
+        (
+            Deployment(model="llama-3.1-8b-instruct", chip="h100", tp=16),
+            "does not fit 'h100' nodes of 8 GPUs",
+        ),
+        (
+            Deployment(model="llama-3.1-8b-instruct", chip="h100", dtype="fp6"),
+            "unknown dtype 'fp6'",
+        ),
+        (
+            Deployment(model="llama-3.1-8b-instruct", chip="h100", cache_dtype="int3"),
+            "unknown cache dtype 'int3'",
+        ),
+    ],
+)
 def test_bad_deployments_name_what_is_missing(deployment, message):
     with pytest.raises(PricingError, match=message):
         Kernel.build(deployment)
@@ -248,13 +329,23 @@ def test_bad_batches_name_the_field():
 
 def test_bad_data_files_name_file_and_field(tmp_path: Path):
     good = (Path(__file__).resolve().parents[2] / "pricing" / "chips" / "h100.yaml").read_text()
-    (tmp_path / "x1.yaml").write_text(good.replace("name: h100", "name: x1").replace("hbm_derate: 0.8", "hbm_derate: 1.8"))
+    (tmp_path / "x1.yaml").write_text(
+        good.replace("name: h100", "name: x1").replace("hbm_derate: 0.8", "hbm_derate: 1.8")
+    )
     with pytest.raises(PricingError, match=r"x1.yaml: field gemm.hbm_derate"):
         _load(tmp_path, "x1", "chip", ChipSpec)
-    model = (Path(__file__).resolve().parents[2] / "pricing" / "models" / "llama-3.1-8b-instruct.yaml").read_text()
-    (tmp_path / "m.yaml").write_text(model.replace("name: llama-3.1-8b-instruct", "name: m")
-                                     .replace("kv_heads: 8", "kv_heads: 4"))
-    with pytest.raises(PricingError, match=r"m.yaml: .*kv_bytes_per_token_tp1\[bf16\] states 131072 but the attention nodes give 65536"):
+    model = (
+        Path(__file__).resolve().parents[2] / "pricing" / "models" / "llama-3.1-8b-instruct.yaml"
+    ).read_text()
+    (tmp_path / "m.yaml").write_text(
+        model.replace("name: llama-3.1-8b-instruct", "name: m").replace(
+            "kv_heads: 8", "kv_heads: 4"
+        )
+    )
+    with pytest.raises(
+        PricingError,
+        match=r"m.yaml: .*kv_bytes_per_token_tp1\[bf16\] states 131072 but the attention nodes give 65536",
+    ):
         _load(tmp_path, "m", "model", ModelSpec)
 
 
@@ -273,7 +364,10 @@ def test_go_compat_keeps_the_single_step_ramp_on_prefill_attention():
 def test_each_chip_names_the_engine_release_its_coefficients_were_measured_on():
     measured = {name: load_chip(name).measured_engine for name in chip_names()}
     assert {name: (engine.name, engine.version) for name, engine in measured.items()} == {
-        "a100": ("vllm", "0.14.0"), "b200": ("vllm", "0.27.1"), "h100": ("vllm", "0.25.0"), "h200": ("vllm", "0.25.0"),
+        "a100": ("vllm", "0.14.0"),
+        "b200": ("vllm", "0.27.1"),
+        "h100": ("vllm", "0.25.0"),
+        "h200": ("vllm", "0.25.0"),
     }
     kernel = Kernel.build(Deployment(model="llama-3.1-8b-instruct", chip="h200"))
     assert (kernel.measured_engine.name, kernel.measured_engine.version) == ("vllm", "0.25.0")
@@ -281,10 +375,17 @@ def test_each_chip_names_the_engine_release_its_coefficients_were_measured_on():
 
 def test_a_chip_without_its_measured_engine_is_refused(tmp_path: Path):
     good = (Path(__file__).resolve().parents[2] / "pricing" / "chips" / "h100.yaml").read_text()
-    without = "".join(line for line in good.splitlines(keepends=True) if not line.startswith("measured_engine:"))
+    without = "".join(
+        line for line in good.splitlines(keepends=True) if not line.startswith("measured_engine:")
+    )
     (tmp_path / "x2.yaml").write_text(without.replace("name: h100", "name: x2"))
     with pytest.raises(PricingError, match=r"x2.yaml: field measured_engine: Field required"):
         _load(tmp_path, "x2", "chip", ChipSpec)
-    (tmp_path / "x3.yaml").write_text(good.replace("name: h100", "name: x3").replace('version: "0.25.0"', 'version: ""'))
-    with pytest.raises(PricingError, match=r"x3.yaml: field measured_engine.version: String should have at least 1 character"):
+    (tmp_path / "x3.yaml").write_text(
+        good.replace("name: h100", "name: x3").replace('version: "0.25.0"', 'version: ""')
+    )
+    with pytest.raises(
+        PricingError,
+        match=r"x3.yaml: field measured_engine.version: String should have at least 1 character",
+    ):
         _load(tmp_path, "x3", "chip", ChipSpec)

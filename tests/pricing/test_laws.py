@@ -26,7 +26,9 @@ def test_ramped_arithmetic_is_linear_in_tokens():
 def test_memory_time_uses_the_derated_bandwidth():
     # H200: 4.8e6 B/us x 0.8 = 3.84e6 B/us
     assert laws.memory_time_us(3.84e6, 4.8e6, 0.8) == pytest.approx(1.0, rel=1e-15)
-    assert laws.memory_time_us(72_933_376, 4.8e6, 0.8) == pytest.approx(18.993066666666667, rel=1e-12)
+    assert laws.memory_time_us(72_933_376, 4.8e6, 0.8) == pytest.approx(
+        18.993066666666667, rel=1e-12
+    )
 
 
 def test_decode_reads_per_kind():
@@ -35,14 +37,21 @@ def test_decode_reads_per_kind():
     assert laws.decode_read_tokens(100, "dense", window=128) == 100
     assert laws.decode_read_tokens(4096, "dense", window=128, window_bounded=False) == 4096
     # sparse latent: 2048 selected + (10000 - 2048) / 4 of the compressed stream
-    assert laws.decode_read_tokens(10000, "sparse_mla", top_k=2048, compress_ratio=4) == 2048 + 7952 / 4
+    assert (
+        laws.decode_read_tokens(10000, "sparse_mla", top_k=2048, compress_ratio=4)
+        == 2048 + 7952 / 4
+    )
     assert laws.decode_read_tokens(100, "sparse_mla", top_k=2048, compress_ratio=4) == 100
 
 
 def test_decode_attention_mla_at_4096_context_on_h200():
     # the golden file's per-layer figure: 13.5 + 4096 * 576 / 2.928e6 = 14.31 us
-    assert laws.decode_attention_us(4096, 13.5, 576, 2.928e6) == pytest.approx(13.5 + 4096 * 576 / 2.928e6, rel=1e-15)
-    assert float(laws.decode_attention_us(4096, 13.5, 576, 2.928e6)) == pytest.approx(14.3058, abs=1e-4)
+    assert laws.decode_attention_us(4096, 13.5, 576, 2.928e6) == pytest.approx(
+        13.5 + 4096 * 576 / 2.928e6, rel=1e-15
+    )
+    assert float(laws.decode_attention_us(4096, 13.5, 576, 2.928e6)) == pytest.approx(
+        14.3058, abs=1e-4
+    )
 
 
 def test_prefill_pairs_causal_and_windowed():
@@ -58,7 +67,9 @@ def test_prefill_attention_flops_and_time():
     assert flops == 4 * 10_000 * 32 * 128 / 2
     # 18.5 us floor + 81.92e6 FLOP at 989.5e6 FLOP/us x 0.5 x 0.4
     expected = 18.5 + 81_920_000 / (989.5e6 * 0.5 * 0.4)
-    assert laws.prefill_attention_us(10_000, 32, 128, 2, 18.5, 989.5e6, 0.5, 0.4) == pytest.approx(expected, rel=1e-15)
+    assert laws.prefill_attention_us(10_000, 32, 128, 2, 18.5, 989.5e6, 0.5, 0.4) == pytest.approx(
+        expected, rel=1e-15
+    )
 
 
 def test_distinct_experts():
@@ -70,7 +81,9 @@ def test_distinct_experts():
 
 def test_collective_fixed_cost_then_peak_rate():
     # DeepSeek-V3 all-reduce of one token's 7168 bf16 activations on 8 H200s
-    assert laws.collective_us(14336, 4.71, 104250, 134260) == pytest.approx(4.71 + 14336 / 104250, rel=1e-15)
+    assert laws.collective_us(14336, 4.71, 104250, 134260) == pytest.approx(
+        4.71 + 14336 / 104250, rel=1e-15
+    )
     # the peak rate binds only where it is below the step-range rate's line
     assert laws.collective_us(1e6, 1.0, 2e6, 1e5) == pytest.approx(10.0, rel=1e-15)
     assert laws.collective_us(1e3, 1.0, 2e6, 1e5) == pytest.approx(1.0005, rel=1e-15)
@@ -105,9 +118,17 @@ def test_compose_step_by_hand():
     # one step, two layer kinds (repeat 2 and 3)
     one = np.ones((1, 2))
     composed = laws.compose_step(
-        sm_dense=one * [10.0, 1.0], prefill_attention=one * [2.0, 0.0], hbm_dense=one * [5.0, 8.0],
-        nvlink=one * [3.0, 3.0], nic=one * [0.0, 9.0], expert_sm=one * [0.0, 4.0], expert_hbm=one * [0.0, 6.0],
-        repeat=np.array([2.0, 3.0]), head_sm=np.array([7.0]), head_hbm=np.array([11.0]), host=np.array([20.0]),
+        sm_dense=one * [10.0, 1.0],
+        prefill_attention=one * [2.0, 0.0],
+        hbm_dense=one * [5.0, 8.0],
+        nvlink=one * [3.0, 3.0],
+        nic=one * [0.0, 9.0],
+        expert_sm=one * [0.0, 4.0],
+        expert_hbm=one * [0.0, 6.0],
+        repeat=np.array([2.0, 3.0]),
+        head_sm=np.array([7.0]),
+        head_hbm=np.array([11.0]),
+        host=np.array([20.0]),
     )
     # stages: max(12, 5, 3, 0) = 12; max(1, 8, 3, 9) + 4 + 6 = 19
     np.testing.assert_allclose(composed["stage"], [[12.0, 19.0]])

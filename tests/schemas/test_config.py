@@ -39,18 +39,26 @@ def test_error_names_file_line_and_field(tmp_path):
     line = 1 + text.splitlines().index("    usd_per_gpu_hour: -1")
     with pytest.raises(ConfigError) as err:
         load_pools(path)
-    assert str(err.value).startswith(f"{path}:{line}: field pools.0.usd_per_gpu_hour: Input should be greater than 0")
+    assert str(err.value).startswith(
+        f"{path}:{line}: field pools.0.usd_per_gpu_hour: Input should be greater than 0"
+    )
 
 
 def test_gpu_uuid_count_must_match_replica_width(tmp_path):
     text = DEFAULT_POOLS_PATH.read_text().replace("gpus_per_replica: 1", "gpus_per_replica: 2")
-    with pytest.raises(ConfigError, match="replica 'chat-8b-r0' lists 1 GPU UUIDs, expected gpus_per_replica=2"):
+    with pytest.raises(
+        ConfigError, match="replica 'chat-8b-r0' lists 1 GPU UUIDs, expected gpus_per_replica=2"
+    ):
         load_pools(_write(tmp_path, text))
 
 
 def test_unknown_field_is_refused(tmp_path):
-    text = DEFAULT_POOLS_PATH.read_text().replace("    kv_block_size: 16\n", "    kv_blok_size: 16\n", 1)
-    with pytest.raises(ConfigError, match=r"field pools\.0\.kv_blok_size: Extra inputs are not permitted"):
+    text = DEFAULT_POOLS_PATH.read_text().replace(
+        "    kv_block_size: 16\n", "    kv_blok_size: 16\n", 1
+    )
+    with pytest.raises(
+        ConfigError, match=r"field pools\.0\.kv_blok_size: Extra inputs are not permitted"
+    ):
         load_pools(_write(tmp_path, text))
 
 
@@ -65,12 +73,16 @@ def test_missing_file(tmp_path):
 
 
 def test_empty_file_says_what_is_missing(tmp_path):
-    with pytest.raises(ConfigError, match=r"pools\.yaml: field \(top level\): Input should be a valid dictionary"):
+    with pytest.raises(
+        ConfigError, match=r"pools\.yaml: field \(top level\): Input should be a valid dictionary"
+    ):
         load_pools(_write(tmp_path, "# only a comment\n"))
 
 
 def test_non_utf8_file_names_the_byte(tmp_path):
     path = tmp_path / "pools.yaml"
     path.write_bytes(b"pools:\n  - name: caf\xe9\n")
-    with pytest.raises(ConfigError, match=r"pools\.yaml: not UTF-8 text \(byte 20\): invalid continuation byte"):
+    with pytest.raises(
+        ConfigError, match=r"pools\.yaml: not UTF-8 text \(byte 20\): invalid continuation byte"
+    ):
         load_pools(path)

@@ -29,7 +29,13 @@ def test_ols_recovers_known_coefficients_exactly_without_noise():
 
 
 def test_ols_with_measurement_noise_stays_close_and_reports_quality():
-    log = synthetic_log(synthetic_pool(), steps_per_replica=1500, coefficients=(12.0, 0.05, 0.00005), noise=0.03, seed=3)
+    log = synthetic_log(
+        synthetic_pool(),
+        steps_per_replica=1500,
+        coefficients=(12.0, 0.05, 0.00005),
+        noise=0.03,
+        seed=3,
+    )
     fit = fit_coefficients(log.steps, log.slots)
     assert fit.coefficients.c0_ms == pytest.approx(12.0, rel=0.05)
     assert fit.coefficients.a_ms == pytest.approx(0.05, rel=0.05)
@@ -41,7 +47,10 @@ def test_fit_refuses_data_that_cannot_separate_the_coefficients():
     log = synthetic_log(synthetic_pool(), steps_per_replica=2)
     with pytest.raises(CalibrationError, match="need at least 3 steps"):
         fit_coefficients(log.steps.head(2), log.slots)
-    flat = log.slots.with_columns(pl.lit(1, dtype=pl.Int32).alias("new_tokens"), pl.lit(0, dtype=pl.Int32).alias("context_tokens"))
+    flat = log.slots.with_columns(
+        pl.lit(1, dtype=pl.Int32).alias("new_tokens"),
+        pl.lit(0, dtype=pl.Int32).alias("context_tokens"),
+    )
     same = flat.filter(pl.col("slot_index") == 0)
     with pytest.raises(CalibrationError, match="do not vary enough"):
         fit_coefficients(log.steps, same)
@@ -73,11 +82,19 @@ def test_store_round_trip_versions_and_a_drifted_engine_is_flagged(tmp_path, suf
     loaded = CalibrationStore.load(path)
     assert loaded.lookup(*key) == entry.coefficients and entry.version.startswith("fit-")
     assert loaded.lookup("llama-3.1-8b-instruct", "h100", "0.12.0", "550.54") is None
-    with pytest.raises(CalibrationMissing, match=r"engine '0.12.0'.*stored for this model and GPU: engine 0.11.0 / driver 550.54"):
+    with pytest.raises(
+        CalibrationMissing,
+        match=r"engine '0.12.0'.*stored for this model and GPU: engine 0.11.0 / driver 550.54",
+    ):
         loaded.require("llama-3.1-8b-instruct", "h100", "0.12.0", "550.54")
-    coverage = calibration_coverage(loaded, "llama-3.1-8b-instruct", "h100", _segments({"a": "0.11.0", "b": "0.12.0"}))
+    coverage = calibration_coverage(
+        loaded, "llama-3.1-8b-instruct", "h100", _segments({"a": "0.11.0", "b": "0.12.0"})
+    )
     assert coverage["coefficients_version"].to_list() == [entry.version, None]
-    assert coverage["detail"][1] == "no coefficients for llama-3.1-8b-instruct on h100 with engine 0.12.0 and driver 550.54"
+    assert (
+        coverage["detail"][1]
+        == "no coefficients for llama-3.1-8b-instruct on h100 with engine 0.12.0 and driver 550.54"
+    )
 
 
 def test_store_errors_name_the_file_and_entry(tmp_path):
@@ -104,15 +121,22 @@ def test_weights_for_log_uses_stored_coefficients_and_flags_a_drifted_engine():
     pool = synthetic_pool(weights="fitted")
     store = CalibrationStore()
     log = synthetic_log(pool, steps_per_replica=50)
-    entry = store.put(pool.model, pool.gpu_type, "0.11.0", "550.54", fit_coefficients(log.steps, log.slots))
+    entry = store.put(
+        pool.model, pool.gpu_type, "0.11.0", "550.54", fit_coefficients(log.steps, log.slots)
+    )
     fallback = KernelWeights(kernel=None, version="kernel-test")
     source, findings = weights_for_log(pool, _segments({"a": "0.11.0"}), store, fallback)
     assert source == FittedWeights(entry.coefficients) and findings == []
-    source, findings = weights_for_log(pool, _segments({"a": "0.11.0", "b": "0.12.0"}), store, fallback)
+    source, findings = weights_for_log(
+        pool, _segments({"a": "0.11.0", "b": "0.12.0"}), store, fallback
+    )
     assert source is fallback
     assert findings == [
         "pool chat: no coefficients for llama-3.1-8b-instruct on h100 with engine 0.12.0 and driver 550.54 "
         "(200 steps); kernel weights used instead"
     ]
     kernel_pool = synthetic_pool(weights="kernel")
-    assert weights_for_log(kernel_pool, _segments({"a": "0.12.0"}), None, fallback) == (fallback, [])
+    assert weights_for_log(kernel_pool, _segments({"a": "0.12.0"}), None, fallback) == (
+        fallback,
+        [],
+    )

@@ -5,8 +5,6 @@ from datetime import timedelta
 import numpy as np
 import polars as pl
 import pytest
-from pipeline.attribution.synthetic import HOUR, HOUR_START_NS, StepLog, synthetic_log
-from pipeline.attribution.synthetic import synthetic_pool as make_pool
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +17,8 @@ from pipeline.attribution import (
     attribute_hour,
     kernel_work_us,
 )
+from pipeline.attribution.synthetic import HOUR, HOUR_START_NS, StepLog, synthetic_log
+from pipeline.attribution.synthetic import synthetic_pool as make_pool
 from pipeline.attribution.workmodel import SlotBatch
 
 WEIGHTS = FittedWeights(Coefficients(12.0, 0.05, 0.00005))
@@ -29,31 +29,82 @@ def _attribute(pool, log, hour=HOUR, weights=WEIGHTS):
     return attribute_hour(hour, pool, log.steps, log.slots, log.holders, log.context, weights)
 
 
-def _one_step_log(pool, *, slots, holders=(), context_ids=("a", "b"), retry_cause=None, duration_ns=50_000_000):
+def _one_step_log(
+    pool, *, slots, holders=(), context_ids=("a", "b"), retry_cause=None, duration_ns=50_000_000
+):
     """One 50 ms step at :10 on r0 with the given slots (request, new, context, blocks, hits)."""
     steps = pl.DataFrame(
-        {"pool": [pool.name], "replica": ["r0"], "segment_id": ["s"], "seq": [7],
-         "start_ns": [0], "end_ns": [duration_ns],
-         "start_utc_ns": [HOUR_START_NS + 600 * 10**9], "end_utc_ns": [HOUR_START_NS + 600 * 10**9 + duration_ns],
-         "admission_blocked": [False], "free_blocks": [0], "total_blocks": [0], "num_slots": [len(slots)],
-         "num_holders": [len(holders)]}
+        {
+            "pool": [pool.name],
+            "replica": ["r0"],
+            "segment_id": ["s"],
+            "seq": [7],
+            "start_ns": [0],
+            "end_ns": [duration_ns],
+            "start_utc_ns": [HOUR_START_NS + 600 * 10**9],
+            "end_utc_ns": [HOUR_START_NS + 600 * 10**9 + duration_ns],
+            "admission_blocked": [False],
+            "free_blocks": [0],
+            "total_blocks": [0],
+            "num_slots": [len(slots)],
+            "num_holders": [len(holders)],
+        }
     )
     slot_frame = pl.DataFrame(
-        [{"pool": pool.name, "replica": "r0", "seq": 7, "slot_index": i, "request_id": r, "new_tokens": t,
-          "context_tokens": L, "kv_blocks": float(kv), "prompt_tokens": L + t if t > 1 else L, "prefix_hit_tokens": hits,
-          "spec_drafted": 0, "spec_accepted": 0} for i, (r, t, L, kv, hits) in enumerate(slots)]
+        [
+            {
+                "pool": pool.name,
+                "replica": "r0",
+                "seq": 7,
+                "slot_index": i,
+                "request_id": r,
+                "new_tokens": t,
+                "context_tokens": L,
+                "kv_blocks": float(kv),
+                "prompt_tokens": L + t if t > 1 else L,
+                "prefix_hit_tokens": hits,
+                "spec_drafted": 0,
+                "spec_accepted": 0,
+            }
+            for i, (r, t, L, kv, hits) in enumerate(slots)
+        ]
     )
     holder_frame = pl.DataFrame(
-        [{"pool": pool.name, "replica": "r0", "seq": 7, "holder_index": i, "request_id": r, "kv_blocks": float(kv),
-          "state": state} for i, (r, kv, state) in enumerate(holders)],
-        schema={"pool": pl.String, "replica": pl.String, "seq": pl.Int64, "holder_index": pl.Int32,
-                "request_id": pl.String, "kv_blocks": pl.Float64, "state": pl.String},
+        [
+            {
+                "pool": pool.name,
+                "replica": "r0",
+                "seq": 7,
+                "holder_index": i,
+                "request_id": r,
+                "kv_blocks": float(kv),
+                "state": state,
+            }
+            for i, (r, kv, state) in enumerate(holders)
+        ],
+        schema={
+            "pool": pl.String,
+            "replica": pl.String,
+            "seq": pl.Int64,
+            "holder_index": pl.Int32,
+            "request_id": pl.String,
+            "kv_blocks": pl.Float64,
+            "state": pl.String,
+        },
     )
     context = pl.DataFrame(
-        {"request_id": list(context_ids), "tenant": ["acme"] * len(context_ids), "feature": ["chat"] * len(context_ids),
-         "api_key_id": ["k1"] * len(context_ids), "retry_of": [None] * len(context_ids),
-         "retry_cause": [retry_cause] * len(context_ids)},
-        schema={c: pl.String for c in ("request_id", "tenant", "feature", "api_key_id", "retry_of", "retry_cause")},
+        {
+            "request_id": list(context_ids),
+            "tenant": ["acme"] * len(context_ids),
+            "feature": ["chat"] * len(context_ids),
+            "api_key_id": ["k1"] * len(context_ids),
+            "retry_of": [None] * len(context_ids),
+            "retry_cause": [retry_cause] * len(context_ids),
+        },
+        schema={
+            c: pl.String
+            for c in ("request_id", "tenant", "feature", "api_key_id", "retry_of", "retry_cause")
+        },
     )
     return StepLog(steps, slot_frame, holder_frame, context)
 
@@ -69,14 +120,25 @@ def _one_step_log(pool, *, slots, holders=(), context_ids=("a", "b"), retry_caus
 )
 def test_every_hour_sums_to_its_invoice(seed, prefix_cache, idle, fixed_cost, alpha, gap_ns):
     pool = make_pool(prefix_cache=prefix_cache, idle=idle, fixed_cost=fixed_cost, alpha=alpha)
-    log = synthetic_log(pool, steps_per_replica=40, seed=seed, gap_ns=gap_ns, start_ns=HOUR_START_NS - gap_ns)
+    log = synthetic_log(
+        pool, steps_per_replica=40, seed=seed, gap_ns=gap_ns, start_ns=HOUR_START_NS - gap_ns
+    )
     ledger = _attribute(pool, log)
     assert ledger.invoice["amount_nano"] == 2 * PER_HOUR
     assert int(ledger.ledger_lines["amount_nano"].sum()) == 2 * PER_HOUR
     costs = ledger.request_costs
     assert (costs["compute_nano"] + costs["kv_nano"] == costs["amount_nano"]).all()
-    assert int(costs["amount_nano"].sum()) - ledger.cache_read_nano == int(ledger.replicas["step_cost_nano"].sum())
-    assert set(ledger.ledger_lines["line_kind"]) <= {"usage", "idle", "headroom", "unattributed", "platform_retry", "cache_credit"}
+    assert int(costs["amount_nano"].sum()) - ledger.cache_read_nano == int(
+        ledger.replicas["step_cost_nano"].sum()
+    )
+    assert set(ledger.ledger_lines["line_kind"]) <= {
+        "usage",
+        "idle",
+        "headroom",
+        "unattributed",
+        "platform_retry",
+        "cache_credit",
+    }
 
 
 def test_frames_have_exactly_the_warehouse_columns():
@@ -98,13 +160,24 @@ def test_one_step_split_with_idle_spread_and_headroom():
     costs = {r["request_id"]: r for r in ledger.request_costs.iter_rows(named=True)}
     # work a = 6 + 32.1664 ms, b = 6 + 0.24005 ms: a gets 50_000 x 38.1664 / 44.40645.
     assert costs["a"]["amount_nano"] == 42_974 and costs["b"]["amount_nano"] == 7_026
-    assert costs["a"]["kv_nano"] == 0 and costs["a"]["steps"] == 1 and costs["a"]["output_tokens"] == 1
-    exact = dict(zip(ledger.request_details["request_id"], ledger.request_details["exact_nano"]))
-    assert exact["a"] == pytest.approx(50_000 * 38.1664 / 44.40645) and exact["a"] + exact["b"] == pytest.approx(50_000)
+    assert (
+        costs["a"]["kv_nano"] == 0 and costs["a"]["steps"] == 1 and costs["a"]["output_tokens"] == 1
+    )
+    exact = dict(
+        zip(
+            ledger.request_details["request_id"], ledger.request_details["exact_nano"], strict=False
+        )
+    )
+    assert exact["a"] == pytest.approx(50_000 * 38.1664 / 44.40645) and exact["a"] + exact[
+        "b"
+    ] == pytest.approx(50_000)
     invoice = 2 * PER_HOUR
     idle = invoice - 50_000
     spread_cap = int(invoice * (1 - 0.7))
-    lines = {(r["line_kind"], r["tenant"], r["feature"]): r["amount_nano"] for r in ledger.ledger_lines.iter_rows(named=True)}
+    lines = {
+        (r["line_kind"], r["tenant"], r["feature"]): r["amount_nano"]
+        for r in ledger.ledger_lines.iter_rows(named=True)
+    }
     assert lines[("usage", "acme", "chat")] == 50_000
     assert lines[("idle", "acme", "chat")] == spread_cap
     assert lines[("headroom", "support", "(headroom)")] == idle - spread_cap
@@ -115,27 +188,50 @@ def test_one_step_split_with_idle_spread_and_headroom():
 def test_holders_pay_memory_time_and_swapped_ones_do_not():
     pool = make_pool(alpha=0.5, idle="capacity_owner")
     log = _one_step_log(
-        pool, slots=[("a", 1, 100, 10, 0)], holders=[("b", 10, "preempted"), ("c", 20, "swapped")],
+        pool,
+        slots=[("a", 1, 100, 10, 0)],
+        holders=[("b", 10, "preempted"), ("c", 20, "swapped")],
         context_ids=("a", "b", "c"),
     )
     ledger = _attribute(pool, log)
-    amounts = dict(zip(ledger.request_costs["request_id"], ledger.request_costs["amount_nano"]))
+    amounts = dict(
+        zip(ledger.request_costs["request_id"], ledger.request_costs["amount_nano"], strict=False)
+    )
     # a: 0.5 compute + 0.5 x 10/20 KV; b: 0.5 x 10/20 KV; c swapped out: nothing.
     assert amounts == {"a": 37_500, "b": 12_500, "c": 0}
-    memory = dict(zip(ledger.request_details["request_id"], ledger.request_details["kv_block_seconds"]))
+    memory = dict(
+        zip(
+            ledger.request_details["request_id"],
+            ledger.request_details["kv_block_seconds"],
+            strict=False,
+        )
+    )
     assert memory == pytest.approx({"a": 0.5, "b": 0.5, "c": 0.0})
     lines = ledger.ledger_lines.filter(pl.col("line_kind") == "idle")
-    assert lines.rows(named=True)[0]["tenant"] == "platform" and lines["amount_nano"].sum() == 2 * PER_HOUR - 50_000
+    assert (
+        lines.rows(named=True)[0]["tenant"] == "platform"
+        and lines["amount_nano"].sum() == 2 * PER_HOUR - 50_000
+    )
 
 
 def test_platform_timeout_retries_and_missing_context():
     pool = make_pool(idle="capacity_owner")
-    log = _one_step_log(pool, slots=[("a", 1, 100, 10, 0), ("b", 1, 100, 10, 0)], context_ids=("a",),
-                        retry_cause="platform_timeout")
+    log = _one_step_log(
+        pool,
+        slots=[("a", 1, 100, 10, 0), ("b", 1, 100, 10, 0)],
+        context_ids=("a",),
+        retry_cause="platform_timeout",
+    )
     ledger = _attribute(pool, log)
     kinds = {r["line_kind"]: r for r in ledger.ledger_lines.iter_rows(named=True)}
-    assert kinds["platform_retry"]["tenant"] == "platform" and kinds["platform_retry"]["amount_nano"] == 25_000
-    assert kinds["unattributed"]["tenant"] == "(unattributed)" and kinds["unattributed"]["amount_nano"] == 25_000
+    assert (
+        kinds["platform_retry"]["tenant"] == "platform"
+        and kinds["platform_retry"]["amount_nano"] == 25_000
+    )
+    assert (
+        kinds["unattributed"]["tenant"] == "(unattributed)"
+        and kinds["unattributed"]["amount_nano"] == 25_000
+    )
     assert ledger.unattributed_fraction == 0.5 and ledger.unattributed_requests == 1
     caller_pays = make_pool(idle="capacity_owner", platform_pays_platform_retries=False)
     kinds = set(_attribute(caller_pays, log).ledger_lines["line_kind"])
@@ -143,7 +239,9 @@ def test_platform_timeout_retries_and_missing_context():
 
 
 def test_cache_read_charges_hits_and_credits_them_back():
-    pool = make_pool(alpha=1.0, prefix_cache="cache_read", cache_read_fraction=0.1, idle="capacity_owner")
+    pool = make_pool(
+        alpha=1.0, prefix_cache="cache_read", cache_read_fraction=0.1, idle="capacity_owner"
+    )
     # a computes 100 prompt tokens (its whole prefill); b hit 400 cached tokens and decodes.
     log = _one_step_log(pool, slots=[("a", 100, 0, 7, 0), ("b", 1, 400, 26, 400)])
     ledger = _attribute(pool, log)
@@ -153,7 +251,11 @@ def test_cache_read_charges_hits_and_credits_them_back():
     assert ledger.cache_read_nano == charge and costs["b"]["cached_tokens"] == 400
     assert ledger.cache_saving_nano == round(400 * prefill_rate) - charge
     credit = ledger.ledger_lines.filter(pl.col("line_kind") == "cache_credit").row(0, named=True)
-    assert credit["amount_nano"] == -charge and credit["tenant"] == "platform" and credit["cached_tokens"] == 400
+    assert (
+        credit["amount_nano"] == -charge
+        and credit["tenant"] == "platform"
+        and credit["cached_tokens"] == 400
+    )
     assert int(ledger.ledger_lines["amount_nano"].sum()) == 2 * PER_HOUR
 
 
@@ -169,15 +271,26 @@ def test_a_step_across_the_boundary_is_billed_in_both_hours_exactly():
     r0_before = before.replicas.filter(pl.col("replica") == "r0")["step_cost_nano"].item()
     r0_after = (first["end_utc_ns"] - HOUR_START_NS) * PER_HOUR // 3_600_000_000_000
     assert abs(r0_before + r0_after - whole) < 1
-    assert int(before.ledger_lines["amount_nano"].sum()) == int(this.ledger_lines["amount_nano"].sum()) == 2 * PER_HOUR
+    assert (
+        int(before.ledger_lines["amount_nano"].sum())
+        == int(this.ledger_lines["amount_nano"].sum())
+        == 2 * PER_HOUR
+    )
 
 
 def test_an_idle_replica_is_all_idle():
     pool = make_pool(replicas=3, idle="capacity_owner")
     log = synthetic_log(pool, steps_per_replica=10)
     steps = log.steps.filter(pl.col("replica") != "r2")
-    ledger = attribute_hour(HOUR, pool, steps, log.slots.filter(pl.col("replica") != "r2"),
-                            log.holders.filter(pl.col("replica") != "r2"), log.context, WEIGHTS)
+    ledger = attribute_hour(
+        HOUR,
+        pool,
+        steps,
+        log.slots.filter(pl.col("replica") != "r2"),
+        log.holders.filter(pl.col("replica") != "r2"),
+        log.context,
+        WEIGHTS,
+    )
     r2 = ledger.replicas.filter(pl.col("replica") == "r2").row(0, named=True)
     assert r2["steps"] == 0 and r2["idle_nano"] == PER_HOUR
 
@@ -186,16 +299,34 @@ def test_bad_tables_are_named():
     pool = make_pool()
     log = synthetic_log(pool, steps_per_replica=3)
     with pytest.raises(AttributionError, match=r"replica\(s\) \['r9'\] not in pool 'chat'"):
-        attribute_hour(HOUR, pool, log.steps.with_columns(pl.lit("r9").alias("replica")), log.slots, log.holders,
-                       log.context, WEIGHTS)
+        attribute_hour(
+            HOUR,
+            pool,
+            log.steps.with_columns(pl.lit("r9").alias("replica")),
+            log.slots,
+            log.holders,
+            log.context,
+            WEIGHTS,
+        )
     with pytest.raises(AttributionError, match="slots: 1 row.* belong to no logged step"):
         orphan = log.slots.head(1).with_columns(pl.lit(999, dtype=pl.Int64).alias("seq"))
-        attribute_hour(HOUR, pool, log.steps, pl.concat([log.slots, orphan]), log.holders, log.context, WEIGHTS)
+        attribute_hour(
+            HOUR, pool, log.steps, pl.concat([log.slots, orphan]), log.holders, log.context, WEIGHTS
+        )
     with pytest.raises(AttributionError, match="ends before it starts"):
-        attribute_hour(HOUR, pool, log.steps.with_columns(pl.col("start_utc_ns") + 10**12), log.slots, log.holders,
-                       log.context, WEIGHTS)
+        attribute_hour(
+            HOUR,
+            pool,
+            log.steps.with_columns(pl.col("start_utc_ns") + 10**12),
+            log.slots,
+            log.holders,
+            log.context,
+            WEIGHTS,
+        )
     with pytest.raises(AttributionError, match="context table lacks column"):
-        attribute_hour(HOUR, pool, log.steps, log.slots, log.holders, log.context.drop("retry_cause"), WEIGHTS)
+        attribute_hour(
+            HOUR, pool, log.steps, log.slots, log.holders, log.context.drop("retry_cause"), WEIGHTS
+        )
 
 
 class _FakeKernel:
@@ -213,27 +344,37 @@ class _FakeKernel:
 
 
 def test_kernel_weights_split_fixed_per_policy_and_price_bytes():
-    batch = SlotBatch(np.array([0, 0]), 1, np.array([10, 1]), np.array([0, 4000]), np.array([10, 100]))
-    fixed, slot = _FakeKernel().slot_work_many(batch.step_index, batch.new_tokens, batch.context_tokens, batch.prompt_tokens, 1)
+    batch = SlotBatch(
+        np.array([0, 0]), 1, np.array([10, 1]), np.array([0, 4000]), np.array([10, 100])
+    )
+    fixed, slot = _FakeKernel().slot_work_many(
+        batch.step_index, batch.new_tokens, batch.context_tokens, batch.prompt_tokens, 1
+    )
     assert kernel_work_us(fixed, slot, batch, "per_slot").tolist() == [35.0, 21.0]
-    assert kernel_work_us(fixed, slot, batch, "per_token").tolist() == pytest.approx([20 + 30 * 10 / 11, 6 + 30 / 11])
+    assert kernel_work_us(fixed, slot, batch, "per_token").tolist() == pytest.approx(
+        [20 + 30 * 10 / 11, 6 + 30 / 11]
+    )
     from pipeline.attribution import KernelWeights
 
     pool = make_pool(alpha=1.0)
     log = _one_step_log(pool, slots=[("a", 10, 0, 1, 0), ("b", 1, 4000, 250, 0)])
     ledger = _attribute(pool, log, weights=KernelWeights(_FakeKernel(), "kernel-test"))
-    amounts = dict(zip(ledger.request_costs["request_id"], ledger.request_costs["amount_nano"]))
-    assert amounts == {"a": 31_250, "b": 18_750}  # 35 : 21
-    assert ledger.request_details.filter(pl.col("request_id") == "b")["kv_byte_seconds"].item() == pytest.approx(
-        250 * 0.05 * 16 * 131072
+    amounts = dict(
+        zip(ledger.request_costs["request_id"], ledger.request_costs["amount_nano"], strict=False)
     )
+    assert amounts == {"a": 31_250, "b": 18_750}  # 35 : 21
+    assert ledger.request_details.filter(pl.col("request_id") == "b")[
+        "kv_byte_seconds"
+    ].item() == pytest.approx(250 * 0.05 * 16 * 131072)
     assert ledger.weights_version == "kernel-test"
 
 
 def test_an_hour_without_steps_is_all_idle_and_still_sums():
     pool = make_pool(idle="spread")
     log = synthetic_log(pool, steps_per_replica=3)
-    ledger = attribute_hour(HOUR, pool, log.steps.head(0), log.slots.head(0), log.holders.head(0), log.context, WEIGHTS)
+    ledger = attribute_hour(
+        HOUR, pool, log.steps.head(0), log.slots.head(0), log.holders.head(0), log.context, WEIGHTS
+    )
     assert ledger.request_costs.height == 0 and ledger.step_count == 0
     assert ledger.ledger_lines.select("tenant", "feature", "line_kind", "amount_nano").rows() == [
         ("platform", "(idle)", "idle", 2 * PER_HOUR)

@@ -28,8 +28,17 @@ def _attribute(pool, log, *, rows_per_batch: int | None = None):
 def _assert_same_ledger(expected, actual) -> None:
     for name in ("request_costs", "ledger_lines", "replicas", "request_details"):
         assert_frame_equal(getattr(expected, name), getattr(actual, name), check_exact=True)
-    for name in ("step_count", "busy_ns", "usage_nano", "idle_nano", "headroom_nano", "cache_read_nano",
-                 "cache_saving_nano", "unattributed_nano", "platform_retry_nano"):
+    for name in (
+        "step_count",
+        "busy_ns",
+        "usage_nano",
+        "idle_nano",
+        "headroom_nano",
+        "cache_read_nano",
+        "cache_saving_nano",
+        "unattributed_nano",
+        "platform_retry_nano",
+    ):
         assert getattr(expected, name) == getattr(actual, name), name
 
 
@@ -45,17 +54,25 @@ _POLICIES = dict(
 
 @settings(max_examples=15, deadline=None)
 @given(rows_per_batch=st.integers(1, 60), **_POLICIES)
-def test_any_batch_size_gives_the_same_ledger(rows_per_batch, seed, prefix_cache, fixed_cost, alpha, gap_ns):
+def test_any_batch_size_gives_the_same_ledger(
+    rows_per_batch, seed, prefix_cache, fixed_cost, alpha, gap_ns
+):
     pool = synthetic_pool(prefix_cache=prefix_cache, fixed_cost=fixed_cost, alpha=alpha)
-    log = synthetic_log(pool, steps_per_replica=40, seed=seed, gap_ns=gap_ns, start_ns=HOUR_START_NS - 20 * gap_ns)
+    log = synthetic_log(
+        pool, steps_per_replica=40, seed=seed, gap_ns=gap_ns, start_ns=HOUR_START_NS - 20 * gap_ns
+    )
     _assert_same_ledger(_attribute(pool, log), _attribute(pool, log, rows_per_batch=rows_per_batch))
 
 
 @settings(max_examples=15, deadline=None)
 @given(shuffle_seed=st.integers(0, 2**32 - 1), **_POLICIES)
-def test_rows_in_any_order_give_the_same_ledger(shuffle_seed, seed, prefix_cache, fixed_cost, alpha, gap_ns):
+def test_rows_in_any_order_give_the_same_ledger(
+    shuffle_seed, seed, prefix_cache, fixed_cost, alpha, gap_ns
+):
     pool = synthetic_pool(prefix_cache=prefix_cache, fixed_cost=fixed_cost, alpha=alpha)
-    log = synthetic_log(pool, steps_per_replica=40, seed=seed, gap_ns=gap_ns, start_ns=HOUR_START_NS - 20 * gap_ns)
+    log = synthetic_log(
+        pool, steps_per_replica=40, seed=seed, gap_ns=gap_ns, start_ns=HOUR_START_NS - 20 * gap_ns
+    )
     shuffled = replace(
         log,
         steps=log.steps.sample(fraction=1.0, shuffle=True, seed=shuffle_seed),
@@ -73,14 +90,20 @@ def test_a_step_logged_twice_around_the_hour_is_an_error():
     copy = log.steps.head(1).with_columns(pl.col("start_utc_ns", "end_utc_ns") - 86_400 * 10**9)
     message = f"steps: replica {first['replica']} seq {first['seq']} appears more than once"
     with pytest.raises(AttributionError, match=message):
-        attribute_hour(HOUR, pool, pl.concat([log.steps, copy]), log.slots, log.holders, log.context, WEIGHTS)
+        attribute_hour(
+            HOUR, pool, pl.concat([log.steps, copy]), log.slots, log.holders, log.context, WEIGHTS
+        )
 
 
 def test_rows_without_keys_are_named():
     pool = synthetic_pool()
     log = synthetic_log(pool, steps_per_replica=3)
-    anonymous = log.slots.with_columns(pl.when(pl.int_range(pl.len()) == 2).then(None).otherwise(pl.col("request_id"))
-                                       .alias("request_id"))
+    anonymous = log.slots.with_columns(
+        pl.when(pl.int_range(pl.len()) == 2)
+        .then(None)
+        .otherwise(pl.col("request_id"))
+        .alias("request_id")
+    )
     with pytest.raises(AttributionError, match="slots: 1 row.* have no request_id"):
         attribute_hour(HOUR, pool, log.steps, anonymous, log.holders, log.context, WEIGHTS)
     unsequenced = log.holders.with_columns(pl.lit(None, dtype=pl.Int64).alias("seq"))

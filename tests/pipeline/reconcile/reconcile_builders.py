@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import numpy as np
 import polars as pl
@@ -11,7 +11,7 @@ from pipeline.dcgm import hour_bounds_ns
 from schemas.config import Policies, Pool, Replica
 from schemas.tables import DAMAGE, DROPS, SEGMENTS, STEPS
 
-HOUR = datetime(2026, 11, 30, 5, tzinfo=timezone.utc)
+HOUR = datetime(2026, 11, 30, 5, tzinfo=UTC)
 HOUR_START_NS, HOUR_END_NS = hour_bounds_ns(HOUR)
 MS = 1_000_000
 S = 1_000_000_000
@@ -28,7 +28,12 @@ def empty(schema) -> pl.DataFrame:
 
 
 def make_pool(
-    *, name: str = "chat", replicas: int = 2, gpus: int = 1, weights: str = "kernel", unattributed: float = 0.02
+    *,
+    name: str = "chat",
+    replicas: int = 2,
+    gpus: int = 1,
+    weights: str = "kernel",
+    unattributed: float = 0.02,
 ) -> Pool:
     return Pool(
         name=name,
@@ -96,11 +101,14 @@ def shift_utc(steps: pl.DataFrame, replica: str, from_seq: int, shift_ns: int) -
     """Move one replica's wall-clock placement from `from_seq` on (a segment anchored to a stepped clock)."""
     moved = (pl.col("replica") == replica) & (pl.col("seq") >= from_seq)
     return steps.with_columns(
-        pl.when(moved).then(pl.col(c) + shift_ns).otherwise(pl.col(c)).alias(c) for c in ("start_utc_ns", "end_utc_ns")
+        pl.when(moved).then(pl.col(c) + shift_ns).otherwise(pl.col(c)).alias(c)
+        for c in ("start_utc_ns", "end_utc_ns")
     )
 
 
-def make_segments(pool: Pool, *, engine_version: str = "0.25.0", driver_version: str = "570.86") -> pl.DataFrame:
+def make_segments(
+    pool: Pool, *, engine_version: str = "0.25.0", driver_version: str = "570.86"
+) -> pl.DataFrame:
     rows = [
         {
             "path": f"outbox/{replica.id}/{replica.id}-000.seg",
@@ -130,17 +138,40 @@ def make_segments(pool: Pool, *, engine_version: str = "0.25.0", driver_version:
 
 def make_drops(pool: Pool, replica: str, first: int, last: int) -> pl.DataFrame:
     return pl.DataFrame(
-        [{"pool": pool.name, "replica": replica, "first_seq": first, "last_seq": last, "steps": last - first + 1}],
+        [
+            {
+                "pool": pool.name,
+                "replica": replica,
+                "first_seq": first,
+                "last_seq": last,
+                "steps": last - first + 1,
+            }
+        ],
         schema=empty(DROPS).schema,
     )
 
 
 def make_damage(
-    path: str, kind: str, *, first: int | None = None, last: int | None = None, offset: int = 0, detail: str = ""
+    path: str,
+    kind: str,
+    *,
+    first: int | None = None,
+    last: int | None = None,
+    offset: int = 0,
+    detail: str = "",
 ) -> pl.DataFrame:
     return pl.DataFrame(
-        [{"path": path, "kind": kind, "byte_offset": offset, "byte_length": 100, "first_seq": first,
-          "last_seq": last, "detail": detail}],
+        [
+            {
+                "path": path,
+                "kind": kind,
+                "byte_offset": offset,
+                "byte_length": 100,
+                "first_seq": first,
+                "last_seq": last,
+                "detail": detail,
+            }
+        ],
         schema=empty(DAMAGE).schema,
     )
 
@@ -153,13 +184,25 @@ def make_dcgm(pool: Pool, values: dict[str, list[float]]) -> pl.DataFrame:
             cycle = values.get(uuid, [])
             for sample in range(240 if cycle else 0):
                 rows.append(
-                    (uuid, replica.hostname, gpu_index, "NVIDIA H100 80GB HBM3", HOUR_START_NS + sample * 15 * S,
-                     cycle[sample % len(cycle)])
+                    (
+                        uuid,
+                        replica.hostname,
+                        gpu_index,
+                        "NVIDIA H100 80GB HBM3",
+                        HOUR_START_NS + sample * 15 * S,
+                        cycle[sample % len(cycle)],
+                    )
                 )
     return pl.DataFrame(
         rows,
-        schema={"uuid": pl.String, "hostname": pl.String, "gpu": pl.Int32, "model_name": pl.String,
-                "timestamp_ns": pl.Int64, "value": pl.Float64},
+        schema={
+            "uuid": pl.String,
+            "hostname": pl.String,
+            "gpu": pl.Int32,
+            "model_name": pl.String,
+            "timestamp_ns": pl.Int64,
+            "value": pl.Float64,
+        },
         orient="row",
     )
 
@@ -168,21 +211,53 @@ def make_ledger(pool: Pool, lines: list[tuple[str, str, int, int]]) -> pl.DataFr
     """Ledger lines (tenant, line_kind, amount_nano, requests) for the hour."""
     return pl.DataFrame(
         [
-            {"hour": HOUR.replace(tzinfo=None), "pool": pool.name, "tenant": tenant, "feature": "f",
-             "line_kind": kind, "amount_nano": amount, "requests": requests, "new_tokens": 0, "cached_tokens": 0,
-             "weights_version": "kernel", "policy_version": pool.policies.version()}
+            {
+                "hour": HOUR.replace(tzinfo=None),
+                "pool": pool.name,
+                "tenant": tenant,
+                "feature": "f",
+                "line_kind": kind,
+                "amount_nano": amount,
+                "requests": requests,
+                "new_tokens": 0,
+                "cached_tokens": 0,
+                "weights_version": "kernel",
+                "policy_version": pool.policies.version(),
+            }
             for tenant, kind, amount, requests in lines
         ],
-        schema={"hour": pl.Datetime("us"), "pool": pl.String, "tenant": pl.String, "feature": pl.String,
-                "line_kind": pl.String, "amount_nano": pl.Int64, "requests": pl.Int64, "new_tokens": pl.Int64,
-                "cached_tokens": pl.Int64, "weights_version": pl.String, "policy_version": pl.String},
+        schema={
+            "hour": pl.Datetime("us"),
+            "pool": pl.String,
+            "tenant": pl.String,
+            "feature": pl.String,
+            "line_kind": pl.String,
+            "amount_nano": pl.Int64,
+            "requests": pl.Int64,
+            "new_tokens": pl.Int64,
+            "cached_tokens": pl.Int64,
+            "weights_version": pl.String,
+            "policy_version": pl.String,
+        },
     )
 
 
 def make_invoice(pool: Pool, amount_nano: int) -> pl.DataFrame:
     return pl.DataFrame(
-        [{"hour": HOUR.replace(tzinfo=None), "pool": pool.name, "gpus": len(pool.replicas) * pool.gpus_per_replica,
-          "usd_per_gpu_hour": pool.usd_per_gpu_hour, "amount_nano": amount_nano}],
-        schema={"hour": pl.Datetime("us"), "pool": pl.String, "gpus": pl.Int64, "usd_per_gpu_hour": pl.Float64,
-                "amount_nano": pl.Int64},
+        [
+            {
+                "hour": HOUR.replace(tzinfo=None),
+                "pool": pool.name,
+                "gpus": len(pool.replicas) * pool.gpus_per_replica,
+                "usd_per_gpu_hour": pool.usd_per_gpu_hour,
+                "amount_nano": amount_nano,
+            }
+        ],
+        schema={
+            "hour": pl.Datetime("us"),
+            "pool": pl.String,
+            "gpus": pl.Int64,
+            "usd_per_gpu_hour": pl.Float64,
+            "amount_nano": pl.Int64,
+        },
     )

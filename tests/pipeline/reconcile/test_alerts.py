@@ -5,7 +5,7 @@ import json
 import logging
 import threading
 import traceback
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -27,7 +27,7 @@ from pipeline.reconcile import check_plausibility
 from schemas.config import Settings
 
 POOL = make_pool()
-RAISED = datetime(2026, 11, 30, 6, 20, tzinfo=timezone.utc)
+RAISED = datetime(2026, 11, 30, 6, 20, tzinfo=UTC)
 ROUTING_KEY = "R0UTING-KEY-s3cr3t-5a1e"
 SECRET_PATH = "/hooks/T000-s3cr3t-path"
 
@@ -50,14 +50,18 @@ class Receiver:
                 receiver.requests.append((self.path, dict(self.headers), json.loads(body)))
                 self.send_response(status)
                 self.end_headers()
-                self.wfile.write(b'{"status": "echo ' + ROUTING_KEY.encode() + b" " + self.path.encode() + b'"}')
+                self.wfile.write(
+                    b'{"status": "echo ' + ROUTING_KEY.encode() + b" " + self.path.encode() + b'"}'
+                )
 
             def log_message(self, *args) -> None:
                 pass
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_port}{SECRET_PATH}"
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
 
     def __enter__(self) -> Receiver:
         self.thread.start()
@@ -75,7 +79,10 @@ def test_failed_check_reaches_pagerduty_webhook_once(tmp_path: Path, caplog):
     failed = results[1]
     with Receiver() as receiver:
         sink = sink_from_env(
-            {"STEPLEDGER_ALERT_WEBHOOK_URL": receiver.url, "STEPLEDGER_PAGERDUTY_ROUTING_KEY": ROUTING_KEY}
+            {
+                "STEPLEDGER_ALERT_WEBHOOK_URL": receiver.url,
+                "STEPLEDGER_PAGERDUTY_ROUTING_KEY": ROUTING_KEY,
+            }
         )
         sent_keys = SentKeysFile(tmp_path / "sent-keys")
         first = page(results, sink, sent_keys, raised_at=RAISED)
@@ -123,7 +130,9 @@ def test_slack_payload_is_the_summary_text():
         page(host_stall_results(), sink, set(), raised_at=RAISED)
     ((_, _, body),) = receiver.requests
     assert list(body) == ["text"]
-    assert body["text"].startswith("[ERROR] stepledger plausibility failed for chat/chat-r1 hour 2026-11-30T05: ")
+    assert body["text"].startswith(
+        "[ERROR] stepledger plausibility failed for chat/chat-r1 hour 2026-11-30T05: "
+    )
 
 
 def test_delivery_failure_hides_url_and_key_and_is_retried_next_run(caplog):
@@ -137,8 +146,8 @@ def test_delivery_failure_hides_url_and_key_and_is_retried_next_run(caplog):
     assert len(receiver.requests) == 1
     port = receiver.server.server_port
     assert str(raised.value) == (
-        f"delivering plausibility alert for chat 2026-11-30T05 to WebhookSink(pagerduty -> http://127.0.0.1/…) "
-        f"failed: HTTP 500 Internal Server Error: {{\"status\": \"echo [redacted] [redacted]\"}}"
+        "delivering plausibility alert for chat 2026-11-30T05 to WebhookSink(pagerduty -> http://127.0.0.1/…) "
+        'failed: HTTP 500 Internal Server Error: {"status": "echo [redacted] [redacted]"}'
     )
     assert raised.value.__context__ is None and raised.value.__cause__ is None
     shown = "".join(traceback.format_exception(raised.value)) + repr(sink) + caplog.text
@@ -171,9 +180,13 @@ def test_default_sink_writes_json_lines_to_a_file_or_stdout(tmp_path: Path, caps
 
 
 def test_sink_configuration_errors_name_the_variable_not_the_value():
-    with pytest.raises(AlertConfigError, match="STEPLEDGER_ALERT_FORMAT=slack needs STEPLEDGER_ALERT_WEBHOOK_URL"):
+    with pytest.raises(
+        AlertConfigError, match="STEPLEDGER_ALERT_FORMAT=slack needs STEPLEDGER_ALERT_WEBHOOK_URL"
+    ):
         sink_from_env({"STEPLEDGER_ALERT_FORMAT": "slack"})
-    with pytest.raises(AlertConfigError, match=r"needs a routing key \(STEPLEDGER_PAGERDUTY_ROUTING_KEY\)"):
+    with pytest.raises(
+        AlertConfigError, match=r"needs a routing key \(STEPLEDGER_PAGERDUTY_ROUTING_KEY\)"
+    ):
         sink_from_env({"STEPLEDGER_ALERT_FORMAT": "pagerduty"})
     with pytest.raises(AlertConfigError, match="is not one of pagerduty, slack"):
         sink_from_env({"STEPLEDGER_ALERT_FORMAT": "email"})
@@ -187,30 +200,58 @@ def test_sink_configuration_errors_name_the_variable_not_the_value():
 def test_dedup_key_separates_findings_and_hours():
     key = dedup_key("plausibility", HOUR, "chat", "chat-r1", "host_stall")
     assert key == dedup_key("plausibility", HOUR, "chat", "chat-r1", "host_stall")
-    assert len({key,
+    assert (
+        len(
+            {
+                key,
                 dedup_key("plausibility", HOUR, "chat", "chat-r1", "dcgm_missing"),
                 dedup_key("plausibility", HOUR, "chat", None, "host_stall"),
-                dedup_key("plausibility", HOUR.replace(hour=6), "chat", "chat-r1", "host_stall")}) == 4
+                dedup_key("plausibility", HOUR.replace(hour=6), "chat", "chat-r1", "host_stall"),
+            }
+        )
+        == 4
+    )
 
 
 def test_deadman_fires_only_after_the_deadline_and_once_per_oldest_hour():
     settings = Settings(deadman_minutes=120)
-    last = {"chat": datetime(2026, 11, 30, 5, tzinfo=timezone.utc), "big": datetime(2026, 11, 30, 2, tzinfo=timezone.utc)}
+    last = {
+        "chat": datetime(2026, 11, 30, 5, tzinfo=UTC),
+        "big": datetime(2026, 11, 30, 2, tzinfo=UTC),
+    }
     # Hour 06 ended at 07:00; its deadline is 09:00.
-    assert [r.pool for r in deadman(last, datetime(2026, 11, 30, 8, 59, tzinfo=timezone.utc), settings)] == ["big"]
-    (big, chat) = deadman(last, datetime(2026, 11, 30, 9, 0, tzinfo=timezone.utc), settings)
-    assert (chat.pool, chat.hour, chat.passed, chat.check_name) == ("chat", HOUR.replace(hour=6), False, "deadman")
+    assert [r.pool for r in deadman(last, datetime(2026, 11, 30, 8, 59, tzinfo=UTC), settings)] == [
+        "big"
+    ]
+    (big, chat) = deadman(last, datetime(2026, 11, 30, 9, 0, tzinfo=UTC), settings)
+    assert (chat.pool, chat.hour, chat.passed, chat.check_name) == (
+        "chat",
+        HOUR.replace(hour=6),
+        False,
+        "deadman",
+    )
     assert chat.detail == (
         "pool chat: 1 hour(s) not reconciled within 120 min of their end (2026-11-30T06): "
         "the scheduler, its daemon or the hourly run is not running"
     )
-    assert big.detail.startswith("pool big: 4 hour(s) not reconciled within 120 min of their end "
-                                 "(2026-11-30T03 to 2026-11-30T06)")
-    later = deadman(last, datetime(2026, 11, 30, 11, 30, tzinfo=timezone.utc), settings)
+    assert big.detail.startswith(
+        "pool big: 4 hour(s) not reconciled within 120 min of their end "
+        "(2026-11-30T03 to 2026-11-30T06)"
+    )
+    later = deadman(last, datetime(2026, 11, 30, 11, 30, tzinfo=UTC), settings)
     sent: set[str] = set()
     stream = io.StringIO()
-    assert len(page(deadman(last, datetime(2026, 11, 30, 9, 0, tzinfo=timezone.utc), settings),
-                    JsonLinesSink(stream), sent, raised_at=RAISED)) == 2
+    assert (
+        len(
+            page(
+                deadman(last, datetime(2026, 11, 30, 9, 0, tzinfo=UTC), settings),
+                JsonLinesSink(stream),
+                sent,
+                raised_at=RAISED,
+            )
+        )
+        == 2
+    )
     assert page(later, JsonLinesSink(stream), sent, raised_at=RAISED) == []
 
 

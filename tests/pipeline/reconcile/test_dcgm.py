@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import polars as pl
@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from pipeline.dcgm import DCGM_SCHEMA, DcgmParseError, hour_bounds_ns, parse_dcgm, read_dcgm_hour
 
-HOUR = datetime(2026, 11, 30, 5, tzinfo=timezone.utc)
+HOUR = datetime(2026, 11, 30, 5, tzinfo=UTC)
 HOUR_MS = hour_bounds_ns(HOUR)[0] // 1_000_000
 
 NEW_EXPORTER = f"""\
@@ -48,7 +48,9 @@ def test_a_scrape_appended_twice_counts_once():
 def test_samples_without_timestamps_take_the_default():
     text = 'DCGM_FI_PROF_GR_ENGINE_ACTIVE{gpu="0",UUID="GPU-aaa",hostname="h"} 0.5\n'
     assert parse_dcgm(text, default_timestamp_ns=42)["timestamp_ns"].to_list() == [42]
-    with pytest.raises(DcgmParseError, match=r"^<text>:1: sample has no timestamp and no default scrape time"):
+    with pytest.raises(
+        DcgmParseError, match=r"^<text>:1: sample has no timestamp and no default scrape time"
+    ):
         parse_dcgm(text)
 
 
@@ -63,20 +65,53 @@ def test_escaped_label_values_are_unescaped():
 @pytest.mark.parametrize(
     ("line", "problem"),
     [
-        ("DCGM_FI_PROF_GR_ENGINE_ACTIVE{gpu=\"0\",UUID=\"GPU-aaa\",hostname=\"h\"}", "not a Prometheus sample line"),
-        ('DCGM_FI_PROF_GR_ENGINE_ACTIVE{gpu="0",UUID="GPU-aaa",hostname="h"} busy 1', "sample value 'busy' is not a number"),
-        ('DCGM_FI_PROF_GR_ENGINE_ACTIVE{gpu="0",UUID="GPU-aaa",hostname="h"} 0.5 12.5', "timestamp '12.5' is not integer"),
-        ('DCGM_FI_PROF_GR_ENGINE_ACTIVE{gpu="0",UUID="GPU-aaa",hostname="h"} 1.5 1', "value 1.5 is outside the ratio 0..1"),
-        ('DCGM_FI_PROF_GR_ENGINE_ACTIVE{gpu="0",UUID="GPU-aaa",hostname="h"} NaN 1', "value NaN is outside the ratio"),
+        (
+            'DCGM_FI_PROF_GR_ENGINE_ACTIVE{gpu="0",UUID="GPU-aaa",hostname="h"}',
+            "not a Prometheus sample line",
+        ),
+        (
+            'DCGM_FI_PROF_GR_ENGINE_ACTIVE{gpu="0",UUID="GPU-aaa",hostname="h"} busy 1',
+            "sample value 'busy' is not a number",
+        ),
+        (
+            'DCGM_FI_PROF_GR_ENGINE_ACTIVE{gpu="0",UUID="GPU-aaa",hostname="h"} 0.5 12.5',
+            "timestamp '12.5' is not integer",
+        ),
+        (
+            'DCGM_FI_PROF_GR_ENGINE_ACTIVE{gpu="0",UUID="GPU-aaa",hostname="h"} 1.5 1',
+            "value 1.5 is outside the ratio 0..1",
+        ),
+        (
+            'DCGM_FI_PROF_GR_ENGINE_ACTIVE{gpu="0",UUID="GPU-aaa",hostname="h"} NaN 1',
+            "value NaN is outside the ratio",
+        ),
         ('DCGM_FI_PROF_GR_ENGINE_ACTIVE{gpu="0",hostname="h"} 0.5 1', "sample has no uuid label"),
-        ('DCGM_FI_PROF_GR_ENGINE_ACTIVE{gpu="0",UUID="GPU-aaa"} 0.5 1', "sample has no hostname label"),
-        ('DCGM_FI_PROF_GR_ENGINE_ACTIVE{gpu="x",UUID="GPU-aaa",hostname="h"} 0.5 1', "gpu label 'x' is not a GPU index"),
-        ('DCGM_FI_PROF_GR_ENGINE_ACTIVE{gpu="0",UUID="GPU-aaa",uuid="GPU-bbb",hostname="h"} 0.5 1', "uuid labels disagree"),
-        ('DCGM_FI_PROF_GR_ENGINE_ACTIVE{gpu="0",gpu="1",UUID="GPU-aaa",hostname="h"} 0.5 1', "label 'gpu' appears twice"),
-        ('DCGM_FI_PROF_GR_ENGINE_ACTIVE{gpu="0",UUID="GPU-a\\qa",hostname="h"} 0.5 1', "unknown escape"),
+        (
+            'DCGM_FI_PROF_GR_ENGINE_ACTIVE{gpu="0",UUID="GPU-aaa"} 0.5 1',
+            "sample has no hostname label",
+        ),
+        (
+            'DCGM_FI_PROF_GR_ENGINE_ACTIVE{gpu="x",UUID="GPU-aaa",hostname="h"} 0.5 1',
+            "gpu label 'x' is not a GPU index",
+        ),
+        (
+            'DCGM_FI_PROF_GR_ENGINE_ACTIVE{gpu="0",UUID="GPU-aaa",uuid="GPU-bbb",hostname="h"} 0.5 1',
+            "uuid labels disagree",
+        ),
+        (
+            'DCGM_FI_PROF_GR_ENGINE_ACTIVE{gpu="0",gpu="1",UUID="GPU-aaa",hostname="h"} 0.5 1',
+            "label 'gpu' appears twice",
+        ),
+        (
+            'DCGM_FI_PROF_GR_ENGINE_ACTIVE{gpu="0",UUID="GPU-a\\qa",hostname="h"} 0.5 1',
+            "unknown escape",
+        ),
         ('DCGM_FI_PROF_GR_ENGINE_ACTIVE{gpu="0" UUID="GPU-aaa"} 0.5 1', "cannot parse labels"),
         ('DCGM_FI_DEV_GPU_UTIL{gpu="0"} lots 1', "sample value 'lots' is not a number"),
-        ('DCGM_FI_PROF_GR_ENGINE_ACTIVE{gpu="0",UUID="GPU-aaa",hostname="h"} 0.5 9223372036855', "out of the nanosecond range"),
+        (
+            'DCGM_FI_PROF_GR_ENGINE_ACTIVE{gpu="0",UUID="GPU-aaa",hostname="h"} 0.5 9223372036855',
+            "out of the nanosecond range",
+        ),
     ],
 )
 def test_malformed_lines_name_file_line_and_problem(tmp_path: Path, line: str, problem: str):
@@ -91,7 +126,9 @@ def test_malformed_lines_name_file_line_and_problem(tmp_path: Path, line: str, p
 
 def test_conflicting_values_for_one_gpu_and_time_are_an_error():
     text = NEW_EXPORTER + NEW_EXPORTER.replace(" 0.734 ", " 0.9 ")
-    with pytest.raises(DcgmParseError, match="GPU GPU-aaa has 2 conflicting values at the same timestamps"):
+    with pytest.raises(
+        DcgmParseError, match="GPU GPU-aaa has 2 conflicting values at the same timestamps"
+    ):
         parse_dcgm(text, source_name="scrapes.prom")
 
 
@@ -121,7 +158,13 @@ label_text = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), m
 @settings(max_examples=100, deadline=None)
 @given(
     st.lists(
-        st.tuples(label_text, label_text, st.integers(0, 7), st.integers(-(10**12), 9 * 10**12), st.floats(0.0, 1.0)),
+        st.tuples(
+            label_text,
+            label_text,
+            st.integers(0, 7),
+            st.integers(-(10**12), 9 * 10**12),
+            st.floats(0.0, 1.0),
+        ),
         max_size=8,
         unique_by=lambda sample: (sample[0], sample[3]),
     ),

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import polars as pl
 import pytest
@@ -59,7 +59,7 @@ def test_money_passes_when_every_line_kind_sums_to_the_invoice():
 
 
 def test_money_fails_on_one_nano_dollar():
-    lines = LEDGER[:-1] + [("platform", "platform_retry", 39_999_999, 2)]
+    lines = [*LEDGER[:-1], ("platform", "platform_retry", 39999999, 2)]
     (result,) = check_money(HOUR, POOL, make_invoice(POOL, INVOICE_NANO), make_ledger(POOL, lines))
     assert not result.passed and result.blocking and result.finding == "mismatch"
     assert result.detail.startswith(
@@ -71,10 +71,16 @@ def test_money_fails_on_float_amounts_and_on_a_mispriced_invoice():
     floats = make_ledger(POOL, LEDGER).with_columns(pl.col("amount_nano").cast(pl.Float64))
     (result,) = check_money(HOUR, POOL, make_invoice(POOL, INVOICE_NANO), floats)
     assert not result.passed and result.finding == "not_integer"
-    assert result.detail == "ledger_lines.amount_nano is Float64: money must be integer nano-dollars"
-    (result,) = check_money(HOUR, POOL, make_invoice(POOL, INVOICE_NANO + 5), make_ledger(POOL, LEDGER))
+    assert (
+        result.detail == "ledger_lines.amount_nano is Float64: money must be integer nano-dollars"
+    )
+    (result,) = check_money(
+        HOUR, POOL, make_invoice(POOL, INVOICE_NANO + 5), make_ledger(POOL, LEDGER)
+    )
     assert result.finding == "invoice_price+mismatch"
-    assert result.detail.startswith("invoice 7200000005 nano-dollars != 2 GPUs x 3.6 USD/GPU-hour = 7200000000")
+    assert result.detail.startswith(
+        "invoice 7200000005 nano-dollars != 2 GPUs x 3.6 USD/GPU-hour = 7200000000"
+    )
 
 
 def test_money_needs_exactly_one_invoice_for_the_hour_and_pool():
@@ -85,7 +91,9 @@ def test_money_needs_exactly_one_invoice_for_the_hour_and_pool():
 
 
 def test_money_accepts_zoned_hour_columns():
-    invoice = make_invoice(POOL, INVOICE_NANO).with_columns(pl.col("hour").dt.replace_time_zone("UTC"))
+    invoice = make_invoice(POOL, INVOICE_NANO).with_columns(
+        pl.col("hour").dt.replace_time_zone("UTC")
+    )
     ledger = make_ledger(POOL, LEDGER).with_columns(pl.col("hour").dt.replace_time_zone("UTC"))
     assert check_money(HOUR, POOL, invoice, ledger)[0].passed
 
@@ -101,7 +109,11 @@ def test_unattributed_share_of_usage_below_threshold_passes():
 
 
 def test_missing_context_above_threshold_pages():
-    lines = LEDGER[:4] + [(None, "unattributed", 500_000_000, 31), ("platform", "platform_retry", 40_000_000, 2)]
+    lines = [
+        *LEDGER[:4],
+        (None, "unattributed", 500000000, 31),
+        ("platform", "platform_retry", 40000000, 2),
+    ]
     (result,) = check_unattributed(HOUR, POOL, make_ledger(POOL, lines))
     assert not result.passed and result.severity == "ERROR" and not result.blocking
     assert result.finding == "over_threshold"
@@ -112,7 +124,9 @@ def test_missing_context_above_threshold_pages():
 
 
 def test_unattributed_of_an_hour_without_usage_passes():
-    (result,) = check_unattributed(HOUR, POOL, make_ledger(POOL, [("platform", "idle", 7_200_000_000, 0)]))
+    (result,) = check_unattributed(
+        HOUR, POOL, make_ledger(POOL, [("platform", "idle", 7_200_000_000, 0)])
+    )
     assert result.passed and result.detail == "no usage in the hour"
 
 
@@ -125,7 +139,10 @@ def test_plausibility_passes_when_dcgm_tracks_busy_time():
     dcgm = make_dcgm(POOL, {UUID0: [0.55, 0.70], UUID1: [0.62]})
     results = by_replica(check_plausibility(HOUR, POOL, clean_steps(POOL), dcgm, SETTINGS))
     assert results["chat-r0"].passed and results["chat-r1"].passed
-    assert results["chat-r0"].detail == "engine busy 60.0% vs DCGM_FI_PROF_GR_ENGINE_ACTIVE mean 62.5% (band ±10%)"
+    assert (
+        results["chat-r0"].detail
+        == "engine busy 60.0% vs DCGM_FI_PROF_GR_ENGINE_ACTIVE mean 62.5% (band ±10%)"
+    )
     assert results["chat-r0"].observed == "DCGM mean 0.625 over 240 samples of 1 GPUs"
 
 
@@ -134,13 +151,18 @@ def test_idle_replica_passes_plausibility_and_says_idle():
     dcgm = make_dcgm(POOL, {UUID0: [0.6], UUID1: [0.0, 0.01]})
     r1 = by_replica(check_plausibility(HOUR, POOL, steps, dcgm, SETTINGS))["chat-r1"]
     assert r1.passed
-    assert r1.detail == "replica idle (no steps): engine busy 0.0% vs DCGM_FI_PROF_GR_ENGINE_ACTIVE mean 0.5% (band ±10%)"
+    assert (
+        r1.detail
+        == "replica idle (no steps): engine busy 0.0% vs DCGM_FI_PROF_GR_ENGINE_ACTIVE mean 0.5% (band ±10%)"
+    )
 
 
 def test_host_stall_fails_plausibility_with_the_cpu_wait_explanation():
     dcgm = make_dcgm(POOL, {UUID0: [0.6], UUID1: [0.2, 0.3]})
     r1 = by_replica(check_plausibility(HOUR, POOL, clean_steps(POOL), dcgm, SETTINGS))["chat-r1"]
-    assert not r1.passed and r1.severity == "ERROR" and not r1.blocking and r1.finding == "host_stall"
+    assert (
+        not r1.passed and r1.severity == "ERROR" and not r1.blocking and r1.finding == "host_stall"
+    )
     assert r1.detail == (
         "engine busy 60.0% vs DCGM_FI_PROF_GR_ENGINE_ACTIVE mean 25.0% (band ±10%): steps are stalling on the "
         "host, and customers would be charged for CPU waits"
@@ -170,7 +192,9 @@ def test_missing_dcgm_is_its_own_failed_finding():
 
 def test_samples_of_another_hour_do_not_count():
     dcgm = make_dcgm(POOL, {UUID0: [0.6], UUID1: [0.6]}).with_columns(
-        pl.when(pl.col("uuid") == UUID1).then(pl.col("timestamp_ns") - 3_600 * S).otherwise(pl.col("timestamp_ns"))
+        pl.when(pl.col("uuid") == UUID1)
+        .then(pl.col("timestamp_ns") - 3_600 * S)
+        .otherwise(pl.col("timestamp_ns"))
     )
     r1 = by_replica(check_plausibility(HOUR, POOL, clean_steps(POOL), dcgm, SETTINGS))["chat-r1"]
     assert r1.finding == "dcgm_missing"
@@ -184,7 +208,9 @@ def test_tp8_replica_uses_the_mean_of_its_gpus_and_lists_each_missing_one():
     # mean of 0.3..0.8 = 0.55 against 0.6 busy: within the band; two GPUs report nothing.
     assert result.observed == "DCGM mean 0.550 over 1440 samples of 6 GPUs"
     assert result.finding == "dcgm_missing"
-    assert result.detail.startswith("no DCGM samples for GPU GPU-0000-0006, GPU-0000-0007 in hour 2026-11-30T05")
+    assert result.detail.startswith(
+        "no DCGM samples for GPU GPU-0000-0006, GPU-0000-0007 in hour 2026-11-30T05"
+    )
 
 
 # --- calibration --------------------------------------------------------------------------
@@ -222,7 +248,9 @@ def test_new_engine_version_with_kernel_weights_warns_naming_the_kernel_version(
         "the calibration store has nothing for llama-3.1-8b-instruct on h100: run a calibration sweep to confirm "
         "the kernel's weights still hold"
     )
-    same = check_calibration(HOUR, POOL, make_segments(POOL), set(), SETTINGS, kernel_engine_version="0.25.0")
+    same = check_calibration(
+        HOUR, POOL, make_segments(POOL), set(), SETTINGS, kernel_engine_version="0.25.0"
+    )
     assert all(r.passed for r in same)
 
 
@@ -230,15 +258,29 @@ def test_calibration_drift_beyond_the_threshold():
     fitted = make_pool(weights="fitted")
     stored = {"c0_ms": 4.0, "a_ms": 0.02, "b_ms": 0.001}
     results = check_calibration(
-        HOUR, fitted, make_segments(fitted), {KEY}, SETTINGS, stored_fit=stored,
+        HOUR,
+        fitted,
+        make_segments(fitted),
+        {KEY},
+        SETTINGS,
+        stored_fit=stored,
         fresh_fit={"c0_ms": 4.2, "a_ms": 0.025, "b_ms": 0.001},
     )
     drift = results[-1]
     assert drift.check_name == "calibration_drift" and drift.replica is None
     assert not drift.passed and drift.severity == "ERROR" and drift.finding == "drift"
-    assert drift.detail.startswith("a fresh fit drifted beyond 15% in a_ms: a_ms 0.02 -> 0.025 (25.0%), b_ms")
-    steady = check_calibration(HOUR, fitted, make_segments(fitted), {KEY}, SETTINGS, stored_fit=stored,
-                               fresh_fit={"c0_ms": 4.4, "a_ms": 0.021, "b_ms": 0.00099})[-1]
+    assert drift.detail.startswith(
+        "a fresh fit drifted beyond 15% in a_ms: a_ms 0.02 -> 0.025 (25.0%), b_ms"
+    )
+    steady = check_calibration(
+        HOUR,
+        fitted,
+        make_segments(fitted),
+        {KEY},
+        SETTINGS,
+        stored_fit=stored,
+        fresh_fit={"c0_ms": 4.4, "a_ms": 0.021, "b_ms": 0.00099},
+    )[-1]
     assert steady.passed
 
 
@@ -249,17 +291,35 @@ def test_results_map_onto_reconciliation_and_alert_rows():
     dcgm = make_dcgm(POOL, {UUID0: [0.6], UUID1: [0.25]})
     results = check_plausibility(HOUR, POOL, clean_steps(POOL), dcgm, SETTINGS)
     table = reconciliation_frame(results)
-    assert table.columns == ["hour", "pool", "replica", "check_name", "passed", "expected", "observed", "detail"]
+    assert table.columns == [
+        "hour",
+        "pool",
+        "replica",
+        "check_name",
+        "passed",
+        "expected",
+        "observed",
+        "detail",
+    ]
     assert table["passed"].to_list() == [True, False]
     assert table["hour"].to_list() == [datetime(2026, 11, 30, 5)] * 2
-    raised = datetime(2026, 11, 30, 6, 20, tzinfo=timezone.utc)
+    raised = datetime(2026, 11, 30, 6, 20, tzinfo=UTC)
     alerts = alerts_frame(results, raised)
     assert alerts.rows() == [
-        (datetime(2026, 11, 30, 6, 20), "ERROR", "plausibility", datetime(2026, 11, 30, 5), "chat", "chat-r1",
-         results[1].detail)
+        (
+            datetime(2026, 11, 30, 6, 20),
+            "ERROR",
+            "plausibility",
+            datetime(2026, 11, 30, 5),
+            "chat",
+            "chat-r1",
+            results[1].detail,
+        )
     ]
 
 
 def test_naive_hour_is_refused():
     with pytest.raises(ValueError, match="no time zone"):
-        check_money(datetime(2026, 11, 30, 5), POOL, make_invoice(POOL, 1), make_ledger(POOL, LEDGER))
+        check_money(
+            datetime(2026, 11, 30, 5), POOL, make_invoice(POOL, 1), make_ledger(POOL, LEDGER)
+        )

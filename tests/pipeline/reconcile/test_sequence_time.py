@@ -19,7 +19,15 @@ from reconcile_builders import (
     without_seq,
 )
 
-from pipeline.reconcile import _intersect, _merge, _subtract, blocking_failures, check_sequence, check_time, compact_ranges
+from pipeline.reconcile import (
+    _intersect,
+    _merge,
+    _subtract,
+    blocking_failures,
+    check_sequence,
+    check_time,
+    compact_ranges,
+)
 from schemas.config import Settings
 from schemas.tables import DAMAGE, DROPS
 
@@ -50,7 +58,10 @@ def test_clean_hour_passes_sequence_and_time():
         assert (result.severity, result.blocking, result.finding) == ("ERROR", True, "")
     r0 = by_replica(sequence(steps))["chat-r0"]
     assert r0.expected == "seq 0-71999 contiguous (72000 steps)"
-    assert r0.observed == "72000 steps logged, 0 missing (0 counted drops), 0 repeated, 0 damaged frames"
+    assert (
+        r0.observed
+        == "72000 steps logged, 0 missing (0 counted drops), 0 repeated, 0 damaged frames"
+    )
     time_r0 = by_replica(check_time(HOUR, POOL, steps, SETTINGS))["chat-r0"]
     assert time_r0.observed == (
         "3600.000 s GPU-time: busy 2160.000 s, gaps 1439.980 s, idle before/after 0.020 s, unaccounted 0.000 s per GPU"
@@ -59,7 +70,9 @@ def test_clean_hour_passes_sequence_and_time():
 
 
 def test_dropped_records_fail_sequence_with_missing_ranges_and_time_with_shortfall():
-    steps = without_seq(without_seq(clean_steps(POOL), "chat-r0", 1200, 1299), "chat-r0", 4000, 4010)
+    steps = without_seq(
+        without_seq(clean_steps(POOL), "chat-r0", 1200, 1299), "chat-r0", 4000, 4010
+    )
     steps = without_seq(steps, "chat-r0", 10_000, 10_999)
     results = by_replica(sequence(steps))
     assert results["chat-r1"].passed
@@ -93,13 +106,23 @@ def test_counted_drop_is_still_a_failure_saying_the_recorder_dropped_steps():
         "missing seq 1000-1499 (500 steps) with no counted drop or damage to explain them; "
         "recorder dropped 500 steps (seq 1500-1999): its buffer overflowed"
     )
-    assert r0.observed == "71000 steps logged, 1000 missing (500 counted drops), 0 repeated, 0 damaged frames"
+    assert (
+        r0.observed
+        == "71000 steps logged, 1000 missing (500 counted drops), 0 repeated, 0 damaged frames"
+    )
 
 
 def test_torn_segment_fails_with_the_damaged_frames_and_steps_they_hid():
     path = "outbox/chat-r1/chat-r1-003.seg"
     steps = without_seq(clean_steps(POOL), "chat-r1", 30_000, 30_041)
-    damage = make_damage(path, "torn_tail", first=30_000, last=30_041, offset=4_096, detail="frame cut at 212 of 640 bytes")
+    damage = make_damage(
+        path,
+        "torn_tail",
+        first=30_000,
+        last=30_041,
+        offset=4_096,
+        detail="frame cut at 212 of 640 bytes",
+    )
     r1 = by_replica(sequence(steps, damage=damage))["chat-r1"]
     assert not r1.passed and r1.blocking and r1.severity == "ERROR" and r1.finding == "damage"
     assert r1.detail == (
@@ -119,11 +142,16 @@ def test_damage_without_sequence_range_in_an_unknown_directory_is_reported_at_po
 
 
 def test_duplicated_segment_is_reported_without_blocking_the_hour():
-    damage = make_damage("outbox/chat-r0/chat-r0-000.seg.copy", "duplicate_segment", first=0, last=999)
+    damage = make_damage(
+        "outbox/chat-r0/chat-r0-000.seg.copy", "duplicate_segment", first=0, last=999
+    )
     r0 = by_replica(sequence(clean_steps(POOL), damage=damage))["chat-r0"]
     assert not r0.passed
     assert (r0.severity, r0.blocking, r0.finding) == ("WARN", False, "duplicate_segment")
-    assert r0.detail == "1 segments delivered twice, the copies were ignored: outbox/chat-r0/chat-r0-000.seg.copy"
+    assert (
+        r0.detail
+        == "1 segments delivered twice, the copies were ignored: outbox/chat-r0/chat-r0-000.seg.copy"
+    )
 
 
 def test_repeated_sequence_numbers_block_the_hour():
@@ -131,7 +159,10 @@ def test_repeated_sequence_numbers_block_the_hour():
     repeated = steps.filter((pl.col("replica") == "chat-r0") & pl.col("seq").is_between(100, 199))
     r0 = by_replica(sequence(pl.concat([steps, repeated])))["chat-r0"]
     assert not r0.passed and r0.blocking and r0.finding == "repeated"
-    assert r0.detail == "seq 100-199 logged more than once (100 sequence numbers): steps would be charged twice"
+    assert (
+        r0.detail
+        == "seq 100-199 logged more than once (100 sequence numbers): steps would be charged twice"
+    )
     # The repeated steps add 3 s of step time beyond the hour: within the time tolerance.
     time_r0 = by_replica(check_time(HOUR, POOL, pl.concat([steps, repeated]), SETTINGS))["chat-r0"]
     assert time_r0.passed and time_r0.observed.endswith("unaccounted -3.000 s per GPU")
@@ -141,7 +172,9 @@ def test_gap_at_the_start_of_the_hour_is_seen_with_the_previous_last_seq():
     steps = pl.concat([make_steps(POOL, "chat-r0", first_seq=500), make_steps(POOL, "chat-r1")])
     assert by_replica(sequence(steps))["chat-r0"].passed
     r0 = by_replica(sequence(steps, last_seq_before={"chat-r0": 449, "chat-r1": -1}))["chat-r0"]
-    assert r0.detail == "missing seq 450-499 (50 steps) with no counted drop or damage to explain them"
+    assert (
+        r0.detail == "missing seq 450-499 (50 steps) with no counted drop or damage to explain them"
+    )
     assert r0.expected == "seq 450-72499 contiguous (72050 steps)"
 
 
@@ -187,7 +220,9 @@ def test_time_scales_with_gpus_per_replica_and_ignores_other_hours_and_pools():
     tp8 = make_pool(name="big", replicas=1, gpus=8)
     other_hour = make_steps(tp8, "big-r0").with_columns(pl.col("start_utc_ns") + 3_600 * S)
     other_pool = make_steps(make_pool(name="else"), "big-r0")
-    steps = pl.concat([make_steps(tp8, "big-r0", count=STEPS_PER_HOUR // 2), other_hour, other_pool])
+    steps = pl.concat(
+        [make_steps(tp8, "big-r0", count=STEPS_PER_HOUR // 2), other_hour, other_pool]
+    )
     (result,) = check_time(HOUR, tp8, steps, SETTINGS)
     assert result.expected == "28800.000 s GPU-time (3600 s x 8 GPUs) within 0.50%"
     assert result.observed.startswith("28800.000 s GPU-time: busy 1080.000 s")
@@ -202,8 +237,12 @@ def test_blocking_failures_selects_failed_blocking_results():
 
 
 def test_compact_ranges_lists_then_counts():
-    assert compact_ranges([(1200, 1299), (4000, 4010), (5123, 5123)]) == "1200-1299, 4000-4010, 5123"
-    assert compact_ranges([(i * 10, i * 10) for i in range(5)], limit=2) == "0, 10 and 3 more ranges"
+    assert (
+        compact_ranges([(1200, 1299), (4000, 4010), (5123, 5123)]) == "1200-1299, 4000-4010, 5123"
+    )
+    assert (
+        compact_ranges([(i * 10, i * 10) for i in range(5)], limit=2) == "0, 10 and 3 more ranges"
+    )
 
 
 range_lists = st.lists(st.tuples(st.integers(0, 200), st.integers(0, 20)), max_size=12).map(
@@ -250,6 +289,12 @@ def test_damage_of_another_pools_segment_is_left_to_that_pool():
     other = make_pool(name="other")
     path = "outbox/other-r0/other-r0-000.seg"
     damage = make_damage(path, "corrupt_frame", first=5, last=9)
-    results = check_sequence(HOUR, POOL, clean_steps(POOL), empty(DROPS), damage,
-                             pl.concat([make_segments(POOL), make_segments(other)]))
+    results = check_sequence(
+        HOUR,
+        POOL,
+        clean_steps(POOL),
+        empty(DROPS),
+        damage,
+        pl.concat([make_segments(POOL), make_segments(other)]),
+    )
     assert all(r.passed for r in results) and len(results) == 2

@@ -35,9 +35,12 @@ def quiet_pool():
     chat = pools.pool("chat-8b")
     tenant = next(t for t in chat.workload.tenants if t.name == "globex-search")
     feature = tenant.features[0].model_copy(update={"requests_per_s": 0.3})
-    workload = chat.workload.model_copy(update={"tenants": [tenant.model_copy(update={"features": [feature]})]})
+    workload = chat.workload.model_copy(
+        update={"tenants": [tenant.model_copy(update={"features": [feature]})]}
+    )
     replicas = [
-        replica.model_copy(update={"id": f"q-r{index}"}) for index, replica in enumerate(chat.replicas[:3])
+        replica.model_copy(update={"id": f"q-r{index}"})
+        for index, replica in enumerate(chat.replicas[:3])
     ]
     return PoolsFile(
         settings=pools.settings,
@@ -61,11 +64,19 @@ def simulate_and_check(out_dir: Path, faults: dict[str, float | None]) -> Run:
     simulate(out_dir, pools, hours=1, seed=11, faults=faults)
     log = read_segments(sorted(out_dir.glob("outbox/*/*.seg")))
     steps, slots, holders, segments, damage, drops = (
-        pl.from_arrow(table) for table in (log.steps, log.slots, log.holders, log.segments, log.damage, log.drops)
+        pl.from_arrow(table)
+        for table in (log.steps, log.slots, log.holders, log.segments, log.damage, log.drops)
     )
-    context = pl.concat([read_gateway_file(path, b"test-salt") for path in sorted(out_dir.glob("gateway/*.jsonl"))])
-    ledger = attribute_hour(HOUR, pool, steps, slots, holders, context, KernelWeights.for_pool(pool))
-    stamp = [pl.lit(HOUR.replace(tzinfo=None)).cast(pl.Datetime("us")).alias("hour"), pl.lit(pool.name).alias("pool")]
+    context = pl.concat(
+        [read_gateway_file(path, b"test-salt") for path in sorted(out_dir.glob("gateway/*.jsonl"))]
+    )
+    ledger = attribute_hour(
+        HOUR, pool, steps, slots, holders, context, KernelWeights.for_pool(pool)
+    )
+    stamp = [
+        pl.lit(HOUR.replace(tzinfo=None)).cast(pl.Datetime("us")).alias("hour"),
+        pl.lit(pool.name).alias("pool"),
+    ]
     lines = ledger.ledger_lines.with_columns(stamp)
     invoices = pl.DataFrame([ledger.invoice]).with_columns(stamp)
     settings = pools.settings
@@ -77,8 +88,14 @@ def simulate_and_check(out_dir: Path, faults: dict[str, float | None]) -> Run:
         *check_money(HOUR, pool, invoices, lines),
         *check_plausibility(HOUR, pool, steps, read_dcgm_hour(out_dir / "dcgm", HOUR), settings),
         *check_unattributed(HOUR, pool, lines),
-        *check_calibration(HOUR, pool, segments, known, settings,
-                           kernel_engine_version=load_chip(pool.gpu_type).measured_engine.version),
+        *check_calibration(
+            HOUR,
+            pool,
+            segments,
+            known,
+            settings,
+            kernel_engine_version=load_chip(pool.gpu_type).measured_engine.version,
+        ),
     ]
     return Run(results, drops)
 
@@ -92,14 +109,22 @@ def clean(tmp_path_factory) -> Run:
 def faulty(tmp_path_factory) -> Run:
     # These faults hit different checks, or different replicas: r0 takes the step-log faults,
     # the last replica (r2) idles, and r1 stays clean.
-    faults = {"drop-records": None, "duplicate-segment": None, "host-stall": 3.0, "new-engine-version": None,
-              "missing-context": None, "idle-replica": None}
+    faults = {
+        "drop-records": None,
+        "duplicate-segment": None,
+        "host-stall": 3.0,
+        "new-engine-version": None,
+        "missing-context": None,
+        "idle-replica": None,
+    }
     return simulate_and_check(tmp_path_factory.mktemp("faulty"), faults)
 
 
 @pytest.fixture(scope="module")
 def torn_and_skewed(tmp_path_factory) -> Run:
-    return simulate_and_check(tmp_path_factory.mktemp("torn"), {"torn-segment": None, "clock-skew": None})
+    return simulate_and_check(
+        tmp_path_factory.mktemp("torn"), {"torn-segment": None, "clock-skew": None}
+    )
 
 
 def test_clean_hour_passes_every_check(clean: Run):
@@ -110,37 +135,53 @@ def test_clean_hour_passes_every_check(clean: Run):
 
 def test_drop_records_fail_sequence_and_time(faulty: Run):
     # The burst spans segments, so the log counts it in several contiguous rows.
-    first, last, steps = faulty.drops.select(pl.col("first_seq").min(), pl.col("last_seq").max(), pl.col("steps").sum()).row(0)
+    first, last, steps = faulty.drops.select(
+        pl.col("first_seq").min(), pl.col("last_seq").max(), pl.col("steps").sum()
+    ).row(0)
     assert steps == last - first + 1
     sequence = faulty.of("sequence", "q-r0")
     assert not sequence.passed and sequence.blocking
     assert sequence.finding == "dropped+duplicate_segment"
-    assert sequence.detail.startswith(f"recorder dropped {steps} steps (seq {first}-{last}): its buffer overflowed; ")
+    assert sequence.detail.startswith(
+        f"recorder dropped {steps} steps (seq {first}-{last}): its buffer overflowed; "
+    )
     time = faulty.of("time", "q-r0")
     assert not time.passed and time.blocking and time.finding == "shortfall"
-    assert "; 1 sequence break(s) span " in time.detail and "step records are missing" in time.detail
+    assert (
+        "; 1 sequence break(s) span " in time.detail and "step records are missing" in time.detail
+    )
 
 
 def test_duplicate_segment_is_reported_as_ignored(faulty: Run):
     detail = faulty.of("sequence", "q-r0").detail
-    assert detail.endswith(".seg") and "1 segments delivered twice, the copies were ignored: " in detail
+    assert (
+        detail.endswith(".seg")
+        and "1 segments delivered twice, the copies were ignored: " in detail
+    )
 
 
 def test_host_stall_fails_plausibility(faulty: Run):
     result = faulty.of("plausibility", "q-r0")
     assert not result.passed and result.finding == "host_stall"
-    assert result.detail.endswith("steps are stalling on the host, and customers would be charged for CPU waits")
+    assert result.detail.endswith(
+        "steps are stalling on the host, and customers would be charged for CPU waits"
+    )
 
 
 def test_new_engine_version_warns_in_calibration(faulty: Run):
     result = faulty.of("calibration", "q-r0")
-    assert not result.passed and result.severity == "WARN" and result.finding == "new_engine_version"
+    assert (
+        not result.passed and result.severity == "WARN" and result.finding == "new_engine_version"
+    )
     assert result.detail == (
         f"the log reports vllm {UNCALIBRATED_ENGINE_VERSION} / driver {DRIVER_VERSION}, the kernel's coefficients "
         f"were measured on vLLM 0.25.0 and stored coefficients are for {ENGINE_VERSION} / driver {DRIVER_VERSION} "
         "only (stale): run a calibration sweep to confirm the kernel's weights still hold"
     )
-    assert not result.blocking and result.observed == f"vllm {UNCALIBRATED_ENGINE_VERSION} / driver {DRIVER_VERSION}"
+    assert (
+        not result.blocking
+        and result.observed == f"vllm {UNCALIBRATED_ENGINE_VERSION} / driver {DRIVER_VERSION}"
+    )
 
 
 def test_the_fleet_version_passes_calibration_though_the_kernel_was_measured_on_another(clean: Run):
@@ -148,7 +189,11 @@ def test_the_fleet_version_passes_calibration_though_the_kernel_was_measured_on_
     # covers the version it runs.
     assert load_chip("h100").measured_engine.version == "0.25.0" != ENGINE_VERSION
     result = clean.of("calibration", "q-r0")
-    assert result.passed and result.detail == f"coefficients known for vllm {ENGINE_VERSION} / driver {DRIVER_VERSION}"
+    assert (
+        result.passed
+        and result.detail
+        == f"coefficients known for vllm {ENGINE_VERSION} / driver {DRIVER_VERSION}"
+    )
 
 
 def test_missing_context_fails_unattributed_while_money_still_reconciles(faulty: Run):
@@ -161,7 +206,9 @@ def test_missing_context_fails_unattributed_while_money_still_reconciles(faulty:
 def test_idle_replica_is_visible_but_no_false_alarm(faulty: Run):
     for check in ("sequence", "time", "plausibility", "calibration"):
         assert faulty.of(check, "q-r2").passed
-    assert faulty.of("plausibility", "q-r2").detail.startswith("replica idle (no steps): engine busy 0.0%")
+    assert faulty.of("plausibility", "q-r2").detail.startswith(
+        "replica idle (no steps): engine busy 0.0%"
+    )
     assert faulty.of("time", "q-r2").observed == "no steps"
 
 
@@ -172,7 +219,9 @@ def test_untouched_replica_passes_beside_the_faults(faulty: Run):
 def test_torn_segment_fails_sequence_with_the_damage(torn_and_skewed: Run):
     result = torn_and_skewed.of("sequence", "q-r0")
     assert not result.passed and result.blocking and result.finding == "damage"
-    assert "1 damaged frames: torn_tail in " in result.detail and "steps lost (seq " in result.detail
+    assert (
+        "1 damaged frames: torn_tail in " in result.detail and "steps lost (seq " in result.detail
+    )
 
 
 def test_clock_skew_fails_time(torn_and_skewed: Run):

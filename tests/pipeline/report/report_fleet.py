@@ -11,7 +11,7 @@ so the sequence check fails and the hour is held back from finance.
 from __future__ import annotations
 
 import json
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import yaml
@@ -23,7 +23,7 @@ from pipeline.steplog import SegmentHeader, StepRecorder
 from pipeline.warehouse import connect
 from schemas.config import load_pools
 
-HOUR = datetime(2026, 11, 30, 5, tzinfo=timezone.utc)
+HOUR = datetime(2026, 11, 30, 5, tzinfo=UTC)
 NEXT_HOUR = HOUR + timedelta(hours=1)
 NS = 1_000_000_000
 STEPS_PER_HOUR = 1800
@@ -37,10 +37,20 @@ POOL = {
     "capacity_owner": "platform-inference",
     "slo_owner": "support-bot",
     "target_utilization": 0.7,
-    "replicas": [{"id": "chat-test-r0", "hostname": "gpu-node-01",
-                  "gpu_uuids": ["GPU-5f1c2a10-0000-4000-8000-000000000001"]}],
-    "policies": {"weights": "kernel", "fixed_cost": "per_slot", "alpha": 0.8,
-                 "prefix_cache": "split_by_holders", "idle": "capacity_owner"},
+    "replicas": [
+        {
+            "id": "chat-test-r0",
+            "hostname": "gpu-node-01",
+            "gpu_uuids": ["GPU-5f1c2a10-0000-4000-8000-000000000001"],
+        }
+    ],
+    "policies": {
+        "weights": "kernel",
+        "fixed_cost": "per_slot",
+        "alpha": 0.8,
+        "prefix_cache": "split_by_holders",
+        "idle": "capacity_owner",
+    },
 }
 CONTEXT = [
     ("req-acme", "acme-support", "support-bot", HOUR),
@@ -49,7 +59,9 @@ CONTEXT = [
 ]
 
 
-def _record_hour(recorder: StepRecorder, clock: dict, requests: list[str], drop_at: int | None) -> None:
+def _record_hour(
+    recorder: StepRecorder, clock: dict, requests: list[str], drop_at: int | None
+) -> None:
     n = len(requests)
     for index in range(STEPS_PER_HOUR):
         if index == drop_at:
@@ -57,8 +69,18 @@ def _record_hour(recorder: StepRecorder, clock: dict, requests: list[str], drop_
         begin = clock["mono"]
         clock["mono"] = begin + NS
         recorder.record_step(
-            begin, begin + NS, list(requests), [1] * n, [500 + index] * n, [32.0] * n, [500] * n,
-            [0] * n, [0] * n, [0] * n, free_blocks=1000, total_blocks=2000,
+            begin,
+            begin + NS,
+            list(requests),
+            [1] * n,
+            [500 + index] * n,
+            [32.0] * n,
+            [500] * n,
+            [0] * n,
+            [0] * n,
+            [0] * n,
+            free_blocks=1000,
+            total_blocks=2000,
         )
         clock["mono"] += NS
 
@@ -74,11 +96,24 @@ def build_fleet(root: Path) -> Path:
     clock = {"mono": 10 * NS}
     wall_offset = int(HOUR.timestamp()) * NS - clock["mono"]
     header = SegmentHeader(
-        pool=pool.name, replica=replica, engine_name="vllm", engine_version="0.11.0", driver_version="570.86",
-        model=pool.model, gpu_type=pool.gpu_type, gpus_per_replica=1, kv_block_size=pool.kv_block_size,
+        pool=pool.name,
+        replica=replica,
+        engine_name="vllm",
+        engine_version="0.11.0",
+        driver_version="570.86",
+        model=pool.model,
+        gpu_type=pool.gpu_type,
+        gpus_per_replica=1,
+        kv_block_size=pool.kv_block_size,
     )
-    with StepRecorder(outbox, header, overflow="block", rotate_seconds=1200.0,
-                      mono_clock=lambda: clock["mono"], wall_clock=lambda: clock["mono"] + wall_offset) as recorder:
+    with StepRecorder(
+        outbox,
+        header,
+        overflow="block",
+        rotate_seconds=1200.0,
+        mono_clock=lambda: clock["mono"],
+        wall_clock=lambda: clock["mono"] + wall_offset,
+    ) as recorder:
         _record_hour(recorder, clock, ["req-acme", "req-globex"], drop_at=None)
         _record_hour(recorder, clock, ["req-acme-2"], drop_at=900)
 
@@ -86,19 +121,38 @@ def build_fleet(root: Path) -> Path:
     gateway.mkdir()
     for hour in (HOUR, NEXT_HOUR):
         received = (hour + timedelta(seconds=1)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-        (gateway / f"{hour:%Y-%m-%dT%H}.jsonl").write_text("".join(
-            json.dumps({"request_id": r, "tenant": t, "feature": f, "api_key": f"sk-{t}", "retry_of": None,
-                        "retry_cause": None, "received_at": received}) + "\n"
-            for r, t, f, h in CONTEXT if h == hour
-        ))
+        (gateway / f"{hour:%Y-%m-%dT%H}.jsonl").write_text(
+            "".join(
+                json.dumps(
+                    {
+                        "request_id": r,
+                        "tenant": t,
+                        "feature": f,
+                        "api_key": f"sk-{t}",
+                        "retry_of": None,
+                        "retry_cause": None,
+                        "received_at": received,
+                    }
+                )
+                + "\n"
+                for r, t, f, h in CONTEXT
+                if h == hour
+            )
+        )
 
     lake = root / "lake"
     with connect(root / "warehouse.duckdb") as con:
         ingest_outbox(con, root / "outbox", lake)
         for hour in (HOUR, NEXT_HOUR):
             gateway_context.load_gateway_files(
-                con, gateway_context.gateway_files_for_hour(gateway, hour), gateway_context.key_salt())
+                con,
+                gateway_context.gateway_files_for_hour(gateway, hour),
+                gateway_context.key_salt(),
+            )
             inputs = hourly.gather_inputs(con, lake, pool, hour)
-            hourly.publish_hour(con, hourly.charge_hour(lake, pool, inputs, hourly.weight_source(pool, inputs, root)))
+            hourly.publish_hour(
+                con,
+                hourly.charge_hour(lake, pool, inputs, hourly.weight_source(pool, inputs, root)),
+            )
             hourly.reconcile_hour(con, lake, root / "dcgm", pool, hour, pools.settings)
     return root

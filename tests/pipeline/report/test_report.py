@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+from datetime import UTC
 from decimal import Decimal
 from pathlib import Path
 
@@ -42,8 +43,16 @@ def _row(page: str, first_cell: str) -> str:
 def test_tenant_costs_are_the_exact_dollars_of_the_published_hour(report: tuple[Path, str]) -> None:
     _, page = report
     # Hour 05 only: each request paid half of 1 800 one-second steps at $0.001 each.
-    assert re.findall(r">(\$[\d.,]+)<", _row(page, "acme-support")) == ["$0.900000", "$0.90000000", "$0.50000000"]
-    assert re.findall(r">(\$[\d.,]+)<", _row(page, "globex-search")) == ["$0.900000", "$0.90000000", "$0.50000000"]
+    assert re.findall(r">(\$[\d.,]+)<", _row(page, "acme-support")) == [
+        "$0.900000",
+        "$0.90000000",
+        "$0.50000000",
+    ]
+    assert re.findall(r">(\$[\d.,]+)<", _row(page, "globex-search")) == [
+        "$0.900000",
+        "$0.90000000",
+        "$0.50000000",
+    ]
     assert 'title="900000000 nano-USD">$0.900000<' in _row(page, "acme-support")
     # The idle half of the hour goes to the capacity owner (policy capacity_owner).
     assert "$1.800000" in _row(page, "platform-inference")
@@ -91,8 +100,18 @@ def test_resource_breakdown_splits_each_tenants_compute_exactly(fleet: Path) -> 
 
 def test_hour_scope_reports_one_hour(fleet: Path, tmp_path: Path) -> None:
     out = tmp_path / "h.html"
-    result = CliRunner().invoke(main, ["report", "--warehouse", str(fleet / "warehouse.duckdb"), "--hour",
-                                       "2026-11-30T06", "--out", str(out)])
+    result = CliRunner().invoke(
+        main,
+        [
+            "report",
+            "--warehouse",
+            str(fleet / "warehouse.duckdb"),
+            "--hour",
+            "2026-11-30T06",
+            "--out",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     page = out.read_text()
     assert "stepledger report: hour 2026-11-30T06 UTC" in page
@@ -113,10 +132,22 @@ def test_renders_in_headless_chromium(report: tuple[Path, str], tmp_path: Path) 
     out, _ = report
     png = tmp_path / "report.png"
     subprocess.run(
-        [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--no-first-run", f"--screenshot={png}",
-         "--window-size=1400,3000", out.resolve().as_uri()],
-        check=True, capture_output=True, timeout=120,
+        [
+            str(CHROMIUM),
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--no-first-run",
+            f"--screenshot={png}",
+            "--window-size=1400,3000",
+            out.resolve().as_uri(),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
     )
     from PIL import Image
 
@@ -135,7 +166,9 @@ def test_renders_in_headless_chromium(report: tuple[Path, str], tmp_path: Path) 
         (["--hour", "2026-12-01T00"], 1, "no invoiced hours in hour 2026-12-01T00 UTC"),
     ],
 )
-def test_bad_input_says_what_to_do(fleet: Path, args: list[str], exit_code: int, message: str) -> None:
+def test_bad_input_says_what_to_do(
+    fleet: Path, args: list[str], exit_code: int, message: str
+) -> None:
     result = CliRunner().invoke(main, ["report", "--data", str(fleet), *args])
     assert result.exit_code == exit_code
     assert message in result.output
@@ -144,23 +177,32 @@ def test_bad_input_says_what_to_do(fleet: Path, args: list[str], exit_code: int,
 def test_missing_warehouse_is_a_clear_error(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["report", "--data", str(tmp_path)])
     assert result.exit_code == 1
-    assert f"{tmp_path / 'warehouse.duckdb'}: no warehouse file (run `stepledger demo` or `stepledger run` first)" in result.output
+    assert (
+        f"{tmp_path / 'warehouse.duckdb'}: no warehouse file (run `stepledger demo` or `stepledger run` first)"
+        in result.output
+    )
 
 
 def test_rendering_the_same_data_twice_gives_the_same_page(fleet: Path) -> None:
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     pools = load_pools(fleet / "pools.yaml")
-    now = datetime(2026, 12, 1, tzinfo=timezone.utc)
-    pages = [render_html(load_report(fleet / "warehouse.duckdb", pools, fleet / "lake", Scope.everything(), now=now))
-             for _ in range(2)]
+    now = datetime(2026, 12, 1, tzinfo=UTC)
+    pages = [
+        render_html(
+            load_report(
+                fleet / "warehouse.duckdb", pools, fleet / "lake", Scope.everything(), now=now
+            )
+        )
+        for _ in range(2)
+    ]
     assert pages[0] == pages[1]
 
 
 def test_dollar_strings() -> None:
     assert usd(1_234_567_890_123) == "$1,234.567890"
     assert usd(-337_116_000) == "-$0.337116"
-    assert usd(500) == "$0.000000" and usd(1_500) == "$0.000002"   # half to even
+    assert usd(500) == "$0.000000" and usd(1_500) == "$0.000002"  # half to even
     assert usd_per(900_000_000, 1) == "$0.90000000"
     assert usd_per(900_000_000_000, 1800) == "$0.50000000"
     assert usd_per(5, 0) == "-"
@@ -203,25 +245,38 @@ def test_names_from_the_gateway_are_escaped(fleet: Path) -> None:
 
     pools = load_pools(fleet / "pools.yaml")
     data = load_report(fleet / "warehouse.duckdb", pools, fleet / "lake", Scope.everything())
-    hostile = replace(data, lines=data.lines.with_columns(
-        pl.when(pl.col("tenant") == "acme-support").then(pl.lit("<script>x</script>")).otherwise(pl.col("tenant"))
-        .alias("tenant")))
+    hostile = replace(
+        data,
+        lines=data.lines.with_columns(
+            pl.when(pl.col("tenant") == "acme-support")
+            .then(pl.lit("<script>x</script>"))
+            .otherwise(pl.col("tenant"))
+            .alias("tenant")
+        ),
+    )
     page = render_html(hostile)
     assert "<script>" not in page
     assert "<td>&lt;script&gt;x&lt;/script&gt;</td>" in page
 
 
-def test_the_attribution_examples_in_the_docs_still_hold(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_attribution_examples_in_the_docs_still_hold(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     import runpy
 
-    runpy.run_path(str(Path(__file__).resolve().parents[3] / "docs" / "examples" / "policies.py"), run_name="__main__")
+    runpy.run_path(
+        str(Path(__file__).resolve().parents[3] / "docs" / "examples" / "policies.py"),
+        run_name="__main__",
+    )
     printed = capsys.readouterr().out
     # Numbers quoted in docs/attribution.md.
-    for line in ("A        acme            39458        0        39458",       # the seed's step, alpha 1
-                 "B        acme             2908     7000         9908",       # alpha 0.8
-                 "H        globex              0     4098         4098",       # alpha from evidence: 0.75
-                 "A        acme            29021        0        29021",       # kernel weights
-                 "cache_credit   platform / (prefix-cache)             -7476",
-                 "headroom       support / (headroom)             2519910000"):
+    for line in (
+        "A        acme            39458        0        39458",  # the seed's step, alpha 1
+        "B        acme             2908     7000         9908",  # alpha 0.8
+        "H        globex              0     4098         4098",  # alpha from evidence: 0.75
+        "A        acme            29021        0        29021",  # kernel weights
+        "cache_credit   platform / (prefix-cache)             -7476",
+        "headroom       support / (headroom)             2519910000",
+    ):
         assert line in printed
     assert printed.count("invoice                                         3600000000") == 11

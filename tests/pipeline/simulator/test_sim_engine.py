@@ -45,17 +45,33 @@ def run_to_completion(engine: Engine, chunk: int = 16, max_batches: int = 100_00
     raise AssertionError("engine did not finish its requests")
 
 
-def make_engine(n: int, seed: int, *, total_blocks: int = 2000, prefix_blocks=(8, 0), max_num_seqs: int = 64,
-                budget: int = 2048, spec: int = 0, prompt_max: int = 1500, output_max: int = 300,
-                rate_per_s: float = 50.0) -> Engine:
+def make_engine(
+    n: int,
+    seed: int,
+    *,
+    total_blocks: int = 2000,
+    prefix_blocks=(8, 0),
+    max_num_seqs: int = 64,
+    budget: int = 2048,
+    spec: int = 0,
+    prompt_max: int = 1500,
+    output_max: int = 300,
+    rate_per_s: float = 50.0,
+) -> Engine:
     rng = np.random.default_rng(seed)
     prefix = np.asarray(prefix_blocks, np.int64)
     feature = rng.integers(0, prefix.shape[0], n)
     prompt = prefix[feature] * 16 + rng.integers(1, prompt_max, n)
     output = rng.integers(1, output_max, n)
     arrival = np.cumsum(rng.exponential(1e9 / rate_per_s, n)).astype(np.int64)
-    config = EngineConfig(block_size=16, total_blocks=total_blocks, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=budget, num_spec_tokens=spec, spec_accept_prob=0.6)
+    config = EngineConfig(
+        block_size=16,
+        total_blocks=total_blocks,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        num_spec_tokens=spec,
+        spec_accept_prob=0.6,
+    )
     return Engine(config, arrival, prompt, output, feature, prefix, seed=seed)
 
 
@@ -76,9 +92,15 @@ def check_invariants(trace: Trace) -> None:
         drafted, accepted = batch.spec_drafted[slots], batch.spec_accepted[slots]
         assert (drafted <= cfg.num_spec_tokens).all() and (accepted <= drafted).all()
         assert (drafted < batch.new_tokens[slots]).all() | (drafted == 0).all()
-        for r, new, ctx, d, a, hit in zip(requests.tolist(), batch.new_tokens[slots].tolist(),
-                                           batch.context_tokens[slots].tolist(), drafted.tolist(),
-                                           accepted.tolist(), batch.prefix_hit_tokens[slots].tolist()):
+        for r, new, ctx, d, a, hit in zip(
+            requests.tolist(),
+            batch.new_tokens[slots].tolist(),
+            batch.context_tokens[slots].tolist(),
+            drafted.tolist(),
+            accepted.tolist(),
+            batch.prefix_hit_tokens[slots].tolist(),
+            strict=False,
+        ):
             expected = context.get(r)
             if expected is None or ctx != expected:
                 # A (re)start: context is the cached system prompt or nothing.
@@ -104,7 +126,9 @@ def test_prefix_hits_reduce_prefill_work_by_exactly_the_hit_tokens():
     shared = run_to_completion(make_engine(200, seed=2, prefix_blocks=(32,), total_blocks=8000))
     check_invariants(shared)
     hits = sum(int(b.prefix_hit_tokens.sum()) for b in shared.batches)
-    computed = sum(int((b.new_tokens - b.spec_drafted + b.spec_accepted).sum()) for b in shared.batches)
+    computed = sum(
+        int((b.new_tokens - b.spec_drafted + b.spec_accepted).sum()) for b in shared.batches
+    )
     needed = int((shared.engine.prompt_tokens + shared.engine.output_tokens - 1).sum())
     assert shared.engine.total_preemptions == 0
     # All but the request that wrote the prefix (and any admitted while it was still being
@@ -118,7 +142,9 @@ def test_shared_prefix_blocks_count_one_kth_to_each_holder():
     trace = run_to_completion(engine)
     checked = 0
     for slots, holders, batch, _ in trace.steps():
-        fractions = np.round(np.concatenate([batch.kv_blocks[slots], batch.holder_kv_blocks[holders]]) % 1, 9)
+        fractions = np.round(
+            np.concatenate([batch.kv_blocks[slots], batch.holder_kv_blocks[holders]]) % 1, 9
+        )
         shared = fractions[fractions > 0]
         if shared.shape[0]:
             # Every sharer carries private blocks plus 10/k of the prefix, k = number of sharers.
@@ -128,8 +154,15 @@ def test_shared_prefix_blocks_count_one_kth_to_each_holder():
 
 
 def test_preemption_and_blocked_admission_under_block_pressure():
-    engine = make_engine(120, seed=4, total_blocks=400, prompt_max=3000, output_max=800, rate_per_s=200.0,
-                         max_num_seqs=32)
+    engine = make_engine(
+        120,
+        seed=4,
+        total_blocks=400,
+        prompt_max=3000,
+        output_max=800,
+        rate_per_s=200.0,
+        max_num_seqs=32,
+    )
     trace = run_to_completion(engine)
     check_invariants(trace)
     assert engine.total_preemptions > 0
@@ -145,28 +178,49 @@ def test_speculative_decoding_counts_drafts_in_new_tokens():
     drafted = sum(int(b.spec_drafted.sum()) for b in trace.batches)
     accepted = sum(int(b.spec_accepted.sum()) for b in trace.batches)
     assert drafted > 0 and 0 < accepted < drafted
-    decode = np.concatenate([b.new_tokens[b.spec_drafted > 0] - b.spec_drafted[b.spec_drafted > 0]
-                             for b in trace.batches])
+    decode = np.concatenate(
+        [
+            b.new_tokens[b.spec_drafted > 0] - b.spec_drafted[b.spec_drafted > 0]
+            for b in trace.batches
+        ]
+    )
     assert (decode == 1).all()
 
 
 def test_holders_are_running_requests_left_out_by_the_token_budget():
     # Decoders that draft need 1 + 3 tokens each: more of them than the budget admits wait as holders.
-    engine = make_engine(60, seed=6, budget=16, spec=3, rate_per_s=1e5, prompt_max=20, output_max=100,
-                         prefix_blocks=(0,))
+    engine = make_engine(
+        60,
+        seed=6,
+        budget=16,
+        spec=3,
+        rate_per_s=1e5,
+        prompt_max=20,
+        output_max=100,
+        prefix_blocks=(0,),
+    )
     trace = run_to_completion(engine)
     check_invariants(trace)
     held = sum(int(b.step_num_holders.sum()) for b in trace.batches)
     assert held > 0
     for slots, holders, batch, _ in trace.steps():
-        assert not set(batch.holder_request[holders].tolist()) & set(batch.slot_request[slots].tolist())
+        assert not set(batch.holder_request[holders].tolist()) & set(
+            batch.slot_request[slots].tolist()
+        )
 
 
 def test_the_same_seed_gives_the_same_schedule():
     first = run_to_completion(make_engine(100, seed=7, spec=2))
     second = run_to_completion(make_engine(100, seed=7, spec=2))
     for a, b in zip(first.batches, second.batches, strict=True):
-        for name in ("slot_request", "new_tokens", "context_tokens", "kv_blocks", "spec_accepted", "free_blocks"):
+        for name in (
+            "slot_request",
+            "new_tokens",
+            "context_tokens",
+            "kv_blocks",
+            "spec_accepted",
+            "free_blocks",
+        ):
             np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
 
 
@@ -190,7 +244,19 @@ def test_a_request_larger_than_the_cache_is_refused_with_its_size():
     spec=st.integers(0, 3),
     prefix=st.lists(st.integers(0, 6), min_size=1, max_size=3),
 )
-def test_scheduler_invariants_hold_for_any_workload(n, seed, total_blocks, max_num_seqs, budget, spec, prefix):
-    engine = make_engine(n, seed, total_blocks=total_blocks, prefix_blocks=prefix, max_num_seqs=max_num_seqs,
-                         budget=budget, spec=spec, prompt_max=1200, output_max=200, rate_per_s=500.0)
+def test_scheduler_invariants_hold_for_any_workload(
+    n, seed, total_blocks, max_num_seqs, budget, spec, prefix
+):
+    engine = make_engine(
+        n,
+        seed,
+        total_blocks=total_blocks,
+        prefix_blocks=prefix,
+        max_num_seqs=max_num_seqs,
+        budget=budget,
+        spec=spec,
+        prompt_max=1200,
+        output_max=200,
+        rate_per_s=500.0,
+    )
     check_invariants(run_to_completion(engine, chunk=7))

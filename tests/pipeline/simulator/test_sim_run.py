@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +20,7 @@ from pipeline.simulator.telemetry import busy_between
 from pipeline.steplog import read_segments
 from schemas.config import PoolsFile, load_pools
 
-START = datetime(2026, 11, 30, 5, tzinfo=timezone.utc)
+START = datetime(2026, 11, 30, 5, tzinfo=UTC)
 START_NS = int(START.timestamp()) * 1_000_000_000
 
 
@@ -29,14 +29,30 @@ def small_pools() -> PoolsFile:
     pools = load_pools()
     chat, reason = pools.pools
     workload = reason.workload
-    quieter = workload.model_copy(update={"tenants": [
-        tenant.model_copy(update={"features": [f.model_copy(update={"requests_per_s": f.requests_per_s / 3})
-                                               for f in tenant.features]})
-        for tenant in workload.tenants]})
-    return PoolsFile.model_validate({"settings": pools.settings.model_dump(), "pools": [
-        chat.model_copy(update={"replicas": chat.replicas[:2]}).model_dump(),
-        reason.model_copy(update={"workload": quieter}).model_dump(),
-    ]})
+    quieter = workload.model_copy(
+        update={
+            "tenants": [
+                tenant.model_copy(
+                    update={
+                        "features": [
+                            f.model_copy(update={"requests_per_s": f.requests_per_s / 3})
+                            for f in tenant.features
+                        ]
+                    }
+                )
+                for tenant in workload.tenants
+            ]
+        }
+    )
+    return PoolsFile.model_validate(
+        {
+            "settings": pools.settings.model_dump(),
+            "pools": [
+                chat.model_copy(update={"replicas": chat.replicas[:2]}).model_dump(),
+                reason.model_copy(update={"workload": quieter}).model_dump(),
+            ],
+        }
+    )
 
 
 def decode(out_dir: Path):
@@ -49,8 +65,16 @@ def clean(tmp_path_factory) -> tuple[Path, SimulationSummary]:
     return out, simulate(out, small_pools(), hours=0.05, seed=11, start=START)
 
 
-ALL_FAULTS = {"drop-records": 0.1, "torn-segment": None, "duplicate-segment": None, "clock-skew": 360.0,
-              "missing-context": 0.2, "idle-replica": None, "host-stall": 0.5, "new-engine-version": None}
+ALL_FAULTS = {
+    "drop-records": 0.1,
+    "torn-segment": None,
+    "duplicate-segment": None,
+    "clock-skew": 360.0,
+    "missing-context": 0.2,
+    "idle-replica": None,
+    "host-stall": 0.5,
+    "new-engine-version": None,
+}
 
 
 @pytest.fixture(scope="module")
@@ -62,14 +86,25 @@ def faulty(tmp_path_factory) -> tuple[Path, SimulationSummary]:
 
 def test_run_directory_layout(clean):
     out, summary = clean
-    assert PoolsFile.model_validate(yaml.safe_load((out / "pools.yaml").read_text())) == small_pools()
-    assert sorted(p.name for p in (out / "outbox").iterdir()) == ["chat-8b-r0", "chat-8b-r1", "reason-dsv3-r0"]
+    assert (
+        PoolsFile.model_validate(yaml.safe_load((out / "pools.yaml").read_text())) == small_pools()
+    )
+    assert sorted(p.name for p in (out / "outbox").iterdir()) == [
+        "chat-8b-r0",
+        "chat-8b-r1",
+        "reason-dsv3-r0",
+    ]
     assert [p.name for p in (out / "gateway").iterdir()] == ["2026-11-30T05.jsonl"]
     assert sorted(str(p.relative_to(out)) for p in (out / "dcgm").rglob("*.prom")) == [
-        "dcgm/gpu-node-01/2026-11-30T05.prom", "dcgm/gpu-node-10/2026-11-30T05.prom"]
+        "dcgm/gpu-node-01/2026-11-30T05.prom",
+        "dcgm/gpu-node-10/2026-11-30T05.prom",
+    ]
     assert summary.requests > 300 and summary.steps > 20_000
     assert {r.replica: r.busy_fraction > 0.5 for r in summary.replicas} == {
-        "chat-8b-r0": True, "chat-8b-r1": True, "reason-dsv3-r0": True}
+        "chat-8b-r0": True,
+        "chat-8b-r1": True,
+        "reason-dsv3-r0": True,
+    }
 
 
 def test_sequence_numbers_rise_by_one_and_steps_do_not_overlap(clean):
@@ -77,29 +112,39 @@ def test_sequence_numbers_rise_by_one_and_steps_do_not_overlap(clean):
     log = decode(out)
     assert log.damage.num_rows == 0 and log.drops.num_rows == 0
     steps = pl.from_arrow(log.steps).sort("replica", "seq")
-    for replica, part in steps.group_by("replica"):
+    for _replica, part in steps.group_by("replica"):
         seq = part["seq"].to_numpy()
         np.testing.assert_array_equal(seq, np.arange(seq.shape[0]))
         start, end = part["start_utc_ns"].to_numpy(), part["end_utc_ns"].to_numpy()
         assert (end > start).all() and (start[1:] > end[:-1]).all()
         assert start[0] >= START_NS and start[-1] < START_NS + 180 * 10**9
     assert {r.replica: r.recorded_steps for r in summary.replicas} == dict(
-        steps.group_by("replica").len().iter_rows())
+        steps.group_by("replica").len().iter_rows()
+    )
 
 
 def test_every_request_computes_its_prompt_once_then_decodes(clean):
     out, _ = clean
     slots = pl.from_arrow(decode(out).slots)
     computed = pl.col("new_tokens") - pl.col("spec_drafted") + pl.col("spec_accepted")
-    per_request = slots.sort("replica", "seq").group_by("request_id", maintain_order=True).agg(
-        pl.col("prompt_tokens").first(), pl.col("prefix_hit_tokens").sum(), computed.sum().alias("computed"),
-        (pl.col("context_tokens") + computed).last().alias("cached_after"),
-        pl.col("context_tokens").first().alias("first_context"),
-        (pl.col("context_tokens") >= pl.col("prompt_tokens")).sum().alias("decode_steps"))
+    per_request = (
+        slots.sort("replica", "seq")
+        .group_by("request_id", maintain_order=True)
+        .agg(
+            pl.col("prompt_tokens").first(),
+            pl.col("prefix_hit_tokens").sum(),
+            computed.sum().alias("computed"),
+            (pl.col("context_tokens") + computed).last().alias("cached_after"),
+            pl.col("context_tokens").first().alias("first_context"),
+            (pl.col("context_tokens") >= pl.col("prompt_tokens")).sum().alias("decode_steps"),
+        )
+    )
     # No preemption in this run: each request's first step starts at its prefix hit, and the
     # tokens it computes are exactly what is cached at the end.
     assert (per_request["first_context"] == per_request["prefix_hit_tokens"]).all()
-    assert (per_request["computed"] + per_request["prefix_hit_tokens"] == per_request["cached_after"]).all()
+    assert (
+        per_request["computed"] + per_request["prefix_hit_tokens"] == per_request["cached_after"]
+    ).all()
     decoding = per_request.filter(pl.col("decode_steps") > 0)
     assert decoding.height > 0.9 * per_request.height
     # A decoding request's cache holds its prompt plus one token per decode step except the last sampled.
@@ -109,18 +154,34 @@ def test_every_request_computes_its_prompt_once_then_decodes(clean):
 
 def test_gateway_context_covers_every_request(clean):
     out, summary = clean
-    lines = [json.loads(line) for line in (out / "gateway" / "2026-11-30T05.jsonl").read_text().splitlines()]
+    lines = [
+        json.loads(line)
+        for line in (out / "gateway" / "2026-11-30T05.jsonl").read_text().splitlines()
+    ]
     assert len(lines) == summary.requests == summary.gateway_lines
-    assert set(lines[0]) == {"request_id", "tenant", "feature", "api_key", "retry_of", "retry_cause", "received_at"}
+    assert set(lines[0]) == {
+        "request_id",
+        "tenant",
+        "feature",
+        "api_key",
+        "retry_of",
+        "retry_cause",
+        "received_at",
+    }
     by_id = {line["request_id"]: line for line in lines}
     slots_ids = set(pl.from_arrow(decode(out).slots)["request_id"].unique().to_list())
     assert slots_ids <= set(by_id)
     retries = [line for line in lines if line["retry_of"] is not None]
-    assert retries and all(line["retry_cause"] in ("client_timeout", "platform_timeout") for line in retries)
+    assert retries and all(
+        line["retry_cause"] in ("client_timeout", "platform_timeout") for line in retries
+    )
     for retry in retries:
         original = by_id[retry["retry_of"]]
         assert (original["tenant"], original["feature"], original["api_key"]) == (
-            retry["tenant"], retry["feature"], retry["api_key"])
+            retry["tenant"],
+            retry["feature"],
+            retry["api_key"],
+        )
     received = [line["received_at"] for line in lines]
     assert received == sorted(received) and received[0].startswith("2026-11-30T05:00:")
 
@@ -129,16 +190,20 @@ def engine_busy_by_scrape(out: Path, replica: str, samples: pl.DataFrame) -> np.
     steps = pl.from_arrow(decode(out).steps).filter(pl.col("replica") == replica).sort("seq")
     scrape = np.unique(samples["timestamp_ns"].to_numpy())
     window_start = np.maximum(scrape - 15 * 10**9, START_NS)
-    busy = busy_between(steps["start_utc_ns"].to_numpy(), steps["end_utc_ns"].to_numpy(), window_start, scrape)
+    busy = busy_between(
+        steps["start_utc_ns"].to_numpy(), steps["end_utc_ns"].to_numpy(), window_start, scrape
+    )
     return busy / (scrape - window_start)
 
 
 def test_dcgm_tracks_engine_busy_time_on_every_gpu(clean):
-    out, summary = clean
+    out, _summary = clean
     node10 = parse_dcgm(out / "dcgm" / "gpu-node-10" / "2026-11-30T05.prom")
     pools = small_pools()
     assert sorted(node10["uuid"].unique().to_list()) == sorted(pools.pools[1].replicas[0].gpu_uuids)
-    assert node10.group_by("uuid").len()["len"].to_list() == [12] * 8   # 180 s at one scrape per 15 s
+    assert (
+        node10.group_by("uuid").len()["len"].to_list() == [12] * 8
+    )  # 180 s at one scrape per 15 s
     expected = engine_busy_by_scrape(out, "reason-dsv3-r0", node10)
     for _, gpu in node10.group_by("uuid"):
         assert np.abs(gpu.sort("timestamp_ns")["value"].to_numpy() - expected).max() < 0.1
@@ -158,7 +223,9 @@ def test_the_same_seed_gives_the_same_run_in_worker_processes_too(clean, tmp_pat
         assert (tmp_path / "again" / relative).read_bytes() == (out / relative).read_bytes()
     first, second = decode(out), decode(tmp_path / "again")
     assert first.slots.equals(second.slots) and first.holders.equals(second.holders)
-    assert first.steps.drop_columns(["segment_id"]).equals(second.steps.drop_columns(["segment_id"]))
+    assert first.steps.drop_columns(["segment_id"]).equals(
+        second.steps.drop_columns(["segment_id"])
+    )
 
 
 def test_a_run_directory_is_never_overwritten(clean):
@@ -176,14 +243,19 @@ def test_drop_records_leaves_counted_drops_and_a_time_shortfall(faulty):
     assert drops["steps"].sum() == target.dropped_steps > 100
     steps = pl.from_arrow(log.steps).filter(pl.col("replica") == "chat-8b-r0").sort("seq")
     gaps = steps["start_utc_ns"].to_numpy()[1:] - steps["end_utc_ns"].to_numpy()[:-1]
-    assert gaps.max() > 0.9 * 0.1 * 360 * 10**9 * (1 - 360 / 3600)   # the 36 s burst is one long hole
+    assert gaps.max() > 0.9 * 0.1 * 360 * 10**9 * (
+        1 - 360 / 3600
+    )  # the 36 s burst is one long hole
 
 
 def test_torn_and_duplicated_segments_are_reported_by_the_decoder(faulty):
     out, summary = faulty
     damage = pl.from_arrow(decode(out).damage)
     assert sorted(damage["kind"].to_list()) == ["duplicate_segment", "torn_tail"]
-    assert "truncated" in summary.faults["torn-segment"] and "redelivered" in summary.faults["duplicate-segment"]
+    assert (
+        "truncated" in summary.faults["torn-segment"]
+        and "redelivered" in summary.faults["duplicate-segment"]
+    )
     assert len(list((out / "outbox" / "chat-8b-r0").glob("*-redelivered.seg"))) == 1
 
 
@@ -191,8 +263,11 @@ def test_clock_skew_makes_consecutive_segments_overlap(faulty):
     out, _ = faulty
     log = decode(out)
     steps = pl.from_arrow(log.steps).filter(pl.col("replica") == "chat-8b-r0")
-    by_segment = steps.group_by("segment_id").agg(pl.col("seq").min(), pl.col("start_utc_ns").min(),
-                                                   pl.col("end_utc_ns").max()).sort("seq")
+    by_segment = (
+        steps.group_by("segment_id")
+        .agg(pl.col("seq").min(), pl.col("start_utc_ns").min(), pl.col("end_utc_ns").max())
+        .sort("seq")
+    )
     assert by_segment.height >= 2
     starts, ends = by_segment["start_utc_ns"].to_numpy(), by_segment["end_utc_ns"].to_numpy()
     # 360 s per hour slow: each 300 s segment re-anchors 30 s behind where the previous one ended.
@@ -204,7 +279,10 @@ def test_missing_context_leaves_requests_without_a_gateway_line(faulty):
     out, summary = faulty
     missing = 1 - summary.gateway_lines / summary.requests
     assert 0.15 < missing < 0.25
-    ids = {json.loads(line)["request_id"] for line in (out / "gateway" / "2026-11-30T05.jsonl").read_text().splitlines()}
+    ids = {
+        json.loads(line)["request_id"]
+        for line in (out / "gateway" / "2026-11-30T05.jsonl").read_text().splitlines()
+    }
     logged = set(pl.from_arrow(decode(out).slots)["request_id"].unique().to_list())
     assert logged - ids and logged & ids
 
@@ -229,7 +307,9 @@ def test_host_stall_shows_busy_engine_and_idle_gpu(faulty):
 
 def test_new_engine_version_is_in_the_segment_headers(faulty):
     out, _ = faulty
-    versions = dict(pl.from_arrow(decode(out).segments).select("replica", "engine_version").unique().iter_rows())
+    versions = dict(
+        pl.from_arrow(decode(out).segments).select("replica", "engine_version").unique().iter_rows()
+    )
     assert versions == {"chat-8b-r0": UNCALIBRATED_ENGINE_VERSION, "reason-dsv3-r0": "0.11.0"}
 
 
@@ -255,23 +335,79 @@ def test_busy_between_counts_partial_intervals():
 def test_cli_simulates_and_reports(tmp_path):
     pools_path = tmp_path / "pools.yaml"
     pools_path.write_text(yaml.safe_dump(small_pools().model_dump(mode="json")))
-    result = CliRunner().invoke(main, ["simulate", "--out", str(tmp_path / "run"), "--hours", "0.005", "--seed", "2",
-                                       "--pools", str(pools_path), "--start", "2026-12-01T03:00Z",
-                                       "--fault", "new-engine-version"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "simulate",
+            "--out",
+            str(tmp_path / "run"),
+            "--hours",
+            "0.005",
+            "--seed",
+            "2",
+            "--pools",
+            str(pools_path),
+            "--start",
+            "2026-12-01T03:00Z",
+            "--fault",
+            "new-engine-version",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "chat-8b-r0" in result.output and "reason-dsv3-r0" in result.output
     assert "fault new-engine-version: chat-8b-r0: reports engine version 0.12.0rc2" in result.output
     assert (tmp_path / "run" / "gateway" / "2026-12-01T03.jsonl").exists()
-    as_json = CliRunner().invoke(main, ["simulate", "--out", str(tmp_path / "run2"), "--hours", "0.005", "--seed", "2",
-                                        "--pools", str(pools_path), "--start", "2026-12-01T03:00Z", "--json"])
+    as_json = CliRunner().invoke(
+        main,
+        [
+            "simulate",
+            "--out",
+            str(tmp_path / "run2"),
+            "--hours",
+            "0.005",
+            "--seed",
+            "2",
+            "--pools",
+            str(pools_path),
+            "--start",
+            "2026-12-01T03:00Z",
+            "--json",
+        ],
+    )
     assert as_json.exit_code == 0, as_json.output
     summary = json.loads(as_json.stdout)
     assert (summary["seed"], summary["start"]) == (2, "2026-12-01 03:00:00+00:00")
-    assert [r["replica"] for r in summary["replicas"]] == [r.id for p in small_pools().pools for r in p.replicas]
+    assert [r["replica"] for r in summary["replicas"]] == [
+        r.id for p in small_pools().pools for r in p.replicas
+    ]
     assert summary["steps"] == sum(r["steps"] for r in summary["replicas"])
-    bad = CliRunner().invoke(main, ["simulate", "--out", str(tmp_path / "x"), "--hours", "1", "--seed", "1",
-                                    "--fault", "host-stall=-1"])
+    bad = CliRunner().invoke(
+        main,
+        [
+            "simulate",
+            "--out",
+            str(tmp_path / "x"),
+            "--hours",
+            "1",
+            "--seed",
+            "1",
+            "--fault",
+            "host-stall=-1",
+        ],
+    )
     assert bad.exit_code != 0 and "fault 'host-stall': fraction -1.0 must be positive" in bad.output
-    late = CliRunner().invoke(main, ["simulate", "--out", str(tmp_path / "y"), "--hours", "1", "--seed", "1",
-                                     "--start", "2026-12-01T03:30Z"])
+    late = CliRunner().invoke(
+        main,
+        [
+            "simulate",
+            "--out",
+            str(tmp_path / "y"),
+            "--hours",
+            "1",
+            "--seed",
+            "1",
+            "--start",
+            "2026-12-01T03:30Z",
+        ],
+    )
     assert late.exit_code != 0 and "is not on the hour" in late.output

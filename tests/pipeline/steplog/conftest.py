@@ -7,6 +7,7 @@ import pytest
 from pipeline.steplog import SegmentHeader, StepRecorder
 from tests.pipeline.steplog.samples import HEADER, MONO_ANCHOR, fixed_clocks
 
+
 def record_simple(recorder: StepRecorder, seq_start: int, count: int) -> None:
     """Record `count` two-slot steps with one holder; values derived from the step number."""
     for step in range(seq_start, seq_start + count):
@@ -51,7 +52,9 @@ def write_segment(tmp_path: Path):
 
     def write(count: int = 3, outbox: Path | None = None, **options) -> list[Path]:
         outbox = outbox or tmp_path / "outbox"
-        with StepRecorder(outbox, HEADER, overflow="block", **{**fixed_clocks(), **options}) as recorder:
+        with StepRecorder(
+            outbox, HEADER, overflow="block", **{**fixed_clocks(), **options}
+        ) as recorder:
             record_simple(recorder, 0, count)
         return recorder.shipped_segments
 

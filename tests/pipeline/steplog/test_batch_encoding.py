@@ -105,18 +105,55 @@ def test_batch_bytes_equal_step_by_step_bytes(batch):
 
 
 def test_a_bad_step_fails_alone_and_its_neighbours_keep_their_bytes():
-    good = (7, 100, 150, ["a", "b"], [3, 1], [10, 20], [0.5, 2.0], [5, 5], [0, 0], [1, 0], [0, 0],
-            ["w"], [1.5], ["waiting"], True, 10, 20)
-    bad = good[:9] + ([4, 0],) + good[10:]
+    good = (
+        7,
+        100,
+        150,
+        ["a", "b"],
+        [3, 1],
+        [10, 20],
+        [0.5, 2.0],
+        [5, 5],
+        [0, 0],
+        [1, 0],
+        [0, 0],
+        ["w"],
+        [1.5],
+        ["waiting"],
+        True,
+        10,
+        20,
+    )
+    bad = (*good[:9], [4, 0], *good[10:])
     frames = step_frames([good, bad, good])
     assert frames[0] == frames[2] == step_frame(*good)
     assert isinstance(frames[1], InvalidStep)
-    assert str(frames[1]) == "spec_drafted exceeds new_tokens (drafts are part of the step's new tokens)"
+    assert (
+        str(frames[1])
+        == "spec_drafted exceeds new_tokens (drafts are part of the step's new tokens)"
+    )
 
 
 def test_a_clean_batch_is_packed_whole_to_the_same_bytes():
-    step = (1, 2, 3, ["x"], np.array([2]), np.array([9]), np.array([1.0]), np.array([4]), np.array([0]),
-            np.array([1]), np.array([1]), [], [], [], False, 0, 5)
+    step = (
+        1,
+        2,
+        3,
+        ["x"],
+        np.array([2]),
+        np.array([9]),
+        np.array([1.0]),
+        np.array([4]),
+        np.array([0]),
+        np.array([1]),
+        np.array([1]),
+        [],
+        [],
+        [],
+        False,
+        0,
+        5,
+    )
     empty = (2, 3, 3, [], [], [], [], [], [], [], [], ["h"], [2.0], ["preempted"], False, 1, 5)
     expected = [step_frame(*step), step_frame(*empty)]
     assert _batch_frames([step, empty]) == expected

@@ -14,7 +14,6 @@ from hypothesis import HealthCheck, assume, given, settings
 
 from pipeline.steplog import StepRecorder, decoder, read_segments
 from pipeline.steplog.format import frame
-from tests.pipeline.steplog.samples import MONO_ANCHOR, frame_spans
 from schemas.records import (
     DROP_STRUCT,
     FRAME_CHECKED_BYTES,
@@ -24,6 +23,7 @@ from schemas.records import (
     STEP_STRUCT,
     FrameKind,
 )
+from tests.pipeline.steplog.samples import MONO_ANCHOR, frame_spans
 
 
 @pytest.fixture
@@ -58,8 +58,14 @@ def test_truncation_at_every_byte(tmp_path, small_segment):
     frame_seqs = [None, 0, 1, None, 3]  # header, step 0, step 1, drop of 2, step 3
     for cut in range(len(data)):
         decoded = decode_bytes(tmp_path, data[:cut])
-        complete = [seq for (start, end), seq in zip(spans, frame_seqs) if end <= cut and seq is not None]
-        assert decoded.steps.column("seq").to_pylist() == (complete if cut >= header_end else []), cut
+        complete = [
+            seq
+            for (start, end), seq in zip(spans, frame_seqs, strict=False)
+            if end <= cut and seq is not None
+        ]
+        assert decoded.steps.column("seq").to_pylist() == (complete if cut >= header_end else []), (
+            cut
+        )
         damage = decoded.damage.to_pylist()
         if cut in {end for _, end in spans}:
             assert damage == [], cut
@@ -70,7 +76,14 @@ def test_truncation_at_every_byte(tmp_path, small_segment):
         assert (row["byte_offset"], row["byte_length"]) == (torn_start, cut - torn_start), cut
         if cut > header_end:
             # The torn frame follows the last complete one; step 1's frame hides seq 1 onward.
-            last_complete = max((seq for (s, e), seq in zip(spans, (None, 0, 1, 2, 3)) if e <= cut and seq is not None), default=-1)
+            last_complete = max(
+                (
+                    seq
+                    for (s, e), seq in zip(spans, (None, 0, 1, 2, 3), strict=False)
+                    if e <= cut and seq is not None
+                ),
+                default=-1,
+            )
             assert row["first_seq"] == last_complete + 1, cut
 
 
@@ -85,7 +98,9 @@ def test_every_flipped_byte_is_detected_and_other_frames_survive(tmp_path, small
         damage = decoded.damage.to_pylist()
         seqs = decoded.steps.column("seq").to_pylist()
         if position < PREAMBLE.size:
-            assert [row["kind"] for row in damage] == ["unknown_version" if 8 <= position < 12 else "bad_header"]
+            assert [row["kind"] for row in damage] == [
+                "unknown_version" if 8 <= position < 12 else "bad_header"
+            ]
             assert seqs == []
             continue
         index = next(i for i, (start, end) in enumerate(spans) if start <= position < end)
@@ -146,7 +161,12 @@ def test_unknown_version_is_reported_not_guessed(tmp_path, small_segment):
 )
 def test_files_that_are_not_segments(tmp_path, content, kind, detail):
     (row,) = decode_bytes(tmp_path, content).damage.to_pylist()
-    assert (row["kind"], row["detail"], row["byte_offset"], row["byte_length"]) == (kind, detail, 0, len(content))
+    assert (row["kind"], row["detail"], row["byte_offset"], row["byte_length"]) == (
+        kind,
+        detail,
+        0,
+        len(content),
+    )
 
 
 def test_duplicate_copy_under_another_name_is_kept_once(tmp_path, small_segment):
@@ -180,7 +200,9 @@ def test_reordered_and_duplicated_segments_decode_identically(tmp_path, write_se
     assert len(paths) == 3
     expected = read_segments(paths)
     assert expected.steps.column("seq").to_pylist() == list(range(12))
-    assert expected.segments.column("first_seq").to_pylist() == sorted(expected.segments.column("first_seq").to_pylist())
+    assert expected.segments.column("first_seq").to_pylist() == sorted(
+        expected.segments.column("first_seq").to_pylist()
+    )
     shuffled = list(paths)
     random.Random(3).shuffle(shuffled)
     again = read_segments(shuffled)
@@ -214,17 +236,28 @@ def clean_segment(tmp_path_factory, header, clocks, record_steps):
         record_steps(recorder, 0, 6)
     (path,) = recorder.shipped_segments
     decoded = read_segments([path])
-    return path.read_bytes(), decoded.steps.to_pylist(), decoded.slots.to_pylist(), decoded.holders.to_pylist()
+    return (
+        path.read_bytes(),
+        decoded.steps.to_pylist(),
+        decoded.slots.to_pylist(),
+        decoded.holders.to_pylist(),
+    )
 
 
 edits = st.lists(
-    st.tuples(st.sampled_from(["flip", "insert", "delete"]), st.integers(0, 10_000), st.binary(min_size=1, max_size=24)),
+    st.tuples(
+        st.sampled_from(["flip", "insert", "delete"]),
+        st.integers(0, 10_000),
+        st.binary(min_size=1, max_size=24),
+    ),
     min_size=1,
     max_size=4,
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(edits=edits)
 def test_any_damage_is_reported_and_only_true_rows_come_back(tmp_path, clean_segment, edits):
     original, steps, slots, holders = clean_segment
@@ -251,14 +284,20 @@ OVERFLOW_DETAIL = (
     "step start or end time plus the header's clock anchor shift (wall_anchor_ns - mono_anchor_ns = {shift}) "
     "is outside int64 nanoseconds, so the step has no UTC time"
 )
-HYPOTHESIS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+HYPOTHESIS = settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 
 
 def with_header_fields(data: bytes, **fields) -> bytes:
     """The segment with fields of its header JSON replaced, framed with a valid checksum."""
     start, end = frame_spans(data)[0]
     header = json.loads(data[start + FRAME_PREFIX.size : end])
-    return data[:start] + frame(FrameKind.HEADER, json.dumps({**header, **fields}).encode()) + data[end:]
+    return (
+        data[:start]
+        + frame(FrameKind.HEADER, json.dumps({**header, **fields}).encode())
+        + data[end:]
+    )
 
 
 def test_steps_whose_utc_time_overflows_are_reported_and_the_rest_decoded(tmp_path, small_segment):
@@ -268,7 +307,11 @@ def test_steps_whose_utc_time_overflows_are_reported_and_the_rest_decoded(tmp_pa
     spans = frame_spans(data)
     decoded = decode_bytes(tmp_path, data)
     (step,) = decoded.steps.to_pylist()
-    assert (step["seq"], step["start_utc_ns"], step["end_utc_ns"]) == (0, INT64_MAX - 700, INT64_MAX)
+    assert (step["seq"], step["start_utc_ns"], step["end_utc_ns"]) == (
+        0,
+        INT64_MAX - 700,
+        INT64_MAX,
+    )
     assert decoded.slots.column("seq").to_pylist() == [0, 0]
     assert decoded.holders.column("seq").to_pylist() == [0]
     detail = OVERFLOW_DETAIL.format(shift=wall_anchor - MONO_ANCHOR)
@@ -295,7 +338,11 @@ def test_adjacent_overflowing_steps_are_one_damaged_region(tmp_path, write_segme
     assert decoded.steps.num_rows == decoded.slots.num_rows == decoded.holders.num_rows == 0
     (row,) = decoded.damage.to_pylist()
     steps_start = spans[1][0]
-    assert (row["kind"], row["byte_offset"], row["byte_length"]) == ("corrupt_frame", steps_start, len(data) - steps_start)
+    assert (row["kind"], row["byte_offset"], row["byte_length"]) == (
+        "corrupt_frame",
+        steps_start,
+        len(data) - steps_start,
+    )
     assert (row["first_seq"], row["last_seq"]) == (0, 39)
     assert row["detail"] == OVERFLOW_DETAIL.format(shift=INT64_MAX - MONO_ANCHOR)
 
@@ -305,14 +352,21 @@ def test_adjacent_overflowing_steps_are_one_damaged_region(tmp_path, write_segme
     mono_anchor=st.integers(-(2**63), INT64_MAX),
     shift=st.one_of(st.integers(-(2**63), INT64_MAX), st.integers(INT64_MAX - 10_000, INT64_MAX)),
 )
-def test_every_step_is_either_shifted_exactly_or_reported(tmp_path, small_segment, mono_anchor, shift):
+def test_every_step_is_either_shifted_exactly_or_reported(
+    tmp_path, small_segment, mono_anchor, shift
+):
     data = small_segment.read_bytes()
     wall_anchor = mono_anchor + shift
     assume(-(2**63) <= wall_anchor <= INT64_MAX)
-    decoded = decode_bytes(tmp_path, with_header_fields(data, mono_anchor_ns=mono_anchor, wall_anchor_ns=wall_anchor))
+    decoded = decode_bytes(
+        tmp_path, with_header_fields(data, mono_anchor_ns=mono_anchor, wall_anchor_ns=wall_anchor)
+    )
     steps = decoded.steps.to_pylist()
     for step in steps:
-        assert (step["start_utc_ns"], step["end_utc_ns"]) == (step["start_ns"] + shift, step["end_ns"] + shift)
+        assert (step["start_utc_ns"], step["end_utc_ns"]) == (
+            step["start_ns"] + shift,
+            step["end_ns"] + shift,
+        )
     reported = [
         seq
         for row in decoded.damage.to_pylist()
@@ -345,7 +399,9 @@ def consistent_storm(count: int) -> bytes:
     id bytes swallow the rest: every one passes the structural checks, none its checksum."""
     size = FRAME_PREFIX.size + STEP_STRUCT.size
     return b"".join(
-        FRAME_PREFIX.pack(FRAME_MARKER, FrameKind.STEP, 0, 0, (count - i) * size - FRAME_PREFIX.size, 0)
+        FRAME_PREFIX.pack(
+            FRAME_MARKER, FrameKind.STEP, 0, 0, (count - i) * size - FRAME_PREFIX.size, 0
+        )
         + STEP_STRUCT.pack(0, 0, 0, 0, 0, 0, 0, (count - i - 1) * size, 0, 0)
         for i in range(count)
     )
@@ -355,17 +411,27 @@ def test_every_frame_is_checksummed_once(tmp_path, small_segment, counting_zlib)
     data = small_segment.read_bytes()
     cut = frame_spans(data)[2][0]
     # Markers whose lengths run to the end of the file but whose step counts cannot fit them.
-    junk = b"".join(FRAME_PREFIX.pack(FRAME_MARKER, FrameKind.STEP, 0, 0, 10**5, 0) for _ in range(64))
+    junk = b"".join(
+        FRAME_PREFIX.pack(FRAME_MARKER, FrameKind.STEP, 0, 0, 10**5, 0) for _ in range(64)
+    )
     decoded = decode_bytes(tmp_path, data[:cut] + junk + data[cut:])
     assert decoded.steps.column("seq").to_pylist() == [0, 1, 3]
     (row,) = decoded.damage.to_pylist()
-    assert (row["kind"], row["byte_offset"], row["byte_length"]) == ("corrupt_frame", cut, len(junk))
+    assert (row["kind"], row["byte_offset"], row["byte_length"]) == (
+        "corrupt_frame",
+        cut,
+        len(junk),
+    )
     # The prefix's own CRC field is the only part of a frame not checksummed.
     crc_field = FRAME_PREFIX.size - FRAME_CHECKED_BYTES
-    assert counting_zlib.checksummed == sum(end - start - crc_field for start, end in frame_spans(data))
+    assert counting_zlib.checksummed == sum(
+        end - start - crc_field for start, end in frame_spans(data)
+    )
 
 
-def test_resynchronisation_gives_up_past_the_checksum_budget(tmp_path, small_segment, counting_zlib):
+def test_resynchronisation_gives_up_past_the_checksum_budget(
+    tmp_path, small_segment, counting_zlib
+):
     data = small_segment.read_bytes()
     storm = consistent_storm(2000)
     hostile = data + storm
@@ -404,7 +470,11 @@ def test_checksumming_is_bounded_by_the_file_size(tmp_path, small_segment, monke
     data = small_segment.read_bytes()
     spans = frame_spans(data)
     hostile = data[: spans[1][0]] + b"".join(
-        data[slice(*spans[value])] if what == "frame" else consistent_storm(value) if what == "storm" else value
+        data[slice(*spans[value])]
+        if what == "frame"
+        else consistent_storm(value)
+        if what == "storm"
+        else value
         for what, value in pieces
     )
     decoded = decode_bytes(tmp_path, hostile)
@@ -415,10 +485,16 @@ def test_checksumming_is_bounded_by_the_file_size(tmp_path, small_segment, monke
 def test_a_drop_frame_naming_a_backwards_range_is_reported(tmp_path, small_segment):
     data = small_segment.read_bytes()
     start, end = frame_spans(data)[3]
-    decoded = decode_bytes(tmp_path, data[:start] + frame(FrameKind.DROP, DROP_STRUCT.pack(5, 2)) + data[end:])
+    decoded = decode_bytes(
+        tmp_path, data[:start] + frame(FrameKind.DROP, DROP_STRUCT.pack(5, 2)) + data[end:]
+    )
     assert decoded.steps.column("seq").to_pylist() == [0, 1, 3]
     assert decoded.drops.num_rows == 0
     (row,) = decoded.damage.to_pylist()
-    assert (row["kind"], row["byte_offset"], row["byte_length"]) == ("corrupt_frame", start, end - start)
+    assert (row["kind"], row["byte_offset"], row["byte_length"]) == (
+        "corrupt_frame",
+        start,
+        end - start,
+    )
     assert (row["first_seq"], row["last_seq"]) == (2, 2)
     assert row["detail"] == "drop frame whose first_seq 5 exceeds its last_seq 2"

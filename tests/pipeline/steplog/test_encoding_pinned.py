@@ -33,8 +33,10 @@ def _record_fixed_sequence(recorder: StepRecorder) -> None:
         if step == 31:
             accepted = drafted + 1
         as_list = step % 3 == 0
-        def column(values: np.ndarray) -> object:
+
+        def column(values: np.ndarray, as_list: bool = as_list) -> object:
             return values.tolist() if as_list else values
+
         recorder.record_step(
             MONO_ANCHOR + step * 1_000_003,
             MONO_ANCHOR + step * 1_000_003 + int(rng.integers(0, 900_000)),
@@ -63,7 +65,9 @@ def _frames_after_header(segment: Path) -> bytes:
 
 
 def test_fixed_sequence_encodes_to_pinned_bytes(tmp_path):
-    with StepRecorder(tmp_path, HEADER, overflow="block", rotate_bytes=4096, **fixed_clocks()) as recorder:
+    with StepRecorder(
+        tmp_path, HEADER, overflow="block", rotate_bytes=4096, **fixed_clocks()
+    ) as recorder:
         _record_fixed_sequence(recorder)
     segments = recorder.shipped_segments
     frames = b"".join(_frames_after_header(segment) for segment in segments)

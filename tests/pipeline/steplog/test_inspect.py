@@ -38,7 +38,12 @@ def test_json_report_names_ranges_drops_gaps_and_damage(tmp_path, header, clocks
     result = inspect(str(outbox), "--json")
     assert result.exit_code == 1
     report = json.loads(result.output)
-    assert [s["seq_ranges"] for s in report["segments"]] == [[[0, 1]], [[2, 2], [5, 5]], [[8, 9]], [[10, 10]]]
+    assert [s["seq_ranges"] for s in report["segments"]] == [
+        [[0, 1]],
+        [[2, 2], [5, 5]],
+        [[8, 9]],
+        [[10, 10]],
+    ]
     (replica,) = report["replicas"]
     assert replica["seq_ranges"] == [[0, 2], [5, 5], [8, 10]]
     assert replica["drops"] == [[3, 4]] and replica["dropped_steps"] == 2

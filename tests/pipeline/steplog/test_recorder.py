@@ -25,7 +25,14 @@ def test_rotation_by_size_ships_contiguous_segments(tmp_path, write_segment):
     assert decoded.steps.column("seq").to_pylist() == list(range(40))
     segments = decoded.segments.to_pylist()
     # Header ~800 bytes, steps ~180: the seventh step of a segment crosses 2000 bytes.
-    assert [(s["first_seq"], s["last_seq"]) for s in segments] == [(0, 6), (7, 13), (14, 20), (21, 27), (28, 34), (35, 39)]
+    assert [(s["first_seq"], s["last_seq"]) for s in segments] == [
+        (0, 6),
+        (7, 13),
+        (14, 20),
+        (21, 27),
+        (28, 34),
+        (35, 39),
+    ]
     assert all(s["bytes"] >= 2000 for s in segments[:-1]) and segments[-1]["bytes"] < 2000
     assert [s["path"] for s in segments] == [str(p) for p in paths]
     assert len({s["segment_id"] for s in segments}) == len(paths)
@@ -51,7 +58,10 @@ def test_segment_anchor_comes_from_the_clocks_given(tmp_path, write_segment, clo
     (path,) = write_segment(count=1)
     decoded = read_segments([path])
     segment = decoded.segments.to_pylist()[0]
-    assert (segment["mono_anchor_ns"], segment["wall_anchor_ns"]) == (clocks["mono_clock"](), clocks["wall_clock"]())
+    assert (segment["mono_anchor_ns"], segment["wall_anchor_ns"]) == (
+        clocks["mono_clock"](),
+        clocks["wall_clock"](),
+    )
     step = decoded.steps.to_pylist()[0]
     assert step["start_utc_ns"] == clocks["wall_clock"]()
     assert step["end_utc_ns"] == clocks["wall_clock"]() + 700
@@ -71,7 +81,9 @@ def test_full_buffer_drops_whole_steps_and_logs_them(tmp_path, header, record_st
     recorder = StepRecorder(outbox, header, buffer_steps=2, mono_clock=stalled_clock)
     record_steps(recorder, 0, 1)
     assert entered.wait(10)
-    accepted = [recorder.record_step(i, i, ["r"], [1], [0], [1.0], [1], [0], [0], [0]) for i in range(1, 10)]
+    accepted = [
+        recorder.record_step(i, i, ["r"], [1], [0], [1.0], [1], [0], [0], [0]) for i in range(1, 10)
+    ]
     assert accepted == [True, True] + [False] * 7
     recorder.drop_step()
     assert recorder.dropped_steps == 8
@@ -115,7 +127,9 @@ def test_close_flushes_everything_queued(tmp_path, header, record_steps):
     assert recorder.dropped_steps == 0
     assert sorted(outbox.glob("*.seg")) == sorted(recorder.shipped_segments)
     assert read_segments(outbox.glob("*.seg")).steps.num_rows == 1000
-    assert not list(outbox.glob(f"*{PARTIAL_SUFFIX}")) and not list(outbox.glob(f".*{PARTIAL_SUFFIX}"))
+    assert not list(outbox.glob(f"*{PARTIAL_SUFFIX}")) and not list(
+        outbox.glob(f".*{PARTIAL_SUFFIX}")
+    )
     with pytest.raises(RecorderError, match="after close"):
         record_steps(recorder, 1000, 1)
 
@@ -124,24 +138,54 @@ def test_invalid_steps_are_rejected_loudly_and_leave_a_drop(tmp_path, header, re
     outbox = tmp_path / "outbox"
     with caplog.at_level(logging.ERROR), StepRecorder(outbox, header) as recorder:
         record_steps(recorder, 0, 1)
-        recorder.record_step(10, 20, ["a", "b"], [1, -2], [0, 0], [1.0, 1.0], [1, 1], [0, 0], [0, 0], [0, 0])
+        recorder.record_step(
+            10, 20, ["a", "b"], [1, -2], [0, 0], [1.0, 1.0], [1, 1], [0, 0], [0, 0], [0, 0]
+        )
         recorder.record_step(10, 20, ["a"], [1, 2], [0], [1.0], [1], [0], [0], [0])
         recorder.record_step(10, 20, ["a"], [1], [0], [1.0], [1], [0], [2], [0])
-        recorder.record_step(10, 20, [], [], [], [], [], [], [], [], holder_ids=["h"], holder_blocks=[1.0], holder_states=["evicted"])
+        recorder.record_step(
+            10,
+            20,
+            [],
+            [],
+            [],
+            [],
+            [],
+            [],
+            [],
+            [],
+            holder_ids=["h"],
+            holder_blocks=[1.0],
+            holder_states=["evicted"],
+        )
         recorder.record_step(30, 20, [], [], [], [], [], [], [], [])
         recorder.record_step(10, 20, [7], [1], [0], [1.0], [1], [0], [0], [0])
         record_steps(recorder, 7, 1)
     assert recorder.rejected_steps == 6
     decoded = read_segments(outbox.glob("*.seg"))
     assert decoded.steps.column("seq").to_pylist() == [0, 7]
-    assert [(r["first_seq"], r["last_seq"]) for r in decoded.drops.to_pylist()] == [(seq, seq) for seq in range(1, 7)]
+    assert [(r["first_seq"], r["last_seq"]) for r in decoded.drops.to_pylist()] == [
+        (seq, seq) for seq in range(1, 7)
+    ]
     messages = [record.getMessage() for record in caplog.records]
-    assert any("step 1 not recorded" in m and "new_tokens: values must lie in [0, 2147483647], got [-2, 1]" in m for m in messages)
-    assert any("step 2 not recorded" in m and "new_tokens: expected 1 values" in m for m in messages)
-    assert any("step 3 not recorded" in m and "spec_drafted exceeds new_tokens" in m for m in messages)
+    assert any(
+        "step 1 not recorded" in m
+        and "new_tokens: values must lie in [0, 2147483647], got [-2, 1]" in m
+        for m in messages
+    )
+    assert any(
+        "step 2 not recorded" in m and "new_tokens: expected 1 values" in m for m in messages
+    )
+    assert any(
+        "step 3 not recorded" in m and "spec_drafted exceeds new_tokens" in m for m in messages
+    )
     assert any("step 4 not recorded" in m and "unknown states ['evicted']" in m for m in messages)
-    assert any("step 5 not recorded" in m and "end_ns 20 precedes start_ns 30" in m for m in messages)
-    assert any("step 6 not recorded" in m and "request_ids: strings required" in m for m in messages)
+    assert any(
+        "step 5 not recorded" in m and "end_ns 20 precedes start_ns 30" in m for m in messages
+    )
+    assert any(
+        "step 6 not recorded" in m and "request_ids: strings required" in m for m in messages
+    )
 
 
 def test_writer_failure_ships_what_was_written_and_close_raises(tmp_path, header, record_steps):
@@ -194,7 +238,12 @@ os._exit(0)
 
 def test_segment_of_a_crashed_process_is_shipped_by_the_next_recorder(tmp_path, header):
     outbox = tmp_path / "outbox"
-    subprocess.run([sys.executable, "-c", CRASHING_PRODUCER, str(outbox), header.model_dump_json()], check=True, cwd=REPO, timeout=60)
+    subprocess.run(
+        [sys.executable, "-c", CRASHING_PRODUCER, str(outbox), header.model_dump_json()],
+        check=True,
+        cwd=REPO,
+        timeout=60,
+    )
     assert not list(outbox.glob("*.seg"))
     (partial,) = outbox.glob(f".*{PARTIAL_SUFFIX}")
     with StepRecorder(outbox, header) as recorder:

@@ -41,7 +41,16 @@ def steps(draw):
         "end_ns": start + draw(st.integers(0, 2**40)),
         "slots": draw(st.lists(slots(), max_size=5)),
         "holders": draw(
-            st.lists(st.fixed_dictionaries({"request_id": ids, "kv_blocks": blocks, "state": st.sampled_from(HOLDER_STATES)}), max_size=3)
+            st.lists(
+                st.fixed_dictionaries(
+                    {
+                        "request_id": ids,
+                        "kv_blocks": blocks,
+                        "state": st.sampled_from(HOLDER_STATES),
+                    }
+                ),
+                max_size=3,
+            )
         ),
         "admission_blocked": draw(st.booleans()),
         "free_blocks": draw(counts),
@@ -51,7 +60,15 @@ def steps(draw):
     }
 
 
-SLOT_FIELDS = ("new_tokens", "context_tokens", "kv_blocks", "prompt_tokens", "prefix_hit_tokens", "spec_drafted", "spec_accepted")
+SLOT_FIELDS = (
+    "new_tokens",
+    "context_tokens",
+    "kv_blocks",
+    "prompt_tokens",
+    "prefix_hit_tokens",
+    "spec_drafted",
+    "spec_accepted",
+)
 
 
 @settings(max_examples=60, deadline=None)
@@ -63,12 +80,21 @@ SLOT_FIELDS = ("new_tokens", "context_tokens", "kv_blocks", "prompt_tokens", "pr
 )
 def test_round_trip(header, clocks, log, first_seq, rotate_bytes, columns_as_lists):
     with tempfile.TemporaryDirectory() as outbox:
-        with StepRecorder(Path(outbox), header, overflow="block", first_seq=first_seq, rotate_bytes=rotate_bytes, **clocks) as recorder:
+        with StepRecorder(
+            Path(outbox),
+            header,
+            overflow="block",
+            first_seq=first_seq,
+            rotate_bytes=rotate_bytes,
+            **clocks,
+        ) as recorder:
             for step in log:
                 if step["drop"]:
                     recorder.drop_step()
                     continue
-                columns = [[slot[name] for slot in step["slots"]] for name in ("request_id", *SLOT_FIELDS)]
+                columns = [
+                    [slot[name] for slot in step["slots"]] for name in ("request_id", *SLOT_FIELDS)
+                ]
                 if not columns_as_lists:
                     columns = [tuple(column) for column in columns]
                 assert recorder.record_step(
@@ -109,13 +135,24 @@ def test_round_trip(header, clocks, log, first_seq, rotate_bytes, columns_as_lis
         for index, slot in enumerate(step["slots"])
     ]
     assert decoded.holders.to_pylist() == [
-        {"pool": header.pool, "replica": header.replica, "seq": seq, "holder_index": index, **holder}
+        {
+            "pool": header.pool,
+            "replica": header.replica,
+            "seq": seq,
+            "holder_index": index,
+            **holder,
+        }
         for seq, step in kept
         for index, holder in enumerate(step["holders"])
     ]
     dropped = [first_seq + index for index, step in enumerate(log) if step["drop"]]
     assert sum(row["steps"] for row in decoded.drops.to_pylist()) == len(dropped)
-    assert sorted(
-        seq for row in decoded.drops.to_pylist() for seq in range(row["first_seq"], row["last_seq"] + 1)
-    ) == dropped
+    assert (
+        sorted(
+            seq
+            for row in decoded.drops.to_pylist()
+            for seq in range(row["first_seq"], row["last_seq"] + 1)
+        )
+        == dropped
+    )
     assert sum(decoded.segments.column("steps").to_pylist()) == len(kept)

@@ -4,14 +4,13 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from warehouse_fleet import HOUR, NS, write_gateway, write_replica_log
 
 from pipeline import hourly
 from pipeline.context import gateway_files_for_hour, key_salt, load_gateway_files
 from pipeline.ingest import committed_batches, ingest_outbox
 from pipeline.warehouse import connect
 from schemas.config import load_pools
-
-from warehouse_fleet import HOUR, NS, write_gateway, write_replica_log
 
 POOLS = load_pools()
 POOL = POOLS.pool("chat-8b")
@@ -23,25 +22,53 @@ def data(tmp_path: Path) -> Path:
     """r0 runs requests a and the hostile one from 04:58:30, one step straddling into 05:00;
     r1 runs c in hour 05; the gateway also knows z, which never ran."""
     outbox = tmp_path / "outbox"
-    write_replica_log(outbox, POOL, "chat-8b-r0", start=HOUR - timedelta(seconds=90), steps=4, step_ns=40 * NS,
-                      gap_ns=20 * NS, requests=["a", HOSTILE])
-    write_replica_log(outbox, POOL, "chat-8b-r1", start=HOUR + timedelta(minutes=1), steps=3, step_ns=NS,
-                      gap_ns=NS, requests=["c"])
-    write_gateway(tmp_path / "gateway", HOUR - timedelta(hours=1), [("a", "acme", "chat", "sk-a"),
-                                                                   (HOSTILE, "globex", "chat", "sk-h")])
-    write_gateway(tmp_path / "gateway", HOUR, [("c", "acme", "search", "sk-a"), ("z", "initech", "chat", "sk-z")])
+    write_replica_log(
+        outbox,
+        POOL,
+        "chat-8b-r0",
+        start=HOUR - timedelta(seconds=90),
+        steps=4,
+        step_ns=40 * NS,
+        gap_ns=20 * NS,
+        requests=["a", HOSTILE],
+    )
+    write_replica_log(
+        outbox,
+        POOL,
+        "chat-8b-r1",
+        start=HOUR + timedelta(minutes=1),
+        steps=3,
+        step_ns=NS,
+        gap_ns=NS,
+        requests=["c"],
+    )
+    write_gateway(
+        tmp_path / "gateway",
+        HOUR - timedelta(hours=1),
+        [("a", "acme", "chat", "sk-a"), (HOSTILE, "globex", "chat", "sk-h")],
+    )
+    write_gateway(
+        tmp_path / "gateway",
+        HOUR,
+        [("c", "acme", "search", "sk-a"), ("z", "initech", "chat", "sk-z")],
+    )
     with connect(tmp_path / "warehouse.duckdb") as con:
         ingest_outbox(con, outbox, tmp_path / "lake")
         load_gateway_files(con, gateway_files_for_hour(tmp_path / "gateway", HOUR), key_salt())
     return tmp_path
 
 
-def test_inputs_hold_the_context_of_the_hours_requests_the_batches_and_the_engine(data: Path) -> None:
+def test_inputs_hold_the_context_of_the_hours_requests_the_batches_and_the_engine(
+    data: Path,
+) -> None:
     with connect(data / "warehouse.duckdb") as con:
         inputs = hourly.gather_inputs(con, data / "lake", POOL, HOUR)
         assert inputs.batches == frozenset(committed_batches(con))
     assert sorted(inputs.context.select("request_id", "tenant").rows()) == [
-        ("a", "acme"), ("c", "acme"), (HOSTILE, "globex")]
+        ("a", "acme"),
+        ("c", "acme"),
+        (HOSTILE, "globex"),
+    ]
     assert inputs.engine == ("0.11.0", "570.86")
     assert (inputs.hour, inputs.pool) == (HOUR, "chat-8b")
 
@@ -50,10 +77,16 @@ def test_saved_inputs_read_back_exactly(data: Path) -> None:
     with connect(data / "warehouse.duckdb") as con:
         inputs = hourly.gather_inputs(con, data / "lake", POOL, HOUR)
     path = hourly.save_inputs(data / "lake", inputs)
-    assert path == data / "lake" / "inputs" / "pool=chat-8b" / "hour=2026-11-30T05" / "inputs.parquet"
+    assert (
+        path == data / "lake" / "inputs" / "pool=chat-8b" / "hour=2026-11-30T05" / "inputs.parquet"
+    )
     loaded = hourly.load_inputs(data / "lake", "chat-8b", HOUR)
     assert (loaded.hour, loaded.pool, loaded.batches, loaded.engine) == (
-        inputs.hour, inputs.pool, inputs.batches, inputs.engine)
+        inputs.hour,
+        inputs.pool,
+        inputs.batches,
+        inputs.engine,
+    )
     assert loaded.context.equals(inputs.context)
     assert not list(path.parent.glob("*.partial"))
 
@@ -62,18 +95,27 @@ def test_charges_come_from_the_lake_alone(data: Path) -> None:
     with connect(data / "warehouse.duckdb") as con:
         inputs = hourly.gather_inputs(con, data / "lake", POOL, HOUR)
     (data / "warehouse.duckdb").unlink()
-    charges = hourly.charge_hour(data / "lake", POOL, inputs, hourly.weight_source(POOL, inputs, data))
-    costs = dict(zip(charges.request_costs["request_id"], charges.request_costs["tenant"], strict=True))
+    charges = hourly.charge_hour(
+        data / "lake", POOL, inputs, hourly.weight_source(POOL, inputs, data)
+    )
+    costs = dict(
+        zip(charges.request_costs["request_id"], charges.request_costs["tenant"], strict=True)
+    )
     assert costs == {"a": "acme", HOSTILE: "globex", "c": "acme"}
     assert int(charges.ledger_lines["amount_nano"].sum()) == charges.amount_nano
 
 
 def test_inputs_missing_or_of_another_pool_are_refused(data: Path) -> None:
-    with pytest.raises(FileNotFoundError, match=r"pool=chat-8b/hour=2026-11-30T05/inputs.parquet: no attribution "
-                       r"inputs for pool 'chat-8b' hour 2026-11-30T05; materialize its request_context first"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"pool=chat-8b/hour=2026-11-30T05/inputs.parquet: no attribution "
+        r"inputs for pool 'chat-8b' hour 2026-11-30T05; materialize its request_context first",
+    ):
         hourly.load_inputs(data / "lake", "chat-8b", HOUR)
     with connect(data / "warehouse.duckdb") as con:
         inputs = hourly.gather_inputs(con, data / "lake", POOL, HOUR)
     other = POOLS.pool("reason-dsv3")
-    with pytest.raises(ValueError, match="attribution inputs of pool 'chat-8b' given for pool 'reason-dsv3'"):
+    with pytest.raises(
+        ValueError, match="attribution inputs of pool 'chat-8b' given for pool 'reason-dsv3'"
+    ):
         hourly.charge_hour(data / "lake", other, inputs, hourly.weight_source(other, inputs, data))

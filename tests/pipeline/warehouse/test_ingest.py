@@ -9,14 +9,20 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+from warehouse_fleet import HOUR, NS, write_replica_log
 
-from pipeline.hourly import load_hour
 from pipeline import ingest
-from pipeline.ingest import INTENTS_DIR, batch_of, committed_batches, ingest_outbox, partition_dir, segment_files
+from pipeline.hourly import load_hour
+from pipeline.ingest import (
+    INTENTS_DIR,
+    batch_of,
+    committed_batches,
+    ingest_outbox,
+    partition_dir,
+    segment_files,
+)
 from pipeline.warehouse import connect
 from schemas.config import load_pools
-
-from warehouse_fleet import HOUR, NS, write_replica_log
 
 POOL = load_pools().pool("chat-8b")
 
@@ -25,11 +31,27 @@ POOL = load_pools().pool("chat-8b")
 def outbox(tmp_path: Path) -> Path:
     root = tmp_path / "outbox"
     # r0: 120 steps of 1 s every 30 s from 04:30 -> 60 in hour 04, 60 in hour 05.
-    write_replica_log(root, POOL, "chat-8b-r0", start=HOUR - timedelta(minutes=30), steps=120, step_ns=NS,
-                      gap_ns=29 * NS, requests=["a", "b"])
+    write_replica_log(
+        root,
+        POOL,
+        "chat-8b-r0",
+        start=HOUR - timedelta(minutes=30),
+        steps=120,
+        step_ns=NS,
+        gap_ns=29 * NS,
+        requests=["a", "b"],
+    )
     # r1: 10 steps of 2 s every 10 s in hour 05.
-    write_replica_log(root, POOL, "chat-8b-r1", start=HOUR + timedelta(minutes=1), steps=10, step_ns=2 * NS,
-                      gap_ns=8 * NS, requests=["c"])
+    write_replica_log(
+        root,
+        POOL,
+        "chat-8b-r1",
+        start=HOUR + timedelta(minutes=1),
+        steps=10,
+        step_ns=2 * NS,
+        gap_ns=8 * NS,
+        requests=["c"],
+    )
     return root
 
 
@@ -54,22 +76,41 @@ def test_ingest_partitions_by_pool_and_hour(tmp_path: Path, outbox: Path) -> Non
         assert report.partitions == {("chat-8b", "2026-11-30T04"), ("chat-8b", "2026-11-30T05")}
         assert con.execute("SELECT count(*), sum(steps) FROM segments").fetchone() == (2, 130)
         assert con.execute("SELECT count(*) FROM sequence_gaps").fetchone() == (0,)
-    early = pl.read_parquet(list(partition_dir(lake, "steps", "chat-8b", "2026-11-30T04").glob("*.parquet")))
+    early = pl.read_parquet(
+        list(partition_dir(lake, "steps", "chat-8b", "2026-11-30T04").glob("*.parquet"))
+    )
     assert early.height == 60 and early["replica"].unique().to_list() == ["chat-8b-r0"]
     assert lake_rows(lake, "slots") == 120 * 2 + 10
 
 
-def test_a_full_outbox_is_ingested_in_batches_of_bounded_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_full_outbox_is_ingested_in_batches_of_bounded_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     outbox = tmp_path / "outbox"
     # Six segments of 20 steps each (one every 30 s), and a replica of one segment.
     for part in range(6):
-        write_replica_log(outbox, POOL, "chat-8b-r0", start=HOUR + timedelta(minutes=10 * part), steps=20, step_ns=NS,
-                          gap_ns=29 * NS, requests=["a", "b"], first_seq=20 * part)
-    write_replica_log(outbox, POOL, "chat-8b-r1", start=HOUR, steps=10, step_ns=NS, gap_ns=NS, requests=["c"])
+        write_replica_log(
+            outbox,
+            POOL,
+            "chat-8b-r0",
+            start=HOUR + timedelta(minutes=10 * part),
+            steps=20,
+            step_ns=NS,
+            gap_ns=29 * NS,
+            requests=["a", "b"],
+            first_seq=20 * part,
+        )
+    write_replica_log(
+        outbox, POOL, "chat-8b-r1", start=HOUR, steps=10, step_ns=NS, gap_ns=NS, requests=["c"]
+    )
 
     def lake_content(lake: Path) -> dict[str, list[tuple]]:
-        return {table: sorted(row for f in (lake / table).rglob("*.parquet") for row in pl.read_parquet(f).rows())
-                for table in ("steps", "slots")}
+        return {
+            table: sorted(
+                row for f in (lake / table).rglob("*.parquet") for row in pl.read_parquet(f).rows()
+            )
+            for table in ("steps", "slots")
+        }
 
     with connect(tmp_path / "whole.duckdb") as con:
         ingest_outbox(con, outbox, tmp_path / "whole")
@@ -98,10 +139,15 @@ def test_a_segment_delivered_twice_is_ingested_once(tmp_path: Path, outbox: Path
         original = segment_files(outbox, ["chat-8b-r1"])[0]
         shutil.copy(original, original.with_name("redelivered.seg"))
         again = ingest_outbox(con, outbox, lake)
-        assert (again.ingested_files, again.duplicate_files, again.steps) == ([], [original.with_name("redelivered.seg")], 0)
+        assert (again.ingested_files, again.duplicate_files, again.steps) == (
+            [],
+            [original.with_name("redelivered.seg")],
+            0,
+        )
         assert ingest_outbox(con, outbox, lake).batch_id is None
-        assert con.execute("SELECT status, count(*) FROM segment_files GROUP BY status ORDER BY status").fetchall() == [
-            ("duplicate", 1), ("ingested", 2)]
+        assert con.execute(
+            "SELECT status, count(*) FROM segment_files GROUP BY status ORDER BY status"
+        ).fetchall() == [("duplicate", 1), ("ingested", 2)]
         assert con.execute("SELECT sum(steps) FROM segments").fetchone() == (130,)
     assert {p: p.read_bytes() for p in lake.rglob("*.parquet")} == before
 
@@ -130,8 +176,17 @@ def test_a_torn_segment_is_bounded_by_the_next_one_in_the_next_batch(
 ) -> None:
     outbox = tmp_path / "outbox"
     for part in range(2):
-        write_replica_log(outbox, POOL, "chat-8b-r0", start=HOUR + timedelta(minutes=10 * part), steps=20, step_ns=NS,
-                          gap_ns=NS, requests=["a"], first_seq=20 * part)
+        write_replica_log(
+            outbox,
+            POOL,
+            "chat-8b-r0",
+            start=HOUR + timedelta(minutes=10 * part),
+            steps=20,
+            step_ns=NS,
+            gap_ns=NS,
+            requests=["a"],
+            first_seq=20 * part,
+        )
     torn = segment_files(outbox)[0]
     torn.write_bytes(torn.read_bytes()[:-40])
 
@@ -147,48 +202,79 @@ def test_a_torn_segment_is_bounded_by_the_next_one_in_the_next_batch(
 
 def test_sequence_gaps_between_segments(tmp_path: Path) -> None:
     outbox = tmp_path / "outbox"
-    first = write_replica_log(outbox, POOL, "chat-8b-r0", start=HOUR, steps=5, step_ns=NS, gap_ns=NS, requests=["a"])
+    first = write_replica_log(
+        outbox, POOL, "chat-8b-r0", start=HOUR, steps=5, step_ns=NS, gap_ns=NS, requests=["a"]
+    )
     with connect(tmp_path / "w.duckdb") as con:
         ingest_outbox(con, outbox, tmp_path / "lake")
         # A later segment of the same replica starting at seq 9: 5..8 never arrived.
-        con.execute("UPDATE segments SET first_seq = 9, last_seq = 12, segment_id = 'later' WHERE path = ?", [str(first[0])])
+        con.execute(
+            "UPDATE segments SET first_seq = 9, last_seq = 12, segment_id = 'later' WHERE path = ?",
+            [str(first[0])],
+        )
         con.execute(
             "INSERT INTO segments SELECT * REPLACE (0 AS first_seq, 4 AS last_seq, 'earlier' AS segment_id) "
             "FROM segments WHERE segment_id = 'later'"
         )
-        assert con.execute("SELECT replica, first_missing_seq, last_missing_seq, missing_steps FROM sequence_gaps").fetchall() == [
-            ("chat-8b-r0", 5, 8, 4)]
+        assert con.execute(
+            "SELECT replica, first_missing_seq, last_missing_seq, missing_steps FROM sequence_gaps"
+        ).fetchall() == [("chat-8b-r0", 5, 8, 4)]
 
 
 def test_load_hour_includes_steps_running_into_the_hour(tmp_path: Path) -> None:
     outbox = tmp_path / "outbox"
     # Steps of 40 s every 60 s from 04:58:30: the one at 04:59:30 runs until 05:00:10.
     for replica, requests in (("chat-8b-r1", ["c"]), ("chat-8b-r0", ["a", "b"])):
-        write_replica_log(outbox, POOL, replica, start=HOUR - timedelta(seconds=90), steps=4, step_ns=40 * NS,
-                          gap_ns=20 * NS, requests=requests)
+        write_replica_log(
+            outbox,
+            POOL,
+            replica,
+            start=HOUR - timedelta(seconds=90),
+            steps=4,
+            step_ns=40 * NS,
+            gap_ns=20 * NS,
+            requests=requests,
+        )
     lake = tmp_path / "lake"
     with connect(tmp_path / "w.duckdb") as con:
         ingest_outbox(con, outbox, lake)
     data = load_hour(lake, "chat-8b", HOUR)
     # Ordered by replica, then sequence: the straddling step first.
     assert data.steps.select("replica", "seq").rows() == [
-        ("chat-8b-r0", 1), ("chat-8b-r0", 2), ("chat-8b-r0", 3),
-        ("chat-8b-r1", 1), ("chat-8b-r1", 2), ("chat-8b-r1", 3),
+        ("chat-8b-r0", 1),
+        ("chat-8b-r0", 2),
+        ("chat-8b-r0", 3),
+        ("chat-8b-r1", 1),
+        ("chat-8b-r1", 2),
+        ("chat-8b-r1", 3),
     ]
     assert data.slots.select("replica", "seq", "request_id").rows() == [
-        ("chat-8b-r0", 1, "a"), ("chat-8b-r0", 1, "b"), ("chat-8b-r0", 2, "a"), ("chat-8b-r0", 2, "b"),
-        ("chat-8b-r0", 3, "a"), ("chat-8b-r0", 3, "b"),
-        ("chat-8b-r1", 1, "c"), ("chat-8b-r1", 2, "c"), ("chat-8b-r1", 3, "c"),
+        ("chat-8b-r0", 1, "a"),
+        ("chat-8b-r0", 1, "b"),
+        ("chat-8b-r0", 2, "a"),
+        ("chat-8b-r0", 2, "b"),
+        ("chat-8b-r0", 3, "a"),
+        ("chat-8b-r0", 3, "b"),
+        ("chat-8b-r1", 1, "c"),
+        ("chat-8b-r1", 2, "c"),
+        ("chat-8b-r1", 3, "c"),
     ]
     assert data.holders.height == 0
     # Only the columns asked for, of each table that has them: the same rows.
     keys = load_hour(lake, "chat-8b", HOUR, columns=["pool", "replica", "seq", "request_id"])
-    assert keys.steps.columns == ["pool", "replica", "seq"] and keys.holders.columns == ["pool", "replica", "seq", "request_id"]
+    assert keys.steps.columns == ["pool", "replica", "seq"] and keys.holders.columns == [
+        "pool",
+        "replica",
+        "seq",
+        "request_id",
+    ]
     assert keys.slots.rows() == data.slots.select("pool", "replica", "seq", "request_id").rows()
     assert keys.steps.rows() == data.steps.select("pool", "replica", "seq").rows()
 
 
-def ingest_until_killed(monkeypatch: pytest.MonkeyPatch, con, outbox: Path, lake: Path, replica: str) -> list[Path]:
+def ingest_until_killed(
+    monkeypatch: pytest.MonkeyPatch, con, outbox: Path, lake: Path, replica: str
+) -> list[Path]:
     """Ingest `replica` up to its warehouse commit, then die; return the lake files it left."""
     before = set(lake.rglob("*.parquet"))
     with monkeypatch.context() as patch:
@@ -207,8 +293,17 @@ def test_a_batch_that_died_before_its_commit_is_removed_by_the_next_ingest(
         # r0's steps fall in hours 04 and 05, its slots too; it logged no holders.
         assert len(dead) == 4 and len({batch_of(p) for p in dead}) == 1
         # r0 ships another segment before the retry, so the retried batch gets another id.
-        write_replica_log(outbox, POOL, "chat-8b-r0", start=HOUR + timedelta(minutes=30), steps=5, step_ns=NS,
-                          gap_ns=29 * NS, requests=["a", "b"], first_seq=120)
+        write_replica_log(
+            outbox,
+            POOL,
+            "chat-8b-r0",
+            start=HOUR + timedelta(minutes=30),
+            steps=5,
+            step_ns=NS,
+            gap_ns=29 * NS,
+            requests=["a", "b"],
+            first_seq=120,
+        )
         with caplog.at_level(logging.WARNING, logger="pipeline.ingest"):
             report = ingest_outbox(con, outbox, lake)
         assert report.uncommitted_removed == dead

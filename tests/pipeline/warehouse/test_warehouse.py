@@ -1,8 +1,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from decimal import Decimal
-from datetime import datetime, timezone
 from pathlib import Path
 
 import duckdb
@@ -20,7 +20,7 @@ from pipeline.warehouse import (
     replace_hour,
 )
 
-HOUR = datetime(2026, 11, 30, 5, tzinfo=timezone.utc)
+HOUR = datetime(2026, 11, 30, 5, tzinfo=UTC)
 
 
 @dataclass(frozen=True)
@@ -39,32 +39,69 @@ class Check:
 
 
 def invoice(pool: str, amount: int, hour: datetime = HOUR) -> pl.DataFrame:
-    return pl.DataFrame({"hour": [hour], "pool": [pool], "gpus": [4], "usd_per_gpu_hour": [3.6], "amount_nano": [amount]})
-
-
-def lines(pool: str, rows: list[tuple[str, str, str, int, int, int]], hour: datetime = HOUR) -> pl.DataFrame:
-    tenant, feature, kind, amount, requests, tokens = (list(c) for c in zip(*rows, strict=True))
-    n = len(rows)
     return pl.DataFrame(
         {
-            "hour": [hour] * n, "pool": [pool] * n, "tenant": tenant, "feature": feature, "line_kind": kind,
-            "amount_nano": amount, "requests": requests, "new_tokens": tokens, "cached_tokens": [0] * n,
-            "weights_version": ["kernel-1"] * n, "policy_version": ["pol-1"] * n,
+            "hour": [hour],
+            "pool": [pool],
+            "gpus": [4],
+            "usd_per_gpu_hour": [3.6],
+            "amount_nano": [amount],
         }
     )
 
 
-def publish(con: duckdb.DuckDBPyConnection, pool: str, rows, amount: int, *, passed: bool = True, hour=HOUR) -> None:
-    replace_hour(con, hour, pool, {"invoices": invoice(pool, amount, hour), "ledger_lines": lines(pool, rows, hour)})
+def lines(
+    pool: str, rows: list[tuple[str, str, str, int, int, int]], hour: datetime = HOUR
+) -> pl.DataFrame:
+    tenant, feature, kind, amount, requests, tokens = (list(c) for c in zip(*rows, strict=True))
+    n = len(rows)
+    return pl.DataFrame(
+        {
+            "hour": [hour] * n,
+            "pool": [pool] * n,
+            "tenant": tenant,
+            "feature": feature,
+            "line_kind": kind,
+            "amount_nano": amount,
+            "requests": requests,
+            "new_tokens": tokens,
+            "cached_tokens": [0] * n,
+            "weights_version": ["kernel-1"] * n,
+            "policy_version": ["pol-1"] * n,
+        }
+    )
+
+
+def publish(
+    con: duckdb.DuckDBPyConnection, pool: str, rows, amount: int, *, passed: bool = True, hour=HOUR
+) -> None:
+    replace_hour(
+        con,
+        hour,
+        pool,
+        {"invoices": invoice(pool, amount, hour), "ledger_lines": lines(pool, rows, hour)},
+    )
     record_checks(con, hour, pool, ["money"], [Check(hour, pool, None, "money", passed)])
 
 
 def test_replace_hour_is_exact_and_leaves_other_hours(tmp_path: Path) -> None:
     with connect(tmp_path / "w.duckdb") as con:
-        publish(con, "chat", [("acme", "bot", "usage", 900, 3, 30), ("acme", "bot", "idle", 100, 0, 0)], 1000)
+        publish(
+            con,
+            "chat",
+            [("acme", "bot", "usage", 900, 3, 30), ("acme", "bot", "idle", 100, 0, 0)],
+            1000,
+        )
         publish(con, "other", [("globex", "q", "usage", 50, 1, 5)], 50)
-        publish(con, "chat", [("acme", "bot", "usage", 700, 2, 20), ("initech", "qa", "usage", 300, 1, 9)], 1000)
-        rows = con.execute("SELECT pool, tenant, amount_nano FROM ledger_lines ORDER BY pool, tenant").fetchall()
+        publish(
+            con,
+            "chat",
+            [("acme", "bot", "usage", 700, 2, 20), ("initech", "qa", "usage", 300, 1, 9)],
+            1000,
+        )
+        rows = con.execute(
+            "SELECT pool, tenant, amount_nano FROM ledger_lines ORDER BY pool, tenant"
+        ).fetchall()
         assert rows == [("chat", "acme", 700), ("chat", "initech", 300), ("other", "globex", 50)]
         assert con.execute("SELECT count(*) FROM invoices").fetchone() == (2,)
 
@@ -74,13 +111,20 @@ def test_failed_replace_keeps_the_previous_hour(tmp_path: Path) -> None:
         publish(con, "chat", [("acme", "bot", "usage", 1000, 3, 30)], 1000)
         bad = lines("chat", [("acme", "bot", "not_a_kind", 1000, 3, 30)])
         with pytest.raises(duckdb.ConstraintException):
-            replace_hour(con, HOUR, "chat", {"invoices": invoice("chat", 1000), "ledger_lines": bad})
-        assert con.execute("SELECT line_kind, amount_nano FROM ledger_lines").fetchall() == [("usage", 1000)]
+            replace_hour(
+                con, HOUR, "chat", {"invoices": invoice("chat", 1000), "ledger_lines": bad}
+            )
+        assert con.execute("SELECT line_kind, amount_nano FROM ledger_lines").fetchall() == [
+            ("usage", 1000)
+        ]
 
 
 def test_replace_hour_refuses_rows_of_another_hour(tmp_path: Path) -> None:
-    other = datetime(2026, 11, 30, 6, tzinfo=timezone.utc)
-    with connect(tmp_path / "w.duckdb") as con, pytest.raises(WarehouseError, match="outside hour 2026-11-30T05"):
+    other = datetime(2026, 11, 30, 6, tzinfo=UTC)
+    with (
+        connect(tmp_path / "w.duckdb") as con,
+        pytest.raises(WarehouseError, match="outside hour 2026-11-30T05"),
+    ):
         replace_hour(con, HOUR, "chat", {"invoices": invoice("chat", 1, other)})
 
 
@@ -88,23 +132,42 @@ def test_views_show_only_hours_whose_blocking_checks_passed(tmp_path: Path) -> N
     with connect(tmp_path / "w.duckdb") as con:
         publish(con, "chat", [("acme", "bot", "usage", 3_000_000_000, 4, 2000)], 3_000_000_000)
         publish(con, "other", [("acme", "bot", "usage", 5_000, 1, 10)], 5_000, passed=False)
-        replace_hour(con, HOUR, "unchecked", {"invoices": invoice("unchecked", 7), "ledger_lines": lines("unchecked", [("acme", "x", "usage", 7, 1, 1)])})
+        replace_hour(
+            con,
+            HOUR,
+            "unchecked",
+            {
+                "invoices": invoice("unchecked", 7),
+                "ledger_lines": lines("unchecked", [("acme", "x", "usage", 7, 1, 1)]),
+            },
+        )
         hourly = con.execute(
             "SELECT pool, tenant, amount_nano, amount_usd, requests, tokens, usd_per_request, usd_per_1k_tokens "
             "FROM tenant_costs_hourly"
         ).fetchall()
-        assert [r[:6] for r in hourly] == [("chat", "acme", 3_000_000_000, pytest.approx(3), 4, 2000)]
+        assert [r[:6] for r in hourly] == [
+            ("chat", "acme", 3_000_000_000, pytest.approx(3), 4, 2000)
+        ]
         assert str(hourly[0][3]) == "3.000000000"
         assert hourly[0][6] == pytest.approx(0.75) and hourly[0][7] == pytest.approx(1.5)
         held = con.execute("SELECT pool, reason FROM held_back_hours ORDER BY pool").fetchall()
-        assert held == [("other", "failed blocking checks: money"), ("unchecked", "not reconciled yet")]
+        assert held == [
+            ("other", "failed blocking checks: money"),
+            ("unchecked", "not reconciled yet"),
+        ]
         assert con.execute("SELECT sum(BilledCost) FROM focus_costs").fetchone()[0] == 3
 
 
 def test_non_blocking_failure_still_publishes(tmp_path: Path) -> None:
     with connect(tmp_path / "w.duckdb") as con:
         publish(con, "chat", [("acme", "bot", "usage", 10, 1, 1)], 10)
-        record_checks(con, HOUR, "chat", ["plausibility"], [Check(HOUR, "chat", "r0", "plausibility", False, blocking=False)])
+        record_checks(
+            con,
+            HOUR,
+            "chat",
+            ["plausibility"],
+            [Check(HOUR, "chat", "r0", "plausibility", False, blocking=False)],
+        )
         assert con.execute("SELECT count(*) FROM published_hours").fetchone() == (1,)
 
 
@@ -113,7 +176,9 @@ def test_failed_check_alerts_once_per_finding(tmp_path: Path) -> None:
     with connect(tmp_path / "w.duckdb") as con:
         for _ in range(3):
             record_checks(con, HOUR, "chat", ["sequence"], failing)
-        assert con.execute("SELECT kind, replica, detail FROM alerts").fetchall() == [("sequence", "r1", "missing 10-19")]
+        assert con.execute("SELECT kind, replica, detail FROM alerts").fetchall() == [
+            ("sequence", "r1", "missing 10-19")
+        ]
         assert con.execute("SELECT count(*) FROM reconciliation").fetchone() == (1,)
 
 
@@ -124,13 +189,38 @@ def test_record_checks_refuses_unnamed_checks(tmp_path: Path) -> None:
 
 def test_focus_costs_has_the_mandatory_columns(tmp_path: Path) -> None:
     mandatory = {
-        "BilledCost", "BillingAccountId", "BillingAccountName", "BillingCurrency", "BillingPeriodEnd",
-        "BillingPeriodStart", "ChargeCategory", "ChargeClass", "ChargeDescription", "ChargePeriodEnd",
-        "ChargePeriodStart", "ContractedCost", "EffectiveCost", "InvoiceIssuerName", "ListCost", "PricingQuantity",
-        "PricingUnit", "ProviderName", "PublisherName", "ServiceCategory", "ServiceName",
+        "BilledCost",
+        "BillingAccountId",
+        "BillingAccountName",
+        "BillingCurrency",
+        "BillingPeriodEnd",
+        "BillingPeriodStart",
+        "ChargeCategory",
+        "ChargeClass",
+        "ChargeDescription",
+        "ChargePeriodEnd",
+        "ChargePeriodStart",
+        "ContractedCost",
+        "EffectiveCost",
+        "InvoiceIssuerName",
+        "ListCost",
+        "PricingQuantity",
+        "PricingUnit",
+        "ProviderName",
+        "PublisherName",
+        "ServiceCategory",
+        "ServiceName",
     }
     with connect(tmp_path / "w.duckdb") as con:
-        publish(con, "chat", [("acme", "bot", "usage", 2_500_000_001, 1, 1), ("acme", "bot", "cache_credit", -1, 0, 0)], 2_500_000_000)
+        publish(
+            con,
+            "chat",
+            [
+                ("acme", "bot", "usage", 2_500_000_001, 1, 1),
+                ("acme", "bot", "cache_credit", -1, 0, 0),
+            ],
+            2_500_000_000,
+        )
         frame = con.sql("SELECT * FROM focus_costs ORDER BY x_AmountNano").pl()
     assert mandatory <= set(frame.columns)
     assert frame["ChargeCategory"].to_list() == ["Credit", "Usage"]
@@ -144,9 +234,11 @@ def test_read_only_connection_cannot_write(tmp_path: Path) -> None:
         pass
     with connect_read_only(tmp_path / "w.duckdb") as con, pytest.raises(duckdb.Error):
         con.execute("DELETE FROM invoices")
-    with pytest.raises(WarehouseError, match="no warehouse file"):
-        with connect_read_only(tmp_path / "missing.duckdb"):
-            pass
+    with (
+        pytest.raises(WarehouseError, match="no warehouse file"),
+        connect_read_only(tmp_path / "missing.duckdb"),
+    ):
+        pass
 
 
 def test_parse_hour_key() -> None:
@@ -158,7 +250,9 @@ def test_parse_hour_key() -> None:
 
 @settings(max_examples=25, deadline=None)
 @given(st.lists(st.lists(st.integers(0, 10**12), min_size=1, max_size=5), min_size=1, max_size=4))
-def test_replaying_any_sequence_of_runs_leaves_the_last(tmp_path_factory, runs: list[list[int]]) -> None:
+def test_replaying_any_sequence_of_runs_leaves_the_last(
+    tmp_path_factory, runs: list[list[int]]
+) -> None:
     path = tmp_path_factory.mktemp("w") / "w.duckdb"
     with connect(path) as con:
         for amounts in runs:

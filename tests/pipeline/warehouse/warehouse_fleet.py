@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from pipeline.steplog import SegmentHeader, StepRecorder
 from schemas.config import Pool
 
-HOUR = datetime(2026, 11, 30, 5, tzinfo=timezone.utc)
+HOUR = datetime(2026, 11, 30, 5, tzinfo=UTC)
 NS = 1_000_000_000
 
 
@@ -34,13 +34,24 @@ def write_replica_log(
     clock = {"mono": 10 * NS}
     wall_offset = int(start.timestamp() * NS) - clock["mono"]
     header = SegmentHeader(
-        pool=pool.name, replica=replica, engine_name="vllm", engine_version="0.11.0", driver_version="570.86",
-        model=pool.model, gpu_type=pool.gpu_type, gpus_per_replica=pool.gpus_per_replica,
+        pool=pool.name,
+        replica=replica,
+        engine_name="vllm",
+        engine_version="0.11.0",
+        driver_version="570.86",
+        model=pool.model,
+        gpu_type=pool.gpu_type,
+        gpus_per_replica=pool.gpus_per_replica,
         kv_block_size=pool.kv_block_size,
     )
     recorder = StepRecorder(
-        directory, header, overflow="block", rotate_seconds=rotate_seconds,
-        mono_clock=lambda: clock["mono"], wall_clock=lambda: clock["mono"] + wall_offset, first_seq=first_seq,
+        directory,
+        header,
+        overflow="block",
+        rotate_seconds=rotate_seconds,
+        mono_clock=lambda: clock["mono"],
+        wall_clock=lambda: clock["mono"] + wall_offset,
+        first_seq=first_seq,
     )
     with recorder:
         for index in range(steps):
@@ -48,8 +59,18 @@ def write_replica_log(
             clock["mono"] = begin + step_ns
             n = len(requests)
             recorder.record_step(
-                begin, begin + step_ns, list(requests), [1] * n, [100 + index] * n, [7.0] * n, [100] * n,
-                [0] * n, [0] * n, [0] * n, free_blocks=1000, total_blocks=2000,
+                begin,
+                begin + step_ns,
+                list(requests),
+                [1] * n,
+                [100 + index] * n,
+                [7.0] * n,
+                [100] * n,
+                [0] * n,
+                [0] * n,
+                [0] * n,
+                free_blocks=1000,
+                total_blocks=2000,
             )
             clock["mono"] += gap_ns
     return sorted(directory.glob("*.seg"))
@@ -62,8 +83,18 @@ def write_gateway(gateway: Path, hour: datetime, rows: list[tuple[str, str, str,
     received = (hour + timedelta(seconds=1)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
     path.write_text(
         "".join(
-            json.dumps({"request_id": r, "tenant": t, "feature": f, "api_key": k, "retry_of": None,
-                        "retry_cause": None, "received_at": received}) + "\n"
+            json.dumps(
+                {
+                    "request_id": r,
+                    "tenant": t,
+                    "feature": f,
+                    "api_key": k,
+                    "retry_of": None,
+                    "retry_cause": None,
+                    "received_at": received,
+                }
+            )
+            + "\n"
             for r, t, f, k in rows
         )
     )
