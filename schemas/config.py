@@ -62,6 +62,10 @@ class AlphaFromEvidence(_Strict):
         return self
 
 
+# Former spelling -> current name of an idle policy (CHANGELOG.md says when each changed).
+RENAMED_IDLE_POLICIES = {"both": "spread_then_headroom"}
+
+
 class Policies(_Strict):
     """Attribution policies of a pool. Every ledger row records `version()` of these."""
 
@@ -71,15 +75,31 @@ class Policies(_Strict):
     prefix_cache: Literal["first_writer", "split_by_holders", "cache_read"] = "split_by_holders"
     # Under cache_read: cache-hit tokens are charged this fraction of the prefill rate.
     cache_read_fraction: float = Field(default=0.1, ge=0.0, le=1.0)
-    idle: Literal["spread", "capacity_owner", "both"] = "both"
-    # Under `both`, idle up to (1 - target_utilization) of the hour is spread; beyond is headroom.
+    # spread_then_headroom: idle up to (1 - target_utilization) of the hour is spread; beyond
+    # is headroom.
+    idle: Literal["spread", "capacity_owner", "spread_then_headroom"] = "spread_then_headroom"
     platform_pays_platform_retries: bool = True
     # Unattributed share of the hour's usage above which on-call is paged.
     unattributed_alert_fraction: float = Field(default=0.02, ge=0.0, le=1.0)
 
+    @field_validator("idle", mode="before")
+    @classmethod
+    def _renamed_idle_policy(cls, value: object) -> object:
+        if value in RENAMED_IDLE_POLICIES:
+            raise ValueError(
+                f"idle policy {value!r} is now called {RENAMED_IDLE_POLICIES[value]!r} "
+                "(same behaviour, see CHANGELOG.md): write that name instead"
+            )
+        return value
+
     def version(self) -> str:
         """A short stable hash of the policy settings: equal policies, equal version."""
-        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True)
+        settings = self.model_dump(mode="json")
+        # The version hashes what the policies do, so a renamed policy keeps its old spelling
+        # here: ledger rows from before the rename stay comparable with those after it.
+        former = {new: old for old, new in RENAMED_IDLE_POLICIES.items()}
+        settings["idle"] = former.get(settings["idle"], settings["idle"])
+        canonical = json.dumps(settings, sort_keys=True)
         return "pol-" + hashlib.sha256(canonical.encode()).hexdigest()[:10]
 
 

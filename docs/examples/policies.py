@@ -180,8 +180,8 @@ def main() -> None:
     )
     show("idle spread by usage", pool(alpha=1.0, idle="spread"))
     show(
-        "idle: both (spread up to 30 % of the invoice, the rest headroom)",
-        pool(alpha=1.0, idle="both"),
+        "idle: spread_then_headroom (spread up to 30 % of the invoice, the rest headroom)",
+        pool(alpha=1.0, idle="spread_then_headroom"),
     )
     show(
         "retries: the caller pays platform timeouts too",

@@ -410,9 +410,9 @@ def idle_lines(pool: Pool, invoice_nano: int, idle_nano: int, usage: pl.DataFram
     """Label the hour's idle per the pool's policy.
 
     spread: to tenants' features in proportion to their usage (largest remainder);
-    capacity_owner: all to the capacity owner; both: idle up to (1 - target_utilization) of
-    the invoice is spread, the rest is headroom charged to the SLO owner. With no tenant usage
-    to spread over, spread idle goes to the capacity owner. Negative idle (overlapping steps,
+    capacity_owner: all to the capacity owner; spread_then_headroom: idle up to
+    (1 - target_utilization) of the invoice is spread, the rest is headroom charged to the SLO
+    owner. With no tenant usage to spread over, spread idle goes to the capacity owner. Negative idle (overlapping steps,
     which the time check reports) is one line at the capacity owner, never spread.
     """
     if idle_nano == 0:
@@ -421,7 +421,7 @@ def idle_lines(pool: Pool, invoice_nano: int, idle_nano: int, usage: pl.DataFram
     if idle_nano < 0 or policy == "capacity_owner":
         return [_line(pool.capacity_owner, IDLE_FEATURE, "idle", idle_nano)]
     headroom = 0
-    if policy == "both":
+    if policy == "spread_then_headroom":
         spread_cap = math.floor(invoice_nano * (1.0 - pool.target_utilization))
         headroom = max(idle_nano - spread_cap, 0)
     spread = idle_nano - headroom

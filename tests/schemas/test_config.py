@@ -22,6 +22,24 @@ def test_policy_version_is_stable_and_content_addressed():
     assert Policies(alpha=0.8).version() != Policies(alpha=0.7).version()
 
 
+def test_the_former_spelling_of_an_idle_policy_is_refused_naming_the_new_one(tmp_path):
+    text = DEFAULT_POOLS_PATH.read_text().replace("idle: spread_then_headroom", "idle: both")
+    path = _write(tmp_path, text)
+    line = 1 + text.splitlines().index("      idle: both")
+    with pytest.raises(ConfigError) as err:
+        load_pools(path)
+    assert str(err.value).startswith(
+        f"{path}:{line}: field pools.0.policies.idle: Value error, idle policy 'both' is now "
+        "called 'spread_then_headroom' (same behaviour, see CHANGELOG.md): write that name instead"
+    )
+
+
+def test_renaming_the_idle_policy_kept_the_policy_version():
+    # Published before the rename as the default policies' version (idle `both`).
+    assert Policies(idle="spread_then_headroom").version() == "pol-e3c47d9b1d"
+    assert Policies(idle="spread").version() == "pol-be7ea0cf01"
+
+
 def test_alpha_bounds_must_be_ordered():
     with pytest.raises(ValueError, match="min_alpha 0.9 exceeds max_alpha 0.5"):
         AlphaFromEvidence(min_alpha=0.9, max_alpha=0.5)

@@ -113,7 +113,7 @@ def _one_step_log(
 @given(
     st.integers(0, 10**6),
     st.sampled_from(["first_writer", "split_by_holders", "cache_read"]),
-    st.sampled_from(["spread", "capacity_owner", "both"]),
+    st.sampled_from(["spread", "capacity_owner", "spread_then_headroom"]),
     st.sampled_from(["per_slot", "per_token"]),
     st.floats(0.0, 1.0),
     st.integers(0, 2 * 10**9),
@@ -154,7 +154,7 @@ def test_frames_have_exactly_the_warehouse_columns():
 
 def test_one_step_split_with_idle_spread_and_headroom():
     # alpha 1: compute only. a: 512-token prefill, b: decode; 50 ms on 1 GPU = 50_000 nano.
-    pool = make_pool(alpha=1.0, idle="both", prefix_cache="split_by_holders")
+    pool = make_pool(alpha=1.0, idle="spread_then_headroom", prefix_cache="split_by_holders")
     log = _one_step_log(pool, slots=[("a", 512, 0, 32, 0), ("b", 1, 3800, 238, 0)])
     ledger = _attribute(pool, log)
     costs = {r["request_id"]: r for r in ledger.request_costs.iter_rows(named=True)}
