@@ -15,8 +15,10 @@ import dagster as dg
 from dagster_duckdb import DuckDBResource
 
 from assets.resources import StepledgerData
-from pipeline import alerts, hourly
-from pipeline.warehouse import connect_read_only, parse_hour_key
+from pipeline import alerts
+from pipeline.hours import parse_hour_key
+from pipeline.reconcile import failed_checks
+from pipeline.warehouse import connect_read_only
 
 if TYPE_CHECKING:
     from dagster._core.definitions.unresolved_asset_job_definition import (
@@ -41,7 +43,7 @@ def build_failure_pager(pool_hour_job: "UnresolvedAssetJobDefinition") -> dg.Sen
         pool = tags["dagster/partition/pool"]
         now = datetime.now(UTC)
         with connect_read_only(warehouse.database) as con:
-            findings = hourly.failed_checks(con, pool, hour)
+            findings = failed_checks(con, pool, hour)
         sink = alerts.sink_from_env()
         sent_keys = alerts.SentKeysFile(data.root / SENT_KEYS_FILE)
         errors = [r for r in findings if r.severity == "ERROR"]

@@ -22,7 +22,8 @@ from assets.alerting import SENT_KEYS_FILE
 from assets.partitions import first_hour
 from assets.resources import StepledgerData
 from pipeline import alerts
-from pipeline.warehouse import WarehouseError, connect_read_only, hour_key, query_frame
+from pipeline.hours import hour_key
+from pipeline.warehouse import WarehouseError, connect_read_only, query_frame
 from schemas.config import PoolsFile
 
 DEADMAN_INTERVAL_SECONDS = 300

@@ -16,9 +16,10 @@ from assets.jobs import build_jobs
 from assets.partitions import pool_hour_partitions
 from assets.pool_hour import build_pool_hour_assets
 from assets.reconciliation import build_reconciliation_checks
-from assets.resources import build_resources, data_dir_from_env, pools_file
+from assets.resources import build_resources, data_dir_from_env
 from assets.schedules import build_hourly_schedule
 from assets.sensors import build_new_segments_sensor
+from pipeline.datadir import pools_file
 from schemas.config import PoolsFile, load_pools
 
 

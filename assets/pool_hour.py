@@ -1,8 +1,8 @@
-"""The hourly chain of one pool: step log -> request context -> charges -> ledger.
+"""The hourly chain of one pool: step log -> request context -> attribution -> ledger.
 
 Each asset is a thin call into `pipeline/`. Every asset that touches the DuckDB file runs in
 the `duckdb` concurrency pool (limit 1 in dagster_home/dagster.yaml): DuckDB has one writer.
-`charges`, the attribution and the longest step, reads only the lake and runs outside it.
+`attribution`, the longest step, reads only the lake and runs outside it.
 """
 
 # No `from __future__ import annotations`: Dagster checks the `context` annotation as an
@@ -14,12 +14,15 @@ from dagster_duckdb import DuckDBResource
 
 from assets.partitions import hour_and_pool
 from assets.resources import StepledgerData, open_warehouse
-from pipeline import context as gateway_context
-from pipeline import hourly
+from pipeline import gateway, lake
+from pipeline.attribute import attribute_pool_hour, gather_inputs
+from pipeline.datadir import CALIBRATION_FILE
+from pipeline.hours import hour_key
 from pipeline.ingest import ingest_outbox
-from pipeline.reconcile import LINE_KINDS
+from pipeline.ledger import LINE_KINDS, HourLedger
+from pipeline.publish import publish_hour
 from pipeline.report.money import usd
-from pipeline.warehouse import hour_key
+from pipeline.weights import weight_source
 from schemas.config import PoolsFile
 
 GROUP = "pool_hour"
@@ -55,22 +58,22 @@ def top_tenants_table(
     return "\n".join(header + rows + more)
 
 
-def ledger_metadata(charges: hourly.HourCharges) -> dict[str, object]:
+def ledger_metadata(ledger: HourLedger) -> dict[str, object]:
     """What the hour's published ledger holds: row counts, money totals by line kind (integer
     nano-dollars, and dollars to read), and the top tenants."""
-    lines = charges.ledger_lines
+    lines = ledger.ledger_lines
     by_kind = dict(lines.group_by("line_kind").agg(pl.col("amount_nano").sum()).iter_rows())
     ledger_nano = int(lines["amount_nano"].sum())
     return {
-        "invoice_nano": charges.amount_nano,
-        "invoice_usd": usd(charges.amount_nano),
+        "invoice_nano": ledger.amount_nano,
+        "invoice_usd": usd(ledger.amount_nano),
         "ledger_nano": ledger_nano,
-        "balanced": ledger_nano == charges.amount_nano,
+        "balanced": ledger_nano == ledger.amount_nano,
         **{f"{kind}_nano": int(by_kind.get(kind, 0)) for kind in LINE_KINDS},
-        "invoice_rows": charges.invoices.height,
+        "invoice_rows": ledger.invoices.height,
         "ledger_line_rows": lines.height,
-        "request_cost_rows": charges.request_costs.height,
-        "top_tenants": dg.MetadataValue.md(top_tenants_table(lines, charges.amount_nano)),
+        "request_cost_rows": ledger.request_costs.height,
+        "top_tenants": dg.MetadataValue.md(top_tenants_table(lines, ledger.amount_nano)),
     }
 
 
@@ -104,11 +107,11 @@ def build_pool_hour_assets(
         """The gateway's request context for the hour, API keys stored only as keyed hashes;
         then what the hour's attribution needs from the warehouse, saved to the lake."""
         hour, pool_name = hour_and_pool(context)
-        files = gateway_context.gateway_files_for_hour(data.gateway, hour)
+        files = gateway.gateway_files_for_hour(data.gateway, hour)
         with open_warehouse(warehouse) as con:
-            report = gateway_context.load_gateway_files(con, files, gateway_context.key_salt())
-            inputs = hourly.gather_inputs(con, data.lake, pools.pool(pool_name), hour)
-        hourly.save_inputs(data.lake, inputs)
+            report = gateway.load_gateway_files(con, files, gateway.key_salt())
+            inputs = gather_inputs(con, data.lake, pools.pool(pool_name), hour)
+        lake.save_inputs(data.lake, inputs)
         return dg.MaterializeResult(
             metadata={
                 "loaded_files": len(report.loaded),
@@ -121,16 +124,17 @@ def build_pool_hour_assets(
     # Not in the DuckDB pool: it reads only the lake, so the attribution of one pool-hour runs
     # while another pool-hour holds the warehouse.
     @dg.asset(partitions_def=partitions, group_name=GROUP, deps=[request_context])
-    def charges(context: dg.AssetExecutionContext, data: StepledgerData) -> dg.MaterializeResult:
+    def attribution(
+        context: dg.AssetExecutionContext, data: StepledgerData
+    ) -> dg.MaterializeResult:
         """Every measured step of the hour split among its requests, idle and headroom
-        labelled, under the pool's policies; saved to the lake."""
+        labelled, under the pool's policies: the hour's ledger, saved to the lake."""
         hour, pool_name = hour_and_pool(context)
         pool = pools.pool(pool_name)
-        inputs = hourly.load_inputs(data.lake, pool_name, hour)
-        result = hourly.charge_hour(
-            data.lake, pool, inputs, hourly.weight_source(pool, inputs, data.root)
-        )
-        hourly.save_charges(data.lake, result)
+        inputs = lake.load_inputs(data.lake, pool_name, hour)
+        weights = weight_source(pool, inputs.engine, data.root / CALIBRATION_FILE)
+        result = attribute_pool_hour(data.lake, pool, inputs, weights)
+        lake.save_ledger(data.lake, result)
         return dg.MaterializeResult(
             metadata={
                 "invoice_nano": result.amount_nano,
@@ -139,19 +143,19 @@ def build_pool_hour_assets(
             }
         )
 
-    @dg.asset(partitions_def=partitions, group_name=GROUP, pool=DUCKDB_POOL, deps=[charges])
+    @dg.asset(partitions_def=partitions, group_name=GROUP, pool=DUCKDB_POOL, deps=[attribution])
     def ledger(
         context: dg.AssetExecutionContext, data: StepledgerData, warehouse: DuckDBResource
     ) -> dg.MaterializeResult:
         """The hour's invoice, ledger lines and request costs in the warehouse, replacing any
         earlier run of the hour in one transaction."""
         hour, pool_name = hour_and_pool(context)
-        result = hourly.load_charges(data.lake, pool_name, hour)
+        result = lake.load_ledger(data.lake, pool_name, hour)
         with open_warehouse(warehouse) as con:
-            hourly.publish_hour(con, result)
+            publish_hour(con, result)
         context.log.info(
             f"pool {pool_name} hour {hour_key(hour)}: {result.amount_nano} nano-dollars published"
         )
         return dg.MaterializeResult(metadata=ledger_metadata(result))
 
-    return [step_log, request_context, charges, ledger]
+    return [step_log, request_context, attribution, ledger]

@@ -16,7 +16,8 @@ from dagster_duckdb import DuckDBResource
 from assets.partitions import hour_and_pool
 from assets.pool_hour import DUCKDB_POOL
 from assets.resources import StepledgerData, open_warehouse
-from pipeline import hourly
+from pipeline.alerts import record_alerts
+from pipeline.reconcile import CHECKS, CheckResult, reconcile_hour
 from schemas.config import PoolsFile
 
 
@@ -24,7 +25,7 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def results_table(results: list) -> str:
+def results_table(results: list[CheckResult]) -> str:
     """One markdown row per result (replica or pool): what was expected, observed, and why."""
     header = "| scope | status | expected | observed | detail |\n|---|---|---|---|---|\n"
     rows = [
@@ -40,7 +41,7 @@ def results_table(results: list) -> str:
 
 
 def build_reconciliation_checks(pools: PoolsFile) -> list[dg.AssetChecksDefinition]:
-    specs = [dg.AssetCheckSpec(name, asset="ledger", blocking=True) for name in hourly.CHECKS]
+    specs = [dg.AssetCheckSpec(name, asset="ledger", blocking=True) for name in CHECKS]
 
     @dg.multi_asset_check(specs=specs, name="reconciliation", pool=DUCKDB_POOL)
     def reconciliation(
@@ -48,7 +49,7 @@ def build_reconciliation_checks(pools: PoolsFile) -> list[dg.AssetChecksDefiniti
     ):
         hour, pool_name = hour_and_pool(context)
         with open_warehouse(warehouse) as con:
-            results = hourly.reconcile_hour(
+            results = reconcile_hour(
                 con,
                 data.lake,
                 data.dcgm,
@@ -57,7 +58,8 @@ def build_reconciliation_checks(pools: PoolsFile) -> list[dg.AssetChecksDefiniti
                 pools.settings,
                 calibration_file=data.calibration_file,
             )
-        for name in hourly.CHECKS:
+            record_alerts(con, results)
+        for name in CHECKS:
             mine = [r for r in results if r.check_name == name]
             failed = [r for r in mine if not r.passed]
             # A failure is WARN only when every failed result is; a passed check keeps ERROR.

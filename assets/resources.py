@@ -13,9 +13,8 @@ import dagster as dg
 import duckdb
 from dagster_duckdb import DuckDBResource
 
-from pipeline.hourly import CALIBRATION_FILE
+from pipeline.datadir import CALIBRATION_FILE, WAREHOUSE_FILE, pools_file
 from pipeline.warehouse import apply_schema
-from schemas.config import DEFAULT_POOLS_PATH
 
 DATA_ENV = "STEPLEDGER_DATA"
 WAREHOUSE_ENV = "STEPLEDGER_WAREHOUSE"
@@ -56,18 +55,12 @@ class StepledgerData(dg.ConfigurableResource):
         return self.root / CALIBRATION_FILE
 
 
-def pools_file(data_dir: Path) -> Path:
-    """The data directory's own pools file, else the default pools."""
-    own = data_dir / "pools.yaml"
-    return own if own.is_file() else DEFAULT_POOLS_PATH
-
-
 def data_dir_from_env() -> Path:
     return Path(os.environ.get(DATA_ENV, DEFAULT_DATA_DIR)).resolve()
 
 
 def warehouse_path(data_dir: Path) -> Path:
-    return Path(os.environ.get(WAREHOUSE_ENV, data_dir / "warehouse.duckdb")).resolve()
+    return Path(os.environ.get(WAREHOUSE_ENV, data_dir / WAREHOUSE_FILE)).resolve()
 
 
 def build_resources(

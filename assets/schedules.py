@@ -9,7 +9,7 @@ import dagster as dg
 
 from assets.jobs import POOL_HOUR_JOB
 from assets.partitions import completed_hour, partition_key
-from pipeline.warehouse import hour_key
+from pipeline.hours import hour_key
 from schemas.config import PoolsFile
 
 

@@ -11,7 +11,7 @@ LANES launcher processes that each execute their share of the pool-hour runs, ho
 order, on the job's own in-process executor (the steps of a run one after another in the
 launcher). Runs of different lanes overlap wherever their steps do not hold the DuckDB file:
 every step that opens it is in the `duckdb` pool, which the in-process executor claims like
-any other, so DuckDB sees one writer at a time, while `charges` (the attribution) reads only
+any other, so DuckDB sees one writer at a time, while `attribution` reads only
 the lake and runs beside them. LANES is 2, one per core here; STEPLEDGER_BACKFILL_LANES
 overrides it. (A process per step, on the multiprocess executor, spent 2-2.6 s importing
 before each step did any work: QUICK took 2057 s that way against 952 s in process, on the
@@ -106,7 +106,7 @@ def backfill_job():
 def run_tags(hour_key: str, pool: str) -> dict[str, str]:
     """The tags Dagster gives a run of one (hour, pool) partition."""
     from assets.partitions import partition_key
-    from pipeline.warehouse import parse_hour_key
+    from pipeline.hours import parse_hour_key
 
     key = partition_key(parse_hour_key(hour_key), pool)
     return {
@@ -155,8 +155,8 @@ def _tree_rss_bytes(root_pids: list[int]) -> int:
 
 def backfill(data: Path, hours: int) -> tuple[float, int]:
     """Run every pool-hour of `data` in a fresh copy of its outputs; (wall seconds, peak bytes)."""
+    from pipeline.hours import hour_key
     from pipeline.simulator import DEFAULT_START
-    from pipeline.warehouse import hour_key
     from schemas.config import load_pools
 
     pools = load_pools(data / "pools.yaml")

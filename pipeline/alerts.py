@@ -34,8 +34,11 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Literal, Protocol, TextIO
 
-from pipeline.dcgm import hour_key
+import duckdb
+
+from pipeline.hours import hour_key, to_warehouse
 from pipeline.reconcile import CheckResult
+from pipeline.warehouse import transaction
 from schemas.config import Settings
 
 log = logging.getLogger(__name__)
@@ -114,6 +117,32 @@ def alert_for(result: CheckResult, raised_at: datetime) -> Alert:
             result.check_name, result.hour, result.pool, result.replica, result.finding
         ),
     )
+
+
+def record_alerts(con: duckdb.DuckDBPyConnection, results: Iterable[CheckResult]) -> None:
+    """Add an `alerts` row for each failed result not recorded before (keyed by `dedup_key`),
+    so a re-run of a failing hour adds no second row."""
+    raised_at = datetime.now(UTC).replace(tzinfo=None)
+    with transaction(con):
+        for r in results:
+            if r.passed:
+                continue
+            key = dedup_key(r.check_name, r.hour, r.pool, r.replica, r.finding)
+            con.execute(
+                "INSERT INTO alerts SELECT ?, ?, ?, ?, ?, ?, ?, ? "
+                "WHERE NOT EXISTS (SELECT 1 FROM alerts WHERE dedupe_key = ?)",
+                [
+                    raised_at,
+                    r.severity,
+                    r.check_name,
+                    to_warehouse(r.hour),
+                    r.pool,
+                    r.replica,
+                    r.detail,
+                    key,
+                    key,
+                ],
+            )
 
 
 # --- where sent keys live -----------------------------------------------------------------

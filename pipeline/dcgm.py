@@ -13,11 +13,13 @@ from __future__ import annotations
 import math
 import os
 import re
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 from os import PathLike
 from pathlib import Path
 
 import polars as pl
+
+from pipeline.hours import hour_bounds_ns, hour_key
 
 GR_ENGINE_ACTIVE = "DCGM_FI_PROF_GR_ENGINE_ACTIVE"
 
@@ -190,23 +192,6 @@ def parse_dcgm(
             f"timestamps (first at {first['timestamp_ns']} ns)"
         )
     return samples.sort("uuid", "timestamp_ns")
-
-
-def hour_key(hour: datetime) -> str:
-    """The "YYYY-MM-DDTHH" key of a UTC hour."""
-    return hour.astimezone(UTC).strftime("%Y-%m-%dT%H")
-
-
-def hour_bounds_ns(hour: datetime) -> tuple[int, int]:
-    """[start, end) of a UTC hour in integer nanoseconds since the epoch."""
-    if hour.tzinfo is None:
-        raise ValueError(f"hour {hour} has no time zone; pass an aware UTC datetime")
-    start = hour.astimezone(UTC)
-    if (start.minute, start.second, start.microsecond) != (0, 0, 0):
-        raise ValueError(f"hour {hour} is not at :00")
-    epoch = datetime(1970, 1, 1, tzinfo=UTC)
-    start_ns = (start - epoch) // timedelta(microseconds=1) * 1_000
-    return start_ns, start_ns + 3_600 * 1_000_000_000
 
 
 def read_dcgm_hour(dcgm_dir: str | PathLike[str], hour: datetime) -> pl.DataFrame:

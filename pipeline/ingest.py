@@ -31,8 +31,9 @@ import duckdb
 import polars as pl
 import pyarrow as pa
 
+from pipeline.hours import hour_key
 from pipeline.steplog import read_segments
-from pipeline.warehouse import hour_key, insert_frame, transaction
+from pipeline.warehouse import insert_frame, transaction
 from schemas.tables import HOLDERS, SLOTS, STEPS
 
 NS_PER_HOUR = 3_600_000_000_000

@@ -3,7 +3,8 @@
 One pure function per check, over polars frames with the pipeline's table schemas
 (`schemas.tables` STEPS, DROPS, DAMAGE, SEGMENTS; the warehouse's `invoices` and
 `ledger_lines`), for one pool and one UTC hour. Each returns `CheckResult`s that map one to one
-onto rows of the `reconciliation` table; the failed ones also become `alerts` rows.
+onto rows of the `reconciliation` table; the failed ones also become `alerts` rows
+(`pipeline.alerts.record_alerts`). `reconcile_hour` runs them all on one pool-hour.
 
 Severity (what pages, what holds an hour back from the finance views):
 
@@ -19,7 +20,7 @@ Severity (what pages, what holds an hour back from the finance views):
 | unattributed      | pool    | share above the pool's threshold          | ERROR    | no       |
 | calibration       | replica | no coefficients (fitted weights)          | ERROR    | no       |
 | calibration       | replica | engine version unmeasured (kernel weights)| WARN     | no       |
-| calibration_drift | pool    | fresh fit drifted (fitted / kernel)       | ERROR/WARN | no     |
+| calibration_drift | pool    | fresh fit drifted (fitted weights only)   | ERROR    | no       |
 | deadman           | pool    | hours not reconciled in time (alerts.py)  | ERROR    | no       |
 
 Sequence, time and money decide whether the numbers are complete and exact, so a failure
@@ -34,13 +35,28 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import PurePath
+from pathlib import Path, PurePath
 from typing import Literal
 
+import duckdb
 import numpy as np
 import polars as pl
 
-from pipeline.dcgm import hour_bounds_ns, hour_key
+from pipeline.attribution import CalibrationError, CalibrationStore, fit_coefficients
+from pipeline.dcgm import read_dcgm_hour
+from pipeline.hours import (
+    HOUR_NS,
+    from_warehouse,
+    hour_bounds_ns,
+    hour_key,
+    to_warehouse,
+    utc_hour,
+)
+from pipeline.ingest import committed_batches
+from pipeline.lake import HourInput, last_seq_before, load_hour
+from pipeline.ledger import LINE_KINDS
+from pipeline.warehouse import query_frame, record_checks
+from pricing import load_chip
 from schemas.config import Pool, Settings
 
 Severity = Literal["ERROR", "WARN"]
@@ -49,40 +65,14 @@ SeqRange = tuple[int, int]  # inclusive first, last
 CalibrationKey = tuple[str, str, str, str]
 
 NS_PER_S = 1_000_000_000
-HOUR_NS = 3_600 * NS_PER_S
 # The (monotonic, wall) anchor pair of a segment is read from two clocks microseconds apart, so
 # UTC placements of consecutive steps may overlap by that much; a millisecond means the wall
 # clock stepped backwards.
 OVERLAP_ALLOWANCE_NS = 1_000_000
 # Line kinds that charge work done for requests (the denominator of the unattributed share).
 WORK_LINE_KINDS = ("usage", "unattributed", "platform_retry")
-LINE_KINDS = ("usage", "idle", "headroom", "unattributed", "platform_retry", "cache_credit")
 # Ranges listed in a detail before the rest is summarised as a count.
 RANGES_LISTED = 20
-
-RECONCILIATION_SCHEMA = pl.Schema(
-    {
-        "hour": pl.Datetime("us"),
-        "pool": pl.String,
-        "replica": pl.String,
-        "check_name": pl.String,
-        "passed": pl.Boolean,
-        "expected": pl.String,
-        "observed": pl.String,
-        "detail": pl.String,
-    }
-)
-ALERTS_SCHEMA = pl.Schema(
-    {
-        "raised_at": pl.Datetime("us"),
-        "severity": pl.String,
-        "kind": pl.String,
-        "hour": pl.Datetime("us"),
-        "pool": pl.String,
-        "replica": pl.String,
-        "detail": pl.String,
-    }
-)
 
 
 @dataclass(frozen=True)
@@ -161,54 +151,6 @@ def _result(
         any(f.blocking for f in findings),
         "+".join(f.code for f in findings),
     )
-
-
-# --- table rows ---------------------------------------------------------------------------
-
-
-def _naive_utc(moment: datetime) -> datetime:
-    return moment.astimezone(UTC).replace(tzinfo=None)
-
-
-def reconciliation_frame(results: Iterable[CheckResult]) -> pl.DataFrame:
-    """Rows of the `reconciliation` table; hours are naive UTC, as DuckDB `TIMESTAMP` stores them."""
-    rows = [
-        (
-            _naive_utc(r.hour),
-            r.pool,
-            r.replica,
-            r.check_name,
-            r.passed,
-            r.expected,
-            r.observed,
-            r.detail,
-        )
-        for r in results
-    ]
-    return pl.DataFrame(rows, schema=RECONCILIATION_SCHEMA, orient="row")
-
-
-def alerts_frame(results: Iterable[CheckResult], raised_at: datetime) -> pl.DataFrame:
-    """Rows of the `alerts` table: one per failed result; `kind` is the check name."""
-    rows = [
-        (
-            _naive_utc(raised_at),
-            r.severity,
-            r.check_name,
-            _naive_utc(r.hour),
-            r.pool,
-            r.replica,
-            r.detail,
-        )
-        for r in results
-        if not r.passed
-    ]
-    return pl.DataFrame(rows, schema=ALERTS_SCHEMA, orient="row")
-
-
-def blocking_failures(results: Iterable[CheckResult]) -> list[CheckResult]:
-    """Failed results that hold the hour back from the finance views."""
-    return [r for r in results if not r.passed and r.blocking]
 
 
 # --- sequence ranges ----------------------------------------------------------------------
@@ -1077,3 +1019,155 @@ def _drift(
         severity=severity,
         blocking=False,
     )
+
+
+# --- one pool-hour, from the lake, the warehouse and the DCGM scrapes ----------------------
+
+
+# The reconciliation checks run on every pool-hour (the table above says which block).
+CHECKS = (
+    "sequence",
+    "time",
+    "money",
+    "plausibility",
+    "unattributed",
+    "calibration",
+    "calibration_drift",
+)
+
+
+def _pool_rows(con: duckdb.DuckDBPyConnection, table: str, pool: Pool) -> pl.DataFrame:
+    """A warehouse table's rows for the pool's replicas (damage by the replica outbox holding the file)."""
+    if table == "damage":
+        return query_frame(
+            con,
+            "SELECT * FROM damage WHERE list_contains(?, regexp_extract(path, '([^/]+)/[^/]*$', 1))",
+            [[r.id for r in pool.replicas]],
+        )
+    return query_frame(con, f"SELECT * FROM {table} WHERE pool = ?", [pool.name])
+
+
+def check_calibration_of_hour(
+    con: duckdb.DuckDBPyConnection,
+    pool: Pool,
+    hour: datetime,
+    data: HourInput,
+    settings: Settings,
+    store: CalibrationStore,
+) -> list[CheckResult]:
+    """The calibration check of one pool-hour: the engine and driver versions of the segments
+    the hour's steps came from, against the calibration `store` (a CalibrationStore) and the
+    engine release the pricing kernel's chip coefficients were measured on.
+
+    A kernel-weights pool passes for the kernel's own release and for any version with a
+    stored sweep; another version is a WARN (its charges stand, the kernel was not measured
+    on it). A fitted-weights pool needs stored coefficients for every version (ERROR
+    otherwise), and the hour's own steps are fitted afresh and compared with the stored fit
+    of the version that logged most of them (`calibration_drift`). Kernel-weights pools get
+    no drift row: their charges do not use the fit, and a linear fit's coefficients move with
+    the workload's batch mix (a few minutes' sweep against a busy hour differ by over 10%),
+    which would only warn about traffic."""
+    segment_ids = data.steps["segment_id"].unique()
+    segments = _pool_rows(con, "segments", pool).filter(
+        pl.col("segment_id").is_in(segment_ids.implode())
+    )
+    key_columns = ["model", "gpu_type", "engine_version", "driver_version"]
+    versions = (
+        segments.group_by(key_columns)
+        .agg(pl.col("steps").sum(), pl.col("segment_id"))
+        .sort("steps", *key_columns, descending=[True, False, False, False, False])
+    )
+    stored_fit = fresh_fit = None
+    # Fit only the steps of the version that logged most of the hour among those with a
+    # stored fit: other versions' steps would blur the fresh fit.
+    calibrated = pool.policies.weights == "fitted" and next(
+        (
+            (version, stored)
+            for version in versions.iter_rows(named=True)
+            if (stored := store.lookup(*(version[c] for c in key_columns))) is not None
+        ),
+        None,
+    )
+    if calibrated:
+        version, stored = calibrated
+        steps = data.steps.filter(pl.col("segment_id").is_in(version["segment_id"]))
+        slots = data.slots.join(steps.select("replica", "seq"), on=["replica", "seq"], how="semi")
+        try:
+            fresh = fit_coefficients(steps, slots).coefficients
+        except CalibrationError:
+            pass  # too few or too uniform steps in the hour to fit: no drift to measure
+        else:
+            stored_fit, fresh_fit = (
+                {n: getattr(c, n) for n in ("c0_ms", "a_ms", "b_ms")} for c in (stored, fresh)
+            )
+    return check_calibration(
+        hour,
+        pool,
+        segments,
+        [entry.key for entry in store.entries],
+        settings,
+        kernel_engine_version=load_chip(pool.gpu_type).measured_engine.version,
+        stored_fit=stored_fit,
+        fresh_fit=fresh_fit,
+    )
+
+
+def reconcile_hour(
+    con: duckdb.DuckDBPyConnection,
+    lake: Path,
+    dcgm_dir: Path,
+    pool: Pool,
+    hour: datetime,
+    settings: Settings,
+    *,
+    calibration_file: Path | None = None,
+) -> list[CheckResult]:
+    """Run the CHECKS on one published pool-hour and record them in the warehouse's
+    `reconciliation` table (`pipeline.alerts.record_alerts` adds the failures to `alerts`).
+
+    `calibration_file`: the calibration store (`<data dir>/calibration.yaml`); without one no
+    engine version has been calibrated."""
+    hour = utc_hour(hour)
+    batches = committed_batches(con)
+    data = load_hour(lake, pool.name, hour, batches)
+    steps = data.steps
+    store = (
+        CalibrationStore.load(calibration_file)
+        if calibration_file is not None
+        else CalibrationStore()
+    )
+    at_hour = [to_warehouse(hour), pool.name]
+    invoices = query_frame(con, "SELECT * FROM invoices WHERE hour = ? AND pool = ?", at_hour)
+    lines = query_frame(con, "SELECT * FROM ledger_lines WHERE hour = ? AND pool = ?", at_hour)
+    results = [
+        *check_sequence(
+            hour,
+            pool,
+            steps,
+            _pool_rows(con, "drops", pool),
+            _pool_rows(con, "damage", pool),
+            _pool_rows(con, "segments", pool),
+            last_seq_before=last_seq_before(lake, pool.name, hour, batches),
+        ),
+        *check_time(hour, pool, steps, settings),
+        *check_money(hour, pool, invoices, lines),
+        *check_plausibility(hour, pool, steps, read_dcgm_hour(dcgm_dir, hour), settings),
+        *check_unattributed(hour, pool, lines),
+        *check_calibration_of_hour(con, pool, hour, data, settings, store),
+    ]
+    record_checks(con, hour, pool.name, list(CHECKS), results)
+    return results
+
+
+def failed_checks(con: duckdb.DuckDBPyConnection, pool: str, hour: datetime) -> list[CheckResult]:
+    """The hour's failed reconciliation results, as recorded in the warehouse."""
+    rows = query_frame(
+        con,
+        "SELECT hour, pool, replica, check_name, passed, expected, observed, detail, severity, blocking, finding "
+        "FROM reconciliation WHERE hour = ? AND pool = ? AND NOT passed ORDER BY check_name, replica",
+        [to_warehouse(hour), pool],
+    )
+    return [
+        CheckResult(**{**row, "hour": from_warehouse(row["hour"])})
+        for row in rows.iter_rows(named=True)
+    ]

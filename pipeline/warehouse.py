@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 
 import duckdb
 import polars as pl
+
+from pipeline.hours import hour_key, utc_hour
 
 SQL_DIR = Path(__file__).resolve().parent.parent / "sql"
 SCHEMA_SQL = SQL_DIR / "schema.sql"
@@ -70,31 +72,6 @@ def transaction(con: duckdb.DuckDBPyConnection) -> Iterator[duckdb.DuckDBPyConne
         con.execute("ROLLBACK")
         raise
     con.execute("COMMIT")
-
-
-def hour_key(hour: datetime) -> str:
-    """'YYYY-MM-DDTHH' of a UTC hour."""
-    return utc_hour(hour).strftime("%Y-%m-%dT%H")
-
-
-def parse_hour_key(key: str) -> datetime:
-    """The UTC hour of 'YYYY-MM-DDTHH' (also accepts Dagster's 'YYYY-MM-DD-HH:MM')."""
-    for fmt in ("%Y-%m-%dT%H", "%Y-%m-%d-%H:%M"):
-        try:
-            return datetime.strptime(key, fmt).replace(tzinfo=UTC)
-        except ValueError:
-            continue
-    raise ValueError(f"hour {key!r} is not of the form YYYY-MM-DDTHH")
-
-
-def utc_hour(hour: datetime) -> datetime:
-    """`hour` as an aware UTC datetime; it must fall on :00:00."""
-    if hour.tzinfo is None:
-        hour = hour.replace(tzinfo=UTC)
-    hour = hour.astimezone(UTC)
-    if (hour.minute, hour.second, hour.microsecond) != (0, 0, 0):
-        raise ValueError(f"{hour.isoformat()} is not the start of an hour")
-    return hour
 
 
 def _naive(hour: datetime) -> datetime:
@@ -157,11 +134,7 @@ def record_checks(
     con: duckdb.DuckDBPyConnection, hour: datetime, pool: str, check_names: list[str], results: list
 ) -> None:
     """Replace the hour's rows of the named checks with `results` (objects with the
-    reconciliation columns as attributes, e.g. pipeline.reconcile.CheckResult), and add an
-    `alerts` row for each failure not recorded before (keyed by pipeline.alerts.dedup_key), so
-    a re-run of a failing hour adds no second row."""
-    from pipeline.alerts import dedup_key
-
+    reconciliation columns as attributes, e.g. pipeline.reconcile.CheckResult)."""
     stray = sorted({r.check_name for r in results} - set(check_names))
     if stray:
         raise WarehouseError(
@@ -205,23 +178,3 @@ def record_checks(
         )
         if rows.height:
             insert_frame(con, "reconciliation", rows)
-        raised_at = datetime.now(UTC).replace(tzinfo=None)
-        for r in results:
-            if r.passed:
-                continue
-            key = dedup_key(r.check_name, hour, pool, r.replica, r.finding)
-            con.execute(
-                "INSERT INTO alerts SELECT ?, ?, ?, ?, ?, ?, ?, ? "
-                "WHERE NOT EXISTS (SELECT 1 FROM alerts WHERE dedupe_key = ?)",
-                [
-                    raised_at,
-                    r.severity,
-                    r.check_name,
-                    naive_hour,
-                    pool,
-                    r.replica,
-                    r.detail,
-                    key,
-                    key,
-                ],
-            )

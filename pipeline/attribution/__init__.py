@@ -23,20 +23,13 @@ from pipeline.attribution.calibration import (
     relative_drift,
     weights_for_log,
 )
-from pipeline.attribution.clock import (
-    HOUR_NS,
-    cumulative_nano,
-    hour_key,
-    hour_start_ns,
-    step_costs_in_hour,
-)
+from pipeline.attribution.clock import cumulative_nano, step_costs_in_hour
 from pipeline.attribution.hour import (
     LEDGER_LINE_SCHEMA,
-    LINE_KINDS,
     REPLICA_FACTS_SCHEMA,
     REQUEST_COST_SCHEMA,
     AttributionError,
-    HourLedger,
+    HourAttribution,
     attribute_hour,
     idle_lines,
 )
@@ -52,9 +45,7 @@ from pipeline.attribution.workmodel import (
 )
 
 __all__ = [
-    "HOUR_NS",
     "LEDGER_LINE_SCHEMA",
-    "LINE_KINDS",
     "REPLICA_FACTS_SCHEMA",
     "REQUEST_COST_SCHEMA",
     "AllocationError",
@@ -68,7 +59,7 @@ __all__ = [
     "FitResult",
     "FittedWeights",
     "GroupedRows",
-    "HourLedger",
+    "HourAttribution",
     "KernelWeights",
     "SlotBatch",
     "WeightSource",
@@ -80,8 +71,6 @@ __all__ = [
     "cumulative_nano",
     "fit_coefficients",
     "fitted_work_ms",
-    "hour_key",
-    "hour_start_ns",
     "idle_lines",
     "kernel_work_us",
     "largest_remainder",

@@ -13,29 +13,13 @@ M(end) - M(start) of the part of it that lies in the hour. Consequences:
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
-
 import numpy as np
 
-HOUR_NS = 3_600_000_000_000
+from pipeline.hours import HOUR_NS
+
 # t < 2**42 within an hour; splitting t = high * 2**20 + low keeps every product below 2**63.
 _LOW_BITS = 20
 _MAX_PRICE_PER_HOUR_NANO = (1 << 63) // (HOUR_NS >> _LOW_BITS) // 2
-
-
-def hour_start_ns(hour_start: datetime) -> int:
-    """The hour's start as UTC epoch ns; the datetime must be an exact UTC hour."""
-    if hour_start.tzinfo is None:
-        raise ValueError(f"hour {hour_start!r} has no time zone; pass an aware UTC datetime")
-    utc = hour_start.astimezone(UTC)
-    if (utc.minute, utc.second, utc.microsecond) != (0, 0, 0):
-        raise ValueError(f"hour {hour_start.isoformat()} does not start at :00:00 UTC")
-    return (utc - datetime(1970, 1, 1, tzinfo=UTC)) // timedelta(microseconds=1) * 1000
-
-
-def hour_key(hour_start: datetime) -> str:
-    """'YYYY-MM-DDTHH' of a UTC hour."""
-    return hour_start.astimezone(UTC).strftime("%Y-%m-%dT%H")
 
 
 def cumulative_nano(offset_ns: np.ndarray, price_per_hour_nano: int) -> np.ndarray:

@@ -29,11 +29,12 @@ import numpy as np
 import polars as pl
 
 from pipeline.attribution.allocator import blend_and_allocate, largest_remainder, split_compute_kv
-from pipeline.attribution.clock import HOUR_NS, hour_start_ns, step_costs_in_hour
+from pipeline.attribution.clock import step_costs_in_hour
 from pipeline.attribution.kv import alpha_for_period, first_writer_blocks, holder_blocks
 from pipeline.attribution.layout import AttributionError, StepKeys, gather, lay_out_rows
 from pipeline.attribution.rollup import RequestTotals, largest_per_request
 from pipeline.attribution.workmodel import SlotBatch, WeightSource
+from pipeline.hours import HOUR_NS, hour_start_ns
 from schemas.config import Pool
 
 UNATTRIBUTED = "(unattributed)"
@@ -41,7 +42,6 @@ PLATFORM_RETRY_FEATURE = "(platform-retry)"
 IDLE_FEATURE = "(idle)"
 HEADROOM_FEATURE = "(headroom)"
 CACHE_FEATURE = "(prefix-cache)"
-LINE_KINDS = ("usage", "idle", "headroom", "unattributed", "platform_retry", "cache_credit")
 
 LEDGER_LINE_SCHEMA = {
     "hour": pl.Datetime("us"),
@@ -99,8 +99,8 @@ _ROWS_PER_BATCH = 1 << 20
 
 
 @dataclass(frozen=True)
-class HourLedger:
-    """One pool-hour, attributed.
+class HourAttribution:
+    """One pool-hour, attributed: its ledger rows and the facts that explain them.
 
     `ledger_lines` has exactly the warehouse `ledger_lines` columns and sums to
     `invoice["amount_nano"]`; `request_costs` has exactly the warehouse `request_costs`
@@ -451,7 +451,7 @@ def attribute_hour(
     holders: pl.DataFrame,
     context: pl.DataFrame,
     weights: WeightSource,
-) -> HourLedger:
+) -> HourAttribution:
     """Attribute one pool-hour.
 
     `steps`, `slots`, `holders` follow schemas.tables STEPS/SLOTS/HOLDERS (as polars frames) and
@@ -548,7 +548,7 @@ def attribute_hour(
     by_kind = requests.group_by("line_kind").agg(pl.col("amount_nano").sum(), pl.len())
     kind_amount = dict(zip(by_kind["line_kind"], by_kind["amount_nano"], strict=False))
     kind_count = dict(zip(by_kind["line_kind"], by_kind["len"], strict=False))
-    return HourLedger(
+    return HourAttribution(
         invoice={
             "hour": hour_value,
             "pool": pool.name,

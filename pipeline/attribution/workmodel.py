@@ -175,7 +175,8 @@ def kernel_work_us(
 class WeightSource(Protocol):
     """What attribute_hour needs from a work-weight source."""
 
-    version: str
+    @property
+    def version(self) -> str: ...
 
     def compute_work(self, batch: SlotBatch, policy: FixedCostPolicy) -> np.ndarray: ...
 

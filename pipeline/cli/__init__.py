@@ -1,4 +1,5 @@
-"""The `stepledger` command line.
+"""The `stepledger` command line: the commands that need no Dagster. The installed
+`stepledger` (`assets.cli.main`) adds those that run the Dagster definitions.
 
 Each command lives in its own module and is imported only when it runs, so `stepledger
 --help` stays fast and one command's heavy imports (Dagster, the kernel) do not slow another.
@@ -7,40 +8,24 @@ Each command lives in its own module and is imported only when it runs, so `step
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
+from typing import Any
 
 import click
 
 # command name -> "module:attribute" of its click command, in the order --help lists them.
 COMMANDS: dict[str, str] = {
-    "demo": "pipeline.cli.demo:demo_command",
     "simulate": "pipeline.cli.simulate:simulate_command",
-    "run": "pipeline.cli.run:run_command",
     "costs": "pipeline.cli.costs:costs_command",
     "report": "pipeline.cli.report:report_command",
     "inspect": "pipeline.cli.inspect:inspect_command",
     "price": "pipeline.cli.price:price_command",
     "calibrate": "pipeline.cli.calibrate:calibrate_command",
     "explain-step": "pipeline.cli.explain_step:explain_step_command",
-    "dev": "pipeline.cli.dev:dev_command",
 }
 
 
-class _LazyGroup(click.Group):
-    def list_commands(self, ctx: click.Context) -> list[str]:
-        return list(COMMANDS)
-
-    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        target = COMMANDS.get(name)
-        if target is None:
-            return None
-        module_name, attribute = target.split(":")
-        return getattr(importlib.import_module(module_name), attribute)
-
-
-@click.group(
-    cls=_LazyGroup,
-    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
-    epilog="""\b
+EPILOG = """\b
 Environment:
   STEPLEDGER_DATA                 data directory of the Dagster code location (default demo-run)
   STEPLEDGER_WAREHOUSE            the DuckDB file (default DATA/warehouse.duckdb)
@@ -53,29 +38,61 @@ Environment:
   STEPLEDGER_OUTBOX, STEPLEDGER_REPLICA, STEPLEDGER_POOLS, STEPLEDGER_DRIVER_VERSION
                                   the vLLM hook's outbox, replica id, pools file and driver version
 
-Documentation: docs/README.md. Every command takes --help.""",
-)
-@click.version_option(package_name="stepledger")
-def main() -> None:
-    """stepledger: what each tenant, feature and request cost on shared inference GPUs.
+Documentation: docs/README.md. Every command takes --help."""
 
-    An engine hook writes binary step records; stepledger decodes them, prices each slot's
-    work with a per-layer GPU kernel model, splits every measured step among its requests in
-    integer nano-dollars, labels idle and headroom, and reconciles every hour.
 
-    \b
-    Try it:
-      stepledger demo                        simulate the default pools and bill one hour
-      stepledger costs --by feature          what each tenant and feature cost (published hours)
-      stepledger report                      an HTML report that opens offline
-    \b
-    On your own data:
-      stepledger inspect OUTBOX              what the step segments hold, gaps and damage
-      stepledger run --data DIR              ingest, attribute, publish and reconcile every hour
-      stepledger calibrate --data DIR        fit the work model for an engine version
-      stepledger dev --data DIR              the Dagster UI, schedules and sensors
-    \b
-    Understand a number:
-      stepledger price --model M --gpu G --tp N --decode B --context L
-      stepledger explain-step STEP.json      how one step was split, and why
-    """
+class _LazyGroup(click.Group):
+    def __init__(self, *args: Any, lazy_commands: Mapping[str, str], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lazy_commands = dict(lazy_commands)
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(self.lazy_commands)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        target = self.lazy_commands.get(name)
+        if target is None:
+            return None
+        module_name, attribute = target.split(":")
+        command: click.Command = getattr(importlib.import_module(module_name), attribute)
+        return command
+
+
+def command_line(commands: Mapping[str, str]) -> click.Group:
+    """The `stepledger` group over `commands` (name -> "module:attribute" of each command)."""
+
+    @click.group(
+        cls=_LazyGroup,
+        lazy_commands=commands,
+        context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+        epilog=EPILOG,
+    )
+    @click.version_option(package_name="stepledger")
+    def main() -> None:
+        """stepledger: what each tenant, feature and request cost on shared inference GPUs.
+
+        An engine hook writes binary step records; stepledger decodes them, prices each slot's
+        work with a per-layer GPU kernel model, splits every measured step among its requests in
+        integer nano-dollars, labels idle and headroom, and reconciles every hour.
+
+        \b
+        Try it:
+          stepledger demo                        simulate the default pools and bill one hour
+          stepledger costs --by feature          what each tenant and feature cost (published hours)
+          stepledger report                      an HTML report that opens offline
+        \b
+        On your own data:
+          stepledger inspect OUTBOX              what the step segments hold, gaps and damage
+          stepledger run --data DIR              ingest, attribute, publish and reconcile every hour
+          stepledger calibrate --data DIR        fit the work model for an engine version
+          stepledger dev --data DIR              the Dagster UI, schedules and sensors
+        \b
+        Understand a number:
+          stepledger price --model M --gpu G --tp N --decode B --context L
+          stepledger explain-step STEP.json      how one step was split, and why
+        """
+
+    return main
+
+
+main = command_line(COMMANDS)

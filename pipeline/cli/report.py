@@ -47,7 +47,7 @@ def report_command(
       stepledger report --day 2026-11-30 --out nov30.html
       stepledger report --warehouse /srv/ledger/warehouse.duckdb --hour 2026-11-30T05
     """
-    from assets.resources import pools_file
+    from pipeline.datadir import pools_file
     from pipeline.report import ReportError, Scope, write_report
     from pipeline.warehouse import WarehouseError
     from schemas.config import ConfigError, load_pools

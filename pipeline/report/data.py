@@ -1,15 +1,14 @@
 """What the report shows, read from the warehouse (read-only) and the Parquet lake.
 
 Money stays integer nano-dollars here; the renderer turns it into dollars. The per-resource
-breakdown is not stored in the warehouse: it is recomputed from the hour's slots in the lake
-with the pool's pricing kernel, and each request's compute charge is split over the five
-resources in proportion to the kernel's work, so a tenant's resource columns add up exactly to
-its compute charge.
+breakdown comes from the kernel's work per request and resource that attribution stored with
+each hour's ledger in the lake (`pipeline.attribute.resource_parts`): each request's compute
+charge is split over the five resources in proportion to it, so a tenant's resource columns
+add up exactly to its compute charge.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -18,10 +17,15 @@ import duckdb
 import numpy as np
 import polars as pl
 
-from pipeline.warehouse import connect_read_only, hour_key, query_frame, utc_hour
+from pipeline.attribution import largest_remainder
+from pipeline.hours import from_warehouse, hour_key, parse_hour_key, to_warehouse
+from pipeline.lake import load_ledger
+from pipeline.ledger import RESOURCES
+from pipeline.warehouse import connect_read_only, query_frame
+from pipeline.weights import kernel_weights
+from pricing import deployment_for_pool
 from schemas.config import Pool, PoolsFile
 
-RESOURCES = ("sm", "hbm", "nvlink", "nic", "host")
 UNATTRIBUTED = "(unattributed)"
 SWEEP_BATCHES = np.arange(1, 257)
 # Decode context used for the bottleneck chart when the lake holds no decode slot of the pool.
@@ -51,8 +55,6 @@ class Scope:
 
     @classmethod
     def hour(cls, key: str) -> Scope:
-        from pipeline.warehouse import parse_hour_key
-
         start = parse_hour_key(key)
         return cls(start, start + timedelta(hours=1), f"hour {hour_key(start)} UTC")
 
@@ -65,6 +67,7 @@ class Scope:
         return cls(start, start + timedelta(days=1), f"day {text} UTC")
 
     def params(self) -> list[datetime]:
+        # Not to_warehouse: the scope's ends need not be hours the warehouse can hold.
         return [self.start.replace(tzinfo=None), self.end.replace(tzinfo=None)]
 
 
@@ -187,38 +190,6 @@ def load_report(
     )
 
 
-@functools.cache
-def _kernel(pool_json: str):
-    # Keyed by the pool's JSON (a Pool holds lists, so it is not hashable); one build per pool.
-    from pricing import Kernel, deployment_for_pool
-
-    return Kernel.build(deployment_for_pool(Pool.model_validate_json(pool_json)))
-
-
-def _slot_resource_work(pool: Pool, steps: pl.DataFrame, slots: pl.DataFrame) -> np.ndarray:
-    """Each slot's kernel work per resource (n_slots, 5) in us: its own part plus its share of
-    the step's fixed part under the pool's fixed-cost policy, exactly as attribution weighs it."""
-    from pipeline.attribution.workmodel import SlotBatch, split_fixed
-
-    batch = SlotBatch(
-        step_index=slots["step"].to_numpy(),
-        n_steps=steps.height,
-        new_tokens=slots["new_tokens"].to_numpy().astype(np.int64),
-        context_tokens=slots["context_tokens"].to_numpy().astype(np.int64),
-        prompt_tokens=slots["prompt_tokens"].to_numpy().astype(np.int64),
-    )
-    fixed_us, slot_us = _kernel(pool.model_dump_json()).slot_work_many(
-        batch.step_index, batch.new_tokens, batch.context_tokens, batch.prompt_tokens, batch.n_steps
-    )
-    fixed_split = np.column_stack(
-        [
-            split_fixed(fixed_us[:, r], batch, pool.policies.fixed_cost)
-            for r in range(len(RESOURCES))
-        ]
-    )
-    return fixed_split + slot_us
-
-
 def _resource_breakdown(
     con: duckdb.DuckDBPyConnection,
     pools: PoolsFile,
@@ -230,49 +201,25 @@ def _resource_breakdown(
 
     Also returns each pool's median decode context over the scope (for the bottleneck chart).
     """
-    from pipeline.attribution import largest_remainder
-    from pipeline.hourly import load_hour
-    from pipeline.ingest import committed_batches
-
-    batches = committed_batches(con)
     per_request = []
-    decode_contexts: dict[str, list[np.ndarray]] = {}
-    for hour, pool_name in invoices.select("hour", "pool").iter_rows():
-        hour = utc_hour(hour)
-        try:
-            pool = pools.pool(pool_name)
-        except KeyError:
+    decode_contexts: dict[str, list[pl.DataFrame]] = {}
+    for stored_hour, pool_name in invoices.select("hour", "pool").iter_rows():
+        hour = from_warehouse(stored_hour)
+        if pool_name not in {p.name for p in pools.pools}:
             notes.append(f"pool {pool_name} is not in the pools file: no resource breakdown for it")
             continue
-        data = load_hour(lake, pool_name, hour, batches)
-        costs = query_frame(con, _REQUEST_COSTS, [hour.replace(tzinfo=None), pool_name])
-        if data.slots.is_empty():
+        costs = query_frame(con, _REQUEST_COSTS, [to_warehouse(hour), pool_name])
+        try:
+            ledger = load_ledger(lake, pool_name, hour)
+        except FileNotFoundError:
             if costs.height:
                 notes.append(
-                    f"{hour_key(hour)} {pool_name}: no slots in {lake}, so its requests are "
+                    f"{hour_key(hour)} {pool_name}: no ledger in {lake}, so its requests are "
                     "missing from the resource breakdown"
                 )
             continue
-        steps = data.steps.with_row_index("step").select(
-            "replica", "seq", pl.col("step").cast(pl.Int64)
-        )
-        slots = data.slots.join(steps, on=["replica", "seq"], how="inner").sort(
-            "step", "slot_index"
-        )
-        work = _slot_resource_work(pool, steps, slots)
-        decode = (slots["context_tokens"] >= slots["prompt_tokens"]) & (
-            slots["new_tokens"] <= pool.engine.decode_threshold
-        )
-        decode_contexts.setdefault(pool_name, []).append(
-            slots.filter(decode)["context_tokens"].to_numpy()
-        )
-        request_work = (
-            slots.select("request_id")
-            .with_columns(pl.Series(f"{r}_us", work[:, i]) for i, r in enumerate(RESOURCES))
-            # Ordered groups keep float sums in one order, so the same data draws the same chart.
-            .group_by("request_id", maintain_order=True)
-            .agg(pl.col(f"{r}_us").sum() for r in RESOURCES)
-        )
+        decode_contexts.setdefault(pool_name, []).append(ledger.decode_contexts)
+        request_work = ledger.resource_work
         # Requests that only held KV blocks in the hour have no slot work and no compute charge;
         # they stay in for their KV memory.
         joined = costs.join(request_work, on="request_id", how="left").with_columns(
@@ -284,7 +231,7 @@ def _resource_breakdown(
         if unexplained.height:
             notes.append(
                 f"{hour_key(hour)} {pool_name}: {unexplained.height} request(s) charged for compute have no "
-                f"slots in {lake} (e.g. {unexplained['request_id'][0]}); they are left out of the resource "
+                f"slot work stored in {lake} (e.g. {unexplained['request_id'][0]}); they are left out of the resource "
                 "breakdown"
             )
             joined = joined.join(unexplained.select("request_id"), on="request_id", how="anti")
@@ -325,21 +272,29 @@ def _resource_breakdown(
     return by_tenant, _medians(decode_contexts)
 
 
-def _medians(contexts: dict[str, list[np.ndarray]]) -> dict[str, int]:
+def _medians(contexts: dict[str, list[pl.DataFrame]]) -> dict[str, int]:
+    """Each pool's median decode context over its hours' (context_tokens, slots) counts: the
+    middle slot's context, or the mean of the middle two, truncated to whole tokens."""
     medians = {}
     for pool, parts in contexts.items():
-        values = np.concatenate(parts)
-        if values.size:
-            medians[pool] = int(np.median(values))
+        counts = pl.concat(parts).group_by("context_tokens").agg(pl.col("slots").sum())
+        counts = counts.sort("context_tokens")
+        total = int(counts["slots"].sum())
+        if not total:
+            continue
+        values = counts["context_tokens"].to_numpy()
+        ends = np.cumsum(counts["slots"].to_numpy())
+        low, high = (
+            values[np.searchsorted(ends, k, side="right")] for k in ((total - 1) // 2, total // 2)
+        )
+        medians[pool] = int((int(low) + int(high)) / 2)
     return medians
 
 
 def _sweep(pool: Pool, median_context: int | None) -> BottleneckSweep:
     """Price decode batches of 1..256 requests, each at `context` tokens (with the pool's
     speculative tokens), on the pool's deployment."""
-    from pricing import deployment_for_pool
-
-    kernel = _kernel(pool.model_dump_json())
+    kernel = kernel_weights(pool).kernel
     context = median_context if median_context is not None else FALLBACK_CONTEXT
     source = (
         "median decode context in the lake"

@@ -8,11 +8,11 @@ from html import escape
 import numpy as np
 import polars as pl
 
+from pipeline.ledger import LINE_KINDS
 from pipeline.report import charts
 from pipeline.report.data import RESOURCES, ReportData
 from pipeline.report.money import usd, usd_per
 
-LINE_KINDS = ("usage", "idle", "headroom", "unattributed", "platform_retry", "cache_credit")
 KIND_COLOURS = {
     "usage": "#0072B2",
     "idle": "#BAB0AC",

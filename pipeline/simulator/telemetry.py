@@ -21,10 +21,10 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
+from pipeline.hours import HOUR_NS, hour_key
 from pipeline.simulator.workload import RETRY_CAUSES, PoolTraffic
 
 SCRAPE_INTERVAL_NS = 15_000_000_000
-HOUR_NS = 3_600_000_000_000
 DCGM_METRIC = "DCGM_FI_PROF_GR_ENGINE_ACTIVE"
 DCGM_NOISE = 0.02
 # The exporter's `modelName` label per pool GPU type.
@@ -36,10 +36,6 @@ GPU_MODEL_NAMES = {
     "b200": "NVIDIA B200",
     "l40s": "NVIDIA L40S",
 }
-
-
-def hour_key(moment: datetime) -> str:
-    return moment.strftime("%Y-%m-%dT%H")
 
 
 def gpu_model_name(gpu_type: str) -> str:

@@ -13,9 +13,9 @@ import pytest
 import yaml
 from assets_fleet import HOURS, small_pools
 
+from assets.cli.demo import calibrate_from_segments
 from assets.definitions import build_definitions
 from assets.partitions import partition_key
-from pipeline.cli.demo import calibrate_from_segments
 from pipeline.simulator import simulate
 from pipeline.simulator.faults import DRIVER_VERSION, ENGINE_VERSION, UNCALIBRATED_ENGINE_VERSION
 from schemas.config import PoolsFile

@@ -10,8 +10,8 @@ import yaml
 from assets_fleet import small_pools
 from click.testing import CliRunner
 
-from pipeline.cli import main
-from pipeline.cli.demo import DEMO_MARKER, prepare_out_dir
+from assets.cli import main
+from assets.cli.demo import DEMO_MARKER, prepare_out_dir
 from pipeline.simulator.faults import ENGINE_VERSION
 from schemas.config import load_pools
 

@@ -24,7 +24,7 @@ def test_definitions_load(tmp_path: Path) -> None:
     assert {name: node.pool for name, node in nodes.items()} == {
         "step_log": "duckdb",
         "request_context": "duckdb",
-        "charges": None,
+        "attribution": None,
         "ledger": "duckdb",
         "reconciliation": "duckdb",
     }

@@ -32,12 +32,12 @@ def main(argv: list[str]) -> None:
     import dagster as dg
     from hardening_fleet import QUIET
 
-    from assets import pool_hour
+    from assets import pool_hour, reconciliation
     from assets.definitions import build_definitions
     from assets.partitions import partition_key
-    from assets.resources import pools_file
-    from pipeline import context, hourly, ingest
-    from pipeline.warehouse import parse_hour_key
+    from pipeline import gateway, ingest, lake
+    from pipeline.datadir import pools_file
+    from pipeline.hours import parse_hour_key
     from schemas.config import load_pools
 
     warnings.filterwarnings("ignore")
@@ -50,12 +50,12 @@ def main(argv: list[str]) -> None:
         ingest.transaction = die
     stages = [
         (pool_hour, "ingest_outbox"),
-        (context, "load_gateway_files"),
-        (hourly, "save_inputs"),
-        (hourly, "charge_hour"),
-        (hourly, "save_charges"),
-        (hourly, "publish_hour"),
-        (hourly, "reconcile_hour"),
+        (gateway, "load_gateway_files"),
+        (lake, "save_inputs"),
+        (pool_hour, "attribute_pool_hour"),
+        (lake, "save_ledger"),
+        (pool_hour, "publish_hour"),
+        (reconciliation, "reconcile_hour"),
     ]
     for module, name in stages:
         setattr(module, name, announced(name, getattr(module, name)))

@@ -20,7 +20,7 @@ import polars as pl
 import pytest
 from hardening_fleet import HOUR, bill, rerecord, simulate_small, small_pools
 
-from pipeline.warehouse import hour_key
+from pipeline.hours import hour_key
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -56,9 +56,9 @@ def snapshot(data: Path) -> dict[str, list[tuple]]:
             tables[table] = con.execute(f'SELECT {listed} FROM "{table}" ORDER BY ALL').fetchall()
     lake = data / "lake"
     for path in sorted(lake.rglob("*.parquet")):
-        # steps/<partition>/<batch>.parquet, or charges/<partition>/<table>.parquet
+        # steps/<partition>/<batch>.parquet, or ledger/<partition>/<table>.parquet
         table = path.relative_to(lake).parts[0]
-        key = f"lake/{table}" if table != "charges" else f"lake/charges/{path.stem}"
+        key = f"lake/{table}" if table != "ledger" else f"lake/ledger/{path.stem}"
         partition = str(path.parent.relative_to(lake / table))
         tables.setdefault(key, []).extend((partition, *row) for row in pl.read_parquet(path).rows())
     return {name: sorted(rows, key=repr) for name, rows in tables.items()}

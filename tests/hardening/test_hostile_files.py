@@ -13,8 +13,8 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from pipeline.context import ContextError, read_gateway_file
 from pipeline.dcgm import DcgmParseError, parse_dcgm, read_dcgm_hour
+from pipeline.gateway import ContextError, read_gateway_file
 from schemas.config import DEFAULT_POOLS_PATH, ConfigError, load_pools
 
 pytestmark = pytest.mark.timeout(180)

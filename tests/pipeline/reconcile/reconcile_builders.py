@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 import numpy as np
 import polars as pl
 
-from pipeline.dcgm import hour_bounds_ns
+from pipeline.hours import hour_bounds_ns
 from schemas.config import Policies, Pool, Replica
 from schemas.tables import DAMAGE, DROPS, SEGMENTS, STEPS
 

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.dcgm import DCGM_SCHEMA, DcgmParseError, hour_bounds_ns, parse_dcgm, read_dcgm_hour
+from pipeline.dcgm import DCGM_SCHEMA, DcgmParseError, parse_dcgm, read_dcgm_hour
+from pipeline.hours import hour_bounds_ns
 
 HOUR = datetime(2026, 11, 30, 5, tzinfo=UTC)
 HOUR_MS = hour_bounds_ns(HOUR)[0] // 1_000_000

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime
 
 import polars as pl
 import pytest
@@ -17,12 +17,10 @@ from reconcile_builders import (
 )
 
 from pipeline.reconcile import (
-    alerts_frame,
     check_calibration,
     check_money,
     check_plausibility,
     check_unattributed,
-    reconciliation_frame,
 )
 from schemas.config import Settings
 
@@ -282,40 +280,6 @@ def test_calibration_drift_beyond_the_threshold():
         fresh_fit={"c0_ms": 4.4, "a_ms": 0.021, "b_ms": 0.00099},
     )[-1]
     assert steady.passed
-
-
-# --- table rows ---------------------------------------------------------------------------
-
-
-def test_results_map_onto_reconciliation_and_alert_rows():
-    dcgm = make_dcgm(POOL, {UUID0: [0.6], UUID1: [0.25]})
-    results = check_plausibility(HOUR, POOL, clean_steps(POOL), dcgm, SETTINGS)
-    table = reconciliation_frame(results)
-    assert table.columns == [
-        "hour",
-        "pool",
-        "replica",
-        "check_name",
-        "passed",
-        "expected",
-        "observed",
-        "detail",
-    ]
-    assert table["passed"].to_list() == [True, False]
-    assert table["hour"].to_list() == [datetime(2026, 11, 30, 5)] * 2
-    raised = datetime(2026, 11, 30, 6, 20, tzinfo=UTC)
-    alerts = alerts_frame(results, raised)
-    assert alerts.rows() == [
-        (
-            datetime(2026, 11, 30, 6, 20),
-            "ERROR",
-            "plausibility",
-            datetime(2026, 11, 30, 5),
-            "chat",
-            "chat-r1",
-            results[1].detail,
-        )
-    ]
 
 
 def test_naive_hour_is_refused():

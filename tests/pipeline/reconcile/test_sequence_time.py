@@ -23,7 +23,6 @@ from pipeline.reconcile import (
     _intersect,
     _merge,
     _subtract,
-    blocking_failures,
     check_sequence,
     check_time,
     compact_ranges,
@@ -227,13 +226,6 @@ def test_time_scales_with_gpus_per_replica_and_ignores_other_hours_and_pools():
     assert result.expected == "28800.000 s GPU-time (3600 s x 8 GPUs) within 0.50%"
     assert result.observed.startswith("28800.000 s GPU-time: busy 1080.000 s")
     assert result.passed
-
-
-def test_blocking_failures_selects_failed_blocking_results():
-    steps = without_seq(clean_steps(POOL), "chat-r0", 10, 10)
-    damage = make_damage("outbox/chat-r1/copy.seg", "duplicate_segment")
-    failures = blocking_failures(sequence(steps, damage=damage))
-    assert [(r.replica, r.finding) for r in failures] == [("chat-r0", "gap")]
 
 
 def test_compact_ranges_lists_then_counts():

@@ -9,8 +9,8 @@ import polars as pl
 import pytest
 
 from pipeline.attribution import KernelWeights, attribute_hour
-from pipeline.context import read_gateway_file
 from pipeline.dcgm import read_dcgm_hour
+from pipeline.gateway import read_gateway_file
 from pipeline.reconcile import (
     CheckResult,
     check_calibration,

@@ -16,11 +16,17 @@ from pathlib import Path
 
 import yaml
 
-from pipeline import context as gateway_context
-from pipeline import hourly
+from pipeline import gateway
+from pipeline.alerts import record_alerts
+from pipeline.attribute import attribute_pool_hour, gather_inputs
+from pipeline.datadir import CALIBRATION_FILE
 from pipeline.ingest import ingest_outbox
+from pipeline.lake import save_ledger
+from pipeline.publish import publish_hour
+from pipeline.reconcile import reconcile_hour
 from pipeline.steplog import SegmentHeader, StepRecorder
 from pipeline.warehouse import connect
+from pipeline.weights import weight_source
 from schemas.config import load_pools
 
 HOUR = datetime(2026, 11, 30, 5, tzinfo=UTC)
@@ -117,11 +123,11 @@ def build_fleet(root: Path) -> Path:
         _record_hour(recorder, clock, ["req-acme", "req-globex"], drop_at=None)
         _record_hour(recorder, clock, ["req-acme-2"], drop_at=900)
 
-    gateway = root / "gateway"
-    gateway.mkdir()
+    gateway_dir = root / "gateway"
+    gateway_dir.mkdir()
     for hour in (HOUR, NEXT_HOUR):
         received = (hour + timedelta(seconds=1)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-        (gateway / f"{hour:%Y-%m-%dT%H}.jsonl").write_text(
+        (gateway_dir / f"{hour:%Y-%m-%dT%H}.jsonl").write_text(
             "".join(
                 json.dumps(
                     {
@@ -144,15 +150,13 @@ def build_fleet(root: Path) -> Path:
     with connect(root / "warehouse.duckdb") as con:
         ingest_outbox(con, root / "outbox", lake)
         for hour in (HOUR, NEXT_HOUR):
-            gateway_context.load_gateway_files(
-                con,
-                gateway_context.gateway_files_for_hour(gateway, hour),
-                gateway_context.key_salt(),
+            gateway.load_gateway_files(
+                con, gateway.gateway_files_for_hour(gateway_dir, hour), gateway.key_salt()
             )
-            inputs = hourly.gather_inputs(con, lake, pool, hour)
-            hourly.publish_hour(
-                con,
-                hourly.charge_hour(lake, pool, inputs, hourly.weight_source(pool, inputs, root)),
-            )
-            hourly.reconcile_hour(con, lake, root / "dcgm", pool, hour, pools.settings)
+            inputs = gather_inputs(con, lake, pool, hour)
+            weights = weight_source(pool, inputs.engine, root / CALIBRATION_FILE)
+            ledger = attribute_pool_hour(lake, pool, inputs, weights)
+            save_ledger(lake, ledger)
+            publish_hour(con, ledger)
+            record_alerts(con, reconcile_hour(con, lake, root / "dcgm", pool, hour, pools.settings))
     return root

@@ -229,8 +229,8 @@ def test_a_missing_lake_is_named_and_the_rest_still_renders(fleet: Path, tmp_pat
     data = load_report(fleet / "warehouse.duckdb", pools, tmp_path / "no-lake", Scope.everything())
     assert data.resources.is_empty()
     assert data.notes == [
-        f"2026-11-30T05 chat-test: no slots in {tmp_path / 'no-lake'}, so its requests are missing from the resource breakdown",
-        f"2026-11-30T06 chat-test: no slots in {tmp_path / 'no-lake'}, so its requests are missing from the resource breakdown",
+        f"2026-11-30T05 chat-test: no ledger in {tmp_path / 'no-lake'}, so its requests are missing from the resource breakdown",
+        f"2026-11-30T06 chat-test: no ledger in {tmp_path / 'no-lake'}, so its requests are missing from the resource breakdown",
     ]
     page = render_html(data)
     assert "No slots found in the lake for these hours." in page

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.context import (
+from pipeline.gateway import (
     DEMO_KEY_SALT,
     ContextError,
     api_key_id,

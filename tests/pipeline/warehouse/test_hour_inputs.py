@@ -6,10 +6,13 @@ from pathlib import Path
 import pytest
 from warehouse_fleet import HOUR, NS, write_gateway, write_replica_log
 
-from pipeline import hourly
-from pipeline.context import gateway_files_for_hour, key_salt, load_gateway_files
+from pipeline.attribute import attribute_pool_hour, gather_inputs
+from pipeline.datadir import CALIBRATION_FILE
+from pipeline.gateway import gateway_files_for_hour, key_salt, load_gateway_files
 from pipeline.ingest import committed_batches, ingest_outbox
+from pipeline.lake import load_inputs, save_inputs
 from pipeline.warehouse import connect
+from pipeline.weights import weight_source
 from schemas.config import load_pools
 
 POOLS = load_pools()
@@ -62,7 +65,7 @@ def test_inputs_hold_the_context_of_the_hours_requests_the_batches_and_the_engin
     data: Path,
 ) -> None:
     with connect(data / "warehouse.duckdb") as con:
-        inputs = hourly.gather_inputs(con, data / "lake", POOL, HOUR)
+        inputs = gather_inputs(con, data / "lake", POOL, HOUR)
         assert inputs.batches == frozenset(committed_batches(con))
     assert sorted(inputs.context.select("request_id", "tenant").rows()) == [
         ("a", "acme"),
@@ -75,12 +78,12 @@ def test_inputs_hold_the_context_of_the_hours_requests_the_batches_and_the_engin
 
 def test_saved_inputs_read_back_exactly(data: Path) -> None:
     with connect(data / "warehouse.duckdb") as con:
-        inputs = hourly.gather_inputs(con, data / "lake", POOL, HOUR)
-    path = hourly.save_inputs(data / "lake", inputs)
+        inputs = gather_inputs(con, data / "lake", POOL, HOUR)
+    path = save_inputs(data / "lake", inputs)
     assert (
         path == data / "lake" / "inputs" / "pool=chat-8b" / "hour=2026-11-30T05" / "inputs.parquet"
     )
-    loaded = hourly.load_inputs(data / "lake", "chat-8b", HOUR)
+    loaded = load_inputs(data / "lake", "chat-8b", HOUR)
     assert (loaded.hour, loaded.pool, loaded.batches, loaded.engine) == (
         inputs.hour,
         inputs.pool,
@@ -91,18 +94,18 @@ def test_saved_inputs_read_back_exactly(data: Path) -> None:
     assert not list(path.parent.glob("*.partial"))
 
 
-def test_charges_come_from_the_lake_alone(data: Path) -> None:
+def test_the_ledger_comes_from_the_lake_alone(data: Path) -> None:
     with connect(data / "warehouse.duckdb") as con:
-        inputs = hourly.gather_inputs(con, data / "lake", POOL, HOUR)
+        inputs = gather_inputs(con, data / "lake", POOL, HOUR)
     (data / "warehouse.duckdb").unlink()
-    charges = hourly.charge_hour(
-        data / "lake", POOL, inputs, hourly.weight_source(POOL, inputs, data)
+    ledger = attribute_pool_hour(
+        data / "lake", POOL, inputs, weight_source(POOL, inputs.engine, data / CALIBRATION_FILE)
     )
     costs = dict(
-        zip(charges.request_costs["request_id"], charges.request_costs["tenant"], strict=True)
+        zip(ledger.request_costs["request_id"], ledger.request_costs["tenant"], strict=True)
     )
     assert costs == {"a": "acme", HOSTILE: "globex", "c": "acme"}
-    assert int(charges.ledger_lines["amount_nano"].sum()) == charges.amount_nano
+    assert int(ledger.ledger_lines["amount_nano"].sum()) == ledger.amount_nano
 
 
 def test_inputs_missing_or_of_another_pool_are_refused(data: Path) -> None:
@@ -111,11 +114,16 @@ def test_inputs_missing_or_of_another_pool_are_refused(data: Path) -> None:
         match=r"pool=chat-8b/hour=2026-11-30T05/inputs.parquet: no attribution "
         r"inputs for pool 'chat-8b' hour 2026-11-30T05; materialize its request_context first",
     ):
-        hourly.load_inputs(data / "lake", "chat-8b", HOUR)
+        load_inputs(data / "lake", "chat-8b", HOUR)
     with connect(data / "warehouse.duckdb") as con:
-        inputs = hourly.gather_inputs(con, data / "lake", POOL, HOUR)
+        inputs = gather_inputs(con, data / "lake", POOL, HOUR)
     other = POOLS.pool("reason-dsv3")
     with pytest.raises(
         ValueError, match="attribution inputs of pool 'chat-8b' given for pool 'reason-dsv3'"
     ):
-        hourly.charge_hour(data / "lake", other, inputs, hourly.weight_source(other, inputs, data))
+        attribute_pool_hour(
+            data / "lake",
+            other,
+            inputs,
+            weight_source(other, inputs.engine, data / CALIBRATION_FILE),
+        )

@@ -12,7 +12,6 @@ import pytest
 from warehouse_fleet import HOUR, NS, write_replica_log
 
 from pipeline import ingest
-from pipeline.hourly import load_hour
 from pipeline.ingest import (
     INTENTS_DIR,
     batch_of,
@@ -21,6 +20,7 @@ from pipeline.ingest import (
     partition_dir,
     segment_files,
 )
+from pipeline.lake import load_hour
 from pipeline.warehouse import connect
 from schemas.config import load_pools
 

@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipeline.alerts import record_alerts
 from pipeline.warehouse import (
     WarehouseError,
     connect,
     connect_read_only,
-    parse_hour_key,
     record_checks,
     replace_hour,
 )
@@ -176,6 +176,7 @@ def test_failed_check_alerts_once_per_finding(tmp_path: Path) -> None:
     with connect(tmp_path / "w.duckdb") as con:
         for _ in range(3):
             record_checks(con, HOUR, "chat", ["sequence"], failing)
+            record_alerts(con, failing)
         assert con.execute("SELECT kind, replica, detail FROM alerts").fetchall() == [
             ("sequence", "r1", "missing 10-19")
         ]
@@ -239,13 +240,6 @@ def test_read_only_connection_cannot_write(tmp_path: Path) -> None:
         connect_read_only(tmp_path / "missing.duckdb"),
     ):
         pass
-
-
-def test_parse_hour_key() -> None:
-    assert parse_hour_key("2026-11-30T05") == HOUR
-    assert parse_hour_key("2026-11-30-05:00") == HOUR
-    with pytest.raises(ValueError, match="YYYY-MM-DDTHH"):
-        parse_hour_key("2026-11-30 05")
 
 
 @settings(max_examples=25, deadline=None)

@@ -20,7 +20,8 @@ import duckdb
 import polars as pl
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError
 
-from pipeline.warehouse import hour_key, insert_frame, query_frame, transaction, utc_hour
+from pipeline.hours import hour_key, utc_hour
+from pipeline.warehouse import insert_frame, query_frame, transaction
 
 KEY_SALT_ENV = "STEPLEDGER_KEY_SALT"
 # Used when STEPLEDGER_KEY_SALT is unset, so the demo runs out of the box. Anyone who knows it

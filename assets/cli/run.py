@@ -11,8 +11,13 @@ from datetime import datetime
 from pathlib import Path
 
 import click
+import dagster as dg
 
-from pipeline.warehouse import hour_key, parse_hour_key
+from assets.definitions import build_definitions
+from assets.partitions import partition_key
+from pipeline.datadir import hours_in_data, pools_file
+from pipeline.hours import hour_key, parse_hour_key
+from schemas.config import load_pools
 
 # Dagster's console logger prints every step event; the CLI shows a progress bar instead.
 QUIET_RUN_CONFIG = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
@@ -27,11 +32,6 @@ class PoolHourRun:
     error: str | None  # the first step failure, when a step raised
 
 
-def hours_in_data(data_dir: Path) -> list[datetime]:
-    """The hours the gateway logged requests for (one file per hour)."""
-    return sorted(parse_hour_key(p.stem) for p in (data_dir / "gateway").glob("*.jsonl"))
-
-
 def run_pool_hours(
     data_dir: Path,
     hours: list[datetime],
@@ -40,13 +40,6 @@ def run_pool_hours(
     on_done: Callable[[PoolHourRun], None] | None = None,
 ) -> list[PoolHourRun]:
     """Materialize every (hour, pool) in order, in-process, on one ephemeral Dagster instance."""
-    import dagster as dg
-
-    from assets.definitions import build_definitions
-    from assets.partitions import partition_key
-    from assets.resources import pools_file
-    from schemas.config import load_pools
-
     warnings.filterwarnings("ignore", module="dagster")
     pools = load_pools(pools_file(data_dir))
     defs = build_definitions(pools, data_dir.resolve(), warehouse.resolve() if warehouse else None)
@@ -92,9 +85,6 @@ def run_with_progress(
     """run_pool_hours with a rich progress bar and, unless quiet, one line per finished pool-hour."""
     from rich.console import Console
     from rich.progress import Progress
-
-    from assets.resources import pools_file
-    from schemas.config import load_pools
 
     # Quiet runs keep standard output for machine-readable results: the bar goes to stderr.
     console = Console(stderr=quiet)

@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING
 
 import click
 
+from assets.cli.run import run_with_progress
 from pipeline.cli.costs import cost_report, print_report
-from pipeline.cli.run import run_with_progress
-from pipeline.warehouse import hour_key
+from pipeline.datadir import CALIBRATION_FILE, hours_in_data
+from pipeline.hours import hour_key
 
 if TYPE_CHECKING:
     from pipeline.attribution import CalibrationEntry
@@ -68,7 +69,6 @@ def calibrate_fleet(
     fits in `out/calibration.yaml`, as a production fleet is calibrated before its engines
     bill: the calibration check then knows the fleet's engine version, and a version the
     fleet starts to report later (fault `new-engine-version`) is one nobody calibrated."""
-    from pipeline.hourly import CALIBRATION_FILE
     from pipeline.simulator import simulate
 
     sweep = out / "calibration-sweep"
@@ -122,7 +122,6 @@ def demo_command(
     from rich.console import Console
     from rich.progress import Progress
 
-    from pipeline.cli.run import hours_in_data
     from pipeline.report import Scope, write_report
     from pipeline.simulator import FaultError, parse_fault, simulate
     from schemas.config import load_pools

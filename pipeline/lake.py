@@ -1,0 +1,226 @@
+"""The Parquet lake: its layout, and every read and write of it.
+
+    steps|slots|holders/pool=<pool>/hour=<YYYY-MM-DDTHH>/<replica>.<first seq>.<batch>.parquet
+        the decoded step log, as `pipeline.ingest` places it (each step in the hour it ends)
+    inputs/pool=<pool>/hour=<hour>/inputs.parquet
+        what attributing the hour read from the warehouse (`AttributionInputs`), so that the
+        attribution runs without the DuckDB file
+    ledger/pool=<pool>/hour=<hour>/<table>.parquet
+        the hour's ledger (`pipeline.ledger.HourLedger`) before it is published
+
+Every file is written under a temporary name and renamed into place, so a reader sees the
+old file or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Collection
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.hours import hour_key, hour_start_ns, utc_hour
+from pipeline.ingest import LAKE_TABLES, STEP_KEY, batch_of, partition_dir
+from pipeline.ledger import STORED_TABLES, HourLedger
+
+
+@dataclass(frozen=True)
+class HourInput:
+    steps: pl.DataFrame
+    slots: pl.DataFrame
+    holders: pl.DataFrame
+
+
+def _partition_files(
+    lake: Path, table: str, pool: str, hour: datetime, batches: Collection[str] | None
+) -> list[Path]:
+    directory = partition_dir(lake, table, pool, hour_key(hour))
+    files = sorted(directory.glob("*.parquet")) if directory.is_dir() else []
+    return files if batches is None else [f for f in files if batch_of(f) in batches]
+
+
+def _replica_of(part: Path) -> str:
+    # pipeline.ingest.part_name: <replica>.<first seq>.<batch>.parquet
+    return part.name.rsplit(".", 3)[0]
+
+
+def _frame(table: pa.Table) -> pl.DataFrame:
+    frame = pl.from_arrow(table)
+    assert isinstance(frame, pl.DataFrame)  # a Table, not an Array, becomes a DataFrame
+    return frame
+
+
+def _read(files: list[Path], table: str, columns: list[str] | None = None) -> pl.DataFrame:
+    if not files:
+        empty = _frame(LAKE_TABLES[table].empty_table())
+        return empty if columns is None else empty.select(columns)
+    return pl.read_parquet(files, columns=columns)
+
+
+def _read_partition(
+    lake: Path,
+    table: str,
+    pool: str,
+    hour: datetime,
+    batches: Collection[str] | None,
+    where: pl.Expr | None = None,
+    columns: list[str] | None = None,
+) -> pl.DataFrame:
+    """A lake partition, or the rows of it matching `where` (Parquet row-group statistics let
+    the scan skip the rest, so a few rows of a previous hour cost little)."""
+    files = _partition_files(lake, table, pool, hour, batches)
+    if where is None or not files:
+        return _read(files, table, columns)
+    scan = pl.scan_parquet(files).filter(where)
+    return (scan if columns is None else scan.select(columns)).collect()
+
+
+def load_hour(
+    lake: Path,
+    pool: str,
+    hour: datetime,
+    batches: Collection[str] | None = None,
+    columns: list[str] | None = None,
+) -> HourInput:
+    """The steps of `pool` that ran during `hour`, with their slots and holders, ordered by
+    replica and sequence number (so attribution need not sort tens of millions of rows).
+
+    `batches`: the ingest batches to read (`pipeline.ingest.committed_batches`), so that the
+    files of a batch still being ingested, or of one that died before its commit, are not
+    read; None reads every file in the lake. `columns`: only these columns of each table (the
+    ones it has; they must include the step key); None reads them all."""
+    hour = utc_hour(hour)
+    previous = hour - timedelta(hours=1)
+    straddling_keys = _read_partition(
+        lake, "steps", pool, previous, batches, pl.col("end_utc_ns") > hour_start_ns(hour)
+    ).select(STEP_KEY)
+
+    def ordered(table: str) -> pl.DataFrame:
+        # Per replica: its rows of straddling steps, then its files of this hour. Rows of the
+        # hour's own files all belong to its steps (ingest placed them with their step).
+        table_columns = (
+            None if columns is None else [c for c in columns if c in LAKE_TABLES[table].names]
+        )
+        earlier = _read([], table, table_columns)
+        if straddling_keys.height:
+            # Sequence numbers grow within a replica: the scan skips all but the last row groups
+            # of the previous hour, and the join on the step keys makes the selection exact.
+            after = pl.col("seq") >= straddling_keys["seq"].min()
+            earlier = _read_partition(
+                lake, table, pool, previous, batches, after, table_columns
+            ).join(straddling_keys, on=STEP_KEY, how="semi")
+        current = _partition_files(lake, table, pool, hour, batches)
+        replicas = sorted({*earlier["replica"].unique().to_list(), *map(_replica_of, current)})
+        frames = [
+            frame
+            for replica in replicas
+            for frame in (
+                earlier.filter(pl.col("replica") == replica),
+                _read([f for f in current if _replica_of(f) == replica], table, table_columns),
+            )
+        ]
+        return pl.concat(frames) if frames else _read([], table, table_columns)
+
+    return HourInput(steps=ordered("steps"), slots=ordered("slots"), holders=ordered("holders"))
+
+
+def last_seq_before(
+    lake: Path, pool: str, hour: datetime, batches: Collection[str] | None = None
+) -> dict[str, int]:
+    """Each replica's last sequence number in the previous hour's partition (of `batches`, as
+    in `load_hour`)."""
+    previous = _read_partition(lake, "steps", pool, utc_hour(hour) - timedelta(hours=1), batches)
+    last = previous.group_by("replica").agg(pl.col("seq").max())
+    return dict(zip(last["replica"].to_list(), last["seq"].to_list(), strict=True))
+
+
+@dataclass(frozen=True)
+class AttributionInputs:
+    """What attributing a pool-hour reads from the warehouse, taken in one short step that holds
+    the DuckDB file, so the attribution itself runs without it (and pool-hours in parallel)."""
+
+    hour: datetime
+    pool: str
+    batches: frozenset[str]  # the ingest batches committed when the inputs were taken
+    context: pl.DataFrame  # request_context rows of the hour's requests
+    # (engine_version, driver_version) that logged most of the pool's steps; None before any segment
+    engine: tuple[str, str] | None
+
+
+def inputs_path(lake: Path, pool: str, hour: datetime) -> Path:
+    return lake / "inputs" / f"pool={pool}" / f"hour={hour_key(hour)}" / "inputs.parquet"
+
+
+_INPUTS_KEY = b"stepledger.inputs"
+
+
+def save_inputs(lake: Path, inputs: AttributionInputs) -> Path:
+    """One Parquet file (the context rows, the rest in its metadata), replaced atomically."""
+    path = inputs_path(lake, inputs.pool, inputs.hour)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    described = {
+        "batches": sorted(inputs.batches),
+        "engine": list(inputs.engine) if inputs.engine else None,
+    }
+    table = inputs.context.to_arrow()
+    partial = path.with_suffix(".parquet.partial")
+    pq.write_table(
+        table.replace_schema_metadata(
+            {**(table.schema.metadata or {}), _INPUTS_KEY: json.dumps(described)}
+        ),
+        partial,
+    )
+    os.replace(partial, path)
+    return path
+
+
+def load_inputs(lake: Path, pool: str, hour: datetime) -> AttributionInputs:
+    hour = utc_hour(hour)
+    path = inputs_path(lake, pool, hour)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path}: no attribution inputs for pool {pool!r} hour {hour_key(hour)}; "
+            "materialize its request_context first"
+        )
+    table = pq.read_table(path)
+    described = json.loads(table.schema.metadata[_INPUTS_KEY])
+    return AttributionInputs(
+        hour,
+        pool,
+        frozenset(described["batches"]),
+        _frame(table),
+        tuple(described["engine"]) if described["engine"] else None,
+    )
+
+
+def ledger_dir(lake: Path, pool: str, hour: datetime) -> Path:
+    return lake / "ledger" / f"pool={pool}" / f"hour={hour_key(hour)}"
+
+
+def save_ledger(lake: Path, ledger: HourLedger) -> Path:
+    """Write an hour's ledger to the lake (replacing an earlier attribution of the hour)."""
+    directory = ledger_dir(lake, ledger.pool, ledger.hour)
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in STORED_TABLES:
+        partial = directory / f"{name}.parquet.partial"
+        getattr(ledger, name).write_parquet(partial)
+        partial.replace(directory / f"{name}.parquet")
+    return directory
+
+
+def load_ledger(lake: Path, pool: str, hour: datetime) -> HourLedger:
+    hour = utc_hour(hour)
+    directory = ledger_dir(lake, pool, hour)
+    missing = [n for n in STORED_TABLES if not (directory / f"{n}.parquet").is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"{directory}: no ledger tables {missing} for pool {pool!r} hour {hour_key(hour)}"
+        )
+    frames = {name: pl.read_parquet(directory / f"{name}.parquet") for name in STORED_TABLES}
+    return HourLedger(hour=hour, pool=pool, **frames)

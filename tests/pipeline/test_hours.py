@@ -1,0 +1,76 @@
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta, timezone
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pipeline.hours import (
+    HOUR_NS,
+    from_warehouse,
+    hour_bounds_ns,
+    hour_key,
+    hour_start_ns,
+    parse_hour_key,
+    to_warehouse,
+    utc_hour,
+)
+
+HOUR = datetime(2026, 11, 30, 5, tzinfo=UTC)
+hours = st.integers(0, 200_000).map(lambda n: datetime(2000, 1, 1, tzinfo=UTC) + timedelta(hours=n))
+offsets = st.integers(-12 * 60, 14 * 60).map(lambda m: timezone(timedelta(minutes=m)))
+
+
+def test_an_hour_has_its_key_and_epoch_nanoseconds():
+    assert hour_key(HOUR) == "2026-11-30T05"
+    assert hour_start_ns(HOUR) == 1_796_014_800 * 10**9
+    assert hour_bounds_ns(HOUR) == (1_796_014_800 * 10**9, 1_796_018_400 * 10**9)
+
+
+@given(hours, offsets)
+def test_the_same_instant_in_any_zone_is_the_same_hour(hour, zone):
+    shown = hour.astimezone(zone)
+    assert hour_key(shown) == hour_key(hour)
+    assert hour_start_ns(shown) == hour_start_ns(hour) == int(hour.timestamp()) * 10**9
+    assert utc_hour(shown).tzinfo is UTC
+
+
+@given(hours)
+def test_keys_and_warehouse_timestamps_round_trip(hour):
+    assert parse_hour_key(hour_key(hour)) == hour
+    assert from_warehouse(to_warehouse(hour)) == hour
+    start, end = hour_bounds_ns(hour)
+    assert end - start == HOUR_NS
+
+
+@given(hours)
+def test_consecutive_hours_are_an_hour_of_nanoseconds_apart(hour):
+    assert hour_start_ns(hour + timedelta(hours=1)) - hour_start_ns(hour) == HOUR_NS
+    assert hour_key(hour + timedelta(hours=1)) > hour_key(hour)
+
+
+@pytest.mark.parametrize(
+    "function", [utc_hour, hour_key, hour_start_ns, hour_bounds_ns, to_warehouse]
+)
+def test_a_naive_datetime_is_refused_not_guessed(function):
+    with pytest.raises(ValueError, match="has no time zone; pass an aware UTC datetime"):
+        function(datetime(2026, 11, 30, 5))
+
+
+@given(hours, st.integers(1, 3599 * 10**6))
+def test_an_instant_inside_an_hour_is_not_an_hour(hour, microseconds):
+    with pytest.raises(ValueError, match="is not the start of an hour"):
+        hour_key(hour + timedelta(microseconds=microseconds))
+
+
+def test_dagster_partition_keys_parse_and_other_forms_are_refused():
+    assert parse_hour_key("2026-11-30-05:00") == HOUR
+    for text in ("2026-11-30 05", "2026-11-30-05:30", "2026-11-30T5x"):
+        with pytest.raises(ValueError, match="is not of the form YYYY-MM-DDTHH"):
+            parse_hour_key(text)
+
+
+def test_an_aware_warehouse_timestamp_is_refused():
+    with pytest.raises(ValueError, match="warehouse hours are naive UTC"):
+        from_warehouse(HOUR)
