@@ -2,19 +2,18 @@ from __future__ import annotations
 
 import json
 import shutil
-from datetime import UTC, datetime
 from pathlib import Path
 
 import dagster as dg
 import duckdb
 import pytest
-from assets_fleet import small_pools
 
 from assets.definitions import build_definitions
 from assets.partitions import partition_key
 from pipeline.ingest import segment_files
+from tests.helpers.fleets import small_pools
+from tests.helpers.hours import SIMULATED_HOUR
 
-HOUR = datetime(2026, 11, 30, 0, tzinfo=UTC)
 QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
 
 
@@ -41,7 +40,7 @@ def test_a_failed_blocking_check_holds_the_hour_back_and_pages_once(
     defs = build_definitions(small_pools(), data)
     instance = dg.DagsterInstance.ephemeral()
     result = defs.resolve_job_def("pool_hour_job").execute_in_process(
-        partition_key=partition_key(HOUR, "chat-8b"),
+        partition_key=partition_key(SIMULATED_HOUR, "chat-8b"),
         instance=instance,
         run_config=QUIET,
         raise_on_error=False,

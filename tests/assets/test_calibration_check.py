@@ -4,14 +4,12 @@ the segments' engine and driver versions, and the kernel's measured engine relea
 from __future__ import annotations
 
 import shutil
-from datetime import UTC, datetime
 from pathlib import Path
 
 import dagster as dg
 import duckdb
 import pytest
 import yaml
-from assets_fleet import HOURS, small_pools
 
 from assets.cli.demo import calibrate_from_segments
 from assets.definitions import build_definitions
@@ -19,15 +17,16 @@ from assets.partitions import partition_key
 from pipeline.simulator import simulate
 from pipeline.simulator.faults import DRIVER_VERSION, ENGINE_VERSION, UNCALIBRATED_ENGINE_VERSION
 from schemas.config import PoolsFile
+from tests.helpers.fleets import SIMULATED_HOURS, small_pools
+from tests.helpers.hours import SIMULATED_HOUR
 
-HOUR = datetime(2026, 11, 30, 0, tzinfo=UTC)
 QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
 
 
 def run_hour(data: Path, pools: PoolsFile) -> dg.ExecuteInProcessResult:
     defs = build_definitions(pools, data)
     return defs.resolve_job_def("pool_hour_job").execute_in_process(
-        partition_key=partition_key(HOUR, "chat-8b"),
+        partition_key=partition_key(SIMULATED_HOUR, "chat-8b"),
         instance=dg.DagsterInstance.ephemeral(),
         run_config=QUIET,
         raise_on_error=False,
@@ -103,7 +102,9 @@ def test_without_a_sweep_the_kernels_own_release_is_the_only_one_it_vouches_for(
 
 def test_a_new_engine_version_warns_without_paging(simulated: Path, tmp_path: Path) -> None:
     data = tmp_path / "new-engine"
-    simulate(data, small_pools(), hours=HOURS, seed=7, faults={"new-engine-version": None})
+    simulate(
+        data, small_pools(), hours=SIMULATED_HOURS, seed=7, faults={"new-engine-version": None}
+    )
     calibrate_from_segments(
         sorted((simulated / "outbox").glob("*/*.seg")), data / "calibration.yaml"
     )

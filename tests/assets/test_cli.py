@@ -7,13 +7,13 @@ from pathlib import Path
 import duckdb
 import pytest
 import yaml
-from assets_fleet import small_pools
 from click.testing import CliRunner
 
 from assets.cli import main
 from assets.cli.demo import DEMO_MARKER, prepare_out_dir
 from pipeline.simulator.faults import ENGINE_VERSION
 from schemas.config import load_pools
+from tests.helpers.fleets import small_pools
 
 
 def test_run_then_costs_without_sql(simulated: Path, tmp_path: Path) -> None:

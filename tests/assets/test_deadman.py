@@ -7,7 +7,6 @@ from pathlib import Path
 import dagster as dg
 import polars as pl
 import pytest
-from assets_fleet import small_pools
 from dagster_duckdb import DuckDBResource
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,6 +15,7 @@ from assets.deadman import build_deadman_sensor, last_reconciled_hours
 from assets.definitions import build_definitions
 from assets.resources import StepledgerData
 from pipeline.warehouse import connect
+from tests.helpers.fleets import small_pools
 
 BEFORE_FIRST = datetime(2026, 10, 31, 23, tzinfo=UTC)
 

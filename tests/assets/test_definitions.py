@@ -8,10 +8,10 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
-from assets_fleet import small_pools
 
 from assets.definitions import build_definitions
 from schemas.config import load_pools
+from tests.helpers.fleets import small_pools
 
 
 def test_definitions_load(tmp_path: Path) -> None:

@@ -1,27 +1,26 @@
 from __future__ import annotations
 
 import shutil
-from datetime import UTC, datetime
 from pathlib import Path
 
 import dagster as dg
 import duckdb
 import pytest
-from assets_fleet import small_pools
 
 from assets.definitions import build_definitions
 from assets.partitions import partition_key
 from assets.resources import StepledgerData
 from pipeline.ingest import segment_files
+from tests.helpers.fleets import small_pools
+from tests.helpers.hours import SIMULATED_HOUR
 
-HOUR = datetime(2026, 11, 30, 0, tzinfo=UTC)
 QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
 
 
 def run_hour(data: Path, instance: dg.DagsterInstance) -> dg.ExecuteInProcessResult:
     defs = build_definitions(small_pools(), data)
     return defs.resolve_job_def("pool_hour_job").execute_in_process(
-        partition_key=partition_key(HOUR, "chat-8b"),
+        partition_key=partition_key(SIMULATED_HOUR, "chat-8b"),
         instance=instance,
         run_config=QUIET,
         raise_on_error=False,
@@ -75,7 +74,7 @@ def test_a_simulated_hour_end_to_end(data: Path) -> None:
     expected = 2 * small_pools().pool("chat-8b").nano_per_gpu_hour
     assert invoice == [(2, expected)]
     assert lines_total == published == focus[0] == expected
-    assert focus[1] == HOUR.replace(tzinfo=None)
+    assert focus[1] == SIMULATED_HOUR.replace(tzinfo=None)
     assert {"usage", "idle"} <= kinds
     assert 0 < charged == requests_total < expected
 

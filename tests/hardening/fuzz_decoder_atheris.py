@@ -1,6 +1,6 @@
 """Coverage-guided fuzzing of the segment decoder with atheris (libFuzzer).
 
-    python tests/hardening/fuzz_decoder_atheris.py -runs=100000 -timeout=10 -rss_limit_mb=2048
+    python -m tests.hardening.fuzz_decoder_atheris -runs=100000 -timeout=10 -rss_limit_mb=2048
 
 Needs the `fuzz` extra (`pip install -e '.[fuzz]'`). The seed corpus is the recorded segments
 of segment_bytes.py, written to `atheris-decoder/corpus` in the working directory unless
@@ -17,13 +17,10 @@ from pathlib import Path
 
 import atheris
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 with atheris.instrument_imports(include=["pipeline.steplog", "schemas"]):
     from pipeline.steplog import read_segments
 
-from segment_bytes import recorded_segments
+from tests.helpers.segment_bytes import recorded_segments
 
 # In the working directory, next to libFuzzer's own findings: libFuzzer ends the process
 # without running Python's exit handlers, so a temporary directory would be left behind.

@@ -1,6 +1,8 @@
 """Materialize one pool-hour of a data directory in this process, for the crash tests.
 
-    python materialize_hour.py DATA POOL YYYY-MM-DDTHH [--die-before-ingest-commit]
+    python -m tests.hardening.materialize_hour DATA POOL YYYY-MM-DDTHH [--die-before-ingest-commit]
+
+(from the repository root).
 
 Prints "ready" once the definitions are built, "stage <name>" as each stage of the hour
 begins (so a test can aim a kill at any of them), then "done" when the run has finished.
@@ -16,9 +18,6 @@ import sys
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 
 def announced(name: str, function):
     def stage(*args, **kwargs):
@@ -30,7 +29,6 @@ def announced(name: str, function):
 
 def main(argv: list[str]) -> None:
     import dagster as dg
-    from hardening_fleet import QUIET
 
     from assets import pool_hour, reconciliation
     from assets.definitions import build_definitions
@@ -39,6 +37,7 @@ def main(argv: list[str]) -> None:
     from pipeline.datadir import pools_file
     from pipeline.hours import parse_hour_key
     from schemas.config import load_pools
+    from tests.helpers.fleets import QUIET
 
     warnings.filterwarnings("ignore")
     data, pool, hour = Path(argv[0]), argv[1], parse_hour_key(argv[2])

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-HARNESS = Path(__file__).resolve().parent / "fuzz_decoder_atheris.py"
+ROOT = Path(__file__).resolve().parents[2]
 RUNS = 3000
 
 
@@ -18,13 +19,17 @@ def test_coverage_guided_fuzzing_finds_no_crash_hang_or_memory_blowup(tmp_path):
     result = subprocess.run(
         [
             sys.executable,
-            str(HARNESS),
+            "-m",
+            "tests.hardening.fuzz_decoder_atheris",
             f"-runs={RUNS}",
             "-timeout=10",
             "-rss_limit_mb=3072",
             "-seed=1",
         ],
+        # libFuzzer writes its findings to the working directory, so the repository goes on
+        # the import path instead.
         cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,
         text=True,
         timeout=280,

@@ -18,14 +18,14 @@ import dagster as dg
 import duckdb
 import polars as pl
 import pytest
-from hardening_fleet import HOUR, bill, rerecord, simulate_small, small_pools
 
 from pipeline.hours import hour_key
+from tests.helpers.fleets import bill, rerecord, simulate_small, small_pools
+from tests.helpers.hours import SIMULATED_HOUR
 
 pytestmark = pytest.mark.timeout(400)
 
 HERE = Path(__file__).resolve().parent
-MATERIALIZE = HERE / "materialize_hour.py"
 # Columns that name where or when something happened rather than what it is: a copy of the
 # data in another directory, run at another time, differs there and nowhere else.
 CIRCUMSTANTIAL = {
@@ -66,8 +66,17 @@ def snapshot(data: Path) -> dict[str, list[tuple]]:
 
 def start(data: Path, *flags: str) -> subprocess.Popen:
     process = subprocess.Popen(
-        [sys.executable, str(MATERIALIZE), str(data), "chat-8b", hour_key(HOUR), *flags],
+        [
+            sys.executable,
+            "-m",
+            "tests.hardening.materialize_hour",
+            str(data),
+            "chat-8b",
+            hour_key(SIMULATED_HOUR),
+            *flags,
+        ],
         stdout=subprocess.PIPE,
+        cwd=HERE.parents[1],
         stderr=subprocess.DEVNULL,
         text=True,
     )
@@ -152,8 +161,7 @@ def test_killed_between_lake_write_and_warehouse_commit_then_more_segments_arriv
 ENGINE = """
 import sys
 from pathlib import Path
-sys.path.insert(0, sys.argv[2])
-from segment_bytes import HEADER, record_steps
+from tests.helpers.segment_bytes import HEADER, record_steps
 from pipeline.steplog import StepRecorder
 recorder = StepRecorder(Path(sys.argv[1]), HEADER, overflow="block", rotate_bytes=3 << 19)
 print("recording", flush=True)
@@ -185,9 +193,10 @@ def test_an_engine_killed_mid_write_leaves_segments_that_decode_to_its_last_comp
 
     outbox = tmp_path / "outbox"
     engine = subprocess.Popen(
-        [sys.executable, "-c", ENGINE, str(outbox), str(HERE)],
+        [sys.executable, "-c", ENGINE, str(outbox)],
         stdout=subprocess.PIPE,
         text=True,
+        # The repository root: `python -c` imports `tests.helpers` from the working directory.
         cwd=HERE.parents[1],
     )
     assert engine.stdout.readline().strip() == "recording"
@@ -219,9 +228,8 @@ def test_an_engine_killed_mid_write_leaves_segments_that_decode_to_its_last_comp
 
 def read_segments_of_steps(tmp_path: Path, steps: int):
     """What the same engine script records for exactly `steps` steps, closed cleanly."""
-    from segment_bytes import HEADER, record_steps
-
     from pipeline.steplog import StepRecorder, read_segments
+    from tests.helpers.segment_bytes import HEADER, record_steps
 
     with StepRecorder(
         tmp_path / "clean", HEADER, overflow="block", rotate_bytes=3 << 19

@@ -19,12 +19,12 @@ import hypothesis.strategies as st
 import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
-from segment_bytes import recorded_segments, resealed, with_length
 
 from pipeline.steplog import decoder, read_segments
 from schemas.records import FRAME_MARKER, FRAME_PREFIX, MAX_FRAME_PAYLOAD, FrameKind
 from schemas.tables import DAMAGE, DROPS, HOLDERS, SEGMENTS, SLOTS, STEPS
-from tests.pipeline.steplog.samples import frame_spans
+from tests.helpers.segment_bytes import recorded_segments, resealed, with_length
+from tests.helpers.steplog_samples import frame_spans
 
 pytestmark = pytest.mark.timeout(120)
 FUZZ = settings(

@@ -10,7 +10,8 @@ from pathlib import Path
 import dagster as dg
 import duckdb
 import pytest
-from hardening_fleet import bill, rerecord, simulate_small, small_pools
+
+from tests.helpers.fleets import bill, rerecord, simulate_small, small_pools
 
 pytestmark = pytest.mark.timeout(300)
 

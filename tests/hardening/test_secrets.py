@@ -21,11 +21,11 @@ import duckdb
 import polars as pl
 import pytest
 from click.testing import CliRunner
-from hardening_fleet import bill, simulate_small, small_pools
 
 from pipeline.alerts import AlertDeliveryError
 from pipeline.cli import main
 from pipeline.warehouse import connect_read_only
+from tests.helpers.fleets import bill, simulate_small, small_pools
 
 pytestmark = pytest.mark.timeout(300)
 

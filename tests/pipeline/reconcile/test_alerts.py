@@ -10,7 +10,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from reconcile_builders import HOUR, clean_steps, make_dcgm, make_pool
 
 from pipeline.alerts import (
     AlertConfigError,
@@ -25,6 +24,8 @@ from pipeline.alerts import (
 )
 from pipeline.reconcile import check_plausibility
 from schemas.config import Settings
+from tests.helpers.hours import HOUR
+from tests.helpers.reconcile_builders import clean_steps, make_dcgm, make_pool
 
 POOL = make_pool()
 RAISED = datetime(2026, 11, 30, 6, 20, tzinfo=UTC)

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-from datetime import UTC, datetime
 from pathlib import Path
 
 import polars as pl
@@ -10,8 +9,8 @@ from hypothesis import strategies as st
 
 from pipeline.dcgm import DCGM_SCHEMA, DcgmParseError, parse_dcgm, read_dcgm_hour
 from pipeline.hours import hour_bounds_ns
+from tests.helpers.hours import HOUR
 
-HOUR = datetime(2026, 11, 30, 5, tzinfo=UTC)
 HOUR_MS = hour_bounds_ns(HOUR)[0] // 1_000_000
 
 NEW_EXPORTER = f"""\

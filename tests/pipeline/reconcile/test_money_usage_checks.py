@@ -4,8 +4,16 @@ from datetime import datetime
 
 import polars as pl
 import pytest
-from reconcile_builders import (
-    HOUR,
+
+from pipeline.reconcile import (
+    check_calibration,
+    check_money,
+    check_plausibility,
+    check_unattributed,
+)
+from schemas.config import Settings
+from tests.helpers.hours import HOUR
+from tests.helpers.reconcile_builders import (
     S,
     clean_steps,
     make_dcgm,
@@ -15,14 +23,6 @@ from reconcile_builders import (
     make_segments,
     make_steps,
 )
-
-from pipeline.reconcile import (
-    check_calibration,
-    check_money,
-    check_plausibility,
-    check_unattributed,
-)
-from schemas.config import Settings
 
 POOL = make_pool()
 SETTINGS = Settings()

@@ -3,8 +3,19 @@ from __future__ import annotations
 import polars as pl
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reconcile_builders import (
-    HOUR,
+
+from pipeline.reconcile import (
+    _intersect,
+    _merge,
+    _subtract,
+    check_sequence,
+    check_time,
+    compact_ranges,
+)
+from schemas.config import Settings
+from schemas.tables import DAMAGE, DROPS
+from tests.helpers.hours import HOUR
+from tests.helpers.reconcile_builders import (
     MS,
     STEPS_PER_HOUR,
     S,
@@ -18,17 +29,6 @@ from reconcile_builders import (
     shift_utc,
     without_seq,
 )
-
-from pipeline.reconcile import (
-    _intersect,
-    _merge,
-    _subtract,
-    check_sequence,
-    check_time,
-    compact_ranges,
-)
-from schemas.config import Settings
-from schemas.tables import DAMAGE, DROPS
 
 POOL = make_pool()
 SETTINGS = Settings()

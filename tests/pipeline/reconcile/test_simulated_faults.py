@@ -20,13 +20,12 @@ from pipeline.reconcile import (
     check_time,
     check_unattributed,
 )
-from pipeline.simulator import DEFAULT_START, simulate
+from pipeline.simulator import simulate
 from pipeline.simulator.faults import DRIVER_VERSION, ENGINE_VERSION, UNCALIBRATED_ENGINE_VERSION
 from pipeline.steplog import read_segments
 from pricing import load_chip
 from schemas.config import PoolsFile, load_pools
-
-HOUR = DEFAULT_START
+from tests.helpers.hours import SIMULATED_HOUR
 
 
 def quiet_pool():
@@ -71,10 +70,10 @@ def simulate_and_check(out_dir: Path, faults: dict[str, float | None]) -> Run:
         [read_gateway_file(path, b"test-salt") for path in sorted(out_dir.glob("gateway/*.jsonl"))]
     )
     ledger = attribute_hour(
-        HOUR, pool, steps, slots, holders, context, KernelWeights.for_pool(pool)
+        SIMULATED_HOUR, pool, steps, slots, holders, context, KernelWeights.for_pool(pool)
     )
     stamp = [
-        pl.lit(HOUR.replace(tzinfo=None)).cast(pl.Datetime("us")).alias("hour"),
+        pl.lit(SIMULATED_HOUR.replace(tzinfo=None)).cast(pl.Datetime("us")).alias("hour"),
         pl.lit(pool.name).alias("pool"),
     ]
     lines = ledger.ledger_lines.with_columns(stamp)
@@ -83,13 +82,15 @@ def simulate_and_check(out_dir: Path, faults: dict[str, float | None]) -> Run:
     # What a calibration sweep of the fleet before the hour stored (as `stepledger demo` does).
     known = {(pool.model, pool.gpu_type, ENGINE_VERSION, DRIVER_VERSION)}
     results = [
-        *check_sequence(HOUR, pool, steps, drops, damage, segments),
-        *check_time(HOUR, pool, steps, settings),
-        *check_money(HOUR, pool, invoices, lines),
-        *check_plausibility(HOUR, pool, steps, read_dcgm_hour(out_dir / "dcgm", HOUR), settings),
-        *check_unattributed(HOUR, pool, lines),
+        *check_sequence(SIMULATED_HOUR, pool, steps, drops, damage, segments),
+        *check_time(SIMULATED_HOUR, pool, steps, settings),
+        *check_money(SIMULATED_HOUR, pool, invoices, lines),
+        *check_plausibility(
+            SIMULATED_HOUR, pool, steps, read_dcgm_hour(out_dir / "dcgm", SIMULATED_HOUR), settings
+        ),
+        *check_unattributed(SIMULATED_HOUR, pool, lines),
         *check_calibration(
-            HOUR,
+            SIMULATED_HOUR,
             pool,
             segments,
             known,

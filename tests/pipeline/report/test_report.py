@@ -10,11 +10,11 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from report_fleet import build_fleet
 
 from pipeline.cli import main
 from pipeline.report import Scope, load_report, render_html, usd, usd_per
 from schemas.config import load_pools
+from tests.helpers.report_fleet import build_fleet
 
 CHROMIUM = Path("/usr/bin/chromium")
 

@@ -24,7 +24,7 @@ START = datetime(2026, 11, 30, 5, tzinfo=UTC)
 START_NS = int(START.timestamp()) * 1_000_000_000
 
 
-def small_pools() -> PoolsFile:
+def small_two_pool_fleet() -> PoolsFile:
     """The default pools with two 8B replicas (one host) and the TP8 replica at a third of its traffic."""
     pools = load_pools()
     chat, reason = pools.pools
@@ -62,7 +62,7 @@ def decode(out_dir: Path):
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory) -> tuple[Path, SimulationSummary]:
     out = tmp_path_factory.mktemp("clean") / "run"
-    return out, simulate(out, small_pools(), hours=0.05, seed=11, start=START)
+    return out, simulate(out, small_two_pool_fleet(), hours=0.05, seed=11, start=START)
 
 
 ALL_FAULTS = {
@@ -81,13 +81,16 @@ ALL_FAULTS = {
 def faulty(tmp_path_factory) -> tuple[Path, SimulationSummary]:
     # Over 5 minutes, so the damaged replica ships several segments.
     out = tmp_path_factory.mktemp("faulty") / "run"
-    return out, simulate(out, small_pools(), hours=0.1, seed=11, start=START, faults=ALL_FAULTS)
+    return out, simulate(
+        out, small_two_pool_fleet(), hours=0.1, seed=11, start=START, faults=ALL_FAULTS
+    )
 
 
 def test_run_directory_layout(clean):
     out, summary = clean
     assert (
-        PoolsFile.model_validate(yaml.safe_load((out / "pools.yaml").read_text())) == small_pools()
+        PoolsFile.model_validate(yaml.safe_load((out / "pools.yaml").read_text()))
+        == small_two_pool_fleet()
     )
     assert sorted(p.name for p in (out / "outbox").iterdir()) == [
         "chat-8b-r0",
@@ -199,7 +202,7 @@ def engine_busy_by_scrape(out: Path, replica: str, samples: pl.DataFrame) -> np.
 def test_dcgm_tracks_engine_busy_time_on_every_gpu(clean):
     out, _summary = clean
     node10 = parse_dcgm(out / "dcgm" / "gpu-node-10" / "2026-11-30T05.prom")
-    pools = small_pools()
+    pools = small_two_pool_fleet()
     assert sorted(node10["uuid"].unique().to_list()) == sorted(pools.pools[1].replicas[0].gpu_uuids)
     assert (
         node10.group_by("uuid").len()["len"].to_list() == [12] * 8
@@ -217,7 +220,9 @@ def test_dcgm_tracks_engine_busy_time_on_every_gpu(clean):
 
 def test_the_same_seed_gives_the_same_run_in_worker_processes_too(clean, tmp_path):
     out, summary = clean
-    again = simulate(tmp_path / "again", small_pools(), hours=0.05, seed=11, start=START, workers=2)
+    again = simulate(
+        tmp_path / "again", small_two_pool_fleet(), hours=0.05, seed=11, start=START, workers=2
+    )
     assert again.replicas == summary.replicas
     for relative in ("gateway/2026-11-30T05.jsonl", "dcgm/gpu-node-01/2026-11-30T05.prom"):
         assert (tmp_path / "again" / relative).read_bytes() == (out / relative).read_bytes()
@@ -231,7 +236,7 @@ def test_the_same_seed_gives_the_same_run_in_worker_processes_too(clean, tmp_pat
 def test_a_run_directory_is_never_overwritten(clean):
     out, _ = clean
     with pytest.raises(FileExistsError, match="pools.yaml exists"):
-        simulate(out, small_pools(), hours=0.01, seed=1, start=START)
+        simulate(out, small_two_pool_fleet(), hours=0.01, seed=1, start=START)
 
 
 def test_drop_records_leaves_counted_drops_and_a_time_shortfall(faulty):
@@ -292,7 +297,9 @@ def test_idle_replica_has_no_steps_and_an_idle_gpu(faulty):
     idle = next(r for r in summary.replicas if r.replica == "chat-8b-r1")
     assert (idle.requests, idle.steps, idle.segments) == (0, 0, 0)
     samples = parse_dcgm(out / "dcgm" / "gpu-node-01" / "2026-11-30T05.prom")
-    idle_gpu = samples.filter(pl.col("uuid") == small_pools().pools[0].replicas[1].gpu_uuids[0])
+    idle_gpu = samples.filter(
+        pl.col("uuid") == small_two_pool_fleet().pools[0].replicas[1].gpu_uuids[0]
+    )
     assert idle_gpu.height == 24 and idle_gpu["value"].max() < 0.1
 
 
@@ -301,7 +308,7 @@ def test_host_stall_shows_busy_engine_and_idle_gpu(faulty):
     target = next(r for r in summary.replicas if r.replica == "chat-8b-r0")
     assert target.busy_fraction == pytest.approx(1.5 * target.gpu_busy_fraction, rel=1e-3)
     samples = parse_dcgm(out / "dcgm" / "gpu-node-01" / "2026-11-30T05.prom")
-    gpu = samples.filter(pl.col("uuid") == small_pools().pools[0].replicas[0].gpu_uuids[0])
+    gpu = samples.filter(pl.col("uuid") == small_two_pool_fleet().pools[0].replicas[0].gpu_uuids[0])
     assert gpu["value"].mean() < target.busy_fraction - 0.2
 
 
@@ -334,7 +341,7 @@ def test_busy_between_counts_partial_intervals():
 
 def test_cli_simulates_and_reports(tmp_path):
     pools_path = tmp_path / "pools.yaml"
-    pools_path.write_text(yaml.safe_dump(small_pools().model_dump(mode="json")))
+    pools_path.write_text(yaml.safe_dump(small_two_pool_fleet().model_dump(mode="json")))
     result = CliRunner().invoke(
         main,
         [
@@ -378,7 +385,7 @@ def test_cli_simulates_and_reports(tmp_path):
     summary = json.loads(as_json.stdout)
     assert (summary["seed"], summary["start"]) == (2, "2026-12-01 03:00:00+00:00")
     assert [r["replica"] for r in summary["replicas"]] == [
-        r.id for p in small_pools().pools for r in p.replicas
+        r.id for p in small_two_pool_fleet().pools for r in p.replicas
     ]
     assert summary["steps"] == sum(r["steps"] for r in summary["replicas"])
     bad = CliRunner().invoke(

@@ -23,7 +23,7 @@ from schemas.records import (
     STEP_STRUCT,
     FrameKind,
 )
-from tests.pipeline.steplog.samples import MONO_ANCHOR, frame_spans
+from tests.helpers.steplog_samples import MONO_ANCHOR, frame_spans
 
 
 @pytest.fixture

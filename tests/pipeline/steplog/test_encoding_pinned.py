@@ -9,7 +9,7 @@ import numpy as np
 
 from pipeline.steplog import StepRecorder
 from schemas.records import FRAME_PREFIX, PREAMBLE
-from tests.pipeline.steplog.samples import HEADER, MONO_ANCHOR, fixed_clocks
+from tests.helpers.steplog_samples import HEADER, MONO_ANCHOR, fixed_clocks
 
 # SHA-256 of every segment's frames after its header frame, concatenated in shipping order.
 PINNED_FRAMES_SHA256 = "a1a5058e1dbce55c2e6b52a696e3047be30a379dcff8499e593fad53225f8e47"

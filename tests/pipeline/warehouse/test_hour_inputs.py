@@ -4,7 +4,6 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from warehouse_fleet import HOUR, NS, write_gateway, write_replica_log
 
 from pipeline.attribute import attribute_pool_hour, gather_inputs
 from pipeline.datadir import CALIBRATION_FILE
@@ -14,6 +13,8 @@ from pipeline.lake import load_inputs, save_inputs
 from pipeline.warehouse import connect
 from pipeline.weights import weight_source
 from schemas.config import load_pools
+from tests.helpers.hours import HOUR
+from tests.helpers.warehouse_fleet import NS, write_gateway, write_replica_log
 
 POOLS = load_pools()
 POOL = POOLS.pool("chat-8b")

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from warehouse_fleet import HOUR, NS, write_replica_log
 
 from pipeline import ingest
 from pipeline.ingest import (
@@ -23,6 +22,8 @@ from pipeline.ingest import (
 from pipeline.lake import load_hour
 from pipeline.warehouse import connect
 from schemas.config import load_pools
+from tests.helpers.hours import HOUR
+from tests.helpers.warehouse_fleet import NS, write_replica_log
 
 POOL = load_pools().pool("chat-8b")
 

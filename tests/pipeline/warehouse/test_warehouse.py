@@ -19,8 +19,7 @@ from pipeline.warehouse import (
     record_checks,
     replace_hour,
 )
-
-HOUR = datetime(2026, 11, 30, 5, tzinfo=UTC)
+from tests.helpers.hours import HOUR
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,20 @@
-"""A small simulated fleet, and a way to bill it through the Dagster definitions."""
+"""A small simulated fleet, and ways to bill it through the Dagster definitions."""
 
 from __future__ import annotations
 
 import warnings
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
-
-import dagster as dg
+from typing import TYPE_CHECKING
 
 from schemas.config import PoolsFile, load_pools
+from tests.helpers.hours import SIMULATED_HOUR
 
-HOUR = datetime(2026, 11, 30, 0, tzinfo=UTC)
-MINUTES = 3
+if TYPE_CHECKING:
+    import dagster as dg
+
+# Three simulated minutes: enough traffic for every kind of ledger line.
+SIMULATED_HOURS = 0.05
 QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
 
 
@@ -47,7 +50,7 @@ def small_pools(
 def simulate_small(out: Path, pools: PoolsFile | None = None, **options) -> Path:
     from pipeline.simulator import simulate
 
-    simulate(out, pools or small_pools(), hours=MINUTES / 60, seed=7, **options)
+    simulate(out, pools or small_pools(), hours=SIMULATED_HOURS, seed=7, **options)
     return out
 
 
@@ -55,7 +58,7 @@ def bill(
     data: Path,
     pools: PoolsFile,
     instance: dg.DagsterInstance,
-    hour: datetime = HOUR,
+    hour: datetime = SIMULATED_HOUR,
     run_config: dict = QUIET,
 ) -> list:
     """Materialize every pool of `hour` through the pool-hour job; the run results."""

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 
 from pipeline.steplog import SegmentHeader, StepRecorder
 from schemas.config import Pool
 
-HOUR = datetime(2026, 11, 30, 5, tzinfo=UTC)
 NS = 1_000_000_000
 
 

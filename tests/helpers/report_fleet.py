@@ -11,7 +11,7 @@ so the sequence check fails and the hour is held back from finance.
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 
 import yaml
@@ -28,8 +28,8 @@ from pipeline.steplog import SegmentHeader, StepRecorder
 from pipeline.warehouse import connect
 from pipeline.weights import weight_source
 from schemas.config import load_pools
+from tests.helpers.hours import HOUR
 
-HOUR = datetime(2026, 11, 30, 5, tzinfo=UTC)
 NEXT_HOUR = HOUR + timedelta(hours=1)
 NS = 1_000_000_000
 STEPS_PER_HOUR = 1800

@@ -9,7 +9,7 @@ from pathlib import Path
 from pipeline.steplog import StepRecorder
 from pipeline.steplog.format import frame_crc
 from schemas.records import FRAME_CHECKED_BYTES, FRAME_PREFIX
-from tests.pipeline.steplog.samples import HEADER, MONO_ANCHOR, fixed_clocks
+from tests.helpers.steplog_samples import HEADER, MONO_ANCHOR, fixed_clocks
 
 # Ids a hostile client could choose: quotes, SQL, control characters, non-ASCII.
 HOSTILE_IDS = (

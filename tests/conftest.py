@@ -1,3 +1,5 @@
+"""Fixtures shared across the suite; the helpers they use are in tests/helpers/."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -5,7 +7,14 @@ from pathlib import Path
 import pytest
 
 from pipeline.steplog import SegmentHeader, StepRecorder
-from tests.pipeline.steplog.samples import HEADER, MONO_ANCHOR, fixed_clocks
+from tests.helpers.fleets import simulate_small
+from tests.helpers.steplog_samples import HEADER, MONO_ANCHOR, fixed_clocks
+
+
+@pytest.fixture(scope="module")
+def simulated(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The small fleet simulated for three minutes from the first simulated hour."""
+    return simulate_small(tmp_path_factory.mktemp("sim") / "run")
 
 
 def record_simple(recorder: StepRecorder, seq_start: int, count: int) -> None:

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-
 import numpy as np
 import polars as pl
 
 from pipeline.hours import hour_bounds_ns
 from schemas.config import Policies, Pool, Replica
 from schemas.tables import DAMAGE, DROPS, SEGMENTS, STEPS
+from tests.helpers.hours import HOUR
 
-HOUR = datetime(2026, 11, 30, 5, tzinfo=UTC)
 HOUR_START_NS, HOUR_END_NS = hour_bounds_ns(HOUR)
 MS = 1_000_000
 S = 1_000_000_000
