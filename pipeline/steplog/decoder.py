@@ -8,11 +8,16 @@ string array built from offsets and a single data buffer.
 from __future__ import annotations
 
 import json
+import os
+import re
+import stat
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import compress
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import pyarrow as pa
@@ -44,6 +49,46 @@ _INT64_LIMIT = 1 << 63
 # declaring a frame that reaches the end of the file) would otherwise cost quadratic time.
 CRC_BYTES_PER_FILE_BYTE = 2
 _HOLDER_STATE_NAMES = pa.array(HOLDER_STATES, pa.string())
+# How the recorder names a segment: `<replica>.<first seq, 12 digits>.<segment id prefix>.seg`.
+# A file without a readable header is placed in its replica's sequence by this name alone.
+_SEGMENT_NAME = re.compile(r"^(?P<replica>.+)\.(?P<first_seq>\d{12,18})\.[0-9a-f]+\.seg$")
+_FILE_TYPES = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+}
+
+
+class UnreadableSegment(OSError):
+    """A path named like a segment that is not a readable regular file; the message says why."""
+
+
+@contextmanager
+def open_segment(path: Path) -> Iterator[BinaryIO]:
+    """Open a segment for reading without ever blocking: a FIFO, a device or a directory that
+    lands in an outbox is refused after a non-blocking open, before any read.
+
+    Raises UnreadableSegment for what cannot be opened (a dangling symlink, a symlink loop,
+    no permission) or is not a regular file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as err:
+        raise UnreadableSegment(f"cannot open: {err.strerror}") from None
+    with os.fdopen(fd, "rb") as handle:
+        kind = stat.S_IFMT(os.fstat(fd).st_mode)
+        if kind != stat.S_IFREG:
+            raise UnreadableSegment(f"{_FILE_TYPES.get(kind, 'not a regular file')}, not a segment file")
+        yield handle
+
+
+def _read_segment(path: Path) -> bytes:
+    with open_segment(path) as handle:
+        try:
+            return handle.read()
+        except OSError as err:
+            raise UnreadableSegment(f"cannot read: {err.strerror}") from None
 
 
 @dataclass
@@ -359,7 +404,12 @@ def _bound_damage(decoded: _File) -> None:
 
 
 def _decode_file(path: Path) -> _File:
-    data = path.read_bytes()
+    try:
+        data = _read_segment(path)
+    except UnreadableSegment as err:
+        decoded = _new_file(path, b"")
+        decoded.damage.append(_Damage("unreadable", 0, 0, str(err)))
+        return decoded
     decoded = _new_file(path, data)
     buf = memoryview(data)
     if not data:
@@ -616,21 +666,39 @@ def _resolve_duplicates(files: list[_File]) -> tuple[list[_File], list[tuple[_Fi
     return list(kept.values()), damage
 
 
+def _replica_and_name_seq(decoded: _File) -> tuple[str | None, int | None]:
+    """The replica a file belongs to, and where its sequence starts when only its name says so."""
+    if decoded.header is not None:
+        return decoded.header.replica, None
+    named = _SEGMENT_NAME.match(decoded.path.name)
+    if named is None:
+        return None, None
+    return named["replica"], int(named["first_seq"])
+
+
 def _bound_by_next_segment(files: list[_File], following: list[_File]) -> None:
-    """A torn tail hides steps up to the next segment of the same replica (among `files` and
-    `following`), when there is one."""
-    starts: dict[tuple[str, str], list[int]] = {}
+    """Scope each damaged region to the sequence numbers it can hide: a torn tail ends before
+    the next segment of the same replica (among `files` and `following`) starts, and a file
+    without a readable header hides at most the numbers from the first one its name gives up to
+    that next segment (replica ids are unique across pools, so the replica alone places it).
+
+    A next segment that starts right after the damage leaves it an empty range
+    (last_seq = first_seq - 1): then it can hide nothing."""
+    starts: dict[str, list[int]] = {}
     for decoded in [*files, *following]:
         first, _ = _seq_range(decoded)
         if decoded.header is not None and first is not None:
-            starts.setdefault((decoded.header.pool, decoded.header.replica), []).append(first)
+            starts.setdefault(decoded.header.replica, []).append(first)
     for decoded in files:
-        if decoded.header is None:
+        replica, name_seq = _replica_and_name_seq(decoded)
+        if replica is None:
             continue
-        later = sorted(starts.get((decoded.header.pool, decoded.header.replica), []))
+        later = sorted(starts.get(replica, []))
         for damage in decoded.damage:
+            if damage.first_seq is None and damage.kind != "duplicate_segment":
+                damage.first_seq = name_seq
             if damage.last_seq is None and damage.first_seq is not None:
-                following = [s for s in later if s > damage.first_seq]
+                following = [s for s in later if s >= damage.first_seq]
                 if following:
                     damage.last_seq = following[0] - 1
 
