@@ -210,7 +210,7 @@ def test_sequence_gaps_between_segments(tmp_path: Path) -> None:
         # A later segment of the same replica starting at seq 9: 5..8 never arrived.
         con.execute(
             "UPDATE segments SET first_seq = 9, last_seq = 12, segment_id = 'later' WHERE path = ?",
-            [str(first[0])],
+            [str(first[0].relative_to(tmp_path))],
         )
         con.execute(
             "INSERT INTO segments SELECT * REPLACE (0 AS first_seq, 4 AS last_seq, 'earlier' AS segment_id) "
