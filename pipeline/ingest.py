@@ -241,8 +241,10 @@ def _ingest_new(
         size, digest = _fingerprint(path)
         if (str(path.relative_to(root)), digest) in known_files:
             continue
-        if not batches or path.parent.name != batches[-1].replica or (
-            batches[-1].size and batches[-1].size + size > BATCH_BYTES
+        if (
+            not batches
+            or path.parent.name != batches[-1].replica
+            or (batches[-1].size and batches[-1].size + size > BATCH_BYTES)
         ):
             batches.append(_Batch(path.parent.name))
         if digest in known_hashes:
@@ -339,9 +341,7 @@ def _ingest_batch(
     recovered_segments = pl.DataFrame()
     if fresh:
         decoded = read_segments(list(fresh), following)
-        steps, slots, holders = (
-            _frame(t) for t in (decoded.steps, decoded.slots, decoded.holders)
-        )
+        steps, slots, holders = (_frame(t) for t in (decoded.steps, decoded.slots, decoded.holders))
         decoded_segments, damage, drops = (
             _frame(t).with_columns(pl.col("path").replace(relative))
             if "path" in t.column_names
@@ -415,7 +415,10 @@ def _ingest_batch(
         insert_frame(con, "segment_files", file_rows)
         if decoded_segments is not None and decoded_segments.height:
             hashes = pl.DataFrame(
-                {"path": [relative[str(p)] for p in fresh], "sha256": [d for _, d in fresh.values()]}
+                {
+                    "path": [relative[str(p)] for p in fresh],
+                    "sha256": [d for _, d in fresh.values()],
+                }
             )
             insert_frame(
                 con,
@@ -450,7 +453,9 @@ def _ingest_batch(
 def _dropped_within(dropped: list[tuple[int, int]], first: int, last: int) -> int:
     """How many sequence numbers in [first, last] the (possibly overlapping) drop ranges count."""
     count, reached = 0, first - 1
-    for a, b in sorted((max(a, first), min(b, last)) for a, b in dropped if a <= last and b >= first):
+    for a, b in sorted(
+        (max(a, first), min(b, last)) for a, b in dropped if a <= last and b >= first
+    ):
         if b > reached:
             count += b - max(a, reached + 1) + 1
             reached = b

@@ -79,7 +79,9 @@ def open_segment(path: Path) -> Iterator[BinaryIO]:
     with os.fdopen(fd, "rb") as handle:
         kind = stat.S_IFMT(os.fstat(fd).st_mode)
         if kind != stat.S_IFREG:
-            raise UnreadableSegment(f"{_FILE_TYPES.get(kind, 'not a regular file')}, not a segment file")
+            raise UnreadableSegment(
+                f"{_FILE_TYPES.get(kind, 'not a regular file')}, not a segment file"
+            )
         yield handle
 
 
