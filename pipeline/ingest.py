@@ -485,7 +485,7 @@ def _settle_damage(
     for rowid, last in open_rows:
         con.execute("UPDATE damage SET last_seq = ? WHERE rowid = ?", [last, rowid])
     hiding = con.execute(
-        "SELECT rowid, first_seq, last_seq FROM damage WHERE list_contains(?, kind) "
+        "SELECT rowid, kind, detail, first_seq, last_seq FROM damage WHERE list_contains(?, kind) "
         "AND first_seq IS NOT NULL AND last_seq IS NOT NULL "
         "AND regexp_extract(path, '([^/]+)/[^/]*$', 1) = ?",
         [list(HIDING_DAMAGE), replica],
@@ -496,17 +496,20 @@ def _settle_damage(
     dropped = con.execute(
         "SELECT first_seq, last_seq FROM drops WHERE replica = ?", [replica]
     ).fetchall()
-    for rowid, first, last in hiding:
-        if last >= first:
+    for rowid, kind, detail, first, last in hiding:
+        if last < first:
+            why = (
+                f"it can hide no step: a segment held starts at seq {first}, where its range begins"
+            )
+        else:
             # Steps and counted drops never share a sequence number, so their counts add up.
             held_count = int(held.is_between(first, last).sum()) + _dropped_within(
                 dropped, first, last
             )
             if held_count < last - first + 1:
                 continue
+            why = f"every step it could hide (seq {first}-{last}) is held"
         con.execute(
-            "UPDATE damage SET kind = 'recovered', detail = kind || ' (' || detail || '); "
-            "every sequence number it could hide (' || first_seq || '-' || last_seq || ') is held' "
-            "WHERE rowid = ?",
-            [rowid],
+            "UPDATE damage SET kind = 'recovered', detail = ? WHERE rowid = ?",
+            [f"{kind} ({detail}); {why}", rowid],
         )

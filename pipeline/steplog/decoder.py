@@ -76,12 +76,13 @@ def open_segment(path: Path) -> Iterator[BinaryIO]:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as err:
         raise UnreadableSegment(f"cannot open: {err.strerror}") from None
+    kind = stat.S_IFMT(os.fstat(fd).st_mode)
+    if kind != stat.S_IFREG:
+        os.close(fd)
+        raise UnreadableSegment(
+            f"{_FILE_TYPES.get(kind, 'not a regular file')}, not a segment file"
+        )
     with os.fdopen(fd, "rb") as handle:
-        kind = stat.S_IFMT(os.fstat(fd).st_mode)
-        if kind != stat.S_IFREG:
-            raise UnreadableSegment(
-                f"{_FILE_TYPES.get(kind, 'not a regular file')}, not a segment file"
-            )
         yield handle
 
 
@@ -633,6 +634,14 @@ def _seq_range(decoded: _File) -> tuple[int | None, int | None]:
     return min(m[1] for m in decoded.seq_marks), max(m[2] for m in decoded.seq_marks)
 
 
+def _copy_key(decoded: _File) -> str | bytes:
+    """What copies of one segment share: the segment id, else the bytes. Files with no bytes
+    (empty, or unreadable) are copies of nothing: each is its own damage."""
+    if decoded.header is not None:
+        return decoded.header.segment_id
+    return decoded.data or str(decoded.path)
+
+
 def _resolve_duplicates(files: list[_File]) -> tuple[list[_File], list[tuple[_File, _Damage]]]:
     """Keep one copy of each segment; the others become duplicate_segment damage.
 
@@ -642,7 +651,7 @@ def _resolve_duplicates(files: list[_File]) -> tuple[list[_File], list[tuple[_Fi
     kept: dict[str | bytes, _File] = {}
     duplicates: list[tuple[_File, _File]] = []
     for decoded in sorted(files, key=lambda f: str(f.path)):
-        key = decoded.header.segment_id if decoded.header is not None else decoded.data
+        key = _copy_key(decoded)
         other = kept.get(key)
         if other is None:
             kept[key] = decoded
@@ -654,7 +663,7 @@ def _resolve_duplicates(files: list[_File]) -> tuple[list[_File], list[tuple[_Fi
         duplicates.append((worse, best))
     damage = []
     for copy, keeper in duplicates:
-        keeper = kept[keeper.header.segment_id if keeper.header is not None else keeper.data]
+        keeper = kept[_copy_key(keeper)]
         if copy.data == keeper.data:
             why = f"identical content to {keeper.path}, which was kept"
         else:
