@@ -41,7 +41,7 @@ import pyarrow as pa
 
 from pipeline.steplog import read_segments
 from pipeline.steplog.decoder import UnreadableSegment, open_segment
-from pipeline.warehouse import hour_key, insert_frame, transaction
+from pipeline.warehouse import hour_key, insert_frame, query_frame, transaction
 from schemas.tables import HOLDERS, SLOTS, STEPS
 
 NS_PER_HOUR = 3_600_000_000_000
@@ -369,7 +369,7 @@ def _ingest_batch(
             kept = steps.select(STEP_KEY)
             slots = slots.join(kept, on=STEP_KEY, how="semi")
             holders = holders.join(kept, on=STEP_KEY, how="semi")
-            known_drops = con.execute("SELECT pool, replica, first_seq, last_seq FROM drops").pl()
+            known_drops = query_frame(con, "SELECT pool, replica, first_seq, last_seq FROM drops")
             drops = drops.join(
                 known_drops, on=["pool", "replica", "first_seq", "last_seq"], how="anti"
             )
