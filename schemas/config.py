@@ -173,7 +173,7 @@ class Pool(_Strict):
                 f"{Decimal(_MAX_PRICE_PER_HOUR_NANO).scaleb(-9)} USD the allocator bills exactly"
             )
         elif exact != exact.to_integral_value():
-            why = f"is not a whole number of nano-dollars ({exact:f})"
+            why = f"is not a whole number of nano-dollars ({exact.normalize():f})"
         else:
             return self
         raise ValueError(f"pool {self.name!r}: usd_per_gpu_hour {self.usd_per_gpu_hour!r} {why}")
