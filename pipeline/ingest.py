@@ -112,7 +112,8 @@ def partition_dir(lake: Path, table: str, pool: str, hour_key: str) -> Path:
 def part_name(replica: str, part: pl.DataFrame, batch_id: str) -> str:
     """`<replica>.<first seq>.<batch>.parquet`: sorted by name, a partition's files list each
     replica's rows in sequence order, the order attribution works in."""
-    return f"{replica}.{part['seq'].min():012d}.{batch_id}.parquet"
+    first_seq: int = part["seq"].min()  # type: ignore[assignment]  # an Int64 column's minimum
+    return f"{replica}.{first_seq:012d}.{batch_id}.parquet"
 
 
 def batch_of(part: Path) -> str:
@@ -433,9 +434,9 @@ def _ingest_batch(
                 "steps = steps + ? WHERE segment_id = ?",
                 [first, last, count, segment_id],
             )
-        for name, frame in (("damage", damage), ("drops", drops)):
-            if frame is not None and frame.height:
-                insert_frame(con, name, frame.with_columns(batch_id=pl.lit(batch_id)))
+        for name, found in (("damage", damage), ("drops", drops)):
+            if found is not None and found.height:
+                insert_frame(con, name, found.with_columns(batch_id=pl.lit(batch_id)))
         _settle_damage(con, lake, batch.replica, partitions)
     # Committed: the intent is settled (should the process die first, the next ingest finds
     # the batch committed and drops the intent alone).

@@ -19,7 +19,7 @@ QUERIES = {
 HELD_BACK = "SELECT hour, pool, amount_nano, reason FROM held_back_hours ORDER BY hour, pool"
 
 
-def cost_report(warehouse: Path, by: str) -> dict[str, list[dict]]:
+def cost_report(warehouse: Path, by: str) -> dict[str, list[dict[str, object]]]:
     """The rows of one finance breakdown and the hours held back, as plain dicts."""
     with connect_read_only(warehouse) as con:
         report = {}
@@ -63,7 +63,7 @@ HEADINGS = {
 }
 
 
-def print_report(report: dict[str, list[dict]], title: str) -> None:
+def print_report(report: dict[str, list[dict[str, object]]], title: str) -> None:
     from rich.console import Console
     from rich.measure import Measurement
     from rich.table import Table

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import compress
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 import pyarrow as pa
@@ -182,7 +182,7 @@ def _fits_its_kind(buf: memoryview, kind: int, payload: int, end: int) -> bool:
         + n_holders * HOLDER_DTYPE.itemsize
         + holder_id_bytes
     )
-    return blocked <= 1 and STEP_STRUCT.size + records == length
+    return bool(blocked <= 1 and STEP_STRUCT.size + records == length)
 
 
 def _check_frame(decoded: _File, buf: memoryview, pos: int) -> tuple[int, int] | str:
@@ -463,7 +463,9 @@ def _strings(offsets: np.ndarray, blobs: list[memoryview]) -> pa.Array:
     return array
 
 
-def _row_keys(header: HeaderFrame, seq: np.ndarray, counts: np.ndarray) -> list:
+def _row_keys(
+    header: HeaderFrame, seq: np.ndarray, counts: np.ndarray
+) -> list[pa.Array | np.ndarray]:
     """pool, replica, seq and position-in-step columns of per-step rows (slots or holders)."""
     total = int(counts.sum())
     starts = np.repeat(np.cumsum(counts) - counts, counts)
@@ -496,8 +498,7 @@ def _inconsistent_steps(
     return bad
 
 
-def _tables(decoded: _File) -> tuple[pa.Table, pa.Table, pa.Table]:
-    header = decoded.header
+def _tables(decoded: _File, header: HeaderFrame) -> tuple[pa.Table, pa.Table, pa.Table]:
     fixed = np.frombuffer(b"".join(decoded.step_fixed), STEP_DTYPE)
     slots = np.frombuffer(b"".join(decoded.slot_records), SLOT_DTYPE)
     holders = np.frombuffer(b"".join(decoded.holder_records), HOLDER_DTYPE)
@@ -518,7 +519,7 @@ def _tables(decoded: _File) -> tuple[pa.Table, pa.Table, pa.Table]:
     if bad.any():
         why = "step frame whose id lengths, ids or holder states disagree with its counts"
         _discard_steps(decoded, bad, fixed["seq"], why)
-        return _tables(decoded)
+        return _tables(decoded, header)
     shift = header.wall_anchor_ns - header.mono_anchor_ns
     overflows = _utc_overflows(fixed, shift)
     if overflows.any():
@@ -527,7 +528,7 @@ def _tables(decoded: _File) -> tuple[pa.Table, pa.Table, pa.Table]:
             f"{shift}) is outside int64 nanoseconds, so the step has no UTC time"
         )
         _discard_steps(decoded, overflows, fixed["seq"], why)
-        return _tables(decoded)
+        return _tables(decoded, header)
     slot_counts = fixed["num_slots"].astype(np.int64)
     holder_counts = fixed["num_holders"].astype(np.int64)
 
@@ -624,7 +625,8 @@ def _discard_steps(decoded: _File, discard: np.ndarray, seqs: np.ndarray, why: s
             )
             run_first = position + 1
     keep = (~discard).tolist()
-    for parts in (decoded.step_offsets, *decoded.step_parts()):
+    every_part: list[list[Any]] = [decoded.step_offsets, *decoded.step_parts()]
+    for parts in every_part:
         parts[:] = compress(parts, keep)
 
 
@@ -664,7 +666,7 @@ def _resolve_duplicates(files: list[_File]) -> tuple[list[_File], list[tuple[_Fi
     damage = []
     for copy, keeper in duplicates:
         keeper = kept[_copy_key(keeper)]
-        if copy.data == keeper.data:
+        if copy.data == keeper.data or copy.header is None:
             why = f"identical content to {keeper.path}, which was kept"
         else:
             why = f"same segment_id {copy.header.segment_id} as {keeper.path}, which was kept"
@@ -709,9 +711,9 @@ def _bound_by_next_segment(files: list[_File], following: list[_File]) -> None:
             if damage.first_seq is None and damage.kind != "duplicate_segment":
                 damage.first_seq = name_seq
             if damage.last_seq is None and damage.first_seq is not None:
-                following = [s for s in later if s >= damage.first_seq]
-                if following:
-                    damage.last_seq = following[0] - 1
+                after = [s for s in later if s >= damage.first_seq]
+                if after:
+                    damage.last_seq = after[0] - 1
 
 
 def read_segments(paths: Iterable[Path], following: Iterable[Path] = ()) -> DecodedLog:
@@ -731,17 +733,18 @@ def read_segments(paths: Iterable[Path], following: Iterable[Path] = ()) -> Deco
         files, [_decode_file(Path(p)) for p in following if Path(p) not in unique]
     )
     readable = sorted(
-        (f for f in files if f.header is not None),
-        key=lambda f: (f.header.pool, f.header.replica, _seq_range(f)[0] or 0, f.header.segment_id),
+        ((f, f.header) for f in files if f.header is not None),
+        key=lambda fh: (fh[1].pool, fh[1].replica, _seq_range(fh[0])[0] or 0, fh[1].segment_id),
     )
 
-    step_tables, slot_tables, holder_tables, segment_rows, drop_rows = [], [], [], [], []
-    for decoded in readable:
-        steps, slots, holders = _tables(decoded)
+    step_tables, slot_tables, holder_tables = [], [], []
+    segment_rows: list[dict[str, Any]] = []
+    drop_rows: list[dict[str, Any]] = []
+    for decoded, header in readable:
+        steps, slots, holders = _tables(decoded, header)
         step_tables.append(steps)
         slot_tables.append(slots)
         holder_tables.append(holders)
-        header = decoded.header
         first, last = _seq_range(decoded)
         dropped = sum(b - a + 1 for a, b in decoded.drops)
         segment_rows.append(
