@@ -27,7 +27,9 @@ def build_new_segments_sensor(pools: PoolsFile) -> dg.SensorDefinition:
         seen_ns = int(context.cursor or 0)
         newest_by_pool: dict[str, int] = {}
         for path in segment_files(data.outbox, pool_of_replica):
-            mtime_ns = path.stat().st_mtime_ns
+            # lstat: a dangling symlink or a loop named like a segment is damage for ingestion
+            # to report, not a reason for the sensor to fail.
+            mtime_ns = path.lstat().st_mtime_ns
             pool = pool_of_replica[path.parent.name]
             if mtime_ns > seen_ns and mtime_ns > newest_by_pool.get(pool, 0):
                 newest_by_pool[pool] = mtime_ns

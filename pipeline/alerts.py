@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import sys
 import urllib.error
 import urllib.parse
@@ -224,9 +225,19 @@ class WebhookSink:
             raise AlertConfigError(f"webhook format {format!r} is not one of pagerduty, slack")
         if format == "pagerduty" and not routing_key:
             raise AlertConfigError(f"the pagerduty format needs a routing key ({ENV_ROUTING_KEY})")
-        parts = urllib.parse.urlsplit(url)
+        # Never the URL in the message, nor a chained error that quotes it: its path is a secret.
+        try:
+            parts = urllib.parse.urlsplit(url)
+            # A port that is not a number would otherwise fail only at the first page.
+            parts.port  # noqa: B018
+        except ValueError:
+            raise AlertConfigError(f"the webhook URL ({ENV_URL}) does not parse as a URL") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise AlertConfigError(f"the webhook URL ({ENV_URL}) is not an http(s) URL")
+        if re.search(r"[\x00-\x20\x7f]", url):
+            raise AlertConfigError(
+                f"the webhook URL ({ENV_URL}) contains whitespace or control characters"
+            )
         self._url = url
         self._routing_key = routing_key
         self.format: WebhookFormat = format

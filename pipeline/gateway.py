@@ -34,8 +34,9 @@ class ContextError(ValueError):
 
 
 class _GatewayLine(BaseModel):
-    # Unknown fields are ignored: the gateway may log more than stepledger needs.
-    model_config = ConfigDict(extra="ignore", strict=False)
+    # Unknown fields are ignored: the gateway may log more than stepledger needs. A line holds
+    # a raw API key: a validation error must not echo the line into a log or an event.
+    model_config = ConfigDict(extra="ignore", strict=False, hide_input_in_errors=True)
 
     request_id: str = Field(min_length=1)
     tenant: str = Field(min_length=1)
@@ -51,6 +52,12 @@ class LoadReport:
     loaded: list[Path]  # files (re)loaded into request_context
     unchanged: list[Path]  # files already loaded with identical content
     requests: int  # rows written by this call
+
+
+def file_key(path: Path) -> str:
+    """How a gateway file is known in the warehouse: `gateway/<name>`, relative to the data
+    directory, so a data directory moved or restored from a backup is the same data."""
+    return f"{path.parent.name}/{path.name}"
 
 
 def key_salt() -> bytes:
@@ -121,7 +128,7 @@ def read_gateway_file(path: Path, salt: bytes) -> pl.DataFrame:
             "retry_of": columns["retry_of"],
             "retry_cause": columns["retry_cause"],
             "received_at": received,
-            "source_file": [str(path)] * len(received),
+            "source_file": [file_key(path)] * len(received),
         },
         schema={
             "request_id": pl.String,
@@ -158,14 +165,14 @@ def load_gateway_files(
     for path in paths:
         digest = hashlib.sha256(path.read_bytes()).hexdigest()
         known = con.execute(
-            "SELECT sha256 FROM context_files WHERE path = ?", [str(path)]
+            "SELECT sha256 FROM context_files WHERE path = ?", [file_key(path)]
         ).fetchone()
         if known is not None and known[0] == digest:
             unchanged.append(path)
             continue
         rows = read_gateway_file(path, salt)
         with transaction(con):
-            con.execute("DELETE FROM request_context WHERE source_file = ?", [str(path)])
+            con.execute("DELETE FROM request_context WHERE source_file = ?", [file_key(path)])
             incoming_ids = rows.select("request_id").to_arrow()  # noqa: F841 (scanned by name)
             clash = con.execute(
                 "SELECT c.request_id, c.source_file FROM request_context c JOIN incoming_ids USING (request_id) LIMIT 1"
@@ -177,7 +184,7 @@ def load_gateway_files(
             insert_frame(con, "request_context", rows)
             con.execute(
                 "INSERT OR REPLACE INTO context_files VALUES (?, ?, ?, ?)",
-                [str(path), digest, rows.height, datetime.now(UTC).replace(tzinfo=None)],
+                [file_key(path), digest, rows.height, datetime.now(UTC).replace(tzinfo=None)],
             )
         loaded.append(path)
         written += rows.height

@@ -2,9 +2,17 @@
 
 Layout: `<lake>/<table>/pool=<pool>/hour=<YYYY-MM-DDTHH>/<replica>.<seq>.<batch>.parquet` for the tables
 `steps`, `slots` and `holders` (schemas.tables), a step placed in the UTC hour it started in.
-Each segment is ingested once: a file whose bytes were seen before, or that repeats a segment
-id already ingested, is recorded as a duplicate delivery and contributes nothing. What was
-ingested, and the damage and drops the decoder found, are recorded in the warehouse.
+Files are known by their content and their path relative to the data directory (the outbox's
+parent, `outbox/<replica>/<name>`), so a data directory moved or restored from a backup is the
+same data. Each segment is ingested once: a file whose bytes were seen before is recorded as a
+duplicate delivery and contributes nothing; a file that repeats a segment id already ingested
+contributes only the steps no earlier copy delivered (a torn or bit-flipped copy followed by an
+intact one). A path that is not a readable regular file (a directory, a FIFO, a dangling
+symlink) is recorded as `unreadable` damage and the rest of the outbox is ingested.
+
+Damage is scoped to the sequence numbers it can hide, and once every one of them is held (a
+later copy delivered them, or the next segment starts right where the damage begins) the
+damage is settled as `recovered`: it hides nothing, so it holds no hour back.
 
 A batch's lake files count only once the warehouse has committed the batch (`segment_files`):
 readers take the committed batch ids (`committed_batches`) and skip other files. Before writing
@@ -33,7 +41,8 @@ import pyarrow as pa
 
 from pipeline.hours import hour_key
 from pipeline.steplog import read_segments
-from pipeline.warehouse import insert_frame, transaction
+from pipeline.steplog.decoder import UnreadableSegment, open_segment
+from pipeline.warehouse import insert_frame, query_frame, transaction
 from schemas.tables import HOLDERS, SLOTS, STEPS
 
 NS_PER_HOUR = 3_600_000_000_000
@@ -74,12 +83,27 @@ def segment_files(outbox: Path, replicas: Iterable[str] | None = None) -> list[P
     return sorted(p for d in dirs if d.is_dir() for p in d.glob("*.seg"))
 
 
-def _sha256(path: Path) -> str:
+def _fingerprint(path: Path) -> tuple[int, str]:
+    """(bytes, sha256) of a segment file. What cannot be read is keyed by why, so it is
+    reported once, and again only once the path holds something else."""
     digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    size = 0
+    try:
+        with open_segment(path) as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+                size += len(block)
+    except UnreadableSegment as err:
+        return 0, hashlib.sha256(f"unreadable: {err}".encode()).hexdigest()
+    except OSError as err:
+        return 0, hashlib.sha256(f"unreadable: cannot read: {err.strerror}".encode()).hexdigest()
+    return size, digest.hexdigest()
+
+
+def _frame(table: pa.Table) -> pl.DataFrame:
+    frame = pl.from_arrow(table)
+    assert isinstance(frame, pl.DataFrame)
+    return frame
 
 
 def partition_dir(lake: Path, table: str, pool: str, hour_key: str) -> Path:
@@ -89,7 +113,8 @@ def partition_dir(lake: Path, table: str, pool: str, hour_key: str) -> Path:
 def part_name(replica: str, part: pl.DataFrame, batch_id: str) -> str:
     """`<replica>.<first seq>.<batch>.parquet`: sorted by name, a partition's files list each
     replica's rows in sequence order, the order attribution works in."""
-    return f"{replica}.{part['seq'].min():012d}.{batch_id}.parquet"
+    first_seq: int = part["seq"].min()  # type: ignore[assignment]  # an Int64 column's minimum
+    return f"{replica}.{first_seq:012d}.{batch_id}.parquet"
 
 
 def batch_of(part: Path) -> str:
@@ -183,6 +208,19 @@ def ingest_outbox(
     return dataclasses.replace(report, uncommitted_removed=removed)
 
 
+@dataclass
+class _Batch:
+    """Consecutive segment files of one replica: (bytes, sha256) of each, by path."""
+
+    replica: str
+    fresh: dict[Path, tuple[int, str]] = field(default_factory=dict)
+    duplicates: dict[Path, tuple[int, str]] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return sum(size for size, _ in self.fresh.values())
+
+
 def _ingest_new(
     con: duckdb.DuckDBPyConnection,
     outbox: Path,
@@ -190,7 +228,8 @@ def _ingest_new(
     intents: Path,
     replicas: Iterable[str] | None,
 ) -> IngestReport:
-    known_paths = {row[0] for row in con.execute("SELECT path FROM segment_files").fetchall()}
+    root = outbox.parent
+    known_files = set(con.execute("SELECT path, sha256 FROM segment_files").fetchall())
     known_hashes = {
         row[0]
         for row in con.execute(
@@ -199,33 +238,30 @@ def _ingest_new(
     }
     # Per replica, batches of consecutive segments of up to BATCH_BYTES (a bigger segment is a
     # batch alone): memory stays bounded however much waited in the outbox.
-    batches: list[tuple[str, dict[Path, str], dict[Path, str]]] = []
-    replica, batch_bytes = None, 0
+    batches: list[_Batch] = []
     for path in segment_files(outbox, replicas):
-        if str(path) in known_paths:
+        size, digest = _fingerprint(path)
+        if (str(path.relative_to(root)), digest) in known_files:
             continue
-        size = path.stat().st_size
-        if path.parent.name != replica or (batch_bytes and batch_bytes + size > BATCH_BYTES):
-            replica, batch_bytes = path.parent.name, 0
-            batches.append((replica, {}, {}))
-        _, fresh, duplicates = batches[-1]
-        digest = _sha256(path)
+        if (
+            not batches
+            or path.parent.name != batches[-1].replica
+            or (batches[-1].size and batches[-1].size + size > BATCH_BYTES)
+        ):
+            batches.append(_Batch(path.parent.name))
         if digest in known_hashes:
-            duplicates[path] = digest
+            batches[-1].duplicates[path] = (size, digest)
         else:
-            fresh[path] = digest
-            batch_bytes += size
+            batches[-1].fresh[path] = (size, digest)
             known_hashes.add(digest)
     # A torn tail at the end of a batch is bounded by the first segment of the replica's next batch.
     following = [
-        list(next_fresh)[:1] if next_replica == batch_replica else []
-        for (batch_replica, _, _), (next_replica, next_fresh, _) in zip(
-            batches, [*batches[1:], (None, {}, {})], strict=False
-        )
+        list(after.fresh)[:1] if after.replica == batch.replica else []
+        for batch, after in zip(batches, [*batches[1:], _Batch("")], strict=False)
     ]
     reports = [
-        _ingest_batch(con, lake, intents, fresh, duplicates, after)
-        for (_, fresh, duplicates), after in zip(batches, following, strict=True)
+        _ingest_batch(con, root, lake, intents, batch, after)
+        for batch, after in zip(batches, following, strict=True)
     ]
     return IngestReport(
         batch_id=reports[-1].batch_id if reports else None,
@@ -242,43 +278,106 @@ def _hour_key(hour_index: int) -> str:
     return hour_key(datetime.fromtimestamp(hour_index * 3600, tz=UTC))
 
 
+def _held_seqs(
+    con: duckdb.DuckDBPyConnection, lake: Path, replica: str, partitions: Iterable[tuple[str, str]]
+) -> pl.Series:
+    """The sequence numbers of `replica` in the committed lake files of `partitions`."""
+    committed = committed_batches(con)
+    files = [
+        part
+        for pool, hour in partitions
+        for part in partition_dir(lake, "steps", pool, hour).glob(f"{replica}.*.parquet")
+        if batch_of(part) in committed
+    ]
+    if not files:
+        return pl.Series("seq", [], pl.Int64)
+    return pl.scan_parquet(files).select("seq").collect()["seq"]
+
+
+def _new_steps_of_known_segments(
+    con: duckdb.DuckDBPyConnection, lake: Path, steps: pl.DataFrame, known_ids: set[str]
+) -> pl.DataFrame:
+    """Of the steps of segments already ingested, those no earlier copy delivered.
+
+    A copy's steps all lie in the hours this copy's steps lie in, so only those partitions
+    are read."""
+    repeated = steps.filter(pl.col("segment_id").is_in(list(known_ids)))
+    if not repeated.height:
+        return repeated
+    hours = repeated.select(
+        "pool", "replica", (pl.col("start_utc_ns") // NS_PER_HOUR).alias("_hour")
+    ).unique()
+    held = pl.concat(
+        [
+            _held_seqs(
+                con,
+                lake,
+                replica,
+                [(pool, _hour_key(h)) for _, r, h in hours.iter_rows() if r == replica],
+            )
+            .to_frame()
+            .with_columns(replica=pl.lit(replica))
+            for pool, replica in hours.select("pool", "replica").unique().iter_rows()
+        ]
+    )
+    return repeated.join(held, on=["replica", "seq"], how="anti")
+
+
 def _ingest_batch(
     con: duckdb.DuckDBPyConnection,
+    root: Path,
     lake: Path,
     intents: Path,
-    fresh: dict[Path, str],
-    duplicates: dict[Path, str],
+    batch: _Batch,
     following: list[Path],
 ) -> IngestReport:
-    """Decode `fresh` files into the lake and record them and `duplicates` in the warehouse
-    (`following`: the replica's next segment, to bound a torn tail; not ingested here)."""
+    """Decode the batch's fresh files into the lake and record them and its duplicates in the
+    warehouse (`following`: the replica's next segment, to bound a torn tail; not ingested
+    here)."""
+    fresh, duplicates = dict(batch.fresh), dict(batch.duplicates)
     batch_id = hashlib.sha256(
-        "".join(sorted({*fresh.values(), *duplicates.values()})).encode()
+        "".join(sorted({d for _, d in (*fresh.values(), *duplicates.values())})).encode()
     ).hexdigest()[:16]
-    steps = slots = holders = None
-    decoded_segments = damage = drops = None
+    relative = {str(p): str(p.relative_to(root)) for p in (*fresh, *duplicates)}
+    steps = slots = holders = decoded_segments = damage = drops = None
+    recovered_segments = pl.DataFrame()
     if fresh:
         decoded = read_segments(list(fresh), following)
-        steps, slots, holders = (
-            pl.from_arrow(t) for t in (decoded.steps, decoded.slots, decoded.holders)
+        steps, slots, holders = (_frame(t) for t in (decoded.steps, decoded.slots, decoded.holders))
+        decoded_segments, damage, drops = (
+            _frame(t).with_columns(pl.col("path").replace(relative))
+            if "path" in t.column_names
+            else _frame(t)
+            for t in (decoded.segments, decoded.damage, decoded.drops)
         )
-        decoded_segments = pl.from_arrow(decoded.segments)
-        damage = pl.from_arrow(decoded.damage)
-        drops = pl.from_arrow(decoded.drops)
-        # A segment id already ingested (a re-delivery with different bytes) is a duplicate.
         known_ids = {row[0] for row in con.execute("SELECT segment_id FROM segments").fetchall()}
         repeated = decoded_segments.filter(pl.col("segment_id").is_in(list(known_ids)))
         if repeated.height:
-            for path in repeated["path"].to_list():
-                duplicates[Path(path)] = fresh.pop(Path(path))
+            # Another copy of a segment already ingested: only the steps it alone holds count.
+            recovered = _new_steps_of_known_segments(con, lake, steps, known_ids)
+            recovered_segments = recovered.group_by("segment_id").agg(
+                pl.col("seq").min().alias("first_seq"),
+                pl.col("seq").max().alias("last_seq"),
+                pl.len().alias("steps"),
+            )
+            for segment_id, path in repeated.select("segment_id", "path").iter_rows():
+                if segment_id not in recovered_segments["segment_id"]:
+                    absolute = root / path
+                    duplicates[absolute] = fresh.pop(absolute)
             decoded_segments = decoded_segments.filter(~pl.col("segment_id").is_in(list(known_ids)))
-            steps = steps.filter(~pl.col("segment_id").is_in(list(known_ids)))
+            steps = pl.concat(
+                [steps.filter(~pl.col("segment_id").is_in(list(known_ids))), recovered]
+            )
             kept = steps.select(STEP_KEY)
             slots = slots.join(kept, on=STEP_KEY, how="semi")
             holders = holders.join(kept, on=STEP_KEY, how="semi")
+            known_drops = query_frame(con, "SELECT pool, replica, first_seq, last_seq FROM drops")
+            drops = drops.join(
+                known_drops, on=["pool", "replica", "first_seq", "last_seq"], how="anti"
+            )
 
     partitions: set[tuple[str, str]] = set()
-    if steps is not None and steps.height:
+    if steps is not None and slots is not None and holders is not None and steps.height:
         # The hour as an integer (hours since the epoch): a slot row carries 8 bytes, not a string.
         hours = steps.select(*STEP_KEY, (pl.col("start_utc_ns") // NS_PER_HOUR).alias("_hour"))
         partitions = {
@@ -297,16 +396,17 @@ def _ingest_batch(
                 ["pool", "replica", "_hour"], maintain_order=True
             ):
                 table = part.drop("_hour").to_arrow().cast(LAKE_TABLES[name])
-                directory = partition_dir(lake, name, pool, _hour_key(hour_index))
-                _write_atomically(table, directory / part_name(replica, part, batch_id))
+                directory = partition_dir(lake, name, str(pool), _hour_key(int(hour_index)))
+                _write_atomically(table, directory / part_name(str(replica), part, batch_id))
             del placed
 
     now = datetime.now(UTC).replace(tzinfo=None)
+    files = {**fresh, **duplicates}
     file_rows = pl.DataFrame(
         {
-            "path": [str(p) for p in (*fresh, *duplicates)],
-            "sha256": [*fresh.values(), *duplicates.values()],
-            "bytes": [p.stat().st_size for p in (*fresh, *duplicates)],
+            "path": [relative[str(p)] for p in files],
+            "sha256": [digest for _, digest in files.values()],
+            "bytes": [size for size, _ in files.values()],
             "status": ["ingested"] * len(fresh) + ["duplicate"] * len(duplicates),
             "batch_id": batch_id,
             "ingested_at": now,
@@ -316,7 +416,12 @@ def _ingest_batch(
     with transaction(con):
         insert_frame(con, "segment_files", file_rows)
         if decoded_segments is not None and decoded_segments.height:
-            hashes = pl.DataFrame({"path": [str(p) for p in fresh], "sha256": list(fresh.values())})
+            hashes = pl.DataFrame(
+                {
+                    "path": [relative[str(p)] for p in fresh],
+                    "sha256": [d for _, d in fresh.values()],
+                }
+            )
             insert_frame(
                 con,
                 "segments",
@@ -324,9 +429,16 @@ def _ingest_batch(
                     batch_id=pl.lit(batch_id)
                 ),
             )
-        for name, frame in (("damage", damage), ("drops", drops)):
-            if frame is not None and frame.height:
-                insert_frame(con, name, frame.with_columns(batch_id=pl.lit(batch_id)))
+        for segment_id, first, last, count in recovered_segments.iter_rows():
+            con.execute(
+                "UPDATE segments SET first_seq = least(first_seq, ?), last_seq = greatest(last_seq, ?), "
+                "steps = steps + ? WHERE segment_id = ?",
+                [first, last, count, segment_id],
+            )
+        for name, found in (("damage", damage), ("drops", drops)):
+            if found is not None and found.height:
+                insert_frame(con, name, found.with_columns(batch_id=pl.lit(batch_id)))
+        _settle_damage(con, lake, batch.replica, partitions)
     # Committed: the intent is settled (should the process die first, the next ingest finds
     # the batch committed and drops the intent alone).
     (intents / f"{batch_id}.json").unlink(missing_ok=True)
@@ -338,3 +450,68 @@ def _ingest_batch(
         damage=0 if damage is None else damage.height,
         partitions=partitions,
     )
+
+
+def _dropped_within(dropped: list[tuple[int, int]], first: int, last: int) -> int:
+    """How many sequence numbers in [first, last] the (possibly overlapping) drop ranges count."""
+    count, reached = 0, first - 1
+    for a, b in sorted(
+        (max(a, first), min(b, last)) for a, b in dropped if a <= last and b >= first
+    ):
+        if b > reached:
+            count += b - max(a, reached + 1) + 1
+            reached = b
+    return count
+
+
+# Damage that may hide steps; `duplicate_segment` and `recovered` hide none.
+HIDING_DAMAGE = ("torn_tail", "corrupt_frame", "bad_header", "unknown_version", "unreadable")
+
+
+def _settle_damage(
+    con: duckdb.DuckDBPyConnection, lake: Path, replica: str, partitions: set[tuple[str, str]]
+) -> None:
+    """Scope and settle the replica's damage now that a batch has arrived.
+
+    A range left open (the file was the replica's last) ends before the first segment that
+    starts at or after it; a range whose every sequence number is held (in the partitions
+    this batch wrote, or counted as dropped) hides nothing and becomes `recovered`, its
+    original kind and detail kept in the detail."""
+    open_rows = con.execute(
+        "SELECT d.rowid, min(s.first_seq) - 1 FROM damage d JOIN segments s "
+        "ON s.replica = ? AND s.first_seq >= d.first_seq "
+        "WHERE d.last_seq IS NULL AND d.first_seq IS NOT NULL "
+        "AND regexp_extract(d.path, '([^/]+)/[^/]*$', 1) = ? GROUP BY d.rowid",
+        [replica, replica],
+    ).fetchall()
+    for rowid, last in open_rows:
+        con.execute("UPDATE damage SET last_seq = ? WHERE rowid = ?", [last, rowid])
+    hiding = con.execute(
+        "SELECT rowid, kind, detail, first_seq, last_seq FROM damage WHERE list_contains(?, kind) "
+        "AND first_seq IS NOT NULL AND last_seq IS NOT NULL "
+        "AND regexp_extract(path, '([^/]+)/[^/]*$', 1) = ?",
+        [list(HIDING_DAMAGE), replica],
+    ).fetchall()
+    if not hiding:
+        return
+    held = _held_seqs(con, lake, replica, partitions).unique()
+    dropped = con.execute(
+        "SELECT first_seq, last_seq FROM drops WHERE replica = ?", [replica]
+    ).fetchall()
+    for rowid, kind, detail, first, last in hiding:
+        if last < first:
+            why = (
+                f"it can hide no step: a segment held starts at seq {first}, where its range begins"
+            )
+        else:
+            # Steps and counted drops never share a sequence number, so their counts add up.
+            held_count = int(held.is_between(first, last).sum()) + _dropped_within(
+                dropped, first, last
+            )
+            if held_count < last - first + 1:
+                continue
+            why = f"every step it could hide (seq {first}-{last}) is held"
+        con.execute(
+            "UPDATE damage SET kind = 'recovered', detail = ? WHERE rowid = ?",
+            [f"{kind} ({detail}); {why}", rowid],
+        )

@@ -360,7 +360,8 @@ def _sequence_of_replica(
     dropped = _intersect(missing, drop_ranges)
     unexplained = _subtract(missing, drop_ranges)
     damage = touches_span(damage)
-    harmful = damage.filter(pl.col("kind") != "duplicate_segment")
+    # Recovered damage: every sequence number it could hide is held by another file.
+    harmful = damage.filter(~pl.col("kind").is_in(["duplicate_segment", "recovered"]))
     duplicates = damage.filter(pl.col("kind") == "duplicate_segment")
     damage_ranges = _merge(
         harmful.filter(pl.col("first_seq").is_not_null())

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+from decimal import Decimal
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -20,7 +22,9 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # The pools file holds tenants' raw API keys: a validation error must not echo its input
+    # (a tenant, a pool with its workload) into a log or Dagster's event log.
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
 
 class Replica(_Strict):
@@ -169,6 +173,31 @@ class Pool(_Strict):
             raise ValueError(f"replica ids repeat: {sorted(ids)}")
         return self
 
+    @model_validator(mode="after")
+    def _price_bills_exactly(self) -> Pool:
+        """The allocator bills in whole nano-dollars, exactly, up to a price per replica-hour
+        its int64 arithmetic can hold: a price it could only bill rounded, as nothing, or
+        wrapped around is refused here rather than billed wrong."""
+        from pipeline.attribution.clock import _MAX_PRICE_PER_HOUR_NANO
+
+        price = self.usd_per_gpu_hour
+        exact = Decimal(repr(price)) * 1_000_000_000 if math.isfinite(price) else None
+        if exact is None:
+            why = "is not a finite number"
+        elif exact.to_integral_value() == 0:
+            why = "rounds to 0 nano-dollars per GPU-hour"
+        elif exact * self.gpus_per_replica > _MAX_PRICE_PER_HOUR_NANO:
+            why = (
+                f"makes {price * self.gpus_per_replica:g} USD per replica-hour "
+                f"({self.gpus_per_replica} GPUs), above the "
+                f"{Decimal(_MAX_PRICE_PER_HOUR_NANO).scaleb(-9)} USD the allocator bills exactly"
+            )
+        elif exact != exact.to_integral_value():
+            why = f"is not a whole number of nano-dollars ({exact.normalize():f})"
+        else:
+            return self
+        raise ValueError(f"pool {self.name!r}: usd_per_gpu_hour {self.usd_per_gpu_hour!r} {why}")
+
     @property
     def nano_per_gpu_hour(self) -> int:
         """The GPU-hour price in integer nano-dollars (rounded once, here)."""
@@ -215,7 +244,7 @@ class PoolsFile(_Strict):
 DEFAULT_POOLS_PATH = Path(__file__).resolve().parent.parent / "pipeline" / "data" / "pools.yaml"
 
 
-def _line_of(text: str, loc: tuple) -> int | None:
+def _line_of(text: str, loc: tuple[int | str, ...]) -> int | None:
     """Best-effort line number of a pydantic error location in a YAML document."""
     try:
         node = yaml.compose(text)

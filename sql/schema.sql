@@ -98,15 +98,17 @@ CREATE TABLE IF NOT EXISTS context_files (
     loaded_at TIMESTAMP NOT NULL
 );
 
--- Every segment file seen in an outbox. status 'ingested' or 'duplicate' (the same bytes, or
--- the same segment id, already ingested from another delivery).
+-- Every segment file seen in an outbox, by its path relative to the data directory and its
+-- content. status 'ingested' or 'duplicate' (the same bytes, or only steps of a segment id
+-- already ingested, from another delivery).
 CREATE TABLE IF NOT EXISTS segment_files (
-    path        VARCHAR   NOT NULL PRIMARY KEY,
+    path        VARCHAR   NOT NULL,
     sha256      VARCHAR   NOT NULL,
     bytes       BIGINT    NOT NULL,
     status      VARCHAR   NOT NULL CHECK (status IN ('ingested', 'duplicate')),
     batch_id    VARCHAR   NOT NULL,
-    ingested_at TIMESTAMP NOT NULL
+    ingested_at TIMESTAMP NOT NULL,
+    PRIMARY KEY (path, sha256)
 );
 
 -- One row per distinct segment ingested (schemas.tables.SEGMENTS plus its content hash).

@@ -19,7 +19,7 @@ QUERIES = {
 HELD_BACK = "SELECT hour, pool, amount_nano, reason FROM held_back_hours ORDER BY hour, pool"
 
 
-def cost_report(warehouse: Path, by: str) -> dict[str, list[dict]]:
+def cost_report(warehouse: Path, by: str) -> dict[str, list[dict[str, object]]]:
     """The rows of one finance breakdown and the hours held back, as plain dicts."""
     with connect_read_only(warehouse) as con:
         report = {}
@@ -63,10 +63,11 @@ HEADINGS = {
 }
 
 
-def print_report(report: dict[str, list[dict]], title: str) -> None:
+def print_report(report: dict[str, list[dict[str, object]]], title: str) -> None:
     from rich.console import Console
     from rich.measure import Measurement
     from rich.table import Table
+    from rich.text import Text
 
     console = Console()
     if not report["costs"]:
@@ -80,7 +81,8 @@ def print_report(report: dict[str, list[dict]], title: str) -> None:
                 HEADINGS[column], justify="left" if name_column else "right", no_wrap=True
             )
         for row in report["costs"]:
-            table.add_row(*(_cell(c, row[c]) for c in columns))
+            # Text, not markup: a tenant may be named "[bold]x[/]".
+            table.add_row(*(Text(_cell(c, row[c])) for c in columns))
         # Never cut a name or a number: print wider than the terminal rather than wrap.
         wide = Console(width=1 << 12)
         needed = Measurement.get(wide, wide.options, table).maximum
@@ -90,7 +92,9 @@ def print_report(report: dict[str, list[dict]], title: str) -> None:
         for column in ("hour", "pool", "amount_nano", "reason"):
             held.add_column(column)
         for row in report["held_back"]:
-            held.add_row(*(_cell(c, row[c]) for c in ("hour", "pool", "amount_nano", "reason")))
+            held.add_row(
+                *(Text(_cell(c, row[c])) for c in ("hour", "pool", "amount_nano", "reason"))
+            )
         console.print(held)
 
 

@@ -10,7 +10,20 @@ drop-records[=FRACTION]      The recorder loses a burst of steps, as an overflow
                              so the time check sees a shortfall.
 torn-segment                 One segment file (the middle one of the replica) is truncated in
                              the middle of a frame, as a crash during a write would leave it.
+bit-flip                     One bit flips inside a step frame of the middle segment, as a bad
+                             disk or link leaves it: the frame fails its checksum.
+intact-copy                  With torn-segment or bit-flip: the damaged segment's intact bytes
+                             are kept in `redelivery/outbox/<replica>/<name>`, for a test or an
+                             operator to deliver later (under the same name or another one).
 duplicate-segment            One segment file is delivered a second time under another name.
+trailing-garbage             Bytes that are no frame are appended after the middle segment's
+                             last frame; the next segment starts right after it.
+empty-segment                A zero-byte file named like a delivery of the middle segment
+                             (its first sequence number, another segment id) appears beside
+                             it, as a crash between a rename and the data reaching disk leaves.
+hostile-outbox               Beside the middle segment, named like deliveries of it: a
+                             directory, a FIFO, a dangling symlink, a symlink loop and a copy
+                             no one may read (mode 000, which root reads all the same).
 clock-skew[=SECONDS]         The replica's wall clock runs slow by SECONDS per hour (default
                              36, i.e. 1%). Every segment re-reads the wall clock when it opens,
                              so consecutive segments' UTC ranges overlap and drift off the
@@ -25,7 +38,13 @@ new-engine-version           The replica's log reports an engine version with no
 
 from __future__ import annotations
 
+import os
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.steplog import read_segments
+from schemas.records import FRAME_MARKER, PREAMBLE
 
 # name -> (default value, name of the value or None when it takes none, one-line help)
 FAULTS: dict[str, tuple[float | None, str | None, str]] = {
@@ -35,7 +54,16 @@ FAULTS: dict[str, tuple[float | None, str | None, str]] = {
         "lose a burst of FRACTION of the span's steps as counted drops",
     ),
     "torn-segment": (None, None, "truncate one segment mid-frame"),
+    "bit-flip": (None, None, "flip one bit inside a step frame of one segment"),
+    "intact-copy": (None, None, "keep the damaged segment's intact bytes under redelivery/"),
     "duplicate-segment": (None, None, "deliver one segment twice under another name"),
+    "trailing-garbage": (None, None, "append bytes that are no frame after a segment's last frame"),
+    "empty-segment": (None, None, "a zero-byte file named like a delivery of a segment"),
+    "hostile-outbox": (
+        None,
+        None,
+        "a directory, FIFO, dangling symlink, symlink loop and unreadable file named like segments",
+    ),
     "clock-skew": (36.0, "SECONDS", "a replica's wall clock runs slow by SECONDS per hour"),
     "missing-context": (0.05, "FRACTION", "FRACTION of requests have no gateway line"),
     "idle-replica": (None, None, "one replica gets no traffic"),
@@ -95,3 +123,115 @@ class ReplicaFaults:
     wall_rate: float = 1.0  # wall-clock seconds per true second
     host_stall_fraction: float = 0.0
     engine_version: str = ENGINE_VERSION
+
+
+# Faults that damage delivered segment files, in the order they are applied: the duplicate is
+# taken before any damage, and every later fault starts from the intact middle segment.
+FILE_FAULTS = (
+    "duplicate-segment",
+    "torn-segment",
+    "bit-flip",
+    "trailing-garbage",
+    "empty-segment",
+    "hostile-outbox",
+)
+# Bytes `trailing-garbage` appends: no frame marker, so nothing can pass for a frame.
+GARBAGE = b"\x00garbage after the last frame\xff" * 4
+
+
+def damage_segments(
+    out_dir: Path, replica: str, segments: list[Path], faults: dict[str, float | None]
+) -> dict[str, str]:
+    """Apply the file faults to `replica`'s delivered `segments`; what was done, by fault."""
+    notes: dict[str, str] = {}
+    wanted = [name for name in FILE_FAULTS if name in faults]
+    if not wanted:
+        return notes
+    if not segments:
+        raise FaultError(f"fault {wanted[0]!r}: replica {replica} wrote no segment to damage")
+    middle = len(segments) // 2
+    segment = segments[middle]
+    intact = segment.read_bytes()
+    shown = segment.relative_to(out_dir)
+    for name in wanted:
+        if name == "duplicate-segment":
+            # From another segment when there is one, so each fault leaves its own artefact.
+            original = segments[max(middle - 1, 0)]
+            copy = original.with_name(f"{original.stem}-redelivered.seg")
+            shutil.copyfile(original, copy)
+            notes[name] = f"{original.relative_to(out_dir)} delivered again as {copy.name}"
+        elif name == "torn-segment":
+            notes[name] = f"{shown} truncated to {_tear(segment)} bytes mid-frame"
+        elif name == "bit-flip":
+            notes[name] = f"{shown}: bit {_flip(segment)} flipped inside a step frame"
+        elif name == "trailing-garbage":
+            with segment.open("ab") as handle:
+                handle.write(GARBAGE)
+            notes[name] = f"{shown}: {len(GARBAGE)} bytes appended after the last frame"
+        elif name == "empty-segment":
+            empty = _beside(segment, "0e")
+            empty.touch()
+            notes[name] = f"{empty.relative_to(out_dir)}: zero bytes, named like {segment.name}"
+        else:
+            notes[name] = "; ".join(
+                f"{path.relative_to(out_dir)}: {what}" for path, what in _hostile_entries(segment)
+            )
+    if "intact-copy" in faults:
+        if not {"torn-segment", "bit-flip"} & set(faults):
+            raise FaultError("fault 'intact-copy' needs torn-segment or bit-flip")
+        kept = out_dir / "redelivery" / segment.relative_to(out_dir)
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        kept.write_bytes(intact)
+        notes["intact-copy"] = f"intact bytes of {shown} kept as {kept.relative_to(out_dir)}"
+    return notes
+
+
+def _beside(segment: Path, id_prefix: str) -> Path:
+    """A name like `segment`'s (same replica and first sequence number), another segment id."""
+    replica_and_seq = segment.name.removesuffix(".seg").rsplit(".", 1)[0]
+    return segment.with_name(f"{replica_and_seq}.{id_prefix}.seg")
+
+
+def _hostile_entries(segment: Path) -> list[tuple[Path, str]]:
+    directory, fifo, dangling, loop, unreadable = (
+        _beside(segment, prefix) for prefix in ("d1", "f1f0", "dead", "100b", "0000")
+    )
+    directory.mkdir()
+    os.mkfifo(fifo)
+    dangling.symlink_to(segment.with_name("missing.seg"))
+    loop.symlink_to(loop.name)
+    shutil.copyfile(segment, unreadable)
+    unreadable.chmod(0)
+    return [
+        (directory, "a directory"),
+        (fifo, "a FIFO"),
+        (dangling, "a dangling symlink"),
+        (loop, "a symlink to itself"),
+        (unreadable, "a copy of mode 000"),
+    ]
+
+
+def _tear(segment: Path) -> int:
+    """Truncate `segment` inside a frame; returns the new length in bytes."""
+    data = segment.read_bytes()
+    for cut in range(int(len(data) * 0.6), len(data)):
+        segment.write_bytes(data[:cut])
+        if "torn_tail" in read_segments([segment]).damage.column("kind").to_pylist():
+            return cut
+    segment.write_bytes(data)
+    raise RuntimeError(f"{segment}: found no cut the decoder reads as a torn frame")
+
+
+def _flip(segment: Path) -> int:
+    """Flip a bit in the payload of a step frame near the middle of `segment`; returns which
+    bit (counted from the start of the file)."""
+    data = bytearray(segment.read_bytes())
+    frame_at = data.find(FRAME_MARKER, len(data) // 2)
+    if frame_at < PREAMBLE.size:
+        raise RuntimeError(f"{segment}: no frame after the middle to damage")
+    bit = (frame_at + 20) * 8 + 3
+    data[bit // 8] ^= 1 << (bit % 8)
+    segment.write_bytes(bytes(data))
+    if "corrupt_frame" not in read_segments([segment]).damage.column("kind").to_pylist():
+        raise RuntimeError(f"{segment}: the flipped bit at {bit} did not damage a frame")
+    return bit

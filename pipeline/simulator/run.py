@@ -12,7 +12,6 @@ however the replicas are run, and turning a fault on changes only what that faul
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -27,12 +26,12 @@ from pipeline.simulator.faults import (
     UNCALIBRATED_ENGINE_VERSION,
     FaultError,
     ReplicaFaults,
+    damage_segments,
     validate_fault,
 )
 from pipeline.simulator.replica import ReplicaRun, simulate_replica
 from pipeline.simulator.telemetry import GpuActivity, gpu_model_name, write_dcgm, write_gateway
 from pipeline.simulator.workload import PoolTraffic, generate_pool_traffic
-from pipeline.steplog import read_segments
 from pricing import Kernel, deployment_for_pool
 from schemas.config import Pool, PoolsFile, Replica
 
@@ -123,17 +122,6 @@ def _replica_faults(
         host_stall_fraction=stall,
         engine_version=version,
     )
-
-
-def _tear(segment: Path) -> int:
-    """Truncate `segment` inside a frame; returns the new length in bytes."""
-    data = segment.read_bytes()
-    for cut in range(int(len(data) * 0.6), len(data)):
-        segment.write_bytes(data[:cut])
-        if "torn_tail" in read_segments([segment]).damage.column("kind").to_pylist():
-            return cut
-    segment.write_bytes(data)
-    raise RuntimeError(f"{segment}: found no cut the decoder reads as a torn frame")
 
 
 def _rng(seed: int, *keys: int) -> np.random.Generator:
@@ -270,24 +258,7 @@ def simulate(
     write_dcgm(out_dir, activities, start, span_ns, _rng(seed, _DCGM))
 
     target_segments = sorted(run_of[target].segments) if target in run_of else []
-    # The duplicate is taken before the tear, and from another segment when there is one,
-    # so each fault leaves exactly its own artefact.
-    for name in ("duplicate-segment", "torn-segment"):
-        if name not in faults:
-            continue
-        if not target_segments:
-            raise FaultError(f"fault {name!r}: replica {target} wrote no segment to damage")
-        middle = len(target_segments) // 2
-        if name == "duplicate-segment":
-            segment = target_segments[max(middle - 1, 0)]
-            copy = segment.with_name(f"{segment.stem}-redelivered.seg")
-            shutil.copyfile(segment, copy)
-            notes[name] = f"{segment.relative_to(out_dir)} delivered again as {copy.name}"
-        else:
-            segment = target_segments[middle]
-            notes[name] = (
-                f"{segment.relative_to(out_dir)} truncated to {_tear(segment)} bytes mid-frame"
-            )
+    notes.update(damage_segments(out_dir, target, target_segments, faults))
 
     replicas = [
         ReplicaSummary(

@@ -8,11 +8,16 @@ string array built from offsets and a single data buffer.
 from __future__ import annotations
 
 import json
+import os
+import re
+import stat
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import compress
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import numpy as np
 import pyarrow as pa
@@ -44,6 +49,49 @@ _INT64_LIMIT = 1 << 63
 # declaring a frame that reaches the end of the file) would otherwise cost quadratic time.
 CRC_BYTES_PER_FILE_BYTE = 2
 _HOLDER_STATE_NAMES = pa.array(HOLDER_STATES, pa.string())
+# How the recorder names a segment: `<replica>.<first seq, 12 digits>.<segment id prefix>.seg`.
+# A file without a readable header is placed in its replica's sequence by this name alone.
+_SEGMENT_NAME = re.compile(r"^(?P<replica>.+)\.(?P<first_seq>\d{12,18})\.[0-9a-f]+\.seg$")
+_FILE_TYPES = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+}
+
+
+class UnreadableSegment(OSError):
+    """A path named like a segment that is not a readable regular file; the message says why."""
+
+
+@contextmanager
+def open_segment(path: Path) -> Iterator[BinaryIO]:
+    """Open a segment for reading without ever blocking: a FIFO, a device or a directory that
+    lands in an outbox is refused after a non-blocking open, before any read.
+
+    Raises UnreadableSegment for what cannot be opened (a dangling symlink, a symlink loop,
+    no permission) or is not a regular file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as err:
+        raise UnreadableSegment(f"cannot open: {err.strerror}") from None
+    kind = stat.S_IFMT(os.fstat(fd).st_mode)
+    if kind != stat.S_IFREG:
+        os.close(fd)
+        raise UnreadableSegment(
+            f"{_FILE_TYPES.get(kind, 'not a regular file')}, not a segment file"
+        )
+    with os.fdopen(fd, "rb") as handle:
+        yield handle
+
+
+def _read_segment(path: Path) -> bytes:
+    with open_segment(path) as handle:
+        try:
+            return handle.read()
+        except OSError as err:
+            raise UnreadableSegment(f"cannot read: {err.strerror}") from None
 
 
 @dataclass
@@ -134,7 +182,7 @@ def _fits_its_kind(buf: memoryview, kind: int, payload: int, end: int) -> bool:
         + n_holders * HOLDER_DTYPE.itemsize
         + holder_id_bytes
     )
-    return blocked <= 1 and STEP_STRUCT.size + records == length
+    return bool(blocked <= 1 and STEP_STRUCT.size + records == length)
 
 
 def _check_frame(decoded: _File, buf: memoryview, pos: int) -> tuple[int, int] | str:
@@ -359,7 +407,12 @@ def _bound_damage(decoded: _File) -> None:
 
 
 def _decode_file(path: Path) -> _File:
-    data = path.read_bytes()
+    try:
+        data = _read_segment(path)
+    except UnreadableSegment as err:
+        decoded = _new_file(path, b"")
+        decoded.damage.append(_Damage("unreadable", 0, 0, str(err)))
+        return decoded
     decoded = _new_file(path, data)
     buf = memoryview(data)
     if not data:
@@ -410,7 +463,9 @@ def _strings(offsets: np.ndarray, blobs: list[memoryview]) -> pa.Array:
     return array
 
 
-def _row_keys(header: HeaderFrame, seq: np.ndarray, counts: np.ndarray) -> list:
+def _row_keys(
+    header: HeaderFrame, seq: np.ndarray, counts: np.ndarray
+) -> list[pa.Array | np.ndarray]:
     """pool, replica, seq and position-in-step columns of per-step rows (slots or holders)."""
     total = int(counts.sum())
     starts = np.repeat(np.cumsum(counts) - counts, counts)
@@ -443,8 +498,7 @@ def _inconsistent_steps(
     return bad
 
 
-def _tables(decoded: _File) -> tuple[pa.Table, pa.Table, pa.Table]:
-    header = decoded.header
+def _tables(decoded: _File, header: HeaderFrame) -> tuple[pa.Table, pa.Table, pa.Table]:
     fixed = np.frombuffer(b"".join(decoded.step_fixed), STEP_DTYPE)
     slots = np.frombuffer(b"".join(decoded.slot_records), SLOT_DTYPE)
     holders = np.frombuffer(b"".join(decoded.holder_records), HOLDER_DTYPE)
@@ -465,7 +519,7 @@ def _tables(decoded: _File) -> tuple[pa.Table, pa.Table, pa.Table]:
     if bad.any():
         why = "step frame whose id lengths, ids or holder states disagree with its counts"
         _discard_steps(decoded, bad, fixed["seq"], why)
-        return _tables(decoded)
+        return _tables(decoded, header)
     shift = header.wall_anchor_ns - header.mono_anchor_ns
     overflows = _utc_overflows(fixed, shift)
     if overflows.any():
@@ -474,7 +528,7 @@ def _tables(decoded: _File) -> tuple[pa.Table, pa.Table, pa.Table]:
             f"{shift}) is outside int64 nanoseconds, so the step has no UTC time"
         )
         _discard_steps(decoded, overflows, fixed["seq"], why)
-        return _tables(decoded)
+        return _tables(decoded, header)
     slot_counts = fixed["num_slots"].astype(np.int64)
     holder_counts = fixed["num_holders"].astype(np.int64)
 
@@ -571,7 +625,8 @@ def _discard_steps(decoded: _File, discard: np.ndarray, seqs: np.ndarray, why: s
             )
             run_first = position + 1
     keep = (~discard).tolist()
-    for parts in (decoded.step_offsets, *decoded.step_parts()):
+    every_part: list[list[Any]] = [decoded.step_offsets, *decoded.step_parts()]
+    for parts in every_part:
         parts[:] = compress(parts, keep)
 
 
@@ -579,6 +634,14 @@ def _seq_range(decoded: _File) -> tuple[int | None, int | None]:
     if not decoded.seq_marks:
         return None, None
     return min(m[1] for m in decoded.seq_marks), max(m[2] for m in decoded.seq_marks)
+
+
+def _copy_key(decoded: _File) -> str | bytes:
+    """What copies of one segment share: the segment id, else the bytes. Files with no bytes
+    (empty, or unreadable) are copies of nothing: each is its own damage."""
+    if decoded.header is not None:
+        return decoded.header.segment_id
+    return decoded.data or str(decoded.path)
 
 
 def _resolve_duplicates(files: list[_File]) -> tuple[list[_File], list[tuple[_File, _Damage]]]:
@@ -590,7 +653,7 @@ def _resolve_duplicates(files: list[_File]) -> tuple[list[_File], list[tuple[_Fi
     kept: dict[str | bytes, _File] = {}
     duplicates: list[tuple[_File, _File]] = []
     for decoded in sorted(files, key=lambda f: str(f.path)):
-        key = decoded.header.segment_id if decoded.header is not None else decoded.data
+        key = _copy_key(decoded)
         other = kept.get(key)
         if other is None:
             kept[key] = decoded
@@ -602,8 +665,8 @@ def _resolve_duplicates(files: list[_File]) -> tuple[list[_File], list[tuple[_Fi
         duplicates.append((worse, best))
     damage = []
     for copy, keeper in duplicates:
-        keeper = kept[keeper.header.segment_id if keeper.header is not None else keeper.data]
-        if copy.data == keeper.data:
+        keeper = kept[_copy_key(keeper)]
+        if copy.data == keeper.data or copy.header is None:
             why = f"identical content to {keeper.path}, which was kept"
         else:
             why = f"same segment_id {copy.header.segment_id} as {keeper.path}, which was kept"
@@ -616,23 +679,41 @@ def _resolve_duplicates(files: list[_File]) -> tuple[list[_File], list[tuple[_Fi
     return list(kept.values()), damage
 
 
+def _replica_and_name_seq(decoded: _File) -> tuple[str | None, int | None]:
+    """The replica a file belongs to, and where its sequence starts when only its name says so."""
+    if decoded.header is not None:
+        return decoded.header.replica, None
+    named = _SEGMENT_NAME.match(decoded.path.name)
+    if named is None:
+        return None, None
+    return named["replica"], int(named["first_seq"])
+
+
 def _bound_by_next_segment(files: list[_File], following: list[_File]) -> None:
-    """A torn tail hides steps up to the next segment of the same replica (among `files` and
-    `following`), when there is one."""
-    starts: dict[tuple[str, str], list[int]] = {}
+    """Scope each damaged region to the sequence numbers it can hide: a torn tail ends before
+    the next segment of the same replica (among `files` and `following`) starts, and a file
+    without a readable header hides at most the numbers from the first one its name gives up to
+    that next segment (replica ids are unique across pools, so the replica alone places it).
+
+    A next segment that starts right after the damage leaves it an empty range
+    (last_seq = first_seq - 1): then it can hide nothing."""
+    starts: dict[str, list[int]] = {}
     for decoded in [*files, *following]:
         first, _ = _seq_range(decoded)
         if decoded.header is not None and first is not None:
-            starts.setdefault((decoded.header.pool, decoded.header.replica), []).append(first)
+            starts.setdefault(decoded.header.replica, []).append(first)
     for decoded in files:
-        if decoded.header is None:
+        replica, name_seq = _replica_and_name_seq(decoded)
+        if replica is None:
             continue
-        later = sorted(starts.get((decoded.header.pool, decoded.header.replica), []))
+        later = sorted(starts.get(replica, []))
         for damage in decoded.damage:
+            if damage.first_seq is None and damage.kind != "duplicate_segment":
+                damage.first_seq = name_seq
             if damage.last_seq is None and damage.first_seq is not None:
-                following = [s for s in later if s > damage.first_seq]
-                if following:
-                    damage.last_seq = following[0] - 1
+                after = [s for s in later if s >= damage.first_seq]
+                if after:
+                    damage.last_seq = after[0] - 1
 
 
 def read_segments(paths: Iterable[Path], following: Iterable[Path] = ()) -> DecodedLog:
@@ -652,17 +733,18 @@ def read_segments(paths: Iterable[Path], following: Iterable[Path] = ()) -> Deco
         files, [_decode_file(Path(p)) for p in following if Path(p) not in unique]
     )
     readable = sorted(
-        (f for f in files if f.header is not None),
-        key=lambda f: (f.header.pool, f.header.replica, _seq_range(f)[0] or 0, f.header.segment_id),
+        ((f, f.header) for f in files if f.header is not None),
+        key=lambda fh: (fh[1].pool, fh[1].replica, _seq_range(fh[0])[0] or 0, fh[1].segment_id),
     )
 
-    step_tables, slot_tables, holder_tables, segment_rows, drop_rows = [], [], [], [], []
-    for decoded in readable:
-        steps, slots, holders = _tables(decoded)
+    step_tables, slot_tables, holder_tables = [], [], []
+    segment_rows: list[dict[str, Any]] = []
+    drop_rows: list[dict[str, Any]] = []
+    for decoded, header in readable:
+        steps, slots, holders = _tables(decoded, header)
         step_tables.append(steps)
         slot_tables.append(slots)
         holder_tables.append(holders)
-        header = decoded.header
         first, last = _seq_range(decoded)
         dropped = sum(b - a + 1 for a, b in decoded.drops)
         segment_rows.append(

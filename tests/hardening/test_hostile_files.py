@@ -11,6 +11,7 @@ from pathlib import Path
 
 import hypothesis.strategies as st
 import pytest
+import yaml
 from hypothesis import HealthCheck, given, settings
 
 from pipeline.dcgm import DcgmParseError, parse_dcgm, read_dcgm_hour
@@ -209,3 +210,48 @@ def test_a_tenant_name_with_a_unicode_line_separator_is_read_verbatim(tmp_path, 
         json.dumps(record, ensure_ascii=False).replace("\\u001c", "\x1c") + "\n", encoding="utf-8"
     )
     assert read_gateway_file(path, SALT)["tenant"].to_list() == [f"acme{separator}emea"]
+
+
+@pytest.mark.parametrize(
+    ("price", "why"),
+    [
+        ("0.0000000004", "rounds to 0 nano-dollars per GPU-hour"),
+        ("1e-12", "rounds to 0 nano-dollars per GPU-hour"),
+        # The pool's replicas have 8 GPUs each.
+        ("167.906390199", "makes 1343.25 USD per replica-hour (8 GPUs), above the 1343.251121591"),
+        ("1e300", "above the 1343.251121591 USD the allocator bills exactly"),
+        (".inf", "is not a finite number"),
+        ("4.5000000001", "is not a whole number of nano-dollars (4500000000.1)"),
+    ],
+)
+def test_a_price_that_cannot_be_billed_exactly_is_refused_naming_the_pool(tmp_path, price, why):
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    text = DEFAULT_POOLS_PATH.read_text().replace(
+        "usd_per_gpu_hour: 4.50", f"usd_per_gpu_hour: {price}"
+    )
+    path = tmp_path / "pools.yaml"
+    path.write_text(text)
+    name = yaml.safe_load(text)["pools"][1]["name"]
+    with pytest.raises(ConfigError) as raised:
+        load_pools(path)
+    message = str(raised.value)
+    assert message.startswith(f"{path}:") and "field pools.1: " in message
+    assert f"pool {name!r}: usd_per_gpu_hour " in message and why in message, message
+    simulated = CliRunner().invoke(
+        main,
+        [
+            "simulate",
+            "--pools",
+            str(path),
+            "--out",
+            str(tmp_path / "run"),
+            "--hours",
+            "0.01",
+            "--seed",
+            "1",
+        ],
+    )
+    assert simulated.exit_code != 0 and f"pool {name!r}" in simulated.output

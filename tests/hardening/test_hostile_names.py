@@ -119,3 +119,30 @@ def test_hostile_tenant_names_reach_every_finance_view_verbatim(billed):
     assert rows(hostile, "SELECT count(*) FROM reconciliation WHERE blocking AND NOT passed") == [
         (0,)
     ]
+
+
+# Names a terminal formatter (rich) would read as markup, or as an emoji code.
+MARKUP_TENANTS = ["[bold]acme[/]", "[/]", "[red", ":warning: globex [link=http://x]y[/link]"]
+MARKUP_FEATURES = ["[/]f", "[i]", "f:smile:", "\\[x]"]
+
+
+def test_names_that_look_like_markup_print_as_text(tmp_path_factory):
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    pools = small_pools(MARKUP_TENANTS, MARKUP_FEATURES)
+    data = simulate_small(tmp_path_factory.mktemp("markup") / "run", pools)
+    with dg.DagsterInstance.ephemeral() as instance:
+        assert [r.success for r in bill(data, pools, instance)] == [True]
+    runner = CliRunner()
+    by_tenant = runner.invoke(main, ["costs", "--data", str(data)], catch_exceptions=False)
+    assert by_tenant.exit_code == 0, by_tenant.output
+    printed = {line.split("│")[1].strip() for line in by_tenant.output.splitlines() if "│" in line}
+    assert printed >= set(MARKUP_TENANTS)
+    by_feature = runner.invoke(
+        main, ["costs", "--data", str(data), "--by", "feature"], catch_exceptions=False
+    )
+    assert by_feature.exit_code == 0, by_feature.output
+    printed = {line.split("│")[2].strip() for line in by_feature.output.splitlines() if "│" in line}
+    assert printed >= set(MARKUP_FEATURES)

@@ -22,7 +22,7 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
-from pipeline.alerts import AlertDeliveryError
+from pipeline.alerts import AlertConfigError, AlertDeliveryError
 from pipeline.cli import main
 from pipeline.warehouse import connect_read_only
 from tests.helpers.fleets import bill, simulate_small, small_pools
@@ -256,3 +256,73 @@ def test_a_write_through_the_finance_connection_fails(billed_run, statement):
         assert (
             con.execute("SELECT count(*), sum(amount_nano) FROM ledger_lines").fetchone() == before
         )
+
+
+# Webhook URLs that do not parse, each carrying the secret path.
+UNPARSABLE_URLS = [
+    f"https://hooks.example.com:{WEBHOOK_PATH[1:]}",  # a port that is no number
+    f"http://[::1{WEBHOOK_PATH}",  # an IPv6 host never closed
+    f"https://hooks.example.com{WEBHOOK_PATH}\n",  # a line end from an env file
+    f"https://hooks.example.com{WEBHOOK_PATH} ",
+    f"hooks.example.com{WEBHOOK_PATH}",  # no scheme
+]
+
+
+def test_a_webhook_url_that_does_not_parse_appears_in_no_message(billed_run, tmp_path):
+    pools, _root, data, _url = billed_run
+    copy = tmp_path / "run"
+    shutil.copytree(data, copy)
+    (copy / "alerts_sent.keys").unlink()
+    with dg.DagsterInstance.ephemeral() as instance:
+        (result,) = bill(copy, pools, instance)
+        gc.collect()
+        for url in UNPARSABLE_URLS:
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setenv("STEPLEDGER_ALERT_WEBHOOK_URL", url)
+                patch.setenv("STEPLEDGER_ALERT_FORMAT", "slack")
+                with pytest.raises(AlertConfigError, match="^the webhook URL ") as raised:
+                    page_on_call(copy, pools, instance, result)
+            told = "".join(traceback.format_exception(raised.value))
+            assert WEBHOOK_PATH not in told and WEBHOOK_PATH[1:] not in told, url
+
+
+def test_a_gateway_line_that_fails_validation_echoes_no_api_key(billed_run, tmp_path):
+    """The error names file, line and field; neither it nor its chained cause quotes the line,
+    which holds a raw API key, into Dagster's event log."""
+    pools, _root, data, _url = billed_run
+    copy = tmp_path / "run"
+    shutil.copytree(data, copy)
+    gateway = sorted((copy / "gateway").glob("*.jsonl"))[0]
+    lines = gateway.read_text().splitlines()
+    broken = json.loads(lines[2])
+    del broken["tenant"]
+    lines[2] = json.dumps(broken)
+    gateway.write_text("\n".join(lines) + "\n")
+    (tmp_path / "dagster_home").mkdir()
+    with dg.DagsterInstance.local_temp(tempdir=str(tmp_path / "dagster_home")) as instance:
+        (result,) = bill(copy, pools, instance, run_config=DEBUG_RUN)
+        assert not result.success
+        (failure,) = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+        error = failure.event_specific_data.error
+        told = error.to_string()
+        assert f"{gateway}:3: field tenant: Field required" in told
+    storage = "".join(
+        p.read_bytes().decode("utf-8", "replace") for p in every_file(tmp_path / "dagster_home")
+    )
+    assert "field tenant: Field required" in storage  # the search looked where the error is
+    for text in (told, storage):
+        assert broken["api_key"] not in text
+
+
+def test_a_pools_file_that_fails_validation_echoes_no_api_key(tmp_path):
+    from schemas.config import ConfigError, load_pools
+
+    pools = small_pools().model_dump(mode="json")
+    tenant = pools["pools"][0]["workload"]["tenants"][0]
+    del tenant["features"]
+    path = tmp_path / "pools.yaml"
+    path.write_text(json.dumps(pools))
+    with pytest.raises(ConfigError, match="field pools.0.workload.tenants.0.features") as raised:
+        load_pools(path)
+    told = "".join(traceback.format_exception(raised.value))
+    assert not [key for key in tenant["api_keys"] if key in told]

@@ -23,7 +23,7 @@ from schemas.records import (
     STEP_STRUCT,
     FrameKind,
 )
-from tests.helpers.steplog_samples import MONO_ANCHOR, frame_spans
+from tests.helpers.steplog_samples import HEADER, MONO_ANCHOR, frame_spans
 
 
 @pytest.fixture
@@ -498,3 +498,70 @@ def test_a_drop_frame_naming_a_backwards_range_is_reported(tmp_path, small_segme
     )
     assert (row["first_seq"], row["last_seq"]) == (2, 2)
     assert row["detail"] == "drop frame whose first_seq 5 exceeds its last_seq 2"
+
+
+def test_garbage_after_the_last_frame_hides_no_step_when_the_next_segment_follows(
+    tmp_path, write_segment
+):
+    paths = write_segment(count=12, rotate_bytes=1500)
+    second_start = read_segments(paths[1:2]).segments.column("first_seq")[0].as_py()
+    with paths[0].open("ab") as handle:
+        handle.write(b"\0garbage")
+    decoded = read_segments(paths)
+    (row,) = decoded.damage.to_pylist()
+    # The range starts after the last intact frame and ends before the next segment: empty.
+    assert (row["kind"], row["first_seq"], row["last_seq"]) == (
+        "corrupt_frame",
+        second_start,
+        second_start - 1,
+    )
+    assert decoded.steps.column("seq").to_pylist() == list(range(12))
+
+
+def test_a_file_without_a_header_is_scoped_by_its_name(tmp_path, write_segment):
+    paths = write_segment(count=12, rotate_bytes=1500)
+    starts = read_segments(paths).segments.column("first_seq").to_pylist()
+    lost = paths[1]
+    assert lost.name.startswith(f"{HEADER.replica}.{starts[1]:012d}.")
+    lost.write_bytes(b"")
+    (row,) = read_segments(paths).damage.to_pylist()
+    assert (row["kind"], row["first_seq"], row["last_seq"]) == (
+        "torn_tail",
+        starts[1],
+        starts[2] - 1,
+    )
+    # A name that does not say where the file starts leaves the range unknown: it may hide
+    # any step of the replica.
+    stray = lost.rename(lost.with_name("stray.seg"))
+    (row,) = read_segments([paths[0], stray, paths[2]]).damage.to_pylist()
+    assert (row["first_seq"], row["last_seq"]) == (None, None)
+
+
+def test_what_is_no_readable_file_is_damage_and_nothing_blocks(tmp_path, write_segment):
+    import os
+
+    (path,) = write_segment(count=3)
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    os.mkfifo(odd / "fifo.seg")
+    (odd / "dir.seg").mkdir()
+    (odd / "dangling.seg").symlink_to(odd / "gone.seg")
+    (odd / "loop.seg").symlink_to("loop.seg")
+    (odd / "eio.seg").symlink_to("/proc/self/mem")  # refuses every reader at offset 0
+    (odd / "copy.seg").symlink_to(path)  # a symlink to a segment is read through
+    decoded = read_segments([path, *sorted(odd.iterdir())])
+    assert decoded.steps.column("seq").to_pylist() == [0, 1, 2]
+    assert sorted(
+        (Path(r["path"]).name, r["kind"], r["detail"]) for r in decoded.damage.to_pylist()
+    ) == [
+        (
+            path.name,
+            "duplicate_segment",
+            f"identical content to {odd / 'copy.seg'}, which was kept",
+        ),
+        ("dangling.seg", "unreadable", "cannot open: No such file or directory"),
+        ("dir.seg", "unreadable", "a directory, not a segment file"),
+        ("eio.seg", "unreadable", "cannot read: Input/output error"),
+        ("fifo.seg", "unreadable", "a FIFO, not a segment file"),
+        ("loop.seg", "unreadable", "cannot open: Too many levels of symbolic links"),
+    ]

@@ -19,8 +19,9 @@ from pipeline.ingest import (
     partition_dir,
     segment_files,
 )
-from pipeline.lake import load_hour
-from pipeline.warehouse import connect
+from pipeline.lake import last_seq_before, load_hour
+from pipeline.reconcile import check_sequence
+from pipeline.warehouse import connect, query_frame
 from schemas.config import load_pools
 from tests.helpers.hours import HOUR
 from tests.helpers.warehouse_fleet import NS, write_replica_log
@@ -169,7 +170,7 @@ def test_torn_segment_damage_is_recorded(tmp_path: Path, outbox: Path) -> None:
         report = ingest_outbox(con, outbox, tmp_path / "lake")
         damage = con.execute("SELECT kind, path FROM damage").fetchall()
     assert report.damage >= 1
-    assert ("torn_tail", str(victim)) in damage
+    assert ("torn_tail", str(victim.relative_to(tmp_path))) in damage
 
 
 def test_a_torn_segment_is_bounded_by_the_next_one_in_the_next_batch(
@@ -211,7 +212,7 @@ def test_sequence_gaps_between_segments(tmp_path: Path) -> None:
         # A later segment of the same replica starting at seq 9: 5..8 never arrived.
         con.execute(
             "UPDATE segments SET first_seq = 9, last_seq = 12, segment_id = 'later' WHERE path = ?",
-            [str(first[0])],
+            [str(first[0].relative_to(tmp_path))],
         )
         con.execute(
             "INSERT INTO segments SELECT * REPLACE (0 AS first_seq, 4 AS last_seq, 'earlier' AS segment_id) "
@@ -348,3 +349,195 @@ def test_an_ingest_waits_for_the_lake_lock(tmp_path: Path, outbox: Path) -> None
         waiting.join(timeout=60)
         assert not waiting.is_alive()
     assert reports[0].steps == 130
+
+
+# --- good data that can never be billed; what filesystems hold -------------------------------
+
+
+def replica_r0(tmp_path: Path) -> list[Path]:
+    """chat-8b-r0: 120 steps of 1 s every 30 s from 04:30 in six segments of 20 (seq 0-59 in
+    hour 04, 60-119 in hour 05)."""
+    for part in range(6):
+        write_replica_log(
+            tmp_path / "outbox",
+            POOL,
+            "chat-8b-r0",
+            start=HOUR - timedelta(minutes=30 - 10 * part),
+            steps=20,
+            step_ns=NS,
+            gap_ns=29 * NS,
+            requests=["a", "b"],
+            first_seq=20 * part,
+        )
+    return segment_files(tmp_path / "outbox")
+
+
+def held_seqs(con, lake: Path) -> list[int]:
+    data = load_hour(lake, "chat-8b", HOUR - timedelta(hours=1), committed_batches(con))
+    later = load_hour(lake, "chat-8b", HOUR, committed_batches(con))
+    return sorted({*data.steps["seq"].to_list(), *later.steps["seq"].to_list()})
+
+
+def both_hours_pass(con, lake: Path) -> bool:
+    return all(sequence_findings(con, lake, h)[0] for h in (HOUR - timedelta(hours=1), HOUR))
+
+
+def sequence_findings(con, lake: Path, hour) -> tuple[bool, str]:
+    """The sequence check of chat-8b-r0 for `hour`, from what the warehouse and lake hold."""
+    batches = committed_batches(con)
+    steps = load_hour(lake, "chat-8b", hour, batches).steps
+    tables = {
+        name: query_frame(con, f"SELECT * EXCLUDE (batch_id) FROM {name}")
+        for name in ("drops", "damage", "segments")
+    }
+    results = check_sequence(
+        hour,
+        POOL.model_copy(update={"replicas": POOL.replicas[:1]}),
+        steps,
+        tables["drops"],
+        tables["damage"],
+        tables["segments"],
+        last_seq_before=last_seq_before(lake, "chat-8b", hour, batches),
+    )
+    (result,) = results
+    return result.passed, result.detail
+
+
+def test_a_torn_segment_then_its_intact_copy_under_the_same_name_is_billed_once(
+    tmp_path: Path,
+) -> None:
+    segments = replica_r0(tmp_path)
+    assert len(segments) == 6
+    victim = segments[2]
+    intact = victim.read_bytes()
+    victim.write_bytes(intact[: len(intact) * 2 // 3])
+    lake = tmp_path / "lake"
+    with connect(tmp_path / "w.duckdb") as con:
+        torn = ingest_outbox(con, outbox=tmp_path / "outbox", lake=lake)
+        ((first, last),) = con.execute(
+            "SELECT first_seq, last_seq FROM damage WHERE kind = 'torn_tail'"
+        ).fetchall()
+        assert torn.steps == 120 - (last - first + 1) and last == 59
+        assert not both_hours_pass(con, lake)
+
+        victim.write_bytes(intact)  # the replica ships the segment again, same name
+        again = ingest_outbox(con, tmp_path / "outbox", lake)
+        assert (again.steps, again.ingested_files) == (last - first + 1, [victim])
+        assert held_seqs(con, lake) == list(range(120))
+        assert con.execute("SELECT kind, first_seq, last_seq FROM damage").fetchall() == [
+            ("recovered", first, last)
+        ]
+        assert con.execute(
+            "SELECT count(*), count(DISTINCT sha256) FROM segment_files WHERE path = ?",
+            [str(victim.relative_to(tmp_path))],
+        ).fetchone() == (2, 2)
+        assert con.execute("SELECT sum(steps) FROM segments").fetchone() == (120,)
+        assert both_hours_pass(con, lake)
+        # Delivered a third time: nothing new.
+        shutil.copy(victim, victim.with_name("third.seg"))
+        assert ingest_outbox(con, tmp_path / "outbox", lake).steps == 0
+
+
+def test_a_bit_flipped_segment_then_its_intact_copy_under_a_new_name_is_recovered(
+    tmp_path: Path,
+) -> None:
+    segments = replica_r0(tmp_path)
+    victim = segments[3]
+    intact = victim.read_bytes()
+    flipped = bytearray(intact)
+    flipped[len(flipped) // 2] ^= 0x10
+    victim.write_bytes(bytes(flipped))
+    lake = tmp_path / "lake"
+    with connect(tmp_path / "w.duckdb") as con:
+        ingest_outbox(con, tmp_path / "outbox", lake)
+        ((kind, first, last),) = con.execute(
+            "SELECT kind, first_seq, last_seq FROM damage"
+        ).fetchall()
+        assert kind == "corrupt_frame" and first == last
+        assert not both_hours_pass(con, lake)
+        victim.with_name("redelivered.seg").write_bytes(intact)
+        assert ingest_outbox(con, tmp_path / "outbox", lake).steps == 1
+        assert held_seqs(con, lake) == list(range(120))
+        assert con.execute("SELECT kind FROM damage").fetchall() == [("recovered",)]
+        assert both_hours_pass(con, lake)
+
+
+def test_garbage_after_an_intact_segment_holds_nothing_back(tmp_path: Path) -> None:
+    segments = replica_r0(tmp_path)
+    with segments[1].open("ab") as handle:
+        handle.write(b"\0" * 100)
+    lake = tmp_path / "lake"
+    with connect(tmp_path / "w.duckdb") as con:
+        assert ingest_outbox(con, tmp_path / "outbox", lake).steps == 120
+        ((kind, first, last, detail),) = con.execute(
+            "SELECT kind, first_seq, last_seq, detail FROM damage"
+        ).fetchall()
+        next_first = con.execute(
+            "SELECT first_seq FROM segments ORDER BY first_seq LIMIT 1 OFFSET 2"
+        ).fetchone()[0]
+        # The next segment starts right after the last intact frame: an empty range.
+        assert (kind, first, last) == ("recovered", next_first, next_first - 1)
+        assert detail.startswith("corrupt_frame (") or detail.startswith("torn_tail (")
+        assert both_hours_pass(con, lake)
+
+
+def test_a_zero_byte_file_holds_back_only_the_steps_it_can_hide(tmp_path: Path) -> None:
+    segments = replica_r0(tmp_path)
+    lost = segments[1]  # seq 20-39, 04:40-04:50: zero bytes after a crash
+    lost.write_bytes(b"")
+    lake = tmp_path / "lake"
+    with connect(tmp_path / "w.duckdb") as con:
+        assert ingest_outbox(con, tmp_path / "outbox", lake).steps == 100
+        assert con.execute("SELECT kind, first_seq, last_seq FROM damage").fetchall() == [
+            ("torn_tail", 20, 39)
+        ]
+        passed, detail = sequence_findings(con, lake, HOUR - timedelta(hours=1))
+        assert not passed and "20 steps lost (seq 20-39)" in detail
+        # The next hour does not wait on a file that could only hide seq 20-39.
+        assert sequence_findings(con, lake, HOUR) == (True, "sequence contiguous")
+
+
+def test_a_moved_data_directory_is_the_same_data(tmp_path: Path, outbox: Path) -> None:
+    lake = tmp_path / "lake"
+    with connect(tmp_path / "w.duckdb") as con:
+        ingest_outbox(con, outbox, lake)
+        moved = tmp_path / "restored"
+        moved.mkdir()
+        shutil.move(outbox, moved / "outbox")
+        again = ingest_outbox(con, moved / "outbox", lake)
+        assert (again.batch_id, again.ingested_files, again.duplicate_files) == (None, [], [])
+
+
+def test_what_is_no_readable_file_is_damage_naming_it_and_nothing_blocks(
+    tmp_path: Path, outbox: Path
+) -> None:
+    import os
+
+    directory = outbox / "chat-8b-r1"
+    odd = {
+        "a-directory.seg": "unreadable (a directory, not a segment file)",
+        "a-fifo.seg": "unreadable (a FIFO, not a segment file)",
+        "dangling.seg": "unreadable (cannot open: No such file or directory)",
+        "loop.seg": "unreadable (cannot open: Too many levels of symbolic links)",
+        # Root reads a file of mode 000 all the same; /proc/self/mem refuses every reader
+        # at offset 0 (an unmapped address), so the read error is a real one.
+        "eio.seg": "unreadable (cannot read: Input/output error)",
+    }
+    (directory / "a-directory.seg").mkdir()
+    os.mkfifo(directory / "a-fifo.seg")
+    (directory / "dangling.seg").symlink_to(directory / "gone.seg")
+    (directory / "loop.seg").symlink_to("loop.seg")
+    (directory / "eio.seg").symlink_to("/proc/self/mem")
+    lake = tmp_path / "lake"
+    with connect(tmp_path / "w.duckdb") as con:
+        report = ingest_outbox(con, outbox, lake)
+        assert report.steps == 130
+        damage = con.execute("SELECT path, kind, detail FROM damage ORDER BY path").fetchall()
+        assert damage == [
+            (f"outbox/chat-8b-r1/{name}", "unreadable", why.removeprefix("unreadable (")[:-1])
+            for name, why in sorted(odd.items())
+        ]
+        # Names that do not place them in the sequence: they may hide anything of the replica.
+        assert con.execute("SELECT count(*) FROM damage WHERE first_seq IS NULL").fetchone() == (5,)
+        # Reported once, not on every ingest.
+        assert ingest_outbox(con, outbox, lake).batch_id is None

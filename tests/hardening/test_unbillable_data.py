@@ -1,0 +1,203 @@
+"""Good data is billed, and what an outbox holds besides segments stops nothing: a simulated
+fleet's segments damaged by the simulator's file fault knobs, then billed through the
+pool-hour job. Each hour is either published with exactly the money of the undamaged fleet,
+or held back with the finding that names the damage, until an intact copy arrives."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from pipeline.simulator.faults import damage_segments
+from pipeline.warehouse import connect_read_only
+from schemas.config import PoolsFile
+from tests.helpers.fleets import bill, rerecord, simulate_small, small_pools
+
+pytestmark = pytest.mark.timeout(600)
+
+REPLICA = "chat-8b-r0"
+# Bytes per segment when the fleet is recorded again: several segments per replica, so that
+# damage in one has neighbours on both sides.
+SEGMENT_BYTES = 2 << 20
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory) -> tuple[PoolsFile, Path]:
+    pools = small_pools()
+    data = simulate_small(tmp_path_factory.mktemp("unbillable") / "fleet", pools)
+    rerecord(data, rotate_bytes=SEGMENT_BYTES)
+    assert len(list((data / "outbox" / REPLICA).glob("*.seg"))) >= 3
+    return pools, data
+
+
+def costs(data: Path) -> dict:
+    """What finance sees: published money by tenant, feature and line kind; the held-back hours."""
+    with connect_read_only(data / "warehouse.duckdb") as con:
+        published = con.execute(
+            "SELECT tenant, feature, line_kind, sum(amount_nano)::BIGINT FROM published_ledger_lines "
+            "GROUP BY ALL ORDER BY ALL"
+        ).fetchall()
+        held = con.execute("SELECT pool, reason FROM held_back_hours").fetchall()
+    return {"published": published, "held_back": held}
+
+
+def billed(data: Path, pools: PoolsFile) -> bool:
+    with dg.DagsterInstance.ephemeral() as instance:
+        (result,) = bill(data, pools, instance)
+    return result.success
+
+
+@pytest.fixture(scope="module")
+def undamaged(fleet, tmp_path_factory) -> dict:
+    pools, data = fleet
+    copy = tmp_path_factory.mktemp("undamaged") / "fleet"
+    shutil.copytree(data, copy)
+    assert billed(copy, pools)
+    money = costs(copy)
+    assert money["published"] and money["held_back"] == []
+    return money
+
+
+def damaged(fleet, tmp_path: Path, *faults: str) -> tuple[Path, list[Path], dict[str, str]]:
+    """A copy of the fleet with `faults` applied to the replica's segments."""
+    _, data = fleet
+    copy = tmp_path / "fleet"
+    shutil.copytree(data, copy, symlinks=True)
+    segments = sorted((copy / "outbox" / REPLICA).glob("*.seg"))
+    return copy, segments, damage_segments(copy, REPLICA, segments, dict.fromkeys(faults))
+
+
+def sequence_detail(data: Path) -> str:
+    with connect_read_only(data / "warehouse.duckdb") as con:
+        return "\n".join(
+            row[0]
+            for row in con.execute(
+                "SELECT detail FROM reconciliation WHERE check_name = 'sequence' AND NOT passed"
+            ).fetchall()
+        )
+
+
+def damage_rows(data: Path) -> list[tuple]:
+    with connect_read_only(data / "warehouse.duckdb") as con:
+        return con.execute("SELECT path, kind, detail FROM damage ORDER BY path").fetchall()
+
+
+def middle(segments: list[Path]) -> Path:
+    return segments[len(segments) // 2]
+
+
+def test_a_torn_segment_is_held_back_then_billed_exactly_once_its_intact_copy_arrives(
+    fleet, undamaged, tmp_path: Path
+) -> None:
+    pools, _ = fleet
+    data, segments, notes = damaged(fleet, tmp_path, "torn-segment", "intact-copy")
+    torn = middle(segments)
+    assert "truncated" in notes["torn-segment"]
+    assert not billed(data, pools)
+    assert costs(data)["held_back"] == [("chat-8b", "failed blocking checks: sequence, time")]
+    assert f"torn_tail in {torn.relative_to(data)}" in sequence_detail(data)
+    # The replica ships the segment again under the same name.
+    shutil.copyfile(data / "redelivery" / torn.relative_to(data), torn)
+    assert billed(data, pools)
+    assert costs(data) == undamaged
+
+
+def test_a_bit_flipped_segment_is_recovered_from_a_copy_under_another_name(
+    fleet, undamaged, tmp_path: Path
+) -> None:
+    pools, _ = fleet
+    data, segments, _ = damaged(fleet, tmp_path, "bit-flip", "intact-copy")
+    flipped = middle(segments)
+    assert not billed(data, pools)
+    assert f"corrupt_frame in {flipped.relative_to(data)}" in sequence_detail(data)
+    shutil.copyfile(data / "redelivery" / flipped.relative_to(data), flipped.with_name("again.seg"))
+    assert billed(data, pools)
+    assert costs(data) == undamaged
+    ((kind, detail),) = [(k, d) for p, k, d in damage_rows(data) if p.endswith(flipped.name)]
+    assert kind == "recovered" and detail.startswith("corrupt_frame (")
+
+
+def test_garbage_after_an_intact_segment_holds_nothing_back(
+    fleet, undamaged, tmp_path: Path
+) -> None:
+    pools, _ = fleet
+    data, segments, _ = damaged(fleet, tmp_path, "trailing-garbage")
+    assert billed(data, pools)
+    assert costs(data) == undamaged
+    ((path, kind, detail),) = damage_rows(data)
+    assert (path, kind) == (str(middle(segments).relative_to(data)), "recovered")
+    assert "it can hide no step" in detail
+
+
+def test_a_zero_byte_file_beside_its_segment_holds_nothing_back(
+    fleet, undamaged, tmp_path: Path
+) -> None:
+    pools, _ = fleet
+    data, _, notes = damaged(fleet, tmp_path, "empty-segment")
+    assert billed(data, pools)
+    assert costs(data) == undamaged
+    ((path, kind, detail),) = damage_rows(data)
+    assert notes["empty-segment"].startswith(path) and kind == "recovered"
+    assert detail.startswith("torn_tail (empty file)")
+
+
+def test_a_moved_data_directory_bills_its_hours_again_unchanged(
+    fleet, undamaged, tmp_path: Path
+) -> None:
+    pools, data = fleet
+    before = tmp_path / "before"
+    shutil.copytree(data, before)
+    assert billed(before, pools)
+    restored = tmp_path / "restored"
+    shutil.move(before, restored)
+    with connect_read_only(restored / "warehouse.duckdb") as con:
+        files = con.execute("SELECT count(*) FROM segment_files").fetchone()
+    assert billed(restored, pools)
+    assert costs(restored) == undamaged
+    with connect_read_only(restored / "warehouse.duckdb") as con:
+        assert con.execute("SELECT count(*) FROM segment_files").fetchone() == files
+
+
+def test_what_an_outbox_holds_besides_segments_is_reported_and_blocks_nothing(
+    fleet, undamaged, tmp_path: Path
+) -> None:
+    pools, _ = fleet
+    data, _, notes = damaged(fleet, tmp_path, "hostile-outbox")
+    assert billed(data, pools)  # under the timeout: nothing blocked on the FIFO
+    assert costs(data) == undamaged
+    reported = {Path(path).name: (kind, detail) for path, kind, detail in damage_rows(data)}
+    expected = {
+        "a directory": "unreadable (a directory, not a segment file)",
+        "a FIFO": "unreadable (a FIFO, not a segment file)",
+        "a dangling symlink": "unreadable (cannot open: No such file or directory)",
+        "a symlink to itself": "unreadable (cannot open: Too many levels of symbolic links)",
+    }
+    for entry in notes["hostile-outbox"].split("; "):
+        path, what = entry.split(": ")
+        name = Path(path).name
+        if what == "a copy of mode 000" and os.geteuid() == 0:
+            # Root reads it all the same: it is a duplicate delivery of the middle segment.
+            assert name not in reported
+            continue
+        kind, detail = reported[name]
+        assert kind == "recovered" and detail.startswith(
+            expected.get(what, "unreadable (cannot open: Permission denied)")
+        )
+
+
+def test_an_entry_whose_name_does_not_place_it_holds_the_hour_back_naming_it(
+    fleet, tmp_path: Path
+) -> None:
+    pools, _ = fleet
+    data, _, _ = damaged(fleet, tmp_path)
+    stray = data / "outbox" / REPLICA / "stray.seg"
+    os.mkfifo(stray)
+    assert not billed(data, pools)
+    assert (
+        "unreadable in outbox/chat-8b-r0/stray.seg at byte 0: a FIFO, not a segment file"
+        in sequence_detail(data)
+    )
