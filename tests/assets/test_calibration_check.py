@@ -152,6 +152,12 @@ def test_a_drifted_fit_of_a_fitted_pool_fails_the_run(calibrated: Path) -> None:
         False,
         dg.AssetCheckSeverity.ERROR,
     )
+    # Not a blocking check: the hour is published, and the run fails so that on-call is paged.
+    (failure,) = result.get_step_failure_events()
+    assert failure.step_key == "reconciliation"
+    assert failure.step_failure_data.error.message.startswith(
+        "dagster._core.definitions.events.Failure: ERROR findings, the hour is published: calibration_drift"
+    )
     ((detail,),) = [(r[4],) for r in calibration_rows(calibrated) if r[0] == "calibration_drift"]
     assert detail.startswith("a fresh fit drifted beyond 15% in c0_ms: ")
     assert "(50.0%)" in detail and detail.endswith(
