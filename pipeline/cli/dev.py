@@ -1,9 +1,7 @@
 """`stepledger dev`: the Dagster webserver and daemon on a data directory (the demo's by default).
 
-The Dagster instance (runs, event logs, schedule and sensor state) lives in `DAGSTER_HOME`
-when it is set, else in `<data>/dagster`: a data directory keeps its own history, outside the
-checkout, and survives restarts. An instance directory without a `dagster.yaml` gets a copy of
-`dagster_home/dagster.yaml` (queued runs, the DuckDB single-writer pool limit).
+The Dagster instance is `DAGSTER_HOME` when it is set, else `<data>/dagster`
+(pipeline.cli.dagster_instance): the history `stepledger demo` left there shows in the UI.
 
 `dagster dev` runs in a process group of its own; Ctrl-C or SIGTERM asks it to stop, and
 whatever of the group is still alive after the grace period is killed, so no webserver, daemon
@@ -24,35 +22,16 @@ from types import FrameType
 
 import click
 
-# The code location (assets.definitions) reads the data directory from this variable.
-DATA_ENV = "STEPLEDGER_DATA"
-CODE_LOCATION = "assets.definitions"
-INSTANCE_TEMPLATE = Path(__file__).resolve().parents[2] / "dagster_home" / "dagster.yaml"
-INSTANCE_DIR_NAME = "dagster"
+from pipeline.cli.dagster_instance import (
+    CODE_LOCATION,
+    DATA_ENV,
+    INSTANCE_TEMPLATE,
+    instance_dir,
+    prepare_instance,
+)
+
 # `dagster dev` stops its webserver, daemon and code server within a few seconds of SIGTERM.
 STOP_GRACE_SECONDS = 20.0
-
-
-def instance_dir(data_dir: Path, environ: dict[str, str]) -> Path:
-    """DAGSTER_HOME if the user set it, else the data directory's own instance."""
-    home = environ.get("DAGSTER_HOME")
-    return Path(home).resolve() if home else (data_dir / INSTANCE_DIR_NAME).resolve()
-
-
-def prepare_instance(home: Path) -> bool:
-    """Create the instance directory, with the committed dagster.yaml when it has none.
-    True when the configuration was copied."""
-    home.mkdir(parents=True, exist_ok=True)
-    config = home / "dagster.yaml"
-    if config.exists():
-        return False
-    if not INSTANCE_TEMPLATE.is_file():
-        raise click.ClickException(
-            f"{config}: missing, and the template {INSTANCE_TEMPLATE} is not installed "
-            "(write a dagster.yaml there, see docs/production.md)"
-        )
-    shutil.copyfile(INSTANCE_TEMPLATE, config)
-    return True
 
 
 def group_alive(pgid: int) -> bool:

@@ -20,7 +20,8 @@ from dagster_processes import (
     wait_for_daemons,
 )
 
-from pipeline.cli.dev import DATA_ENV, INSTANCE_TEMPLATE, group_alive, instance_dir
+from pipeline.cli.dagster_instance import DATA_ENV, INSTANCE_TEMPLATE, instance_dir
+from pipeline.cli.dev import group_alive
 
 STARTUP_SECONDS = 180
 STOP_SECONDS = 60
