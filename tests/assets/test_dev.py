@@ -5,22 +5,31 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 import urllib.request
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 from dagster_processes import (
     descendants,
     free_port,
+    graphql,
     listening_addresses,
     running,
     start_dev,
     wait_for_daemons,
 )
 
-from pipeline.cli.dagster_instance import DATA_ENV, INSTANCE_TEMPLATE, instance_dir
+from pipeline.cli.dagster_instance import (
+    DATA_ENV,
+    INSTANCE_TEMPLATE,
+    instance_dir,
+    materialize_pool_hours,
+    prepare_instance,
+)
 from pipeline.cli.dev import group_alive
 
 STARTUP_SECONDS = 180
@@ -85,3 +94,59 @@ def test_dev_serves_on_loopback_and_stops_every_process(
     assert [pid for pid in children if running(pid)] == []
     assert not group_alive(next(pid for pid, cmd in children.items() if "dagster dev" in cmd))
     assert listening_addresses(port) == set()
+
+
+HISTORY_QUERY = """{
+  assetNodeOrError(assetKey: {path: ["ledger"]}) {
+    ... on AssetNode {
+      partitionStats { numMaterialized numFailed }
+      assetChecksOrError { ... on AssetChecks { checks { name blocking } } }
+    }
+  }
+  runsOrError(filter: {pipelineName: "pool_hour_job"}) {
+    ... on Runs { results { status tags { key value } } }
+  }
+}"""
+
+
+def test_dev_shows_the_pool_hours_billed_on_the_data_directory_instance(
+    simulated: Path, tmp_path: Path
+) -> None:
+    data = tmp_path / "data"
+    shutil.copytree(simulated, data)
+    home = instance_dir(data, {})
+    prepare_instance(home)
+    outcomes = list(materialize_pool_hours(data, [datetime(2026, 11, 30, tzinfo=UTC)], home))
+    assert [(o["hour"], o["pool"], o["success"], o["error"]) for o in outcomes] == [
+        ("2026-11-30T00", "chat-8b", True, None)
+    ]
+    # The short fixture hour warns; nothing holds it back.
+    assert sorted(f.split(":")[0] for f in outcomes[0]["failed_checks"]) == [
+        "calibration",
+        "plausibility",
+    ]
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "DAGSTER_HOME"}
+    env["STEPLEDGER_ALERT_FILE"] = str(tmp_path / "alerts.jsonl")
+    dev = start_dev(data, port, env, tmp_path)
+    try:
+        wait_for_daemons(port, time.monotonic() + STARTUP_SECONDS)
+        history = graphql(port, HISTORY_QUERY)
+    finally:
+        dev.send_signal(signal.SIGTERM)
+        dev.communicate(timeout=STOP_SECONDS)
+    ledger = history["assetNodeOrError"]
+    assert ledger["partitionStats"] == {"numMaterialized": 1, "numFailed": 0}
+    assert {c["name"]: c["blocking"] for c in ledger["assetChecksOrError"]["checks"]} == {
+        "sequence": True,
+        "time": True,
+        "money": True,
+        "plausibility": False,
+        "unattributed": False,
+        "calibration": False,
+        "calibration_drift": False,
+    }
+    (run,) = history["runsOrError"]["results"]
+    tags = {t["key"]: t["value"] for t in run["tags"]}
+    assert (run["status"], tags["dagster/partition"]) == ("SUCCESS", "2026-11-30-00:00|chat-8b")
