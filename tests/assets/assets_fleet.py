@@ -14,3 +14,16 @@ def small_pools() -> PoolsFile:
     return pools.model_copy(
         update={"pools": [chat.model_copy(update={"replicas": chat.replicas[:2]})]}
     )
+
+
+# Reconciliation check -> whether Dagster labels it blocking: only the checks whose failure
+# holds an hour back from the finance views.
+BLOCKING_CHECKS = {
+    "sequence": True,
+    "time": True,
+    "money": True,
+    "plausibility": False,
+    "unattributed": False,
+    "calibration": False,
+    "calibration_drift": False,
+}

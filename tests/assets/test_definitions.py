@@ -8,7 +8,7 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
-from assets_fleet import small_pools
+from assets_fleet import BLOCKING_CHECKS, small_pools
 
 from assets.definitions import build_definitions
 from schemas.config import load_pools
@@ -128,15 +128,7 @@ def test_checks_are_per_pool_hour_described_and_only_those_holding_an_hour_back_
     partitions = pool_hour_partitions(["chat-8b"])
     (checks,) = build_reconciliation_checks(small_pools(), partitions)
     specs = {spec.name: spec for spec in checks.check_specs}
-    assert {name: spec.blocking for name, spec in specs.items()} == {
-        "sequence": True,
-        "time": True,
-        "money": True,
-        "plausibility": False,
-        "unattributed": False,
-        "calibration": False,
-        "calibration_drift": False,
-    }
+    assert {name: spec.blocking for name, spec in specs.items()} == BLOCKING_CHECKS
     assert all(spec.partitions_def == partitions for spec in specs.values())
     assert {name: spec.description.split(".")[-2] for name, spec in specs.items()} == {
         "sequence": " A failure holds the hour back",

@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+from assets_fleet import BLOCKING_CHECKS
 from dagster_processes import (
     descendants,
     free_port,
@@ -138,15 +139,9 @@ def test_dev_shows_the_pool_hours_billed_on_the_data_directory_instance(
         dev.communicate(timeout=STOP_SECONDS)
     ledger = history["assetNodeOrError"]
     assert ledger["partitionStats"] == {"numMaterialized": 1, "numFailed": 0}
-    assert {c["name"]: c["blocking"] for c in ledger["assetChecksOrError"]["checks"]} == {
-        "sequence": True,
-        "time": True,
-        "money": True,
-        "plausibility": False,
-        "unattributed": False,
-        "calibration": False,
-        "calibration_drift": False,
-    }
+    assert {
+        c["name"]: c["blocking"] for c in ledger["assetChecksOrError"]["checks"]
+    } == BLOCKING_CHECKS
     (run,) = history["runsOrError"]["results"]
     tags = {t["key"]: t["value"] for t in run["tags"]}
     assert (run["status"], tags["dagster/partition"]) == ("SUCCESS", "2026-11-30-00:00|chat-8b")
