@@ -3,7 +3,8 @@ DAGSTER_HOME, so that the UI shows them afterwards (partitions, runs, check resu
 
     python -m assets.runner --data DIR --hour YYYY-MM-DDTHH [--hour ...] [--warehouse FILE]
 
-One JSON object per line on standard output, per finished pool-hour: hour, pool, success,
+One JSON object per line on standard output, per finished pool-hour: hour, pool, success (of
+the run), held_back (a blocking check failed: the finance views leave the hour out),
 failed_checks ("name: detail"), error (the first step failure that is not a failed check).
 The command line (`stepledger demo`) starts this as a process of its own: pipeline/ names the
 code location but never imports it.
@@ -32,7 +33,7 @@ CHECK_FAILURES = ("DagsterAssetCheckFailedError", "Failure")
 
 
 def pool_hour_outcome(result: dg.ExecuteInProcessResult) -> dict[str, Any]:
-    """success, failed checks and the first error of one pool-hour run."""
+    """What became of one pool-hour run: see the module's docstring."""
     errors = []
     for event in result.get_step_failure_events():
         error = event.step_failure_data.error
@@ -41,12 +42,15 @@ def pool_hour_outcome(result: dg.ExecuteInProcessResult) -> dict[str, Any]:
         if event.step_key == "reconciliation" and error and error.cls_name in CHECK_FAILURES:
             continue
         errors.append(error.message.strip() if error else f"step {event.step_key} failed")
+    evaluations = result.get_asset_check_evaluations()
     return {
         "success": result.success,
+        "held_back": any(
+            e.blocking and not e.passed and e.severity == dg.AssetCheckSeverity.ERROR
+            for e in evaluations
+        ),
         "failed_checks": [
-            f"{e.check_name}: {e.metadata['detail'].value}"
-            for e in result.get_asset_check_evaluations()
-            if not e.passed
+            f"{e.check_name}: {e.metadata['detail'].value}" for e in evaluations if not e.passed
         ],
         "error": errors[0] if errors else None,
     }

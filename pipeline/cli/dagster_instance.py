@@ -60,8 +60,8 @@ def materialize_pool_hours(
     data_dir: Path, hours: list[datetime], home: Path
 ) -> Iterator[dict[str, Any]]:
     """Every pool of every hour through the pool-hour job on the instance at `home`, in a
-    process of its own; yields each outcome (hour, pool, success, failed_checks, error) as
-    the pool-hour finishes."""
+    process of its own; yields each outcome as the pool-hour finishes (its fields:
+    assets/runner.py)."""
     env = {**os.environ, "DAGSTER_HOME": str(home), DATA_ENV: str(data_dir.resolve())}
     hour_args = [arg for hour in hours for arg in ("--hour", hour_key(hour))]
     command = [sys.executable, "-m", RUNNER, "--data", str(data_dir.resolve()), *hour_args]

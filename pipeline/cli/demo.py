@@ -96,7 +96,7 @@ def bill_through_dagster(
         for run in materialize_pool_hours(out, hours, home):
             progress.advance(task)
             runs.append(run)
-            status = "[green]published[/green]" if run["success"] else "[red]held back[/red]"
+            status = "[red]held back[/red]" if run["held_back"] else "[green]published[/green]"
             if run["error"]:
                 status = f"[red]failed[/red]: {run['error'].splitlines()[0]}"
             console.print(f"{run['hour']} {run['pool']}: {status}")
@@ -192,7 +192,7 @@ def demo_command(
     costs = cost_report(out / "warehouse.duckdb", "tenant")
     if not as_json:
         print_report(costs, "costs by tenant (published hours)")
-    held = sum(1 for r in runs if not r["success"])
+    held = sum(1 for r in runs if r["held_back"])
     console.print(
         f"{len(runs) - held} of {len(runs)} pool-hours published, {held} held back. "
         f"Query {out / 'warehouse.duckdb'} with DuckDB, or run `stepledger costs --data {out} --by feature`."

@@ -110,15 +110,16 @@ def dev_command(data_dir: Path, host: str, port: int) -> None:
     click.echo(f"Dagster instance: {home}; UI: http://{host}:{port}", err=True)
     env = {**os.environ, "DAGSTER_HOME": str(home), DATA_ENV: str(data_dir.resolve())}
     command = [dagster, "dev", "-m", CODE_LOCATION, "--host", host, "--port", str(port)]
-    # A session of its own: a terminal's Ctrl-C reaches only this process, which then stops
-    # the whole group in order instead of every process dying at once.
-    process = subprocess.Popen(command, env=env, start_new_session=True)
     stop_requested: list[int] = []
 
     def request_stop(signum: int, frame: FrameType | None) -> None:
         stop_requested.append(signum)
 
+    # Installed before the start, so that no signal can end this process and orphan the group.
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # A session of its own: a terminal's Ctrl-C reaches only this process, which then stops
+    # the whole group in order instead of every process dying at once.
+    process = subprocess.Popen(command, env=env, start_new_session=True)
     try:
         while process.poll() is None and not stop_requested:
             time.sleep(0.2)

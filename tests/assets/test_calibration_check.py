@@ -15,6 +15,7 @@ from assets_fleet import HOURS, small_pools
 
 from assets.definitions import build_definitions
 from assets.partitions import partition_key
+from assets.runner import pool_hour_outcome
 from pipeline.cli.demo import calibrate_from_segments
 from pipeline.simulator import simulate
 from pipeline.simulator.faults import DRIVER_VERSION, ENGINE_VERSION, UNCALIBRATED_ENGINE_VERSION
@@ -153,6 +154,8 @@ def test_a_drifted_fit_of_a_fitted_pool_fails_the_run(calibrated: Path) -> None:
         dg.AssetCheckSeverity.ERROR,
     )
     # Not a blocking check: the hour is published, and the run fails so that on-call is paged.
+    outcome = pool_hour_outcome(result)
+    assert (outcome["success"], outcome["held_back"], outcome["error"]) == (False, False, None)
     (failure,) = result.get_step_failure_events()
     assert failure.step_key == "reconciliation"
     assert failure.step_failure_data.error.message.startswith(

@@ -118,8 +118,8 @@ def test_dev_shows_the_pool_hours_billed_on_the_data_directory_instance(
     home = instance_dir(data, {})
     prepare_instance(home)
     outcomes = list(materialize_pool_hours(data, [datetime(2026, 11, 30, tzinfo=UTC)], home))
-    assert [(o["hour"], o["pool"], o["success"], o["error"]) for o in outcomes] == [
-        ("2026-11-30T00", "chat-8b", True, None)
+    assert [(o["hour"], o["pool"], o["success"], o["held_back"], o["error"]) for o in outcomes] == [
+        ("2026-11-30T00", "chat-8b", True, False, None)
     ]
     # The short fixture hour warns; nothing holds it back.
     assert sorted(f.split(":")[0] for f in outcomes[0]["failed_checks"]) == [
