@@ -25,7 +25,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run $(if $(QUICK),--quick)
 
 dev: $(STAMP)
-	$(BIN)/stepledger dev
+	$(BIN)/stepledger dev $(if $(DATA),--data $(DATA)) $(if $(PORT),--port $(PORT))
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -5,6 +5,10 @@ Every few minutes it reads, per pool, the latest hour up to which every hour has
 warehouse's `reconciliation` table (read-only), hands that to `pipeline.alerts.deadman`, and
 pages each finding once through the sink the environment configures (the same sent-keys file
 as the run-failure sensor, so a finding pages once however often the sensor ticks).
+
+Only hours since the deployment are owed: the sensor's first tick stores its time as the
+cursor (kept in the Dagster instance), and hours that began before it never page, however far
+back the first partition lies.
 """
 
 # No `from __future__ import annotations`: Dagster checks the `context` annotation as an
@@ -50,6 +54,14 @@ def last_reconciled_hours(
     return last
 
 
+def first_owed_hour(deployed_at: datetime) -> datetime:
+    """The first hour that began at or after the deployment, and not before the first partition."""
+    start = deployed_at.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
+    if start < deployed_at:
+        start += HOUR
+    return max(start, first_hour())
+
+
 def build_deadman_sensor(
     pools: PoolsFile, clock: Callable[[], datetime] = lambda: datetime.now(UTC)
 ) -> dg.SensorDefinition:
@@ -66,6 +78,12 @@ def build_deadman_sensor(
         context: dg.SensorEvaluationContext, data: StepledgerData, warehouse: DuckDBResource
     ) -> dg.SkipReason:
         now = clock()
+        if context.cursor:
+            deployed_at = datetime.fromisoformat(context.cursor)
+        else:
+            deployed_at = now
+            context.update_cursor(now.isoformat())
+        owed_from = first_owed_hour(deployed_at)
         try:
             with connect_read_only(warehouse.database) as con:
                 reconciled = query_frame(con, "SELECT DISTINCT pool, hour FROM reconciliation")
@@ -75,7 +93,8 @@ def build_deadman_sensor(
             # A run holds the file open for writing (another process locks it, this process
             # refuses a second configuration): try again at the next tick.
             return dg.SkipReason(f"warehouse busy, not read this tick: {err}")
-        last = last_reconciled_hours(reconciled, pool_names, first_hour() - HOUR)
+        owed = reconciled.filter(pl.col("hour") >= owed_from.replace(tzinfo=None))
+        last = last_reconciled_hours(owed, pool_names, owed_from - HOUR)
         findings = alerts.deadman(last, now, settings)
         sent = alerts.page(
             findings,

@@ -31,7 +31,7 @@ def build_definitions(
     pool_hour_job, ingest_job = build_jobs()
     return dg.Definitions(
         assets=pool_hour_assets,
-        asset_checks=build_reconciliation_checks(pools),
+        asset_checks=build_reconciliation_checks(pools, partitions),
         jobs=[pool_hour_job, ingest_job],
         schedules=[build_hourly_schedule(pools)],
         sensors=[

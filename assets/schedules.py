@@ -1,5 +1,6 @@
 """The hourly schedule: each hour is materialized for every pool once late files had time to
-arrive (Settings.late_file_delay_minutes after the hour ended)."""
+arrive (Settings.late_file_delay_minutes after the hour ended). It runs as soon as a daemon
+loads the code location; stop it in the UI's Automation page."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ def build_hourly_schedule(pools: PoolsFile) -> dg.ScheduleDefinition:
         job_name=POOL_HOUR_JOB,
         cron_schedule=f"{pools.settings.late_file_delay_minutes % 60} * * * *",
         execution_timezone="UTC",
+        default_status=dg.DefaultScheduleStatus.RUNNING,
     )
     def hourly_ledger(context: dg.ScheduleEvaluationContext) -> list[dg.RunRequest]:
         hour = completed_hour(context.scheduled_execution_time, delay)

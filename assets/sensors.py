@@ -1,7 +1,8 @@
 """A sensor that starts ingestion when new segments land in an outbox.
 
 The cursor is the newest segment modification time seen (ns). Ingestion itself skips what it
-has already ingested, so a file the cursor misses is picked up by the pool's next run.
+has already ingested, so a file the cursor misses is picked up by the pool's next run. It runs
+as soon as a daemon loads the code location; its first tick ingests every segment there.
 """
 
 from __future__ import annotations
@@ -20,7 +21,12 @@ from schemas.config import PoolsFile
 def build_new_segments_sensor(pools: PoolsFile) -> dg.SensorDefinition:
     pool_of_replica = {r.id: p.name for p in pools.pools for r in p.replicas}
 
-    @dg.sensor(name="new_segments", job_name=INGEST_JOB, minimum_interval_seconds=60)
+    @dg.sensor(
+        name="new_segments",
+        job_name=INGEST_JOB,
+        minimum_interval_seconds=60,
+        default_status=dg.DefaultSensorStatus.RUNNING,
+    )
     def new_segments(
         context: dg.SensorEvaluationContext, data: StepledgerData
     ) -> dg.SensorResult | dg.SkipReason:

@@ -1,23 +1,27 @@
-"""`stepledger demo`: simulate the default pools, run every hour through the Dagster
-definitions in-process, print what each tenant cost and how reconciliation went, and write
-the HTML report."""
+"""`stepledger demo`: simulate the default pools, run every pool-hour through Dagster on a
+persistent instance (OUT/dagster, or DAGSTER_HOME when set: `stepledger dev --data OUT` shows
+its runs, partitions and checks), print what each tenant cost and how reconciliation went, and
+write the HTML report."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
+from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from assets.cli.run import run_with_progress
 from pipeline.cli.costs import cost_report, print_report
+from pipeline.cli.dagster_instance import instance_dir, materialize_pool_hours, prepare_instance
 from pipeline.datadir import CALIBRATION_FILE, hours_in_data
-from pipeline.hours import hour_key
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from pipeline.attribution import CalibrationEntry
     from schemas.config import PoolsFile
 
@@ -76,6 +80,34 @@ def calibrate_fleet(
         sweep, pools, hours=min(hours, CALIBRATION_SWEEP_HOURS), seed=seed + 1, workers=workers
     )
     return calibrate_from_segments(sorted(sweep.glob("outbox/*/*.seg")), out / CALIBRATION_FILE)
+
+
+def bill_through_dagster(
+    out: Path, hours: list[datetime], pools: PoolsFile, console: Console
+) -> list[dict[str, Any]]:
+    """Every pool-hour through the Dagster instance of `out`, one line per finished pool-hour."""
+    from rich.progress import Progress
+
+    home = instance_dir(out, dict(os.environ))
+    prepare_instance(home)
+    runs = []
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("ledger", total=len(hours) * len(pools.pools))
+        for run in materialize_pool_hours(out, hours, home):
+            progress.advance(task)
+            runs.append(run)
+            status = "[red]held back[/red]" if run["held_back"] else "[green]published[/green]"
+            if run["error"]:
+                status = f"[red]failed[/red]: {run['error'].splitlines()[0]}"
+            console.print(f"{run['hour']} {run['pool']}: {status}")
+            for finding in run["failed_checks"]:
+                console.print(
+                    f"    [yellow]check failed[/yellow] {finding}",
+                    overflow="ellipsis",
+                    no_wrap=True,
+                )
+    console.print(f"Dagster history in {home}: `stepledger dev --data {out}` shows it")
+    return runs
 
 
 @click.command("demo")
@@ -155,11 +187,11 @@ def demo_command(
     console.print(f"simulated {summary.requests:,} requests, {summary.steps:,} steps into {out}")
     for name, what in summary.faults.items():
         console.print(f"  [yellow]fault[/yellow] {name}: {what}")
-    runs = run_with_progress(out, hours_in_data(out), quiet=as_json)
+    runs = bill_through_dagster(out, hours_in_data(out), pools, console)
     costs = cost_report(out / "warehouse.duckdb", "tenant")
     if not as_json:
         print_report(costs, "costs by tenant (published hours)")
-    held = sum(1 for r in runs if not r.success)
+    held = sum(1 for r in runs if r["held_back"])
     console.print(
         f"{len(runs) - held} of {len(runs)} pool-hours published, {held} held back. "
         f"Query {out / 'warehouse.duckdb'} with DuckDB, or run `stepledger costs --data {out} --by feature`."
@@ -173,7 +205,7 @@ def demo_command(
                 {
                     "calibration": [dataclasses.asdict(e) for e in entries],
                     "simulation": dataclasses.asdict(summary),
-                    "runs": [dataclasses.asdict(r) | {"hour": hour_key(r.hour)} for r in runs],
+                    "runs": runs,
                     "costs": costs,
                     "report": str(report),
                 },

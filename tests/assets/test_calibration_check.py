@@ -14,6 +14,7 @@ import yaml
 from assets.cli.demo import calibrate_from_segments
 from assets.definitions import build_definitions
 from assets.partitions import partition_key
+from assets.runner import pool_hour_outcome
 from pipeline.simulator import simulate
 from pipeline.simulator.faults import DRIVER_VERSION, ENGINE_VERSION, UNCALIBRATED_ENGINE_VERSION
 from schemas.config import PoolsFile
@@ -152,6 +153,14 @@ def test_a_drifted_fit_of_a_fitted_pool_fails_the_run(calibrated: Path) -> None:
     assert not result.success and checks_of(result)["calibration_drift"] == (
         False,
         dg.AssetCheckSeverity.ERROR,
+    )
+    # Not a blocking check: the hour is published, and the run fails so that on-call is paged.
+    outcome = pool_hour_outcome(result)
+    assert (outcome["success"], outcome["held_back"], outcome["error"]) == (False, False, None)
+    (failure,) = result.get_step_failure_events()
+    assert failure.step_key == "reconciliation"
+    assert failure.step_failure_data.error.message.startswith(
+        "dagster._core.definitions.events.Failure: ERROR findings, the hour is published: calibration_drift"
     )
     ((detail,),) = [(r[4],) for r in calibration_rows(calibrated) if r[0] == "calibration_drift"]
     assert detail.startswith("a fresh fit drifted beyond 15% in c0_ms: ")

@@ -4,6 +4,7 @@ import json
 import shutil
 from pathlib import Path
 
+import dagster as dg
 import duckdb
 import pytest
 import yaml
@@ -71,7 +72,10 @@ def test_demo_replaces_only_an_earlier_demo(tmp_path: Path) -> None:
     assert (precious / "data.txt").read_text() == "keep"
 
 
-def test_demo_calibrates_bills_and_writes_the_report(tmp_path: Path) -> None:
+def test_demo_calibrates_bills_and_writes_the_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
     out = tmp_path / "demo"
     result = CliRunner().invoke(
         main, ["demo", "--out", str(out), "--hours", "0.01", "--workers", "2"]
@@ -82,6 +86,15 @@ def test_demo_calibrates_bills_and_writes_the_report(tmp_path: Path) -> None:
     page = (out / "report.html").read_text()
     assert page.startswith("<!DOCTYPE html>") and "reason-dsv3" in page and "chat-8b" in page
     assert "2 of 2 pool-hours published, 0 held back." in result.output
+    # Billed through Dagster on the output directory's own instance: its history stays there.
+    with dg.DagsterInstance.from_config(str(out / "dagster")) as instance:
+        runs = instance.get_runs()
+        materialized = instance.get_materialized_partitions(dg.AssetKey("ledger"))
+    assert sorted((r.job_name, r.status, r.tags["dagster/partition"]) for r in runs) == [
+        ("pool_hour_job", dg.DagsterRunStatus.SUCCESS, "2026-11-30-00:00|chat-8b"),
+        ("pool_hour_job", dg.DagsterRunStatus.SUCCESS, "2026-11-30-00:00|reason-dsv3"),
+    ]
+    assert materialized == {"2026-11-30-00:00|chat-8b", "2026-11-30-00:00|reason-dsv3"}
     # A span shorter than the hour leaves the GPUs' DCGM activity above the engine's (a
     # plausibility WARN); the fleet's own engine version is calibrated.
     assert "check failed calibration" not in result.output

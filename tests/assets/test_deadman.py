@@ -64,16 +64,25 @@ def alert_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return path
 
 
-def tick(data: Path, now: datetime) -> str:
+# The deployment of most tests: before the first partition (STEPLEDGER_FIRST_HOUR 2026-11-30T00).
+DEPLOYED = datetime(2026, 11, 29, 12, tzinfo=UTC)
+
+
+def tick_with_cursor(data: Path, now: datetime, cursor: str | None) -> tuple[str, str | None]:
+    """The sensor's message and its cursor after the tick."""
     sensor = build_deadman_sensor(small_pools(), clock=lambda: now)
     resources = {
         "data": StepledgerData(data_dir=str(data)),
         "warehouse": DuckDBResource(database=str(data / "warehouse.duckdb")),
     }
-    with dg.build_sensor_context(resources=resources) as context:
+    with dg.build_sensor_context(resources=resources, cursor=cursor) as context:
         result = sensor(context)
-    assert isinstance(result, dg.SkipReason)
-    return result.skip_message
+        assert isinstance(result, dg.SkipReason)
+        return result.skip_message, context.cursor
+
+
+def tick(data: Path, now: datetime, deployed: datetime = DEPLOYED) -> str:
+    return tick_with_cursor(data, now, deployed.isoformat())[0]
 
 
 def paged(alert_file: Path) -> list[dict]:
@@ -135,6 +144,35 @@ def test_a_busy_warehouse_is_skipped_without_paging(tmp_path: Path, alert_file: 
     with connect(warehouse):
         message = tick(tmp_path, at(12, 0))
     assert message.startswith("warehouse busy, not read this tick: ")
+    assert paged(alert_file) == []
+
+
+def test_hours_before_the_deployment_never_page(tmp_path: Path, alert_file: Path):
+    # Deployed at 05:20 on a warehouse that never reconciled anything since the first
+    # partition (00:00): the first tick stores the deployment and pages nothing.
+    message, cursor = tick_with_cursor(tmp_path, at(5, 20), None)
+    assert (message, cursor) == (
+        "every pool on time: chat-8b reconciled to 2026-11-30T05",
+        at(5, 20).isoformat(),
+    )
+    # Hour 06 is the first owed: due at 09:00 (deadman_minutes 120), paged then, alone.
+    assert tick(tmp_path, at(8, 59), deployed=at(5, 20)) == (
+        "every pool on time: chat-8b reconciled to 2026-11-30T05"
+    )
+    assert tick(tmp_path, at(9, 0), deployed=at(5, 20)) == (
+        "1 pool(s) overdue, 1 newly paged: chat-8b reconciled to 2026-11-30T05"
+    )
+    assert [a["hour"] for a in paged(alert_file)] == ["2026-11-30T06"]
+
+
+def test_a_gap_before_the_deployment_does_not_page(tmp_path: Path, alert_file: Path):
+    # Hours 00-01 and 03-08 reconciled (03 on: after the deployment at 02:30); 02 predates it.
+    write_reconciled(
+        tmp_path / "warehouse.duckdb", "chat-8b", [at(h) for h in (0, 1, 3, 4, 5, 6, 7, 8)]
+    )
+    assert tick(tmp_path, at(10, 0), deployed=at(2, 30)) == (
+        "every pool on time: chat-8b reconciled to 2026-11-30T08"
+    )
     assert paged(alert_file) == []
 
 

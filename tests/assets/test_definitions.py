@@ -11,7 +11,7 @@ import pytest
 
 from assets.definitions import build_definitions
 from schemas.config import load_pools
-from tests.helpers.fleets import small_pools
+from tests.helpers.fleets import BLOCKING_CHECKS, small_pools
 
 
 def test_definitions_load(tmp_path: Path) -> None:
@@ -119,3 +119,23 @@ def test_the_warehouse_directory_is_created_on_first_use(tmp_path: Path) -> None
     with open_warehouse(resource) as con:
         assert con.execute("SELECT count(*) FROM invoices").fetchone() == (0,)
     assert (tmp_path / "not" / "yet" / "warehouse.duckdb").is_file()
+
+
+def test_checks_are_per_pool_hour_described_and_only_those_holding_an_hour_back_block() -> None:
+    from assets.partitions import pool_hour_partitions
+    from assets.reconciliation import build_reconciliation_checks
+
+    partitions = pool_hour_partitions(["chat-8b"])
+    (checks,) = build_reconciliation_checks(small_pools(), partitions)
+    specs = {spec.name: spec for spec in checks.check_specs}
+    assert {name: spec.blocking for name, spec in specs.items()} == BLOCKING_CHECKS
+    assert all(spec.partitions_def == partitions for spec in specs.values())
+    assert {name: spec.description.split(".")[-2] for name, spec in specs.items()} == {
+        "sequence": " A failure holds the hour back",
+        "time": " A failure holds the hour back",
+        "money": " A failure holds the hour back",
+        "plausibility": " The hour is published either way",
+        "unattributed": " The hour is published either way",
+        "calibration": " The hour is published either way",
+        "calibration_drift": " The hour is published either way",
+    }

@@ -11,6 +11,7 @@ from assets.definitions import build_definitions
 from assets.partitions import partition_key
 from assets.resources import StepledgerData
 from pipeline.ingest import segment_files
+from pipeline.reconcile import CHECKS
 from tests.helpers.fleets import small_pools
 from tests.helpers.hours import SIMULATED_HOUR
 
@@ -54,8 +55,13 @@ def data(simulated: Path, tmp_path: Path) -> Path:
 def test_a_simulated_hour_end_to_end(data: Path) -> None:
     result = run_hour(data, dg.DagsterInstance.ephemeral())
     assert result.success
-    checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
+    evaluations = result.get_asset_check_evaluations()
+    checks = {e.check_name: e.passed for e in evaluations}
     assert checks["money"] and checks["sequence"] and checks["time"]
+    # One evaluation per check, of this pool-hour.
+    assert sorted((e.check_name, e.partition) for e in evaluations) == sorted(
+        (name, "2026-11-30-00:00|chat-8b") for name in CHECKS
+    )
     with duckdb.connect(str(data / "warehouse.duckdb"), read_only=True) as con:
         invoice = con.execute("SELECT gpus, amount_nano FROM invoices").fetchall()
         lines_total = con.execute("SELECT sum(amount_nano) FROM ledger_lines").fetchone()[0]

@@ -148,3 +148,16 @@ def rerecord(
             if record["retry_of"] is not None:
                 record["retry_of"] = rename(record["retry_of"])
         path.write_text("".join(json.dumps(record) + "\n" for record in records))
+
+
+# Reconciliation check -> whether Dagster labels it blocking: only the checks whose failure
+# holds an hour back from the finance views.
+BLOCKING_CHECKS = {
+    "sequence": True,
+    "time": True,
+    "money": True,
+    "plausibility": False,
+    "unattributed": False,
+    "calibration": False,
+    "calibration_drift": False,
+}

@@ -1,0 +1,89 @@
+"""Pool-hours materialized through the Dagster definitions on the persistent instance at
+DAGSTER_HOME, so that the UI shows them afterwards (partitions, runs, check results):
+
+    python -m assets.runner --data DIR --hour YYYY-MM-DDTHH [--hour ...] [--warehouse FILE]
+
+One JSON object per line on standard output, per finished pool-hour: hour, pool, success (of
+the run), held_back (a blocking check failed: the finance views leave the hour out),
+failed_checks ("name: detail"), error (the first step failure that is not a failed check).
+The command line (`stepledger demo`) starts this as a process of its own: pipeline/ names the
+code location but never imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+
+from assets.definitions import build_definitions
+from assets.partitions import partition_key
+from assets.resources import pools_file
+from pipeline.hours import hour_key, parse_hour_key
+from schemas.config import load_pools
+
+# Dagster's console logger prints every step event; the caller reports per pool-hour instead.
+QUIET_RUN_CONFIG = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
+CHECK_FAILURES = ("DagsterAssetCheckFailedError", "Failure")
+
+
+def pool_hour_outcome(result: dg.ExecuteInProcessResult) -> dict[str, Any]:
+    """What became of one pool-hour run: see the module's docstring."""
+    errors = []
+    for event in result.get_step_failure_events():
+        error = event.step_failure_data.error
+        # A failed check also fails the check step (a blocking one, or an ERROR of the
+        # others): that is a finding, listed with the checks, not an error.
+        if event.step_key == "reconciliation" and error and error.cls_name in CHECK_FAILURES:
+            continue
+        errors.append(error.message.strip() if error else f"step {event.step_key} failed")
+    evaluations = result.get_asset_check_evaluations()
+    return {
+        "success": result.success,
+        "held_back": any(
+            e.blocking and not e.passed and e.severity == dg.AssetCheckSeverity.ERROR
+            for e in evaluations
+        ),
+        "failed_checks": [
+            f"{e.check_name}: {e.metadata['detail'].value}" for e in evaluations if not e.passed
+        ],
+        "error": errors[0] if errors else None,
+    }
+
+
+def materialize(
+    data_dir: Path, hour_keys: list[str], warehouse: Path | None
+) -> Iterator[dict[str, Any]]:
+    warnings.filterwarnings("ignore", module="dagster")
+    pools = load_pools(pools_file(data_dir))
+    defs = build_definitions(pools, data_dir.resolve(), warehouse.resolve() if warehouse else None)
+    job = defs.resolve_job_def("pool_hour_job")
+    with dg.DagsterInstance.get() as instance:
+        for hour in sorted({parse_hour_key(k) for k in hour_keys}):
+            for pool in pools.pools:
+                result = job.execute_in_process(
+                    partition_key=partition_key(hour, pool.name),
+                    instance=instance,
+                    run_config=QUIET_RUN_CONFIG,
+                    raise_on_error=False,
+                )
+                yield {"hour": hour_key(hour), "pool": pool.name, **pool_hour_outcome(result)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m assets.runner", description=__doc__)
+    parser.add_argument("--data", type=Path, required=True)
+    parser.add_argument("--hour", action="append", required=True, metavar="YYYY-MM-DDTHH")
+    parser.add_argument("--warehouse", type=Path)
+    args = parser.parse_args(argv)
+    for outcome in materialize(args.data, args.hour, args.warehouse):
+        print(json.dumps(outcome), flush=True)
+
+
+if __name__ == "__main__":
+    main()
