@@ -285,7 +285,7 @@ class Kernel:
         self.pair_policy = np.zeros(n_kinds, dtype=np.int64)
         collectives: list[tuple[int, float, float, float, float, int]] = []
         kernels = HEAD_KERNELS
-        fp4_blackwell = self.lane == "nvfp4"
+        blackwell = chip.blackwell
 
         for index, kind in enumerate(kinds):
             kernels += kind.repeat * self._kind_plan(
@@ -296,7 +296,7 @@ class Kernel:
                 physics,
                 span,
                 nodes,
-                fp4_blackwell,
+                blackwell,
                 read_policies,
                 pair_policies,
                 collectives,
@@ -343,7 +343,7 @@ class Kernel:
                 1024 if chip.memory_gib >= 70 and not chip.name.startswith("a100") else 256
             )
         self.capture_ceiling = laws.capture_ceiling(
-            max_num_seqs, deployment.num_spec_tokens, fp4_blackwell
+            max_num_seqs, deployment.num_spec_tokens, blackwell
         )
         self.uniform_decode_tokens = 1 + deployment.num_spec_tokens
 
@@ -364,7 +364,7 @@ class Kernel:
         physics: bool,
         span: float,
         nodes: int,
-        fp4_blackwell: bool,
+        blackwell: bool,
         read_policies: list,
         pair_policies: list,
         collectives: list,
@@ -401,7 +401,7 @@ class Kernel:
                 self.top_k[index] = node.top_k
             elif isinstance(node, AttentionNode):
                 self._attention_plan(
-                    index, node, tp, physics, fp4_blackwell, read_policies, pair_policies
+                    index, node, tp, physics, blackwell, read_policies, pair_policies
                 )
             elif isinstance(node, ElementwiseNode):
                 self.activation_bytes[index] += (
@@ -424,7 +424,7 @@ class Kernel:
         node: AttentionNode,
         tp: int,
         physics: bool,
-        fp4_blackwell: bool,
+        blackwell: bool,
         read_policies: list,
         pair_policies: list,
     ) -> None:
@@ -449,8 +449,10 @@ class Kernel:
         self.q_heads[index] = node.q_heads
         self.head_dim[index] = node.head_dim
         # FlashAttention serves decode and prefill rows in one kernel on non-latent attention,
-        # so a mixed step pays one floor (not on fp4 Blackwell, whose attention backend differs).
-        self.one_kernel_floor[index] = not node.latent and not fp4_blackwell
+        # so a mixed step pays one floor. vLLM picks the attention backend from the device: on
+        # data-center Blackwell it is FlashInfer/TRT-LLM for every dtype, which runs the decode
+        # and prefill rows as separate kernels, each with its floor.
+        self.one_kernel_floor[index] = not node.latent and not blackwell
         # The Go kernel reads the whole context on a windowed primary layer; the spec bounds it.
         window_bounded = physics or node.kind != "swa"
         read_policy = (

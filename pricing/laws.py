@@ -140,10 +140,16 @@ def cross_node_span(bandwidth_ratio: float, nodes: int, group: int) -> float:
     return 1.0 + (bandwidth_ratio - 1.0) * (nodes - 1) / (group - 1)
 
 
-def capture_ceiling(max_num_seqs: int, num_spec_tokens: int, fp4_blackwell: bool) -> int:
+def capture_ceiling(max_num_seqs: int, num_spec_tokens: int, blackwell: bool) -> int:
     """Largest token count vLLM captures in a CUDA graph: min(max_num_seqs * (1 + spec) * 2, 512),
-    1024 on native-fp4 Blackwell (vLLM v0.31.0 compilation config defaults)."""
-    return min(max_num_seqs * (1 + num_spec_tokens) * 2, 1024 if fp4_blackwell else 512)
+    1024 on data-center Blackwell whatever the served dtype (vLLM v0.31.0
+    `VllmConfig._set_cudagraph_sizes` decides from the device, not the quantization)."""
+    if max_num_seqs < 1 or num_spec_tokens < 0:
+        raise ValueError(
+            f"capture ceiling needs max_num_seqs >= 1 and num_spec_tokens >= 0, "
+            f"got {max_num_seqs} and {num_spec_tokens}"
+        )
+    return min(max_num_seqs * (1 + num_spec_tokens) * 2, 1024 if blackwell else 512)
 
 
 def graph_host_us(mode: str, layers: int, replay_us: float, eager_per_layer_us: float) -> float:
@@ -166,10 +172,12 @@ def host_us(
     dispatch_us: float,
 ) -> np.ndarray:
     """Host time per step: the graph cost of the step's capture mode plus a dispatch cost per
-    kernel (3.2 us, backed out of two end-to-end ITL runs). Past the capture ceiling the step
-    runs eager but is never charged less than captured, so adding a request never lowers it."""
+    kernel (3.2 us, backed out of two end-to-end ITL runs). Past the capture ceiling vLLM runs
+    the step with no graph, a uniform decode included (vllm/v1/worker/gpu/cudagraph_utils.py
+    at v0.31.0), so the CPU pays the eager launches, even where that is less than the
+    piecewise replays it would have paid below the ceiling."""
     captured = np.asarray(captured_graph_us, dtype=np.float64)
-    graph = np.where(np.asarray(tokens) > ceiling, np.maximum(captured, eager_graph_us), captured)
+    graph = np.where(np.asarray(tokens) > ceiling, eager_graph_us, captured)
     return graph + kernels * dispatch_us
 
 

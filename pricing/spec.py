@@ -128,6 +128,12 @@ class ChipSpec(_Strict):
     collectives: CollectivesBlock
     host: HostBlock
 
+    @property
+    def blackwell(self) -> bool:
+        """Data-center Blackwell: the only parts with a native four-bit peak. vLLM keys its
+        attention backend and its CUDA-graph capture sizes on this generation."""
+        return "nvfp4" in self.peak_tflops
+
     @model_validator(mode="after")
     def _every_peak_has_a_ramp(self) -> ChipSpec:
         missing = sorted(set(self.peak_tflops) - set(self.gemm.ramps))

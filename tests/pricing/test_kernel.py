@@ -66,11 +66,16 @@ def test_overlap_never_exceeds_nooverlap_and_nooverlap_is_the_sum(index, mode, b
 @given(deployment_index, requests, st.tuples(st.integers(1, 4096), st.integers(0, 60_000)))
 def test_adding_a_request_never_lowers_the_price(index, batch, extra):
     # The price is NoOverlap. A single resource (and so Overlap) may drop: a mixed step pays one
-    # attention floor, which moves from HBM (decode) to SM (prefill) when a prompt joins.
+    # attention floor, which moves from HBM (decode) to SM (prefill) when a prompt joins. The
+    # one other drop is the host's, by at most the captured graph's excess over eager
+    # launches, when the request pushes the step past the capture ceiling.
     kernel = kernel_for(index, "physics")
     before = kernel.price(*_arrays(batch))
     after = kernel.price(*_arrays([*batch, extra]))
-    assert after.nooverlap_us >= before.nooverlap_us * (1 - 1e-12)
+    tokens = sum(s for s, _ in batch)
+    crossed = tokens <= kernel.capture_ceiling < tokens + extra[0]
+    allowance = max(0.0, before.host_us - after.host_us) if crossed else 0.0
+    assert after.nooverlap_us >= (before.nooverlap_us - allowance) * (1 - 1e-12)
 
 
 @settings(max_examples=150, deadline=None)
@@ -209,7 +214,8 @@ def test_host_time_follows_the_graph_mode_and_the_capture_ceiling():
     assert kernel.price([1] * 40, [10] * 40, [10] * 40).host_us == pytest.approx(
         7.0 * 32 + dispatch
     )
-    assert kernel.price([40], [0], [40]).host_us == pytest.approx(7.0 * 33 + dispatch)
+    # past the ceiling the engine runs eager: 32 layers of launches, below the 33 replays
+    assert kernel.price([40], [0], [40]).host_us == pytest.approx(7.0 * 32 + dispatch)
 
 
 def test_cross_node_collectives_go_to_nic_with_the_span_factor():

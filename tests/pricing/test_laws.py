@@ -100,6 +100,9 @@ def test_capture_ceiling():
     assert laws.capture_ceiling(64, 0, False) == 128
     assert laws.capture_ceiling(64, 1, False) == 256
     assert laws.capture_ceiling(1024, 0, True) == 1024
+    assert laws.capture_ceiling(256, 0, True) == 512
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        laws.capture_ceiling(0, 0, False)
 
 
 def test_graph_cost_per_mode_and_host_time():
@@ -107,11 +110,13 @@ def test_graph_cost_per_mode_and_host_time():
     assert laws.graph_host_us("piecewise", 61, 7.0, 7.0) == 7.0 * 62
     assert laws.graph_host_us("none", 61, 7.0, 7.0) == 7.0 * 61
     # DeepSeek-V3 TP8 piecewise: 62 replays + 972 kernels x 3.2 us = 3544.4 us
-    host = laws.host_us(np.array([434.0, 434.0]), 427.0, np.array([1, 600]), 512, 972, 3.2)
+    host = laws.host_us(np.array([434.0, 434.0]), 427.0, np.array([1, 512]), 512, 972, 3.2)
     np.testing.assert_allclose(host, [3544.4, 3544.4], rtol=1e-15)
-    # past the ceiling a full-graph step is charged eager launches, never less than captured
+    # past the ceiling a step is charged eager launches, more or less than its captured cost
     host = laws.host_us(np.array([7.0, 7.0]), 427.0, np.array([512, 513]), 512, 972, 3.2)
     np.testing.assert_allclose(host, [7.0 + 3110.4, 427.0 + 3110.4], rtol=1e-15)
+    host = laws.host_us(np.array([434.0, 434.0]), 427.0, np.array([512, 513]), 512, 972, 3.2)
+    np.testing.assert_allclose(host, [434.0 + 3110.4, 427.0 + 3110.4], rtol=1e-15)
 
 
 def test_compose_step_by_hand():
