@@ -6,8 +6,14 @@ measurement that justified its form; the coefficient values live in `pricing/chi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
-from numpy.typing import ArrayLike
+from numpy.typing import ArrayLike, NDArray
+
+
+def _floats(values: ArrayLike) -> NDArray[np.float64]:
+    return np.asarray(values, dtype=np.float64)
 
 
 def ramp_efficiency(tokens: ArrayLike, eps_max: float, m_half: float) -> np.ndarray:
@@ -22,7 +28,7 @@ def ramp_efficiency(tokens: ArrayLike, eps_max: float, m_half: float) -> np.ndar
 
 def ramped_arithmetic_us(
     tokens: ArrayLike,
-    flops_per_token: float,
+    flops_per_token: ArrayLike,
     peak_flops_per_us: float,
     eps_max: float,
     m_half: float,
@@ -32,13 +38,22 @@ def ramped_arithmetic_us(
     T / eps(T) = (T + m_half) / eps_max, so the time is exactly linear in tokens: a fixed
     m_half overhead plus a per-token part (zero when there are no tokens).
     """
-    m = np.asarray(tokens, dtype=np.float64)
-    return np.where(m > 0, flops_per_token * (m + m_half) / (peak_flops_per_us * eps_max), 0.0)
+    if peak_flops_per_us <= 0 or eps_max <= 0 or m_half < 0:
+        raise ValueError(
+            f"a GEMM ramp needs a positive peak and eps_max and m_half >= 0, got "
+            f"{peak_flops_per_us}, {eps_max}, {m_half}"
+        )
+    m = _floats(tokens)
+    return np.where(
+        m > 0, _floats(flops_per_token) * (m + m_half) / (peak_flops_per_us * eps_max), 0.0
+    )
 
 
 def memory_time_us(nbytes: ArrayLike, bandwidth_bytes_per_us: float, derate: float) -> np.ndarray:
     """HBM read time at the derated bandwidth: no kernel reaches the datasheet rate, and the
     registry's 0.8 is the fraction its streaming-read measurements reach on every part."""
+    if bandwidth_bytes_per_us <= 0 or derate <= 0:
+        raise ValueError(f"HBM read needs a positive rate, got {bandwidth_bytes_per_us} x {derate}")
     return np.asarray(nbytes, dtype=np.float64) / (bandwidth_bytes_per_us * derate)
 
 
@@ -61,7 +76,11 @@ def decode_read_tokens(
     """
     ctx = np.maximum(np.asarray(context, dtype=np.float64), 0.0)
     if kind == "sparse_mla":
-        return np.minimum(ctx, top_k) + np.maximum(0.0, ctx - top_k) / compress_ratio
+        if top_k is None or compress_ratio is None or compress_ratio < 1:
+            raise ValueError(
+                f"a sparse read needs top_k and compress_ratio >= 1, got {top_k}, {compress_ratio}"
+            )
+        return np.asarray(np.minimum(ctx, top_k) + np.maximum(0.0, ctx - top_k) / compress_ratio)
     if window is not None and window_bounded:
         return np.minimum(ctx, window)
     return ctx
@@ -69,15 +88,16 @@ def decode_read_tokens(
 
 def decode_attention_us(
     read_tokens: ArrayLike,
-    floor_us: float,
-    kv_bytes_per_token_layer: float,
-    rate_bytes_per_us: float,
+    floor_us: ArrayLike,
+    kv_bytes_per_token_layer: ArrayLike,
+    rate_bytes_per_us: ArrayLike,
 ) -> np.ndarray:
     """One layer's decode attention: a measured floor (one per layer whatever the batch) plus the
     KV bytes read at the kind's measured rate (generation_attention_perf, per kind)."""
-    return (
-        floor_us
-        + np.asarray(read_tokens, dtype=np.float64) * kv_bytes_per_token_layer / rate_bytes_per_us
+    if np.any(np.asarray(rate_bytes_per_us) <= 0):
+        raise ValueError("decode attention needs a positive read rate")
+    return _floats(floor_us) + _floats(read_tokens) * _floats(kv_bytes_per_token_layer) / _floats(
+        rate_bytes_per_us
     )
 
 
@@ -95,46 +115,72 @@ def prefill_pairs(
     return x0 * c + x0 * x0 / 2.0 + (s - x0) * window
 
 
-def prefill_attention_flops(pairs: ArrayLike, q_heads: int, head_dim: int, tp: int) -> np.ndarray:
-    """Attention FLOPs on one rank: QK^T and PV, 2 FLOPs each per pair, per head and dimension."""
-    return 4.0 * np.asarray(pairs, dtype=np.float64) * q_heads * head_dim / tp
+def prefill_attention_flops(
+    pairs: ArrayLike, q_heads: ArrayLike, qk_dim: ArrayLike, v_dim: ArrayLike, tp: int
+) -> np.ndarray:
+    """Attention FLOPs on one rank: QK^T over qk_dim and PV over v_dim, 2 FLOPs per multiply-add,
+    per pair and head (4 * head_dim when both widths are the head's)."""
+    if tp < 1:
+        raise ValueError(f"tp must be at least 1, got {tp}")
+    return 2.0 * _floats(pairs) * _floats(q_heads) * (_floats(qk_dim) + _floats(v_dim)) / tp
 
 
 def prefill_attention_us(
     pairs: ArrayLike,
-    q_heads: int,
-    head_dim: int,
+    q_heads: ArrayLike,
+    qk_dim: ArrayLike,
+    v_dim: ArrayLike,
     tp: int,
-    floor_us: float,
+    floor_us: ArrayLike,
     peak_flops_per_us: float,
     efficiency: ArrayLike,
     work_scale: float,
 ) -> np.ndarray:
     """Prefill attention on SM: a floor plus its FLOPs at the GEMM ramp scaled by work_scale,
     the fraction of the GEMM rate context_attention_perf reaches."""
-    flops = prefill_attention_flops(pairs, q_heads, head_dim, tp)
-    return floor_us + flops / (
-        peak_flops_per_us * np.asarray(efficiency, dtype=np.float64) * work_scale
-    )
+    rate = peak_flops_per_us * np.asarray(efficiency, dtype=np.float64) * work_scale
+    if np.any(rate <= 0):
+        raise ValueError("prefill attention needs a positive rate (peak, efficiency, work_scale)")
+    return _floats(floor_us) + prefill_attention_flops(pairs, q_heads, qk_dim, v_dim, tp) / rate
 
 
-def distinct_experts(tokens: ArrayLike, experts: int, top_k: int) -> np.ndarray:
+def distinct_experts(tokens: ArrayLike, experts: ArrayLike, top_k: ArrayLike) -> np.ndarray:
     """Expected distinct experts a step touches: E * (1 - ((E - k) / E)^T), uniform routing;
     median measured routing imbalance is within 0.4% of 1 on Hopper (moe_perf)."""
+    e, k = np.asarray(experts, dtype=np.float64), np.asarray(top_k, dtype=np.float64)
+    if np.any(e < 1) or np.any(k < 0) or np.any(k > e):
+        raise ValueError("distinct experts needs experts >= 1 and 0 <= top_k <= experts")
     t = np.asarray(tokens, dtype=np.float64)
-    return experts * (1.0 - np.power((experts - top_k) / experts, t))
+    return e * (1.0 - np.power((e - k) / e, t))
 
 
-def collective_us(message_bytes: ArrayLike, t0_us: float, r_t: float, r_peak: float) -> np.ndarray:
+def collective_us(
+    message_bytes: ArrayLike, t0_us: ArrayLike, r_t: ArrayLike, r_peak: ArrayLike
+) -> np.ndarray:
     """max(t0 + b / r_t, b / r_peak): nccl_perf and custom_allreduce_perf sweeps show a fixed
     launch cost and a slower rate over step-sized messages, and the peak rate on large ones."""
-    b = np.asarray(message_bytes, dtype=np.float64)
-    return np.maximum(t0_us + b / r_t, b / r_peak)
+    if np.any(np.asarray(r_t) <= 0) or np.any(np.asarray(r_peak) <= 0):
+        raise ValueError("a collective needs positive rates")
+    b, t0, rt, rp = _floats(message_bytes), _floats(t0_us), _floats(r_t), _floats(r_peak)
+    return np.maximum(t0 + b / rt, b / rp)
+
+
+def collective_rate_in_force(
+    message_bytes: ArrayLike, t0_us: ArrayLike, r_t: ArrayLike, r_peak: ArrayLike
+) -> np.ndarray:
+    """The byte rate `collective_us` charges a message of this size at: r_t while the launch
+    cost plus the step-range rate sets the time, r_peak past the crossover."""
+    b, t0, rt, rp = _floats(message_bytes), _floats(t0_us), _floats(r_t), _floats(r_peak)
+    return np.where(t0 + b / rt >= b / rp, rt, rp)
 
 
 def cross_node_span(bandwidth_ratio: float, nodes: int, group: int) -> float:
     """Byte multiplier of a ring collective whose group crosses nodes: 1 + (ratio - 1) * cross / total,
     with cross = nodes - 1 hops of `total = group - 1` on the slower fabric."""
+    if nodes < 1 or bandwidth_ratio <= 0:
+        raise ValueError(
+            f"a span needs nodes >= 1 and a positive ratio, got {nodes}, {bandwidth_ratio}"
+        )
     if group <= 1:
         return 1.0
     return 1.0 + (bandwidth_ratio - 1.0) * (nodes - 1) / (group - 1)
@@ -181,6 +227,15 @@ def host_us(
     return graph + kernels * dispatch_us
 
 
+@dataclass(frozen=True)
+class ComposedStep:
+    totals: np.ndarray  # (steps, 5) in the kernel's RESOURCES order
+    overlap: np.ndarray
+    nooverlap: np.ndarray
+    stage: np.ndarray  # (steps, kinds) one layer's time with its resources overlapped
+    bottleneck: np.ndarray
+
+
 def compose_step(
     sm_dense: np.ndarray,
     prefill_attention: np.ndarray,
@@ -193,7 +248,7 @@ def compose_step(
     head_sm: np.ndarray,
     head_hbm: np.ndarray,
     host: np.ndarray,
-) -> dict[str, np.ndarray]:
+) -> ComposedStep:
     """Compose steps from per-layer-kind times, arrays (steps, kinds); head and host (steps,).
 
     Within a layer the resources overlap (the busiest one sets its time) except the routed
@@ -222,10 +277,10 @@ def compose_step(
     )
     nooverlap = totals.sum(axis=1)
     overlap = np.minimum(stage @ repeat + np.maximum(head_sm, head_hbm) + host, nooverlap)
-    return {
-        "totals": totals,
-        "overlap": overlap,
-        "nooverlap": nooverlap,
-        "stage": stage,
-        "bottleneck": np.argmax(totals, axis=1),
-    }
+    return ComposedStep(
+        totals=totals,
+        overlap=overlap,
+        nooverlap=nooverlap,
+        stage=stage,
+        bottleneck=np.argmax(totals, axis=1),
+    )

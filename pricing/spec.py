@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from functools import cache
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -188,6 +188,10 @@ class AttentionNode(_Node):
     window: int | None = Field(default=None, gt=0)
     top_k: int | None = Field(default=None, gt=0)  # sparse_mla: positions the indexer selects
     compress_ratio: float | None = Field(default=None, ge=1)  # sparse_mla: compressed stream ratio
+    # Latent kinds: the expanded per-head widths prefill runs at (qk_nope + qk_rope, v_head_dim);
+    # head_dim is the cached latent width decode reads.
+    qk_head_dim: int | None = Field(default=None, gt=0)
+    v_head_dim: int | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
     def _kind_fields(self) -> AttentionNode:
@@ -195,6 +199,10 @@ class AttentionNode(_Node):
             raise ValueError("a swa attention needs a window")
         if self.kind == "sparse_mla" and (self.top_k is None or self.compress_ratio is None):
             raise ValueError("a sparse_mla attention needs top_k and compress_ratio")
+        if (self.qk_head_dim is None) != (self.v_head_dim is None):
+            raise ValueError("qk_head_dim and v_head_dim are stated together")
+        if self.qk_head_dim is not None and not self.latent:
+            raise ValueError("qk_head_dim/v_head_dim describe a latent (mla) attention only")
         return self
 
     @property
@@ -308,7 +316,10 @@ def kv_bytes_per_token_layer(attention: AttentionNode, tp: int, cache_dtype: str
 
 
 # ----------------------------------------------------------------------------------- loading
-def _load(directory: Path, name: str, what: str, spec_type: type[ChipSpec] | type[ModelSpec]):
+Spec = TypeVar("Spec", ChipSpec, ModelSpec)
+
+
+def _load(directory: Path, name: str, what: str, spec_type: type[Spec]) -> Spec:
     path = directory / f"{name}.yaml"
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in directory.glob("*.yaml")))

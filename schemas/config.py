@@ -14,6 +14,8 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pricing.deployment import CudagraphMode
+
 
 class ConfigError(ValueError):
     """A configuration file is unreadable or invalid; the message names file, line and field."""
@@ -35,9 +37,7 @@ class EngineSettings(_Strict):
 
     max_num_seqs: int = Field(default=256, gt=0)
     max_num_batched_tokens: int = Field(default=8192, gt=0)
-    cudagraph_mode: Literal[
-        "NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"
-    ] = "FULL_AND_PIECEWISE"
+    cudagraph_mode: CudagraphMode = "FULL_AND_PIECEWISE"
     decode_threshold: int = Field(default=1, gt=0)
     num_spec_tokens: int = Field(default=0, ge=0)
     # KV blocks on the replica; the simulator's scheduler admits while blocks are free.

@@ -63,13 +63,36 @@ def test_prefill_pairs_causal_and_windowed():
 
 
 def test_prefill_attention_flops_and_time():
-    flops = laws.prefill_attention_flops(10_000, 32, 128, 2)
+    flops = laws.prefill_attention_flops(10_000, 32, 128, 128, 2)
     assert flops == 4 * 10_000 * 32 * 128 / 2
     # 18.5 us floor + 81.92e6 FLOP at 989.5e6 FLOP/us x 0.5 x 0.4
     expected = 18.5 + 81_920_000 / (989.5e6 * 0.5 * 0.4)
-    assert laws.prefill_attention_us(10_000, 32, 128, 2, 18.5, 989.5e6, 0.5, 0.4) == pytest.approx(
-        expected, rel=1e-15
-    )
+    assert laws.prefill_attention_us(
+        10_000, 32, 128, 128, 2, 18.5, 989.5e6, 0.5, 0.4
+    ) == pytest.approx(expected, rel=1e-15)
+    # DeepSeek-V3's expanded MLA prefill: scores over 192 (128 nope + 64 rope), values at 128
+    assert laws.prefill_attention_flops(1_000, 128, 192, 128, 8) == 2 * 1_000 * 128 * 320 / 8
+    with pytest.raises(ValueError, match="tp"):
+        laws.prefill_attention_flops(1, 1, 1, 1, 0)
+    with pytest.raises(ValueError, match="positive rate"):
+        laws.prefill_attention_us(1, 1, 1, 1, 1, 0.0, 989.5e6, 0.0, 0.4)
+
+
+def test_laws_refuse_a_zero_rate_or_an_impossible_span():
+    with pytest.raises(ValueError, match="positive rate"):
+        laws.memory_time_us(1.0, 0.0, 0.8)
+    with pytest.raises(ValueError, match="read rate"):
+        laws.decode_attention_us(1.0, 0.0, 576, 0.0)
+    with pytest.raises(ValueError, match="positive rates"):
+        laws.collective_us(1.0, 1.0, 0.0, 1.0)
+    with pytest.raises(ValueError, match="ramp"):
+        laws.ramped_arithmetic_us(1.0, 1.0, 0.0, 0.5, 10.0)
+    with pytest.raises(ValueError, match="top_k"):
+        laws.distinct_experts(1, 8, 9)
+    with pytest.raises(ValueError, match="span"):
+        laws.cross_node_span(9.0, 0, 8)
+    with pytest.raises(ValueError, match="compress_ratio"):
+        laws.decode_read_tokens(10, "sparse_mla", top_k=4, compress_ratio=0.5)
 
 
 def test_distinct_experts():
@@ -87,6 +110,8 @@ def test_collective_fixed_cost_then_peak_rate():
     # the peak rate binds only where it is below the step-range rate's line
     assert laws.collective_us(1e6, 1.0, 2e6, 1e5) == pytest.approx(10.0, rel=1e-15)
     assert laws.collective_us(1e3, 1.0, 2e6, 1e5) == pytest.approx(1.0005, rel=1e-15)
+    assert laws.collective_rate_in_force(1e6, 1.0, 2e6, 1e5) == 1e5
+    assert laws.collective_rate_in_force(1e3, 1.0, 2e6, 1e5) == 2e6
 
 
 def test_cross_node_span():
@@ -136,10 +161,10 @@ def test_compose_step_by_hand():
         host=np.array([20.0]),
     )
     # stages: max(12, 5, 3, 0) = 12; max(1, 8, 3, 9) + 4 + 6 = 19
-    np.testing.assert_allclose(composed["stage"], [[12.0, 19.0]])
+    np.testing.assert_allclose(composed.stage, [[12.0, 19.0]])
     sm = 2 * 12 + 3 * (1 + 4) + 7
     hbm = 2 * 5 + 3 * (8 + 6) + 11
-    np.testing.assert_allclose(composed["totals"], [[sm, hbm, 15.0, 27.0, 20.0]])
-    assert composed["nooverlap"][0] == sm + hbm + 15 + 27 + 20
-    assert composed["overlap"][0] == 2 * 12 + 3 * 19 + 11 + 20
-    assert composed["bottleneck"][0] == 1  # hbm
+    np.testing.assert_allclose(composed.totals, [[sm, hbm, 15.0, 27.0, 20.0]])
+    assert composed.nooverlap[0] == sm + hbm + 15 + 27 + 20
+    assert composed.overlap[0] == 2 * 12 + 3 * 19 + 11 + 20
+    assert composed.bottleneck[0] == 1  # hbm

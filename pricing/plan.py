@@ -1,0 +1,395 @@
+"""A deployment's model graph collapsed once into what pricing a step needs.
+
+One `PlannedLayer` per distinct layer kind, with its repeat count and its per-rank work pre-summed
+(as the Go kernel's `Plan`/`PlannedLayer`): collectives whose emit condition does not hold are
+resolved out, coefficients are looked up in the chip file, and shape-independent work (weight
+bytes, expert counts) is summed into scalars. The kernel evaluates the laws over these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pricing import laws
+from pricing.deployment import GRAPH_MODES, Deployment
+from pricing.spec import (
+    CACHE_BYTES,
+    WEIGHT_BYTES,
+    AttentionNode,
+    ChipSpec,
+    CollectiveNode,
+    DecodeKind,
+    ElementwiseNode,
+    GemmNode,
+    GroupedGemmNode,
+    LayerKind,
+    ModelSpec,
+    PricingError,
+    Ramp,
+    kv_bytes_per_token_layer,
+)
+
+# GPU kernels each graph node launches (blis-latency-kernel plan constants, counted from the
+# graph's primitives); a collective whose emit condition does not hold launches none.
+KERNELS_PER_NODE = {
+    "gemm": 1,
+    "grouped_gemm": 4,
+    "attention": 2,
+    "elementwise": 1,
+    "all_reduce": 1,
+    "all_gather": 1,
+    "reduce_scatter": 1,
+    "all2all": 2,
+}
+HEAD_KERNELS = 2  # final norm + lm_head
+# Collectives, norms and hidden states move bf16 activations whatever the weight format: vLLM's
+# quantized linears return out_dtype = x.dtype (ScaledMMLinearKernel at v0.31.0).
+ACTIVATION_BYTES = 2
+# Collective widths the registry searched; wider groups use the widest measured width.
+WIDEST_SEARCHED_WIDTH = 16
+# vLLM's default max_num_seqs: 1024 on parts with at least 70 GiB except A100s, else 256
+# (vllm/engine/arg_utils.py default_max_num_seqs).
+LARGE_PART_GIB = 70
+LARGE_PART_MAX_NUM_SEQS = 1024
+SMALL_PART_MAX_NUM_SEQS = 256
+
+Resource = Literal["nvlink", "nic"]
+ReadKind = Literal["dense", "sparse_mla"]
+DECODE_KIND: dict[str, DecodeKind] = {
+    "gqa": "full",
+    "swa": "swa",
+    "mla": "mla",
+    "sparse_mla": "sparse_mla",
+}
+
+
+@dataclass(frozen=True)
+class Compute:
+    """A compute lane: peak FLOP per microsecond and the GEMM efficiency ramp reached on it."""
+
+    peak_flops_per_us: float
+    ramp: Ramp
+
+
+@dataclass(frozen=True)
+class ReadBound:
+    """How many cached tokens one decode request reads in a layer (`laws.decode_read_tokens`)."""
+
+    kind: ReadKind
+    window: int | None
+    top_k: int | None
+    compress_ratio: float | None
+
+
+@dataclass(frozen=True)
+class PlannedAttention:
+    decode_floor_us: float
+    decode_rate_bytes_per_us: float
+    kv_bytes_per_token: float  # one token, this layer, one rank
+    read: ReadBound
+    prefill_floor_us: float
+    q_heads: int
+    qk_dim: int  # per head, the score product's depth
+    v_dim: int  # per head, the value product's width
+    keys_cap: int | None  # keys a prefill query sees at most (window, or a sparse layer's top-k)
+    memory_window: int | None  # tokens per request the cache holds at most
+    one_kernel_floor: bool  # a mixed step pays one floor, the larger
+
+
+@dataclass(frozen=True)
+class PlannedExperts:
+    flops_per_token: float  # routed, all top_k experts of one token, one rank
+    bytes_per_expert: float  # one rank's shard of one expert
+    experts: int
+    top_k: int
+
+
+@dataclass(frozen=True)
+class PlannedCollective:
+    t0_us: float
+    r_t_bytes_per_us: float
+    r_peak_bytes_per_us: float
+    bytes_per_token: float
+    resource: Resource
+
+
+@dataclass(frozen=True)
+class PlannedLayer:
+    name: str
+    repeat: int
+    dense_flops_per_token: float  # per rank
+    weight_bytes: float  # per rank, read once per step
+    activation_bytes_per_token: float  # per rank
+    attention: PlannedAttention | None
+    experts: PlannedExperts | None
+    collectives: tuple[PlannedCollective, ...]
+    kernels: int
+
+
+@dataclass(frozen=True)
+class Host:
+    graph_us: dict[str, float]  # "full" / "piecewise" / "none" -> CPU cost of one step's graph
+    decode_mode: str  # graph mode of a uniform-decode (or empty) step
+    other_mode: str  # graph mode of any other step
+    capture_ceiling: int  # tokens; above it the step runs eager
+    uniform_decode_tokens: int
+    kernels: int
+    dispatch_per_kernel_us: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    layers: tuple[PlannedLayer, ...]
+    head_flops_per_token: float
+    head_weight_bytes: float
+    gemm: Compute
+    prefill_attention: Compute
+    prefill_work_scale: float
+    per_request_attention_ramp: bool
+    read_bytes_per_us: float  # derated HBM bandwidth
+    host: Host
+
+
+def compute_lane(dtype: str, chip: ChipSpec, compat: str) -> str:
+    """The peak/ramp a served dtype computes at on this chip.
+
+    bf16/fp16 and int4 (W4A16) compute in bf16; fp8 and int8 at fp8 where the chip has it.
+    Four-bit floats use a native four-bit peak where there is one; otherwise vLLM runs them
+    as weight-only kernels at the bf16 rate (the step-pricing spec), while the Go kernel tries
+    fp8 first.
+    """
+    peaks = chip.peak_tflops
+    if dtype in ("fp8", "int8"):
+        return "fp8" if "fp8" in peaks else "bf16"
+    if dtype in ("mxfp4", "nvfp4"):
+        if "nvfp4" in peaks:
+            return "nvfp4"
+        return "fp8" if compat == "go" and "fp8" in peaks else "bf16"
+    return "bf16"
+
+
+def _snap_width(chip: ChipSpec, op: str, width: int) -> tuple[float, float, float]:
+    measured: dict[int, list[float]] = getattr(chip.collectives, op)
+    if not measured:
+        raise PricingError(
+            f"chip {chip.name!r} has no measured {op} collective (pricing/chips/{chip.name}.yaml)"
+        )
+    widths = sorted(measured)
+    if width in measured:
+        chosen = width
+    elif width < widths[0]:
+        chosen = widths[0]
+    elif width > WIDEST_SEARCHED_WIDTH:
+        chosen = widths[-1]
+    else:
+        raise PricingError(
+            f"chip {chip.name!r} has no measured {op} collective for a group of {width} GPUs "
+            f"(measured widths: {widths})"
+        )
+    t0, r_t, r_peak = measured[chosen]
+    return t0, r_t, r_peak
+
+
+def _emits(node: CollectiveNode, tp: int) -> bool:
+    if node.emit == "always":
+        return True
+    if node.emit == "expert_parallel":
+        return False
+    return tp > 1
+
+
+class _Planner:
+    """Resolves one deployment's graph against its chip; `plan()` returns the Plan."""
+
+    def __init__(self, deployment: Deployment, chip: ChipSpec, model: ModelSpec) -> None:
+        self.deployment, self.chip, self.model = deployment, chip, model
+        self.physics = deployment.compat == "physics"
+        self.served = deployment.dtype or model.weight_dtype
+        if self.served not in WEIGHT_BYTES:
+            raise PricingError(f"unknown dtype {self.served!r}; known: {sorted(WEIGHT_BYTES)}")
+        self.cache_dtype = deployment.cache_dtype or "auto"
+        if self.cache_dtype not in CACHE_BYTES:
+            raise PricingError(
+                f"unknown cache dtype {self.cache_dtype!r}; known: {sorted(CACHE_BYTES)}"
+            )
+        tp, nodes = deployment.tp, deployment.nodes
+        if tp % nodes or tp // nodes > chip.gpus_per_node:
+            raise PricingError(
+                f"tp {tp} over {nodes} node(s) does not fit {chip.name!r} nodes of "
+                f"{chip.gpus_per_node} GPUs"
+            )
+        if chip.attention.prefill is None:
+            raise PricingError(
+                f"chip {chip.name!r} has no prefill attention coefficients (attention.prefill)"
+            )
+        self.span = 1.0
+        if nodes > 1:
+            if chip.inter_node_gb_s is None:
+                raise PricingError(
+                    f"chip {chip.name!r} states no inter_node_gb_s, needed for a TP group over "
+                    f"{nodes} nodes"
+                )
+            self.span = laws.cross_node_span(chip.nvlink_gb_s / chip.inter_node_gb_s, nodes, tp)
+
+    def _compute(self, lane: str, what: str) -> Compute:
+        if lane not in self.chip.peak_tflops:
+            raise PricingError(f"chip {self.chip.name!r} has no {lane} peak for {what}")
+        # peak_tflops is 1e12 FLOP/s = 1e6 FLOP per microsecond
+        return Compute(self.chip.peak_tflops[lane] * 1e6, self.chip.gemm.ramps[lane])
+
+    def plan(self) -> Plan:
+        deployment, chip, model = self.deployment, self.chip, self.model
+        tp = deployment.tp
+        prefill = chip.attention.prefill
+        assert prefill is not None  # checked in __init__
+        lane = compute_lane(self.served, chip, deployment.compat)
+        layers = tuple(self._layer(kind) for kind in model.layer_kinds)
+        head_bytes_per_element = WEIGHT_BYTES[model.head.weight_dtype or self.served]
+        host = chip.host
+        graph_us = {
+            mode: laws.graph_host_us(
+                mode, model.layers, host.replay_graph_us, host.eager_launch_per_layer_us
+            )
+            for mode in ("full", "piecewise", "none")
+        }
+        max_num_seqs = deployment.max_num_seqs or (
+            LARGE_PART_MAX_NUM_SEQS
+            if chip.memory_gib >= LARGE_PART_GIB and not chip.name.startswith("a100")
+            else SMALL_PART_MAX_NUM_SEQS
+        )
+        decode_mode, other_mode = GRAPH_MODES[deployment.cudagraph_mode]
+        return Plan(
+            layers=layers,
+            head_flops_per_token=2.0 * model.head.n * model.head.k / tp,
+            head_weight_bytes=model.head.n * model.head.k * head_bytes_per_element / tp,
+            gemm=self._compute(lane, "GEMMs"),
+            # work_scale was fitted as a fraction of the bf16 ramp; the Go kernel applies it to
+            # the served dtype's.
+            prefill_attention=self._compute("bf16" if self.physics else lane, "prefill attention"),
+            prefill_work_scale=prefill.work_scale,
+            per_request_attention_ramp=self.physics,
+            read_bytes_per_us=chip.hbm_tb_s * 1e6 * chip.gemm.hbm_derate,
+            host=Host(
+                graph_us=graph_us,
+                decode_mode=decode_mode,
+                other_mode=other_mode,
+                capture_ceiling=laws.capture_ceiling(
+                    max_num_seqs, deployment.num_spec_tokens, chip.blackwell
+                ),
+                uniform_decode_tokens=1 + deployment.num_spec_tokens,
+                kernels=HEAD_KERNELS + sum(layer.repeat * layer.kernels for layer in layers),
+                dispatch_per_kernel_us=host.dispatch_per_kernel_us,
+            ),
+        )
+
+    def _layer(self, kind: LayerKind) -> PlannedLayer:
+        tp, served, hidden = self.deployment.tp, self.served, self.model.hidden_size
+        dense_flops = weight_bytes = activation_bytes = 0.0
+        attention: PlannedAttention | None = None
+        experts: PlannedExperts | None = None
+        collectives: list[PlannedCollective] = []
+        kernels = 0
+        for node in kind.nodes:
+            if isinstance(node, GemmNode):
+                shards = 1 if node.replicated else tp
+                dense_flops += 2.0 * node.n * node.k / shards
+                weight_bytes += node.n * node.k * WEIGHT_BYTES[node.weight_dtype or served] / shards
+            elif isinstance(node, GroupedGemmNode):
+                bytes_per_element = WEIGHT_BYTES[node.weight_dtype or served]
+                # gate, up and down: three n x k matrices per expert. Shared experts run for
+                # every token, sharded like a dense MLP.
+                dense_flops += 6.0 * node.n * node.k * node.shared_experts / tp
+                weight_bytes += 3.0 * node.n * node.k * node.shared_experts * bytes_per_element / tp
+                # The Go kernel does not divide routed arithmetic across TP (a documented
+                # over-charge); TP shards each expert, so physics does.
+                routed_shards = tp if self.physics else 1
+                experts = PlannedExperts(
+                    flops_per_token=node.top_k
+                    * 6.0
+                    * node.n
+                    * node.k
+                    * self.chip.gemm.moe_routing_imbalance
+                    / routed_shards,
+                    bytes_per_expert=3.0 * node.n * node.k * bytes_per_element / tp,
+                    experts=node.experts,
+                    top_k=node.top_k,
+                )
+            elif isinstance(node, AttentionNode):
+                attention = self._attention(node)
+            elif isinstance(node, ElementwiseNode):
+                # unstated: a read and a write of the hidden state
+                activation_bytes += (node.bytes_per_token or 2 * hidden * ACTIVATION_BYTES) / tp
+            else:
+                if not _emits(node, tp):
+                    continue
+                t0, r_t, r_peak = _snap_width(self.chip, node.op, tp)
+                collectives.append(
+                    PlannedCollective(
+                        t0_us=t0,
+                        r_t_bytes_per_us=r_t,
+                        r_peak_bytes_per_us=r_peak,
+                        bytes_per_token=hidden * ACTIVATION_BYTES * self.span,
+                        resource="nic" if self.deployment.nodes > 1 else "nvlink",
+                    )
+                )
+            kernels += KERNELS_PER_NODE[node.op]
+        return PlannedLayer(
+            name=kind.name,
+            repeat=kind.repeat,
+            dense_flops_per_token=dense_flops,
+            weight_bytes=weight_bytes,
+            activation_bytes_per_token=activation_bytes,
+            attention=attention,
+            experts=experts,
+            collectives=tuple(collectives),
+            kernels=kernels,
+        )
+
+    def _attention(self, node: AttentionNode) -> PlannedAttention:
+        chip = self.chip
+        measured = chip.attention.decode
+        # A kind without its own measurement uses the part's full-attention pair; a part with
+        # none reads the KV bytes at the derated HBM bandwidth with no floor.
+        decode = measured.get(DECODE_KIND[node.kind]) or measured.get("full")
+        if decode is None:
+            floor, rate = 0.0, chip.hbm_tb_s * 1e6 * chip.gemm.hbm_derate
+        else:
+            floor, rate = decode.floor_us, decode.rate_bytes_per_us
+        prefill = chip.attention.prefill
+        assert prefill is not None  # checked in __init__
+        # The Go kernel reads the whole context on a windowed primary layer; the spec bounds it.
+        window_bounded = self.physics or node.kind != "swa"
+        # A latent layer's prefill runs the expanded (non-absorbed) form: scores over the
+        # nope + rope query width, values at v_head_dim (vLLM's MLA prefill path), not the
+        # 576-wide cached latent the Go kernel prices.
+        expanded = self.physics and node.latent and node.qk_head_dim is not None
+        qk_dim = node.qk_head_dim if expanded and node.qk_head_dim else node.head_dim
+        v_dim = node.v_head_dim if expanded and node.v_head_dim else node.head_dim
+        return PlannedAttention(
+            decode_floor_us=floor,
+            decode_rate_bytes_per_us=rate,
+            kv_bytes_per_token=kv_bytes_per_token_layer(node, self.deployment.tp, self.cache_dtype),
+            read=ReadBound(
+                kind="sparse_mla" if node.kind == "sparse_mla" else "dense",
+                window=node.window if window_bounded else None,
+                top_k=node.top_k,
+                compress_ratio=node.compress_ratio,
+            ),
+            prefill_floor_us=prefill.floor_us,
+            q_heads=node.q_heads,
+            qk_dim=qk_dim,
+            v_dim=v_dim,
+            keys_cap=node.top_k if node.kind == "sparse_mla" else node.window,
+            memory_window=node.window,
+            # FlashAttention serves decode and prefill rows in one kernel on non-latent
+            # attention, so a mixed step pays one floor. vLLM picks the attention backend from
+            # the device: on data-center Blackwell it is FlashInfer/TRT-LLM for every dtype,
+            # which runs the decode and prefill rows as separate kernels, each with its floor.
+            one_kernel_floor=not node.latent and not chip.blackwell,
+        )
+
+
+def build_plan(deployment: Deployment, chip: ChipSpec, model: ModelSpec) -> Plan:
+    """Collapse `model` served as `deployment` on `chip` into a Plan; refuses what it cannot price."""
+    return _Planner(deployment, chip, model).plan()
