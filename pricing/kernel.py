@@ -119,7 +119,6 @@ class _Composed:
     head_sm: np.ndarray
     head_hbm: np.ndarray
     attention_efficiency: np.ndarray  # (steps, 1) the ramp prefill attention runs at
-    collective_rate: np.ndarray  # (steps, distinct collectives) bytes/us in force
 
 
 def _as_counts(name: str, values: ArrayLike) -> np.ndarray:
@@ -454,9 +453,6 @@ class Kernel:
             head_sm=head_sm,
             head_hbm=head_hbm,
             attention_efficiency=efficiency,
-            collective_rate=laws.collective_rate_in_force(
-                message, self.collective_t0, self.collective_r_t, self.collective_r_peak
-            ),
         )
 
     def price(self, scheduled: ArrayLike, computed: ArrayLike, prompt_len: ArrayLike) -> StepPrice:
@@ -584,7 +580,12 @@ class Kernel:
             )
             @ repeat
         )
-        rate = composed.collective_rate[steps]
+        rate = laws.collective_rate_in_force(
+            terms.step_tokens[:, None] * self.collective_bytes_per_token[None, :],
+            self.collective_t0,
+            self.collective_r_t,
+            self.collective_r_peak,
+        )[steps]
         for resource in (NVLINK, NIC):
             launches = self._collective_launches[resource] @ repeat
             slot[:, resource] = (
