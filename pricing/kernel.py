@@ -27,6 +27,8 @@ layer's indexer scan.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,8 +38,18 @@ from numpy.typing import ArrayLike
 from pricing import laws
 from pricing.deployment import Deployment
 from pricing.plan import PlannedLayer, build_plan
-from pricing.spec import ChipSpec, MeasuredEngine, ModelSpec, PricingError, load_chip, load_model
+from pricing.spec import (
+    ChipSpec,
+    MeasuredEngine,
+    ModelSpec,
+    PricingError,
+    load_chip,
+    load_model,
+)
 
+# Raised with every change to a law or to how the plan reads the data files, so a ledger priced
+# before and after does not share a weights version (CHANGELOG.md records each).
+LAWS_REVISION = 2
 RESOURCES = ("sm", "hbm", "nvlink", "nic", "host")
 SM, HBM, NVLINK, NIC, HOST = range(5)
 FABRIC = {"nvlink": NVLINK, "nic": NIC}
@@ -230,6 +242,12 @@ class Kernel:
         self.head_hbm_us = float(
             laws.memory_time_us(plan.head_weight_bytes, self._bandwidth, self._derate)
         )
+        # What the prices depend on: the laws' revision, the deployment and the exact bytes of
+        # the chip and model files, so editing a coefficient or a shape changes the version.
+        digest = hashlib.sha256(f"laws {LAWS_REVISION}\n".encode())
+        digest.update(json.dumps(deployment.model_dump(mode="json"), sort_keys=True).encode())
+        digest.update(f"{chip.digest} {model.digest}".encode())
+        self.version = f"kernel-{deployment.model}-{deployment.chip}-tp{deployment.tp}-{digest.hexdigest()[:10]}"
         host = plan.host
         self.capture_ceiling = host.capture_ceiling
         self.kernels = host.kernels

@@ -6,12 +6,20 @@ error names the file and the field. Numbers stay in the files, with their source
 
 from __future__ import annotations
 
+import hashlib
 from functools import cache
 from pathlib import Path
 from typing import Annotated, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    model_validator,
+)
 
 CHIPS_DIR = Path(__file__).resolve().parent / "chips"
 MODELS_DIR = Path(__file__).resolve().parent / "models"
@@ -52,25 +60,57 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class _DataFile(_Strict):
+    """A spec read from one YAML file; `digest` is the SHA-256 of the file's bytes."""
+
+    _digest: str = PrivateAttr(default="")
+
+    @property
+    def digest(self) -> str:
+        return self._digest
+
+
+# Where a coefficient's value comes from: a sweep it was fitted on ("measured"), an end-to-end
+# run it was backed out of ("fitted"), or a stated choice nobody measured ("assumed").
+Basis = Literal["measured", "fitted", "assumed"]
+
+
+class _Coefficients(_Strict):
+    """A block of coefficients whose `basis` states, for each of them, where its value came from."""
+
+    basis: dict[str, Basis]
+
+    @model_validator(mode="after")
+    def _every_coefficient_has_a_basis(self) -> _Coefficients:
+        stated = set(self.basis)
+        coefficients = set(type(self).model_fields) - {"basis", "source"}
+        if stated != coefficients:
+            raise ValueError(
+                f"basis must name exactly {sorted(coefficients)}; "
+                f"missing {sorted(coefficients - stated)}, unknown {sorted(stated - coefficients)}"
+            )
+        return self
+
+
 # ----------------------------------------------------------------------------------- chips
 class Ramp(_Strict):
     eps_max: float = Field(gt=0, le=1)
     m_half: float = Field(ge=0)
 
 
-class GemmBlock(_Strict):
+class GemmBlock(_Coefficients):
     source: str = Field(min_length=1)
     ramps: dict[str, Ramp] = Field(min_length=1)
     hbm_derate: float = Field(gt=0, le=1)
     moe_routing_imbalance: float = Field(gt=0)
 
 
-class DecodeAttention(_Strict):
+class DecodeAttention(_Coefficients):
     floor_us: float = Field(ge=0)
     rate_bytes_per_us: float = Field(gt=0)
 
 
-class PrefillAttention(_Strict):
+class PrefillAttention(_Coefficients):
     floor_us: float = Field(ge=0)
     work_scale: float = Field(gt=0)
 
@@ -90,6 +130,7 @@ CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "all2all"]
 
 class CollectivesBlock(_Strict):
     source: str = Field(min_length=1)
+    basis: Basis  # one sweep per chip measured every width of every op
     # width -> [t0_us, r_t_bytes_per_us, r_peak_bytes_per_us]
     all_reduce: dict[int, CollectiveTriple] = {}
     all_gather: dict[int, CollectiveTriple] = {}
@@ -97,7 +138,7 @@ class CollectivesBlock(_Strict):
     all2all: dict[int, CollectiveTriple] = {}
 
 
-class HostBlock(_Strict):
+class HostBlock(_Coefficients):
     source: str = Field(min_length=1)
     replay_graph_us: float = Field(ge=0)
     eager_launch_per_layer_us: float = Field(ge=0)
@@ -112,7 +153,7 @@ class MeasuredEngine(_Strict):
     version: str = Field(min_length=1)
 
 
-class ChipSpec(_Strict):
+class ChipSpec(_DataFile):
     name: str = Field(min_length=1)
     source: str = Field(min_length=1)
     measured_engine: MeasuredEngine
@@ -253,7 +294,7 @@ class HeadSpec(_Strict):
     weight_dtype: str | None = None
 
 
-class ModelSpec(_Strict):
+class ModelSpec(_DataFile):
     name: str = Field(min_length=1)
     source: str = Field(min_length=1)
     weight_dtype: str
@@ -324,8 +365,9 @@ def _load(directory: Path, name: str, what: str, spec_type: type[Spec]) -> Spec:
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in directory.glob("*.yaml")))
         raise PricingError(f"unknown {what} {name!r}: no {path} (known {what}s: {known})")
+    content = path.read_bytes()
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.safe_load(content)
     except yaml.YAMLError as err:
         raise PricingError(f"{path}: not valid YAML: {err}") from err
     try:
@@ -338,6 +380,7 @@ def _load(directory: Path, name: str, what: str, spec_type: type[Spec]) -> Spec:
         raise PricingError(
             f"{path}: field name: {spec.name!r} does not match the file name {name!r}"
         )
+    spec._digest = hashlib.sha256(content).hexdigest()
     return spec
 
 

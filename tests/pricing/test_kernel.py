@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pricing import Deployment, Kernel, PricingError, deployment_for_pool
+from pricing import Deployment, Kernel, PricingError, deployment_for_pool, spec
 from pricing.spec import ChipSpec, ModelSpec, _load, chip_names, load_chip
 from schemas.config import load_pools
 
@@ -395,3 +395,45 @@ def test_a_chip_without_its_measured_engine_is_refused(tmp_path: Path):
         match=r"x3.yaml: field measured_engine.version: String should have at least 1 character",
     ):
         _load(tmp_path, "x3", "chip", ChipSpec)
+
+
+def test_every_coefficient_states_whether_it_was_measured_or_assumed(tmp_path: Path):
+    h200 = load_chip("h200")
+    assert h200.attention.decode["mla"].basis == {
+        "floor_us": "assumed",
+        "rate_bytes_per_us": "measured",
+    }
+    assert h200.host.basis["dispatch_per_kernel_us"] == "fitted"
+    good = (Path(__file__).resolve().parents[2] / "pricing" / "chips" / "h100.yaml").read_text()
+    (tmp_path / "x4.yaml").write_text(
+        good.replace("name: h100", "name: x4").replace(
+            "basis: {floor_us: measured, work_scale: measured}", "basis: {floor_us: measured}"
+        )
+    )
+    with pytest.raises(
+        PricingError, match=r"x4.yaml: field attention.prefill: .*missing \['work_scale'\]"
+    ):
+        _load(tmp_path, "x4", "chip", ChipSpec)
+
+
+def test_the_version_changes_with_the_chip_file_the_model_file_and_the_deployment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    deployment = Deployment(model="llama-3.1-8b-instruct", chip="h100")
+    kernel = Kernel.build(deployment)
+    assert kernel.version == Kernel.build(deployment).version
+    assert kernel.version.startswith("kernel-llama-3.1-8b-instruct-h100-tp1-")
+    assert Kernel.build(deployment.model_copy(update={"tp": 2})).version != kernel.version
+    for directory, name in (("CHIPS_DIR", "h100"), ("MODELS_DIR", "llama-3.1-8b-instruct")):
+        edited = tmp_path / directory
+        edited.mkdir()
+        text = (getattr(spec, directory) / f"{name}.yaml").read_text()
+        (edited / f"{name}.yaml").write_text(text + "# a comment is a change of the file\n")
+        with monkeypatch.context() as patched:
+            patched.setattr(spec, directory, edited)
+            spec.load_chip.cache_clear()
+            spec.load_model.cache_clear()
+            assert Kernel.build(deployment).version != kernel.version
+        spec.load_chip.cache_clear()
+        spec.load_model.cache_clear()
+    assert Kernel.build(deployment).version == kernel.version
