@@ -20,7 +20,9 @@ Both modes keep the Go kernel's one-kernel rule: a step holding decode and prefi
 non-latent attention off Blackwell pays one floor, the larger. NoOverlap never drops when a
 request joins, except by the host's graph saving when the step passes the capture ceiling, and
 the floor moves from HBM to SM, so one resource (and Overlap) can.
-Not modelled: expert and context parallelism, recurrent mixers, speculative drafter passes
+Expert parallelism (with EPLB's redundant experts and the point-to-point dispatch backends) and
+attention data parallelism feeding one MoE group are priced at the busiest rank, as the Go kernel
+does. Not modelled: context parallelism, recurrent mixers, speculative drafter passes
 (speculation only sets the uniform-decode width and the capture ceiling), and a sparse
 layer's indexer scan.
 """
@@ -49,7 +51,7 @@ from pricing.spec import (
 
 # Raised with every change to a law or to how the plan reads the data files, so a ledger priced
 # before and after does not share a weights version (CHANGELOG.md records each).
-LAWS_REVISION = 2
+LAWS_REVISION = 3
 RESOURCES = ("sm", "hbm", "nvlink", "nic", "host")
 SM, HBM, NVLINK, NIC, HOST = range(5)
 FABRIC = {"nvlink": NVLINK, "nic": NIC}
@@ -179,7 +181,9 @@ class Kernel:
         self.expert_flops = expert("flops_per_token", 0.0)
         self.expert_bytes = expert("bytes_per_expert", 0.0)
         self.experts = expert("experts", 1.0)
+        self.local_experts = expert("local_experts", 0.0)
         self.top_k = expert("top_k", 0.0)
+        self.routed_tokens_per_token = expert("tokens_per_step_token", 1.0)
 
         def attention(field: str, default: float = 0.0) -> np.ndarray:
             return _per_kind(layers, lambda layer: getattr(layer.attention, field, None), default)
@@ -388,8 +392,9 @@ class Kernel:
         sm_dense = laws.ramped_arithmetic_us(
             T[:, None], self.dense_flops[None, :], self.peak, self.eps_max, self.m_half
         )
+        routed = T[:, None] * self.routed_tokens_per_token[None, :]
         expert_sm = laws.ramped_arithmetic_us(
-            T[:, None], self.expert_flops[None, :], self.peak, self.eps_max, self.m_half
+            routed, self.expert_flops[None, :], self.peak, self.eps_max, self.m_half
         )
         attention = self.plan.prefill_attention
         if self.plan.per_request_attention_ramp:
@@ -424,7 +429,7 @@ class Kernel:
         )
         expert_hbm = laws.memory_time_us(
             self.expert_bytes[None, :]
-            * laws.distinct_experts(T[:, None], self.experts, self.top_k),
+            * laws.distinct_experts(routed, self.experts, self.top_k, self.local_experts),
             self._bandwidth,
             self._derate,
         )
@@ -564,7 +569,10 @@ class Kernel:
         repeat, tokens = self.repeat, terms.tokens
         slot = np.zeros((len(tokens), 5))
 
-        gemm_flops = float((self.dense_flops + self.expert_flops) @ repeat + self.head_flops)
+        gemm_flops = float(
+            (self.dense_flops + self.routed_tokens_per_token * self.expert_flops) @ repeat
+            + self.head_flops
+        )
         slot[:, SM] = laws.ramped_arithmetic_us(tokens, gemm_flops, self.peak, self.eps_max, 0.0)
         rows = np.flatnonzero(terms.pairs.any(axis=1))
         attention = self.plan.prefill_attention

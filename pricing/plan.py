@@ -99,10 +99,14 @@ class PlannedAttention:
 
 @dataclass(frozen=True)
 class PlannedExperts:
-    flops_per_token: float  # routed, all top_k experts of one token, one rank
-    bytes_per_expert: float  # one rank's shard of one expert
+    flops_per_token: float  # routed, all top_k experts of one token, on the busiest rank
+    bytes_per_expert: float  # what the busiest rank reads of one touched expert
+    local_experts: float  # experts (or expert shards) the busiest rank holds
     experts: int
     top_k: int
+    # Tokens the MoE group routes per token of this rank's step: every attention DP replica
+    # feeds the same experts, each with a step like this one.
+    tokens_per_step_token: int
 
 
 @dataclass(frozen=True)
@@ -191,12 +195,12 @@ def _snap_width(chip: ChipSpec, op: str, width: int) -> tuple[float, float, floa
     return t0, r_t, r_peak
 
 
-def _emits(node: CollectiveNode, tp: int) -> bool:
+def _emits(node: CollectiveNode, deployment: Deployment) -> bool:
     if node.emit == "always":
         return True
     if node.emit == "expert_parallel":
-        return False
-    return tp > 1
+        return deployment.expert_parallel and deployment.moe_group > 1
+    return deployment.tp > 1
 
 
 class _Planner:
@@ -223,14 +227,11 @@ class _Planner:
             raise PricingError(
                 f"chip {chip.name!r} has no prefill attention coefficients (attention.prefill)"
             )
-        self.span = 1.0
-        if nodes > 1:
-            if chip.inter_node_gb_s is None:
-                raise PricingError(
-                    f"chip {chip.name!r} states no inter_node_gb_s, needed for a TP group over "
-                    f"{nodes} nodes"
-                )
-            self.span = laws.cross_node_span(chip.nvlink_gb_s / chip.inter_node_gb_s, nodes, tp)
+        if nodes > 1 and chip.inter_node_gb_s is None:
+            raise PricingError(
+                f"chip {chip.name!r} states no inter_node_gb_s, needed for a TP group over "
+                f"{nodes} nodes"
+            )
 
     def _compute(self, lane: str, what: str) -> Compute:
         if lane not in self.chip.peak_tflops:
@@ -301,38 +302,16 @@ class _Planner:
                 # every token, sharded like a dense MLP.
                 dense_flops += 6.0 * node.n * node.k * node.shared_experts / tp
                 weight_bytes += 3.0 * node.n * node.k * node.shared_experts * bytes_per_element / tp
-                # The Go kernel does not divide routed arithmetic across TP (a documented
-                # over-charge); TP shards each expert, so physics does.
-                routed_shards = tp if self.physics else 1
-                experts = PlannedExperts(
-                    flops_per_token=node.top_k
-                    * 6.0
-                    * node.n
-                    * node.k
-                    * self.chip.gemm.moe_routing_imbalance
-                    / routed_shards,
-                    bytes_per_expert=3.0 * node.n * node.k * bytes_per_element / tp,
-                    experts=node.experts,
-                    top_k=node.top_k,
-                )
+                experts = self._experts(node, bytes_per_element)
             elif isinstance(node, AttentionNode):
                 attention = self._attention(node)
             elif isinstance(node, ElementwiseNode):
                 # unstated: a read and a write of the hidden state
                 activation_bytes += (node.bytes_per_token or 2 * hidden * ACTIVATION_BYTES) / tp
             else:
-                if not _emits(node, tp):
+                if not _emits(node, self.deployment):
                     continue
-                t0, r_t, r_peak = _snap_width(self.chip, node.op, tp)
-                collectives.append(
-                    PlannedCollective(
-                        t0_us=t0,
-                        r_t_bytes_per_us=r_t,
-                        r_peak_bytes_per_us=r_peak,
-                        bytes_per_token=hidden * ACTIVATION_BYTES * self.span,
-                        resource="nic" if self.deployment.nodes > 1 else "nvlink",
-                    )
-                )
+                collectives.append(self._collective(node, hidden))
             kernels += KERNELS_PER_NODE[node.op]
         return PlannedLayer(
             name=kind.name,
@@ -344,6 +323,75 @@ class _Planner:
             experts=experts,
             collectives=tuple(collectives),
             kernels=kernels,
+        )
+
+    def _experts(self, node: GroupedGemmNode, bytes_per_element: float) -> PlannedExperts:
+        deployment = self.deployment
+        group = deployment.moe_group
+        expert_flops = 6.0 * node.n * node.k * self.chip.gemm.moe_routing_imbalance
+        expert_bytes = 3.0 * node.n * node.k * bytes_per_element
+        if deployment.expert_parallel:
+            # Whole experts, spread evenly with EPLB's redundant copies: the busiest rank holds
+            # ceil(physical / group) of them and, EPLB balancing load over the copies, that
+            # share of the routed work.
+            physical = node.experts + deployment.eplb_redundant_experts
+            local = float(-(-physical // group))
+            return PlannedExperts(
+                flops_per_token=node.top_k * expert_flops * local / physical,
+                bytes_per_expert=expert_bytes,
+                local_experts=local,
+                experts=node.experts,
+                top_k=node.top_k,
+                tokens_per_step_token=deployment.data_parallel,
+            )
+        # Every rank holds a 1/group shard of every expert. The Go kernel divides the routed
+        # arithmetic by the DP width only (a documented over-charge); physics by the group.
+        arithmetic_shards = group if self.physics else deployment.data_parallel
+        return PlannedExperts(
+            flops_per_token=node.top_k * expert_flops / arithmetic_shards,
+            bytes_per_expert=expert_bytes / group,
+            local_experts=float(node.experts),
+            experts=node.experts,
+            top_k=node.top_k,
+            tokens_per_step_token=deployment.data_parallel,
+        )
+
+    def _collective(self, node: CollectiveNode, hidden: int) -> PlannedCollective:
+        deployment, chip = self.deployment, self.chip
+        routed = node.emit == "expert_parallel"
+        width = deployment.moe_group if routed else deployment.tp
+        t0, r_t, r_peak = _snap_width(chip, node.op, width)
+        bytes_per_token = float(hidden * ACTIVATION_BYTES)
+        point_to_point = routed and deployment.all2all_backend != "allgather_reducescatter"
+        if point_to_point:
+            # each token's hidden state goes to each of its top_k experts' ranks
+            bytes_per_token *= self._top_k()
+        nodes = -(-width // chip.gpus_per_node) if routed else deployment.nodes
+        if nodes > 1:
+            if chip.inter_node_gb_s is None:
+                raise PricingError(
+                    f"chip {chip.name!r} states no inter_node_gb_s, needed for a group of "
+                    f"{width} GPUs over {nodes} nodes"
+                )
+            ratio = chip.nvlink_gb_s / chip.inter_node_gb_s
+            if point_to_point:
+                # a point-to-point exchange sends to every rank off the node directly
+                cross = width - chip.gpus_per_node
+                bytes_per_token *= 1.0 + (ratio - 1.0) * cross / (width - 1)
+            else:
+                bytes_per_token *= laws.cross_node_span(ratio, nodes, width)
+        return PlannedCollective(
+            t0_us=t0,
+            r_t_bytes_per_us=r_t,
+            r_peak_bytes_per_us=r_peak,
+            bytes_per_token=bytes_per_token,
+            resource="nic" if nodes > 1 else "nvlink",
+        )
+
+    def _top_k(self) -> int:
+        return max(
+            (kind.experts.top_k for kind in self.model.layer_kinds if kind.experts is not None),
+            default=1,
         )
 
     def _attention(self, node: AttentionNode) -> PlannedAttention:

@@ -27,8 +27,11 @@ from pricing.kernel import Kernel
 from pricing.plan import LARGE_PART_GIB
 from pricing.spec import ChipSpec, PricingError
 
-# vLLM's default max_num_batched_tokens for the OpenAI server: 8192 on parts with at least
-# 70 GiB except A100s, else 2048 (vllm/engine/arg_utils.py, the same split as max_num_seqs).
+# vLLM's default max_num_batched_tokens for the OpenAI server: 16384 on parts with at least
+# 160 GiB, 8192 on parts with at least 70 GiB except A100s, else 2048 (the Go kernel's
+# default_max_num_batched_tokens, from vllm/engine/arg_utils.py).
+HUGE_PART_GIB = 160
+HUGE_PART_TOKEN_BUDGET = 16384
 LARGE_PART_TOKEN_BUDGET = 8192
 SMALL_PART_TOKEN_BUDGET = 2048
 COLUMNS = ("model", "gpu", "framework", "precision", "tp", "isl", "osl", "concurrency", "tpot_us")
@@ -118,6 +121,8 @@ def load_sweeps(path: Path) -> list[Sweep]:
 
 
 def token_budget(chip: ChipSpec) -> int:
+    if chip.memory_gib >= HUGE_PART_GIB:
+        return HUGE_PART_TOKEN_BUDGET
     large = chip.memory_gib >= LARGE_PART_GIB and not chip.name.startswith("a100")
     return LARGE_PART_TOKEN_BUDGET if large else SMALL_PART_TOKEN_BUDGET
 

@@ -187,8 +187,8 @@ class ChipSpec(_DataFile):
 
 # ----------------------------------------------------------------------------------- models
 # Collective emit conditions. Sequence-parallel MoE is not a deployment option here, so
-# `tensor_parallel_unless_sp_moe` emits exactly when TP > 1; expert parallelism is not
-# modelled, so `expert_parallel` collectives never emit.
+# `tensor_parallel_unless_sp_moe` emits exactly when TP > 1; `expert_parallel` collectives emit
+# when the deployment places experts across a MoE group of more than one rank.
 Emit = Literal["always", "tensor_parallel", "tensor_parallel_unless_sp_moe", "expert_parallel"]
 
 

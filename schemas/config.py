@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pricing.deployment import CudagraphMode
+from pricing.deployment import All2AllBackend, CudagraphMode
 
 
 class ConfigError(ValueError):
@@ -132,12 +132,23 @@ class Pool(_Strict):
     slo_owner: str = Field(min_length=1)
     target_utilization: float = Field(default=0.7, gt=0.0, le=1.0)
     engine: EngineSettings = EngineSettings()
+    # Attention data-parallel replicas within one replica's GPUs (TP = gpus_per_replica /
+    # data_parallel each) feeding one MoE group, and how its experts are placed (pricing.Deployment).
+    data_parallel: int = Field(default=1, gt=0)
+    expert_parallel: bool = False
+    eplb_redundant_experts: int = Field(default=0, ge=0)
+    all2all_backend: All2AllBackend = "allgather_reducescatter"
     replicas: list[Replica] = Field(min_length=1)
     policies: Policies = Policies()
     workload: Workload | None = None
 
     @model_validator(mode="after")
     def _replicas_match_width(self) -> Pool:
+        if self.gpus_per_replica % self.data_parallel:
+            raise ValueError(
+                f"gpus_per_replica {self.gpus_per_replica} is not a multiple of "
+                f"data_parallel {self.data_parallel}"
+            )
         for replica in self.replicas:
             if len(replica.gpu_uuids) != self.gpus_per_replica:
                 raise ValueError(

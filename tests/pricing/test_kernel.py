@@ -29,6 +29,23 @@ DEPLOYMENTS = [
     Deployment(model="llama-3.1-70b-instruct", chip="a100", tp=8, cudagraph_mode="NONE"),
     Deployment(model="llama-3.1-70b-instruct", chip="h200", tp=32, nodes=4, dtype="fp8"),
     Deployment(model="qwen3-30b-a3b", chip="b200", tp=2, num_spec_tokens=1, cudagraph_mode="FULL"),
+    Deployment(
+        model="deepseek-v3",
+        chip="h200",
+        tp=8,
+        expert_parallel=True,
+        eplb_redundant_experts=32,
+        all2all_backend="deepep_low_latency",
+    ),
+    Deployment(model="qwen3-30b-a3b", chip="h100", tp=2, data_parallel=4, expert_parallel=True),
+    Deployment(
+        model="deepseek-v3",
+        chip="h200",
+        tp=8,
+        data_parallel=4,
+        expert_parallel=True,
+        all2all_backend="deepep_high_throughput",
+    ),
 ]
 
 
@@ -282,6 +299,31 @@ def test_deployment_for_pool_uses_the_pool_and_engine_settings():
         reason.cudagraph_mode,
     ) == ("h200", 8, 1, 1, "PIECEWISE")
     Kernel.build(reason)
+    wide = pools.pool("reason-dsv3").model_copy(
+        update={
+            "gpus_per_replica": 16,
+            "data_parallel": 4,
+            "expert_parallel": True,
+            "eplb_redundant_experts": 32,
+        }
+    )
+    expert = deployment_for_pool(wide)
+    assert (expert.tp, expert.nodes, expert.data_parallel, expert.moe_group) == (4, 1, 4, 16)
+    assert (expert.expert_parallel, expert.eplb_redundant_experts) == (True, 32)
+
+
+def test_a_pool_whose_gpus_do_not_divide_into_its_data_parallel_replicas_is_refused():
+    raw = load_pools().pool("chat-8b").model_dump()
+    raw.update(gpus_per_replica=1, data_parallel=2)
+    with pytest.raises(ValueError, match="not a multiple of data_parallel 2"):
+        type(load_pools().pool("chat-8b")).model_validate(raw)
+
+
+def test_a_pools_file_cudagraph_mode_is_read_in_any_case():
+    raw = load_pools().pool("chat-8b").model_dump()
+    raw["engine"]["cudagraph_mode"] = "piecewise"
+    pool = type(load_pools().pool("chat-8b")).model_validate(raw)
+    assert deployment_for_pool(pool).cudagraph_mode == "PIECEWISE"
 
 
 # ------------------------------------------------------------------ errors

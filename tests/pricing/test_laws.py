@@ -88,7 +88,7 @@ def test_laws_refuse_a_zero_rate_or_an_impossible_span():
     with pytest.raises(ValueError, match="ramp"):
         laws.ramped_arithmetic_us(1.0, 1.0, 0.0, 0.5, 10.0)
     with pytest.raises(ValueError, match="top_k"):
-        laws.distinct_experts(1, 8, 9)
+        laws.distinct_experts(1, 8, 9, 8)
     with pytest.raises(ValueError, match="span"):
         laws.cross_node_span(9.0, 0, 8)
     with pytest.raises(ValueError, match="compress_ratio"):
@@ -96,10 +96,10 @@ def test_laws_refuse_a_zero_rate_or_an_impossible_span():
 
 
 def test_distinct_experts():
-    assert laws.distinct_experts(1, 256, 8) == pytest.approx(8.0, rel=1e-14)
-    assert laws.distinct_experts(2, 256, 8) == pytest.approx(256 - 248**2 / 256, rel=1e-14)
-    assert laws.distinct_experts(0, 256, 8) == 0.0
-    assert laws.distinct_experts(100_000, 256, 8) == pytest.approx(256.0, rel=1e-12)
+    assert laws.distinct_experts(1, 256, 8, 256) == pytest.approx(8.0, rel=1e-14)
+    assert laws.distinct_experts(2, 256, 8, 256) == pytest.approx(256 - 248**2 / 256, rel=1e-14)
+    assert laws.distinct_experts(0, 256, 8, 256) == 0.0
+    assert laws.distinct_experts(100_000, 256, 8, 256) == pytest.approx(256.0, rel=1e-12)
 
 
 def test_collective_fixed_cost_then_peak_rate():

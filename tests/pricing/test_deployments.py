@@ -1,0 +1,104 @@
+"""Deployments beyond one TP group: expert parallelism with EPLB, attention data parallelism.
+
+Each law checked by hand on one step; that every slot split still sums to the step's NoOverlap
+is the property tests' job (test_kernel.DEPLOYMENTS holds these deployments).
+"""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from pricing import Deployment, Kernel
+
+H200_READ = 4.8e6 * 0.8  # bytes per us
+H200_FP8 = 1.979e9  # FLOP per us
+EXPERT_BYTES = 3 * 2048 * 7168  # one DeepSeek-V3 expert, fp8
+EXPERT_FLOPS = 6 * 2048 * 7168
+DSV3 = dict(model="deepseek-v3", chip="h200", tp=8, dtype="fp8")
+
+
+def _decode(kernel: Kernel, batch: int):
+    return kernel.price([1] * batch, [4095] * batch, [4096] * batch)
+
+
+def test_expert_parallel_with_eplb_prices_the_busiest_rank_by_hand():
+    kernel = Kernel.build(Deployment(**DSV3, expert_parallel=True, eplb_redundant_experts=32))
+    moe = _decode(kernel, 1).per_kind["attn_moe"]
+    # 256 + 32 physical experts over 8 ranks: 36 whole experts on each, 36/288 of the routing
+    local = 36
+    flops = 8 * EXPERT_FLOPS * 0.999 * local / 288
+    assert moe["expert_sm_us"] == pytest.approx(flops * (1 + 113) / (H200_FP8 * 0.736), rel=1e-12)
+    # one token touches 36 * 8/256 of the local experts, each read whole
+    assert moe["expert_hbm_us"] == pytest.approx(
+        local * (8 / 256) * EXPERT_BYTES / H200_READ, rel=1e-12
+    )
+    # attention and MLP all-reduces (4.71 us + 14336 B at 104,250 B/us each) and the MoE
+    # dispatch over the default all-gather/reduce-scatter backend (7.39 us + 14336 B at 143,750)
+    assert moe["nvlink_us"] == pytest.approx(
+        2 * (4.71 + 14336 / 104250) + 7.39 + 14336 / 143750, rel=1e-12
+    )
+
+
+def test_a_point_to_point_dispatch_moves_each_token_to_its_top_k():
+    gathered = Kernel.build(Deployment(**DSV3, expert_parallel=True))
+    direct = Kernel.build(
+        Deployment(**DSV3, expert_parallel=True, all2all_backend="deepep_low_latency")
+    )
+    difference = (
+        _decode(direct, 4).per_kind["attn_moe"]["nvlink_us"]
+        - _decode(gathered, 4).per_kind["attn_moe"]["nvlink_us"]
+    )
+    assert difference == pytest.approx(4 * 14336 * (8 - 1) / 143750, rel=1e-12)
+
+
+def test_expert_parallel_reads_whole_experts_where_tp_reads_shards():
+    tp = _decode(Kernel.build(Deployment(**DSV3)), 256).per_kind["attn_moe"]
+    ep = _decode(Kernel.build(Deployment(**DSV3, expert_parallel=True)), 256).per_kind["attn_moe"]
+    touched = 1 - (248 / 256) ** 256
+    assert tp["expert_hbm_us"] == pytest.approx(256 * touched * EXPERT_BYTES / 8 / H200_READ)
+    assert ep["expert_hbm_us"] == pytest.approx(32 * touched * EXPERT_BYTES / H200_READ)
+
+
+def test_attention_data_parallel_funnels_every_replicas_tokens_into_the_experts():
+    kernel = Kernel.build(
+        Deployment(model="deepseek-v3", chip="h200", tp=1, data_parallel=8, expert_parallel=True)
+    )
+    price = _decode(kernel, 2)
+    moe = price.per_kind["attn_moe"]
+    # 8 attention replicas of 2 decodes each: 16 tokens reach the 32 experts of each rank
+    assert moe["expert_sm_us"] == pytest.approx(
+        8 * EXPERT_FLOPS * 0.999 * 32 / 256 * (16 + 113) / (H200_FP8 * 0.736), rel=1e-12
+    )
+    assert moe["expert_hbm_us"] == pytest.approx(
+        32 * (1 - (248 / 256) ** 16) * EXPERT_BYTES / H200_READ, rel=1e-12
+    )
+    # TP 1: no all-reduce; the dispatch spans the 8-rank MoE group
+    assert moe["nvlink_us"] == pytest.approx(7.39 + 2 * 14336 / 143750, rel=1e-12)
+    # TP 1: a dense layer reads all of its 583,467,008 weight bytes, four norms' activations
+    # per token, and the bf16 latent cache of both decodes (1,152 B per token) after the floor
+    assert price.per_kind["attn_dense"]["hbm_us"] == pytest.approx(
+        (583_467_008 + 2 * 4 * 28672) / H200_READ + 13.5 + 2 * 4096 * 1152 / 2.928e6, rel=1e-12
+    )
+
+
+def test_expert_options_without_expert_parallelism_are_refused():
+    with pytest.raises(ValidationError, match="eplb_redundant_experts needs expert_parallel"):
+        Deployment(**DSV3, eplb_redundant_experts=32)
+    with pytest.raises(ValidationError, match="deepep_low_latency.*needs expert_parallel"):
+        Deployment(**DSV3, all2all_backend="deepep_low_latency")
+
+
+def test_a_moe_group_across_nodes_dispatches_over_the_nic():
+    kernel = Kernel.build(
+        Deployment(
+            **DSV3, data_parallel=4, expert_parallel=True, all2all_backend="deepep_high_throughput"
+        )
+    )
+    moe = _decode(kernel, 1).per_kind["attn_moe"]
+    # 32 ranks on 4 nodes: the widest measured all2all (8: 7.39 us, 143,750 B/us); each token to
+    # its 8 experts, 24 of the 31 peers off the node at 450/50 = 9x the NVLink time
+    span = 1 + (9 - 1) * 24 / 31
+    assert moe["nic_us"] == pytest.approx(7.39 + 8 * 14336 * span / 143750, rel=1e-12)
+    # the all-reduces stay within this replica's TP group, over its own token
+    assert moe["nvlink_us"] == pytest.approx(2 * (4.71 + 14336 / 104250), rel=1e-12)
