@@ -15,6 +15,7 @@ from pricing import laws
 from pricing.deployment import GRAPH_MODES, Deployment
 from pricing.spec import (
     CACHE_BYTES,
+    FOUR_BIT_CACHES,
     WEIGHT_BYTES,
     AttentionNode,
     ChipSpec,
@@ -217,6 +218,11 @@ class _Planner:
             raise PricingError(
                 f"unknown cache dtype {self.cache_dtype!r}; known: {sorted(CACHE_BYTES)}"
             )
+        if self.cache_dtype in FOUR_BIT_CACHES and not chip.blackwell:
+            raise PricingError(
+                f"a {self.cache_dtype} KV cache needs a part with four-bit attention kernels; "
+                f"{chip.name!r} has no nvfp4 peak"
+            )
         tp, nodes = deployment.tp, deployment.nodes
         if tp % nodes or tp // nodes > chip.gpus_per_node:
             raise PricingError(
@@ -399,6 +405,8 @@ class _Planner:
         measured = chip.attention.decode
         # A kind without its own measurement uses the part's full-attention pair; a part with
         # none reads the KV bytes at the derated HBM bandwidth with no floor.
+        # The rates were measured on bf16 and fp8 caches; a four-bit cache is assumed to stream at
+        # the same bytes per microsecond.
         decode = measured.get(DECODE_KIND[node.kind]) or measured.get("full")
         if decode is None:
             floor, rate = 0.0, chip.hbm_tb_s * 1e6 * chip.gemm.hbm_derate

@@ -42,7 +42,9 @@ WEIGHT_BYTES: dict[str, float] = {
     "nvfp4": 0.5,
 }
 # KV cache bytes per element; "auto" is vLLM's default (the activation dtype, bf16 here).
-CACHE_BYTES: dict[str, int] = {
+# nvfp4 stores four-bit values with one fp8 (e4m3) scale per 16-element block, NVFP4's block
+# size: 0.5 + 1/16 bytes per element, a whole number per token for head widths of 16k.
+CACHE_BYTES: dict[str, float] = {
     "auto": 2,
     "bf16": 2,
     "fp16": 2,
@@ -50,10 +52,14 @@ CACHE_BYTES: dict[str, int] = {
     "fp8_e4m3": 1,
     "fp8_e5m2": 1,
     "fp8_ds_mla": 1,
+    "nvfp4": 0.5625,
+    "nvfp4_ds_mla": 0.5625,
 }
-# vLLM's packed DeepSeek latent cache stores 656 bytes per token per layer (fp8 latent plus
-# bf16 rope part and scales) instead of 576.
-PACKED_LATENT_BYTES: dict[str, int] = {"fp8_ds_mla": 656}
+# Cache formats only a Blackwell part's attention kernels read.
+FOUR_BIT_CACHES = frozenset({"nvfp4", "nvfp4_ds_mla"})
+# The packed DeepSeek latent caches, per token per layer (the Go kernel's constants): fp8 latent
+# plus bf16 rope part and scales, 656 bytes instead of 576; the nvfp4 one 352.
+PACKED_LATENT_BYTES: dict[str, int] = {"fp8_ds_mla": 656, "nvfp4_ds_mla": 352}
 
 
 class _Strict(BaseModel):
@@ -302,7 +308,7 @@ class ModelSpec(_DataFile):
     vocab_size: int = Field(gt=0)
     # Stated KV bytes per token at TP 1 per cache dtype; checked against the graph so a typo in
     # an attention node cannot silently misprice memory.
-    kv_bytes_per_token_tp1: dict[str, int] = {}
+    kv_bytes_per_token_tp1: dict[str, float] = {}
     layer_kinds: list[LayerKind] = Field(min_length=1)
     head: HeadSpec
 
@@ -343,7 +349,7 @@ class ModelSpec(_DataFile):
         return sum(kind.repeat for kind in self.layer_kinds)
 
 
-def kv_bytes_per_token_layer(attention: AttentionNode, tp: int, cache_dtype: str) -> int:
+def kv_bytes_per_token_layer(attention: AttentionNode, tp: int, cache_dtype: str) -> float:
     """KV bytes one token occupies in one layer on one rank.
 
     Keys and values are two tensors, a latent one; KV heads shard across TP down to one head

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from pricing import Deployment, Kernel
+from pricing import Deployment, Kernel, PricingError
 
 H200_READ = 4.8e6 * 0.8  # bytes per us
 H200_FP8 = 1.979e9  # FLOP per us
@@ -102,3 +102,26 @@ def test_a_moe_group_across_nodes_dispatches_over_the_nic():
     assert moe["nic_us"] == pytest.approx(7.39 + 8 * 14336 * span / 143750, rel=1e-12)
     # the all-reduces stay within this replica's TP group, over its own token
     assert moe["nvlink_us"] == pytest.approx(2 * (4.71 + 14336 / 104250), rel=1e-12)
+
+
+def test_an_nvfp4_kv_cache_holds_and_reads_four_bits_and_a_scale_per_16_elements():
+    kernel = Kernel.build(
+        Deployment(model="llama-3.1-8b-instruct", chip="b200", cache_dtype="nvfp4")
+    )
+    # 8 KV heads x 128 x (K and V) x (0.5 + 1/16) bytes = 1,152 B per token per layer
+    assert kernel.kv_bytes_per_token == 32 * 1152
+    bf16 = Kernel.build(Deployment(model="llama-3.1-8b-instruct", chip="b200"))
+    layer, bf16_layer = (
+        k.price([1], [4095], [4096]).per_kind["decoder"]["hbm_us"] for k in (kernel, bf16)
+    )
+    # B200 full-attention decode rate 6,776,000 B/us over the 4,096-token context
+    assert bf16_layer - layer == pytest.approx(4096 * (4096 - 1152) / 6_776_000, rel=1e-12)
+    latent = Kernel.build(
+        Deployment(model="deepseek-v3", chip="b200", tp=8, cache_dtype="nvfp4_ds_mla")
+    )
+    assert latent.kv_bytes_per_token == 8 * 61 * 352  # a full latent copy on every rank
+
+
+def test_an_nvfp4_kv_cache_off_blackwell_is_refused():
+    with pytest.raises(PricingError, match="nvfp4 KV cache needs a part with four-bit attention"):
+        Kernel.build(Deployment(model="llama-3.1-8b-instruct", chip="h100", cache_dtype="nvfp4"))
