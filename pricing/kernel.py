@@ -22,9 +22,9 @@ request joins, except by the host's graph saving when the step passes the captur
 the floor moves from HBM to SM, so one resource (and Overlap) can.
 Expert parallelism (with EPLB's redundant experts and the point-to-point dispatch backends) and
 attention data parallelism feeding one MoE group are priced at the busiest rank, as the Go kernel
-does. Not modelled: context parallelism, recurrent mixers, speculative drafter passes
-(speculation only sets the uniform-decode width and the capture ceiling), and a sparse
-layer's indexer scan.
+does; so are sparse latent attention and its indexer (DeepSeek-V3.2's DSA) and an nvfp4 KV cache.
+Not modelled: context parallelism, recurrent mixers, and speculative drafter passes
+(speculation only sets the uniform-decode width and the capture ceiling).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from numpy.typing import ArrayLike
 
 from pricing import laws
 from pricing.deployment import Deployment
-from pricing.plan import PlannedLayer, build_plan
+from pricing.plan import WHOLE_CONTEXT, PlannedLayer, build_plan
 from pricing.spec import (
     ChipSpec,
     MeasuredEngine,
@@ -51,7 +51,7 @@ from pricing.spec import (
 
 # Raised with every change to a law or to how the plan reads the data files, so a ledger priced
 # before and after does not share a weights version (CHANGELOG.md records each).
-LAWS_REVISION = 3
+LAWS_REVISION = 4
 RESOURCES = ("sm", "hbm", "nvlink", "nic", "host")
 SM, HBM, NVLINK, NIC, HOST = range(5)
 FABRIC = {"nvlink": NVLINK, "nic": NIC}
@@ -201,25 +201,51 @@ class Kernel:
         )
         # Layers sharing a read bound (or a prefill key cap) share one per-slot column.
         attentions = [layer.attention for layer in layers]
+        indexers = [None if a is None else a.indexer for a in attentions]
         self.read_bounds = sorted(
-            {a.read for a in attentions if a is not None}, key=lambda bound: repr(bound)
+            {a.read for a in attentions if a is not None}
+            | ({WHOLE_CONTEXT} if any(indexers) else set()),
+            key=lambda bound: repr(bound),
         )
         self.read_policy = np.array(
             [0 if a is None else self.read_bounds.index(a.read) for a in attentions]
         )
         self.keys_caps = sorted(
-            {a.keys_cap for a in attentions if a is not None}, key=lambda cap: cap or 0
+            {a.keys_cap for a in attentions if a is not None}
+            | ({None} if any(indexers) else set()),
+            key=lambda cap: cap or 0,
         )
         self.pair_policy = np.array(
             [0 if a is None else self.keys_caps.index(a.keys_cap) for a in attentions]
         )
+        # the indexer scans every position, with every causal pair at prefill
+        self.has_indexer = np.array([i is not None for i in indexers])
+        scan = self.read_bounds.index(WHOLE_CONTEXT) if any(indexers) else 0
+        self.indexer_read_policy = np.full(len(layers), scan)
+        self.indexer_pair_policy = np.full(
+            len(layers), self.keys_caps.index(None) if any(indexers) else 0
+        )
+
+        def indexer(field: str, default: float = 0.0) -> np.ndarray:
+            return np.array(
+                [default if i is None else getattr(i, field) for i in indexers], dtype=np.float64
+            )
+
+        self.indexer_decode_floor = indexer("decode_floor_us")
+        self.indexer_decode_rate = indexer("decode_rate_bytes_per_us", 1.0)
+        self.indexer_bytes = indexer("cache_bytes_per_token")
+        self.indexer_prefill_floor = indexer("prefill_floor_us")
+        self.indexer_heads = indexer("heads")
+        self.indexer_dim = indexer("head_dim")
         windows = [None if a is None else a.memory_window for a in attentions]
         windowed = np.array([w is not None for w in windows])
         self._kv_windows = np.array([w or 0 for w in windows], dtype=np.float64)
-        # Whole replica: every rank holds its shard (or, for latent caches, a full copy).
-        # Windowed layers hold at most their window per request, so they are not a per-token rate.
+        # Whole replica: every rank holds its shard (or, for latent caches and an indexer's, a
+        # full copy). Windowed layers hold at most their window per request, so they are not a
+        # per-token rate.
         tp = deployment.tp
-        self.kv_bytes_per_token = int(tp * (self.repeat * self.kv_layer_bytes)[~windowed].sum())
+        held = self.kv_layer_bytes + self.indexer_bytes
+        self.kv_bytes_per_token = int(tp * (self.repeat * held)[~windowed].sum())
         self._kv_window_bytes = tp * self.repeat * self.kv_layer_bytes * windowed
 
         # Identical launches (the same op, width and message size in several layers) are priced
@@ -384,6 +410,35 @@ class Kernel:
             host.dispatch_per_kernel_us,
         )
 
+    def _indexer_decode_us(self, reads: np.ndarray, floor_us: ArrayLike) -> np.ndarray:
+        """A sparse layer's indexer scan at decode, (rows, kinds); zero on other layers."""
+        scan: np.ndarray = self.has_indexer * laws.decode_attention_us(
+            reads[:, self.indexer_read_policy],
+            floor_us,
+            self.indexer_bytes,
+            self.indexer_decode_rate,
+        )
+        return scan
+
+    def _indexer_prefill_us(
+        self, pairs: np.ndarray, floor_us: ArrayLike, efficiency: np.ndarray
+    ) -> np.ndarray:
+        """A sparse layer's indexer scores at prefill: query-key logits only (no value
+        product), its heads replicated on every rank; zero on other layers."""
+        attention = self.plan.prefill_attention
+        scores: np.ndarray = self.has_indexer * laws.prefill_attention_us(
+            pairs[:, self.indexer_pair_policy],
+            self.indexer_heads,
+            self.indexer_dim,
+            0.0,
+            1,
+            floor_us,
+            attention.peak_flops_per_us,
+            efficiency,
+            self.plan.prefill_work_scale,
+        )
+        return scores
+
     # ------------------------------------------------------------------ pricing
     def _compose(self, terms: _SlotTerms) -> _Composed:
         T = terms.step_tokens
@@ -413,6 +468,9 @@ class Kernel:
             efficiency,
             self.plan.prefill_work_scale,
         )
+        prefill_attention += self._indexer_prefill_us(
+            terms.step_pairs, terms.has_prefill[:, None] * self.indexer_prefill_floor, efficiency
+        )
         weights_and_activations = laws.memory_time_us(
             self.weight_bytes[None, :] + T[:, None] * self.activation_bytes[None, :],
             self._bandwidth,
@@ -425,7 +483,13 @@ class Kernel:
             self.decode_rate,
         )
         hbm_dense = np.where(
-            active, weights_and_activations + decode_attention * self.has_attention, 0.0
+            active,
+            weights_and_activations
+            + decode_attention * self.has_attention
+            + self._indexer_decode_us(
+                terms.step_reads, terms.has_decode[:, None] * self.indexer_decode_floor
+            ),
+            0.0,
         )
         expert_hbm = laws.memory_time_us(
             self.expert_bytes[None, :]
@@ -590,6 +654,12 @@ class Kernel:
                 self.plan.prefill_work_scale,
             )
         ) @ repeat
+        slot[rows, SM] += (
+            self._indexer_prefill_us(
+                terms.pairs[rows], 0.0, composed.attention_efficiency[steps[rows]]
+            )
+            @ repeat
+        )
 
         step_expert_hbm = composed.expert_hbm @ repeat
         expert_share = step_expert_hbm / np.maximum(terms.step_tokens, 1.0)
@@ -605,6 +675,7 @@ class Kernel:
                 )
             )
             @ repeat
+            + self._indexer_decode_us(terms.reads, 0.0) @ repeat
         )
         rate = laws.collective_rate_in_force(
             terms.step_tokens[:, None] * self.collective_bytes_per_token[None, :],

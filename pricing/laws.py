@@ -70,17 +70,21 @@ def decode_read_tokens(
 
     full/mla: the whole context. A layer with a window reads at most the window (the
     step-pricing spec; the swa rate was fitted on window-bounded reads); `window_bounded=False`
-    reproduces a kernel version that reads the whole context on a windowed primary layer. sparse_mla reads
-    min(ctx, top_k) selected positions plus the rest of the compressed stream, as its
-    generation measurements stay flat to 16k context and grow only with the compressed tail.
+    reproduces a kernel version that reads the whole context on a windowed primary layer.
+    sparse_mla reads min(ctx, top_k) selected positions, plus the rest of the context at
+    1/compress_ratio where the architecture keeps a compressed stream (its generation
+    measurements stay flat to 16k context and grow only with the compressed tail); without one
+    (DeepSeek-V3.2's DSA) the unselected positions are not read.
     """
     ctx = np.maximum(np.asarray(context, dtype=np.float64), 0.0)
     if kind == "sparse_mla":
-        if top_k is None or compress_ratio is None or compress_ratio < 1:
+        if top_k is None or (compress_ratio is not None and compress_ratio < 1):
             raise ValueError(
-                f"a sparse read needs top_k and compress_ratio >= 1, got {top_k}, {compress_ratio}"
+                f"a sparse read needs top_k and a compress_ratio >= 1 if any, got {top_k}, "
+                f"{compress_ratio}"
             )
-        return np.asarray(np.minimum(ctx, top_k) + np.maximum(0.0, ctx - top_k) / compress_ratio)
+        tail = 0.0 if compress_ratio is None else np.maximum(0.0, ctx - top_k) / compress_ratio
+        return np.asarray(np.minimum(ctx, top_k) + tail)
     if window is not None and window_bounded:
         return np.minimum(ctx, window)
     return ctx
@@ -201,14 +205,19 @@ def capture_ceiling(max_num_seqs: int, num_spec_tokens: int, blackwell: bool) ->
     return min(max_num_seqs * (1 + num_spec_tokens) * 2, 1024 if blackwell else 512)
 
 
-def graph_host_us(mode: str, layers: int, replay_us: float, eager_per_layer_us: float) -> float:
+def graph_host_us(
+    mode: str, layers: int, splits: int, replay_us: float, eager_per_layer_us: float
+) -> float:
     """CPU cost of running the step's graph(s): one replay (full), one per piece (piecewise
-    splits at every attention, so layers + 1 pieces), or eager launches per layer (none).
-    Values are registry assumptions; their sum with dispatch matches two Granite-5 ITL runs."""
+    splits at every attention op, vLLM's CompilationConfig splitting ops: `splits` of them make
+    splits + 1 pieces), or eager launches per layer (none). Values are registry assumptions;
+    their sum with dispatch matches two Granite-5 ITL runs."""
+    if layers < 1 or splits < 0:
+        raise ValueError(f"a graph needs layers >= 1 and splits >= 0, got {layers}, {splits}")
     if mode == "full":
         return replay_us
     if mode == "piecewise":
-        return replay_us * (layers + 1)
+        return replay_us * (splits + 1)
     return eager_per_layer_us * layers
 
 

@@ -83,6 +83,22 @@ class ReadBound:
     compress_ratio: float | None
 
 
+WHOLE_CONTEXT = ReadBound(kind="dense", window=None, top_k=None, compress_ratio=None)
+
+
+@dataclass(frozen=True)
+class PlannedIndexer:
+    """A sparse layer's selector: it scans every cached position's index key at decode and scores
+    every causal query-key pair at prefill, on every rank."""
+
+    decode_floor_us: float
+    decode_rate_bytes_per_us: float
+    cache_bytes_per_token: float
+    prefill_floor_us: float
+    heads: int
+    head_dim: int
+
+
 @dataclass(frozen=True)
 class PlannedAttention:
     decode_floor_us: float
@@ -96,6 +112,7 @@ class PlannedAttention:
     keys_cap: int | None  # keys a prefill query sees at most (window, or a sparse layer's top-k)
     memory_window: int | None  # tokens per request the cache holds at most
     one_kernel_floor: bool  # a mixed step pays one floor, the larger
+    indexer: PlannedIndexer | None
 
 
 @dataclass(frozen=True)
@@ -254,9 +271,17 @@ class _Planner:
         layers = tuple(self._layer(kind) for kind in model.layer_kinds)
         head_bytes_per_element = WEIGHT_BYTES[model.head.weight_dtype or self.served]
         host = chip.host
+        # vLLM splits a piecewise graph at each layer's attention and at a sparse layer's indexer
+        indexers = sum(
+            layer.repeat for layer in layers if layer.attention and layer.attention.indexer
+        )
         graph_us = {
             mode: laws.graph_host_us(
-                mode, model.layers, host.replay_graph_us, host.eager_launch_per_layer_us
+                mode,
+                model.layers,
+                model.layers + indexers,
+                host.replay_graph_us,
+                host.eager_launch_per_layer_us,
             )
             for mode in ("full", "piecewise", "none")
         }
@@ -311,6 +336,8 @@ class _Planner:
                 experts = self._experts(node, bytes_per_element)
             elif isinstance(node, AttentionNode):
                 attention = self._attention(node)
+                if attention.indexer is not None:
+                    kernels += KERNELS_PER_NODE["attention"]  # the indexer is an attention op
             elif isinstance(node, ElementwiseNode):
                 # unstated: a read and a write of the hidden state
                 activation_bytes += (node.bytes_per_token or 2 * hidden * ACTIVATION_BYTES) / tp
@@ -443,6 +470,29 @@ class _Planner:
             # the device: on data-center Blackwell it is FlashInfer/TRT-LLM for every dtype,
             # which runs the decode and prefill rows as separate kernels, each with its floor.
             one_kernel_floor=not node.latent and not chip.blackwell,
+            indexer=self._indexer(node),
+        )
+
+    def _indexer(self, node: AttentionNode) -> PlannedIndexer | None:
+        if node.indexer is None:
+            return None
+        chip = self.chip
+        prefill = chip.attention.prefill
+        assert prefill is not None  # checked in __init__
+        # A dense scan of a cache: the part's full-attention decode pair (the Go kernel prices a
+        # secondary attention at its kind's pair). The cache is fp8 keys plus their scales.
+        scan = chip.attention.decode.get("full")
+        return PlannedIndexer(
+            decode_floor_us=0.0 if scan is None else scan.floor_us,
+            decode_rate_bytes_per_us=(
+                chip.hbm_tb_s * 1e6 * chip.gemm.hbm_derate
+                if scan is None
+                else scan.rate_bytes_per_us
+            ),
+            cache_bytes_per_token=node.indexer.cache_bytes_per_token,
+            prefill_floor_us=prefill.floor_us,
+            heads=node.indexer.heads,
+            head_dim=node.indexer.head_dim,
         )
 
 

@@ -226,6 +226,15 @@ class GroupedGemmNode(_Node):
         return self
 
 
+class Indexer(_Strict):
+    """A sparse layer's top-k selector: it scores every cached position with its own small
+    single-head cache (keys and scales), replicated on every rank."""
+
+    heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    cache_bytes_per_token: int = Field(gt=0)
+
+
 class AttentionNode(_Node):
     op: Literal["attention"]
     kind: Literal["gqa", "swa", "mla", "sparse_mla"]
@@ -235,6 +244,7 @@ class AttentionNode(_Node):
     window: int | None = Field(default=None, gt=0)
     top_k: int | None = Field(default=None, gt=0)  # sparse_mla: positions the indexer selects
     compress_ratio: float | None = Field(default=None, ge=1)  # sparse_mla: compressed stream ratio
+    indexer: Indexer | None = None  # sparse_mla: the scorer that selects top_k
     # Latent kinds: the expanded per-head widths prefill runs at (qk_nope + qk_rope, v_head_dim);
     # head_dim is the cached latent width decode reads.
     qk_head_dim: int | None = Field(default=None, gt=0)
@@ -244,8 +254,10 @@ class AttentionNode(_Node):
     def _kind_fields(self) -> AttentionNode:
         if self.kind == "swa" and self.window is None:
             raise ValueError("a swa attention needs a window")
-        if self.kind == "sparse_mla" and (self.top_k is None or self.compress_ratio is None):
-            raise ValueError("a sparse_mla attention needs top_k and compress_ratio")
+        if self.kind == "sparse_mla" and self.top_k is None:
+            raise ValueError("a sparse_mla attention needs top_k")
+        if self.indexer is not None and self.kind != "sparse_mla":
+            raise ValueError("an indexer selects for a sparse_mla attention only")
         if (self.qk_head_dim is None) != (self.v_head_dim is None):
             raise ValueError("qk_head_dim and v_head_dim are stated together")
         if self.qk_head_dim is not None and not self.latent:
@@ -334,7 +346,7 @@ class ModelSpec(_DataFile):
             )
             if derived != stated:
                 raise ValueError(
-                    f"kv_bytes_per_token_tp1[{cache_dtype}] states {stated} but the attention nodes give {derived}"
+                    f"kv_bytes_per_token_tp1[{cache_dtype}] states {stated:g} but the attention nodes give {derived:g}"
                 )
         return self
 

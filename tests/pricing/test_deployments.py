@@ -125,3 +125,44 @@ def test_an_nvfp4_kv_cache_holds_and_reads_four_bits_and_a_scale_per_16_elements
 def test_an_nvfp4_kv_cache_off_blackwell_is_refused():
     with pytest.raises(PricingError, match="nvfp4 KV cache needs a part with four-bit attention"):
         Kernel.build(Deployment(model="llama-3.1-8b-instruct", chip="h100", cache_dtype="nvfp4"))
+
+
+DSV32 = Deployment(model="deepseek-v3.2-exp", chip="h200", tp=8, cache_dtype="fp8_ds_mla")
+
+
+def test_sparse_mla_reads_the_selected_positions_and_its_indexer_scans_the_context():
+    price = Kernel.build(DSV32).price([1], [32767], [32768])
+    dense = price.per_kind["attn_dense"]
+    # weights, 4 norms, the 2,048 selected latents (656 B) at the sparse rate after its floor,
+    # and the indexer's scan of all 32,768 index keys (132 B) at the full-attention pair
+    assert dense["hbm_us"] == pytest.approx(
+        (583_467_008 / 8 + 4 * 28672 / 8) / H200_READ
+        + 13.5
+        + 2048 * 656 / 398_400
+        + 13.5
+        + 32768 * 132 / 2_592_000,
+        rel=1e-12,
+    )
+
+
+def test_sparse_prefill_attends_its_top_k_and_the_indexer_scores_every_pair():
+    kernel = Kernel.build(DSV32)
+    layer = kernel.price([4096], [0], [4096]).per_kind["attn_dense"]
+    gemm_flops = 1_166_934_016 / 8 * (4096 + 113) / (H200_FP8 * 0.736)
+    # attention: each query sees at most 2,048 keys; bf16 ramp at the prompt's own 4,096 rows
+    pairs = 2048 * 2048 / 2 + (4096 - 2048) * 2048
+    rate = 989.5e6 * 0.992 * 4096 / (4096 + 110) * 0.40
+    attention = 18.5 + 2 * pairs * 128 * (192 + 128) / 8 / rate
+    # indexer: 64 heads x 128 logits on every causal pair, on every rank, no value product
+    indexer = 18.5 + 2 * (4096 * 4096 / 2) * 64 * 128 / rate
+    assert layer["sm_us"] == pytest.approx(gemm_flops + attention + indexer, rel=1e-12)
+
+
+def test_a_sparse_model_launches_and_splits_at_its_indexers():
+    kernel = Kernel.build(DSV32.model_copy(update={"cudagraph_mode": "PIECEWISE"}))
+    assert kernel.plan.host.kernels == 972 + 61 * 2
+    assert kernel.price([1, 2], [10, 10], [11, 12]).host_us == pytest.approx(
+        7.0 * (61 + 61 + 1) + (972 + 122) * 3.2
+    )
+    # every rank holds the packed latent and the indexer's key of each token
+    assert kernel.kv_bytes_per_token == 8 * 61 * (656 + 132)

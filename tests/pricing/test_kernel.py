@@ -38,6 +38,7 @@ DEPLOYMENTS = [
         all2all_backend="deepep_low_latency",
     ),
     Deployment(model="qwen3-30b-a3b", chip="h100", tp=2, data_parallel=4, expert_parallel=True),
+    Deployment(model="deepseek-v3.2-exp", chip="b200", tp=8, cache_dtype="nvfp4_ds_mla"),
     Deployment(
         model="deepseek-v3",
         chip="h200",

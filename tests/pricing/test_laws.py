@@ -42,6 +42,8 @@ def test_decode_reads_per_kind():
         == 2048 + 7952 / 4
     )
     assert laws.decode_read_tokens(100, "sparse_mla", top_k=2048, compress_ratio=4) == 100
+    # DSA keeps no compressed stream: only the selected positions
+    assert laws.decode_read_tokens(10000, "sparse_mla", top_k=2048) == 2048
 
 
 def test_decode_attention_mla_at_4096_context_on_h200():
@@ -131,9 +133,11 @@ def test_capture_ceiling():
 
 
 def test_graph_cost_per_mode_and_host_time():
-    assert laws.graph_host_us("full", 61, 7.0, 7.0) == 7.0
-    assert laws.graph_host_us("piecewise", 61, 7.0, 7.0) == 7.0 * 62
-    assert laws.graph_host_us("none", 61, 7.0, 7.0) == 7.0 * 61
+    assert laws.graph_host_us("full", 61, 61, 7.0, 7.0) == 7.0
+    assert laws.graph_host_us("piecewise", 61, 61, 7.0, 7.0) == 7.0 * 62
+    assert laws.graph_host_us("none", 61, 61, 7.0, 7.0) == 7.0 * 61
+    # a sparse model splits at each indexer too
+    assert laws.graph_host_us("piecewise", 61, 122, 7.0, 7.0) == 7.0 * 123
     # DeepSeek-V3 TP8 piecewise: 62 replays + 972 kernels x 3.2 us = 3544.4 us
     host = laws.host_us(np.array([434.0, 434.0]), 427.0, np.array([1, 512]), 512, 972, 3.2)
     np.testing.assert_allclose(host, [3544.4, 3544.4], rtol=1e-15)
