@@ -60,9 +60,17 @@ class Deployment(BaseModel):
     expert_parallel: bool = False
     eplb_redundant_experts: int = Field(default=0, ge=0)
     all2all_backend: All2AllBackend = "allgather_reducescatter"
+    # Decode context parallelism: each token's KV lives on one of `decode_context_parallel`
+    # ranks of the TP group, which all-gather their queries and combine partial outputs
+    # (vLLM --decode-context-parallel-size).
+    decode_context_parallel: int = Field(default=1, gt=0)
 
     @model_validator(mode="after")
     def _expert_placement(self) -> Deployment:
+        if self.tp % self.decode_context_parallel:
+            raise ValueError(
+                f"decode_context_parallel {self.decode_context_parallel} does not divide tp {self.tp}"
+            )
         if self.eplb_redundant_experts and not self.expert_parallel:
             raise ValueError("eplb_redundant_experts needs expert_parallel")
         if self.all2all_backend != "allgather_reducescatter" and not self.expert_parallel:
@@ -92,6 +100,7 @@ def deployment_for_pool(pool: Pool) -> Deployment:
         expert_parallel=pool.expert_parallel,
         eplb_redundant_experts=pool.eplb_redundant_experts,
         all2all_backend=pool.all2all_backend,
+        decode_context_parallel=pool.decode_context_parallel,
         cudagraph_mode=engine.cudagraph_mode,
         max_num_seqs=engine.max_num_seqs,
         decode_threshold=engine.decode_threshold,

@@ -22,8 +22,9 @@ request joins, except by the host's graph saving when the step passes the captur
 the floor moves from HBM to SM, so one resource (and Overlap) can.
 Expert parallelism (with EPLB's redundant experts and the point-to-point dispatch backends) and
 attention data parallelism feeding one MoE group are priced at the busiest rank, as the Go kernel
-does; so are sparse latent attention and its indexer (DeepSeek-V3.2's DSA) and an nvfp4 KV cache.
-Not modelled: context parallelism, recurrent mixers, and speculative drafter passes
+does; so are decode context parallelism on latent attention, sparse latent attention and its
+indexer (DeepSeek-V3.2's DSA) and an nvfp4 KV cache. Not modelled: prefill context parallelism,
+recurrent mixers, and speculative drafter passes
 (speculation only sets the uniform-decode width and the capture ceiling).
 """
 
@@ -51,7 +52,7 @@ from pricing.spec import (
 
 # Raised with every change to a law or to how the plan reads the data files, so a ledger priced
 # before and after does not share a weights version (CHANGELOG.md records each).
-LAWS_REVISION = 4
+LAWS_REVISION = 5
 RESOURCES = ("sm", "hbm", "nvlink", "nic", "host")
 SM, HBM, NVLINK, NIC, HOST = range(5)
 FABRIC = {"nvlink": NVLINK, "nic": NIC}
@@ -244,7 +245,8 @@ class Kernel:
         # full copy). Windowed layers hold at most their window per request, so they are not a
         # per-token rate.
         tp = deployment.tp
-        held = self.kv_layer_bytes + self.indexer_bytes
+        # Under decode context parallelism each token is held by one rank of its group.
+        held = (self.kv_layer_bytes + self.indexer_bytes) / deployment.decode_context_parallel
         self.kv_bytes_per_token = int(tp * (self.repeat * held)[~windowed].sum())
         self._kv_window_bytes = tp * self.repeat * self.kv_layer_bytes * windowed
 
@@ -343,17 +345,16 @@ class Kernel:
         reads = np.empty((len(s), len(self.read_bounds)))
         step_reads = np.empty((n_steps, len(self.read_bounds)))
         for j, bound in enumerate(self.read_bounds):
-            reads[:, j] = np.where(
-                decode,
-                laws.decode_read_tokens(
-                    context,
-                    bound.kind,
-                    window=bound.window,
-                    top_k=bound.top_k,
-                    compress_ratio=bound.compress_ratio,
-                ),
-                0.0,
+            read = laws.decode_read_tokens(
+                context,
+                bound.kind,
+                window=bound.window,
+                top_k=bound.top_k,
+                compress_ratio=bound.compress_ratio,
             )
+            if bound.context_ranks > 1:
+                read = laws.context_shard(read, bound.context_ranks)
+            reads[:, j] = np.where(decode, read, 0.0)
             step_reads[:, j] = per_step(reads[:, j])
         # Prefill attention work in query-key pairs at eps_max: per request at its own ramp
         # (physics), or raw pairs the step's single ramp is applied to later (go). Only the

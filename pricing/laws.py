@@ -90,6 +90,14 @@ def decode_read_tokens(
     return ctx
 
 
+def context_shard(tokens: ArrayLike, ranks: int) -> np.ndarray:
+    """Tokens the busiest of `ranks` holds when a sequence's KV is dealt across them in turn
+    (vLLM's decode context parallelism): ceil(tokens / ranks)."""
+    if ranks < 1:
+        raise ValueError(f"a context is dealt over at least one rank, got {ranks}")
+    return np.ceil(_floats(tokens) / ranks)
+
+
 def decode_attention_us(
     read_tokens: ArrayLike,
     floor_us: ArrayLike,

@@ -81,6 +81,7 @@ class ReadBound:
     window: int | None
     top_k: int | None
     compress_ratio: float | None
+    context_ranks: int = 1  # the read is dealt over this many ranks (`laws.context_shard`)
 
 
 WHOLE_CONTEXT = ReadBound(kind="dense", window=None, top_k=None, compress_ratio=None)
@@ -336,6 +337,9 @@ class _Planner:
                 experts = self._experts(node, bytes_per_element)
             elif isinstance(node, AttentionNode):
                 attention = self._attention(node)
+                if self.deployment.decode_context_parallel > 1:
+                    collectives += self._context_parallel_combine(node)
+                    kernels += KERNELS_PER_NODE["all_gather"] + KERNELS_PER_NODE["reduce_scatter"]
                 if attention.indexer is not None:
                     kernels += KERNELS_PER_NODE["attention"]  # the indexer is an attention op
             elif isinstance(node, ElementwiseNode):
@@ -421,6 +425,36 @@ class _Planner:
             resource="nic" if nodes > 1 else "nvlink",
         )
 
+    def _context_parallel_combine(self, node: AttentionNode) -> list[PlannedCollective]:
+        """A decode-context-parallel group all-gathers its ranks' query heads at the latent
+        width (kv_lora_rank + rope) and reduce-scatters the partial outputs at kv_lora_rank
+        (vLLM's MLA DCP: query_head_dim and output_head_dim), every token, on NVLink."""
+        dcp, tp = self.deployment.decode_context_parallel, self.deployment.tp
+        if not node.latent or node.kv_lora_rank is None:
+            raise PricingError(
+                f"decode_context_parallel {dcp} needs a latent attention stating kv_lora_rank "
+                f"(attention {node.name!r} is {node.kind})"
+            )
+        if dcp > self.chip.gpus_per_node:
+            raise PricingError(
+                f"a decode-context-parallel group of {dcp} does not fit {self.chip.name!r} nodes "
+                f"of {self.chip.gpus_per_node} GPUs"
+            )
+        heads = -(-node.q_heads // tp) * dcp
+        combine = []
+        for op, width in (("all_gather", node.head_dim), ("reduce_scatter", node.kv_lora_rank)):
+            t0, r_t, r_peak = _snap_width(self.chip, op, dcp)
+            combine.append(
+                PlannedCollective(
+                    t0_us=t0,
+                    r_t_bytes_per_us=r_t,
+                    r_peak_bytes_per_us=r_peak,
+                    bytes_per_token=float(heads * width * ACTIVATION_BYTES),
+                    resource="nvlink",
+                )
+            )
+        return combine
+
     def _top_k(self) -> int:
         return max(
             (kind.experts.top_k for kind in self.model.layer_kinds if kind.experts is not None),
@@ -458,6 +492,7 @@ class _Planner:
                 window=node.window if window_bounded else None,
                 top_k=node.top_k,
                 compress_ratio=node.compress_ratio,
+                context_ranks=self.deployment.decode_context_parallel,
             ),
             prefill_floor_us=prefill.floor_us,
             q_heads=node.q_heads,

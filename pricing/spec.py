@@ -249,6 +249,9 @@ class AttentionNode(_Node):
     # head_dim is the cached latent width decode reads.
     qk_head_dim: int | None = Field(default=None, gt=0)
     v_head_dim: int | None = Field(default=None, gt=0)
+    # Latent kinds: the compressed width of head_dim (without the rope part), the width of the
+    # per-head output a decode-context-parallel group combines.
+    kv_lora_rank: int | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
     def _kind_fields(self) -> AttentionNode:
@@ -260,8 +263,10 @@ class AttentionNode(_Node):
             raise ValueError("an indexer selects for a sparse_mla attention only")
         if (self.qk_head_dim is None) != (self.v_head_dim is None):
             raise ValueError("qk_head_dim and v_head_dim are stated together")
-        if self.qk_head_dim is not None and not self.latent:
-            raise ValueError("qk_head_dim/v_head_dim describe a latent (mla) attention only")
+        if (self.qk_head_dim is not None or self.kv_lora_rank is not None) and not self.latent:
+            raise ValueError(
+                "qk_head_dim/v_head_dim/kv_lora_rank describe a latent (mla) attention only"
+            )
         return self
 
     @property

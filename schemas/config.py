@@ -138,6 +138,7 @@ class Pool(_Strict):
     expert_parallel: bool = False
     eplb_redundant_experts: int = Field(default=0, ge=0)
     all2all_backend: All2AllBackend = "allgather_reducescatter"
+    decode_context_parallel: int = Field(default=1, gt=0)
     replicas: list[Replica] = Field(min_length=1)
     policies: Policies = Policies()
     workload: Workload | None = None

@@ -166,3 +166,34 @@ def test_a_sparse_model_launches_and_splits_at_its_indexers():
     )
     # every rank holds the packed latent and the indexer's key of each token
     assert kernel.kv_bytes_per_token == 8 * 61 * (656 + 132)
+
+
+def test_decode_context_parallel_reads_a_dealt_share_and_combines_by_hand():
+    kernel = Kernel.build(
+        Deployment(model="deepseek-v3", chip="h200", tp=8, decode_context_parallel=8)
+    )
+    dense = kernel.price([1], [4099], [4100]).per_kind["attn_dense"]
+    # the busiest rank holds ceil(4,100 / 8) = 513 of the request's bf16 latents (1,152 B)
+    assert dense["hbm_us"] == pytest.approx(
+        (583_467_008 / 8 + 4 * 28672 / 8) / H200_READ + 13.5 + 513 * 1152 / 2_928_000, rel=1e-12
+    )
+    # two TP all-reduces, then the group gathers 16 heads x 8 ranks of 576-wide queries and
+    # reduce-scatters 512-wide outputs (h200 all_gather/reduce_scatter at width 8)
+    assert dense["nvlink_us"] == pytest.approx(
+        2 * (4.71 + 14336 / 104250)
+        + (10.30 + 16 * 8 * 576 * 2 / 148_500)
+        + (10.24 + 16 * 8 * 512 * 2 / 177_750),
+        rel=1e-12,
+    )
+    # each token's latent is held once in the group: an eighth of the TP-replicated copies
+    assert kernel.kv_bytes_per_token == 61 * 1152
+    assert kernel.plan.host.kernels == 972 + 61 * 2
+
+
+def test_decode_context_parallel_needs_a_latent_attention_and_a_dividing_group():
+    with pytest.raises(PricingError, match="needs a latent attention stating kv_lora_rank"):
+        Kernel.build(
+            Deployment(model="llama-3.1-70b-instruct", chip="h200", tp=4, decode_context_parallel=2)
+        )
+    with pytest.raises(ValidationError, match="decode_context_parallel 3 does not divide tp 8"):
+        Deployment(model="deepseek-v3", chip="h200", tp=8, decode_context_parallel=3)

@@ -39,6 +39,7 @@ DEPLOYMENTS = [
     ),
     Deployment(model="qwen3-30b-a3b", chip="h100", tp=2, data_parallel=4, expert_parallel=True),
     Deployment(model="deepseek-v3.2-exp", chip="b200", tp=8, cache_dtype="nvfp4_ds_mla"),
+    Deployment(model="deepseek-v3", chip="h200", tp=8, decode_context_parallel=4),
     Deployment(
         model="deepseek-v3",
         chip="h200",
@@ -306,9 +307,11 @@ def test_deployment_for_pool_uses_the_pool_and_engine_settings():
             "data_parallel": 4,
             "expert_parallel": True,
             "eplb_redundant_experts": 32,
+            "decode_context_parallel": 2,
         }
     )
     expert = deployment_for_pool(wide)
+    assert expert.decode_context_parallel == 2
     assert (expert.tp, expert.nodes, expert.data_parallel, expert.moe_group) == (4, 1, 4, 16)
     assert (expert.expert_parallel, expert.eplb_redundant_experts) == (True, 32)
 
