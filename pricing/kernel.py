@@ -555,7 +555,7 @@ class Kernel:
         totals = composed.totals[0]
         per_kind = {
             name: {
-                "repeat": float(self.repeat[k]),
+                "repeat": int(self.repeat[k]),
                 "sm_us": float(composed.sm_dense[0, k] + composed.prefill_attention[0, k]),
                 "hbm_us": float(composed.hbm_dense[0, k]),
                 "nvlink_us": float(composed.nvlink[0, k]),
@@ -567,7 +567,7 @@ class Kernel:
             for k, name in enumerate(self.kind_names)
         }
         per_kind["head"] = {
-            "repeat": 1.0,
+            "repeat": 1,
             "sm_us": float(composed.head_sm[0]),
             "hbm_us": float(composed.head_hbm[0]),
         }
