@@ -221,6 +221,7 @@ class Kernel:
         )
         # the indexer scans every position, with every causal pair at prefill
         self.has_indexer = np.array([i is not None for i in indexers])
+        self.indexed = bool(self.has_indexer.any())
         scan = self.read_bounds.index(WHOLE_CONTEXT) if any(indexers) else 0
         self.indexer_read_policy = np.full(len(layers), scan)
         self.indexer_pair_policy = np.full(
@@ -469,9 +470,12 @@ class Kernel:
             efficiency,
             self.plan.prefill_work_scale,
         )
-        prefill_attention += self._indexer_prefill_us(
-            terms.step_pairs, terms.has_prefill[:, None] * self.indexer_prefill_floor, efficiency
-        )
+        if self.indexed:
+            prefill_attention += self._indexer_prefill_us(
+                terms.step_pairs,
+                terms.has_prefill[:, None] * self.indexer_prefill_floor,
+                efficiency,
+            )
         weights_and_activations = laws.memory_time_us(
             self.weight_bytes[None, :] + T[:, None] * self.activation_bytes[None, :],
             self._bandwidth,
@@ -483,15 +487,12 @@ class Kernel:
             self.kv_layer_bytes,
             self.decode_rate,
         )
-        hbm_dense = np.where(
-            active,
-            weights_and_activations
-            + decode_attention * self.has_attention
-            + self._indexer_decode_us(
+        hbm_layer = weights_and_activations + decode_attention * self.has_attention
+        if self.indexed:
+            hbm_layer += self._indexer_decode_us(
                 terms.step_reads, terms.has_decode[:, None] * self.indexer_decode_floor
-            ),
-            0.0,
-        )
+            )
+        hbm_dense = np.where(active, hbm_layer, 0.0)
         expert_hbm = laws.memory_time_us(
             self.expert_bytes[None, :]
             * laws.distinct_experts(routed, self.experts, self.top_k, self.local_experts),
@@ -655,12 +656,13 @@ class Kernel:
                 self.plan.prefill_work_scale,
             )
         ) @ repeat
-        slot[rows, SM] += (
-            self._indexer_prefill_us(
-                terms.pairs[rows], 0.0, composed.attention_efficiency[steps[rows]]
+        if self.indexed:
+            slot[rows, SM] += (
+                self._indexer_prefill_us(
+                    terms.pairs[rows], 0.0, composed.attention_efficiency[steps[rows]]
+                )
+                @ repeat
             )
-            @ repeat
-        )
 
         step_expert_hbm = composed.expert_hbm @ repeat
         expert_share = step_expert_hbm / np.maximum(terms.step_tokens, 1.0)
@@ -676,8 +678,9 @@ class Kernel:
                 )
             )
             @ repeat
-            + self._indexer_decode_us(terms.reads, 0.0) @ repeat
         )
+        if self.indexed:
+            slot[:, HBM] += self._indexer_decode_us(terms.reads, 0.0) @ repeat
         rate = laws.collective_rate_in_force(
             terms.step_tokens[:, None] * self.collective_bytes_per_token[None, :],
             self.collective_t0,
