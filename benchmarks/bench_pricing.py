@@ -1,17 +1,27 @@
-"""Pricing kernel speed: one 256-request step per call, and an hour-scale vectorised batch.
+"""Pricing kernel speed and accuracy.
 
-Deployment: DeepSeek-V3 fp8 on 8x H200 (TP8, piecewise graphs), the golden figure's setup,
-with mixed batches (mostly decodes at spread-out contexts, a few prefill chunks).
+Speed: one 256-request step per call, and an hour-scale vectorised batch, on DeepSeek-V3 fp8 on
+8x H200 (TP8, piecewise graphs), the golden figure's setup, with mixed batches (mostly decodes
+at spread-out contexts, a few prefill chunks). Accuracy: the load-response shape error against
+the measured TPOT sweeps in `<repo>/../shared/reference/pricing/measured/` (or under
+$STEPLEDGER_SHARED), reported when that data is present.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 from benchmarks.figure import Figure
 from pricing import Deployment, Kernel
+from pricing.shape import load_sweeps, shape_error
+
+MEASURED_TPOT = Path("reference/pricing/measured/inferencex_tpot_subset.csv")
+SHAPE_MAE_TARGET_PCT = 8.0
 
 DEPLOYMENT = Deployment(
     model="deepseek-v3",
@@ -60,9 +70,20 @@ def _steps_per_s(kernel: Kernel, n_steps: int) -> float:
     return n_steps / min(elapsed)
 
 
+def _shape_figures() -> list[Figure]:
+    repo = Path(__file__).resolve().parents[1]
+    path = Path(os.environ.get("STEPLEDGER_SHARED", repo.parent / "shared")) / MEASURED_TPOT
+    if not path.is_file():
+        print(f"  kernel_shape_mae_pct not measured: {path} is absent", file=sys.stderr)
+        return []
+    error = shape_error(load_sweeps(path))
+    return [Figure("kernel_shape_mae_pct", error.mae_pct, "%", SHAPE_MAE_TARGET_PCT, "max")]
+
+
 def figures(quick: bool) -> list[Figure]:
     kernel = Kernel.build(DEPLOYMENT)
     return [
+        *_shape_figures(),
         Figure(
             "kernel_step_us_256", _step_us_256(kernel, 300 if quick else 3000), "us", 200.0, "max"
         ),

@@ -6,19 +6,14 @@ are pure functions in `pricing.laws`; `Kernel` composes them for one deployment.
 
 from __future__ import annotations
 
-from pricing.kernel import (
-    RESOURCES,
-    Deployment,
-    Kernel,
-    SlotWork,
-    StepPrice,
-    StepPrices,
-    deployment_for_pool,
-)
+from pricing.deployment import GRAPH_MODES, CudagraphMode, Deployment, deployment_for_pool
+from pricing.kernel import RESOURCES, Kernel, SlotWork, StepPrice, StepPrices
 from pricing.spec import PricingError, chip_names, load_chip, load_model, model_names
 
 __all__ = [
+    "GRAPH_MODES",
     "RESOURCES",
+    "CudagraphMode",
     "Deployment",
     "Kernel",
     "PricingError",

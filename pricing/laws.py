@@ -6,8 +6,14 @@ measurement that justified its form; the coefficient values live in `pricing/chi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
-from numpy.typing import ArrayLike
+from numpy.typing import ArrayLike, NDArray
+
+
+def _floats(values: ArrayLike) -> NDArray[np.float64]:
+    return np.asarray(values, dtype=np.float64)
 
 
 def ramp_efficiency(tokens: ArrayLike, eps_max: float, m_half: float) -> np.ndarray:
@@ -22,7 +28,7 @@ def ramp_efficiency(tokens: ArrayLike, eps_max: float, m_half: float) -> np.ndar
 
 def ramped_arithmetic_us(
     tokens: ArrayLike,
-    flops_per_token: float,
+    flops_per_token: ArrayLike,
     peak_flops_per_us: float,
     eps_max: float,
     m_half: float,
@@ -32,13 +38,22 @@ def ramped_arithmetic_us(
     T / eps(T) = (T + m_half) / eps_max, so the time is exactly linear in tokens: a fixed
     m_half overhead plus a per-token part (zero when there are no tokens).
     """
-    m = np.asarray(tokens, dtype=np.float64)
-    return np.where(m > 0, flops_per_token * (m + m_half) / (peak_flops_per_us * eps_max), 0.0)
+    if peak_flops_per_us <= 0 or eps_max <= 0 or m_half < 0:
+        raise ValueError(
+            f"a GEMM ramp needs a positive peak and eps_max and m_half >= 0, got "
+            f"{peak_flops_per_us}, {eps_max}, {m_half}"
+        )
+    m = _floats(tokens)
+    return np.where(
+        m > 0, _floats(flops_per_token) * (m + m_half) / (peak_flops_per_us * eps_max), 0.0
+    )
 
 
 def memory_time_us(nbytes: ArrayLike, bandwidth_bytes_per_us: float, derate: float) -> np.ndarray:
     """HBM read time at the derated bandwidth: no kernel reaches the datasheet rate, and the
     registry's 0.8 is the fraction its streaming-read measurements reach on every part."""
+    if bandwidth_bytes_per_us <= 0 or derate <= 0:
+        raise ValueError(f"HBM read needs a positive rate, got {bandwidth_bytes_per_us} x {derate}")
     return np.asarray(nbytes, dtype=np.float64) / (bandwidth_bytes_per_us * derate)
 
 
@@ -55,29 +70,46 @@ def decode_read_tokens(
 
     full/mla: the whole context. A layer with a window reads at most the window (the
     step-pricing spec; the swa rate was fitted on window-bounded reads); `window_bounded=False`
-    reproduces a kernel version that reads the whole context on a windowed primary layer. sparse_mla reads
-    min(ctx, top_k) selected positions plus the rest of the compressed stream, as its
-    generation measurements stay flat to 16k context and grow only with the compressed tail.
+    reproduces a kernel version that reads the whole context on a windowed primary layer.
+    sparse_mla reads min(ctx, top_k) selected positions, plus the rest of the context at
+    1/compress_ratio where the architecture keeps a compressed stream (its generation
+    measurements stay flat to 16k context and grow only with the compressed tail); without one
+    (DeepSeek-V3.2's DSA) the unselected positions are not read.
     """
     ctx = np.maximum(np.asarray(context, dtype=np.float64), 0.0)
     if kind == "sparse_mla":
-        return np.minimum(ctx, top_k) + np.maximum(0.0, ctx - top_k) / compress_ratio
+        if top_k is None or (compress_ratio is not None and compress_ratio < 1):
+            raise ValueError(
+                f"a sparse read needs top_k and a compress_ratio >= 1 if any, got {top_k}, "
+                f"{compress_ratio}"
+            )
+        tail = 0.0 if compress_ratio is None else np.maximum(0.0, ctx - top_k) / compress_ratio
+        return np.asarray(np.minimum(ctx, top_k) + tail)
     if window is not None and window_bounded:
         return np.minimum(ctx, window)
     return ctx
 
 
+def context_shard(tokens: ArrayLike, ranks: int) -> np.ndarray:
+    """Tokens the busiest of `ranks` holds when a sequence's KV is dealt across them in turn
+    (vLLM's decode context parallelism): ceil(tokens / ranks)."""
+    if ranks < 1:
+        raise ValueError(f"a context is dealt over at least one rank, got {ranks}")
+    return np.ceil(_floats(tokens) / ranks)
+
+
 def decode_attention_us(
     read_tokens: ArrayLike,
-    floor_us: float,
-    kv_bytes_per_token_layer: float,
-    rate_bytes_per_us: float,
+    floor_us: ArrayLike,
+    kv_bytes_per_token_layer: ArrayLike,
+    rate_bytes_per_us: ArrayLike,
 ) -> np.ndarray:
     """One layer's decode attention: a measured floor (one per layer whatever the batch) plus the
     KV bytes read at the kind's measured rate (generation_attention_perf, per kind)."""
-    return (
-        floor_us
-        + np.asarray(read_tokens, dtype=np.float64) * kv_bytes_per_token_layer / rate_bytes_per_us
+    if np.any(np.asarray(rate_bytes_per_us) <= 0):
+        raise ValueError("decode attention needs a positive read rate")
+    return _floats(floor_us) + _floats(read_tokens) * _floats(kv_bytes_per_token_layer) / _floats(
+        rate_bytes_per_us
     )
 
 
@@ -95,65 +127,105 @@ def prefill_pairs(
     return x0 * c + x0 * x0 / 2.0 + (s - x0) * window
 
 
-def prefill_attention_flops(pairs: ArrayLike, q_heads: int, head_dim: int, tp: int) -> np.ndarray:
-    """Attention FLOPs on one rank: QK^T and PV, 2 FLOPs each per pair, per head and dimension."""
-    return 4.0 * np.asarray(pairs, dtype=np.float64) * q_heads * head_dim / tp
+def prefill_attention_flops(
+    pairs: ArrayLike, q_heads: ArrayLike, qk_dim: ArrayLike, v_dim: ArrayLike, tp: int
+) -> np.ndarray:
+    """Attention FLOPs on one rank: QK^T over qk_dim and PV over v_dim, 2 FLOPs per multiply-add,
+    per pair and head (4 * head_dim when both widths are the head's)."""
+    if tp < 1:
+        raise ValueError(f"tp must be at least 1, got {tp}")
+    return 2.0 * _floats(pairs) * _floats(q_heads) * (_floats(qk_dim) + _floats(v_dim)) / tp
 
 
 def prefill_attention_us(
     pairs: ArrayLike,
-    q_heads: int,
-    head_dim: int,
+    q_heads: ArrayLike,
+    qk_dim: ArrayLike,
+    v_dim: ArrayLike,
     tp: int,
-    floor_us: float,
+    floor_us: ArrayLike,
     peak_flops_per_us: float,
     efficiency: ArrayLike,
     work_scale: float,
 ) -> np.ndarray:
     """Prefill attention on SM: a floor plus its FLOPs at the GEMM ramp scaled by work_scale,
     the fraction of the GEMM rate context_attention_perf reaches."""
-    flops = prefill_attention_flops(pairs, q_heads, head_dim, tp)
-    return floor_us + flops / (
-        peak_flops_per_us * np.asarray(efficiency, dtype=np.float64) * work_scale
-    )
+    rate = peak_flops_per_us * np.asarray(efficiency, dtype=np.float64) * work_scale
+    if np.any(rate <= 0):
+        raise ValueError("prefill attention needs a positive rate (peak, efficiency, work_scale)")
+    return _floats(floor_us) + prefill_attention_flops(pairs, q_heads, qk_dim, v_dim, tp) / rate
 
 
-def distinct_experts(tokens: ArrayLike, experts: int, top_k: int) -> np.ndarray:
-    """Expected distinct experts a step touches: E * (1 - ((E - k) / E)^T), uniform routing;
-    median measured routing imbalance is within 0.4% of 1 on Hopper (moe_perf)."""
-    t = np.asarray(tokens, dtype=np.float64)
-    return experts * (1.0 - np.power((experts - top_k) / experts, t))
+def distinct_experts(
+    tokens: ArrayLike, experts: ArrayLike, top_k: ArrayLike, local_experts: ArrayLike
+) -> np.ndarray:
+    """Expected distinct experts of a rank's `local_experts` a step touches:
+    local * (1 - ((E - k) / E)^T), uniform routing, each token choosing k of E; median measured
+    routing imbalance is within 0.4% of 1 on Hopper (moe_perf)."""
+    e, k = _floats(experts), _floats(top_k)
+    if np.any(e < 1) or np.any(k < 0) or np.any(k > e):
+        raise ValueError("distinct experts needs experts >= 1 and 0 <= top_k <= experts")
+    t = _floats(tokens)
+    return _floats(local_experts) * (1.0 - np.power((e - k) / e, t))
 
 
-def collective_us(message_bytes: ArrayLike, t0_us: float, r_t: float, r_peak: float) -> np.ndarray:
+def collective_us(
+    message_bytes: ArrayLike, t0_us: ArrayLike, r_t: ArrayLike, r_peak: ArrayLike
+) -> np.ndarray:
     """max(t0 + b / r_t, b / r_peak): nccl_perf and custom_allreduce_perf sweeps show a fixed
     launch cost and a slower rate over step-sized messages, and the peak rate on large ones."""
-    b = np.asarray(message_bytes, dtype=np.float64)
-    return np.maximum(t0_us + b / r_t, b / r_peak)
+    if np.any(np.asarray(r_t) <= 0) or np.any(np.asarray(r_peak) <= 0):
+        raise ValueError("a collective needs positive rates")
+    b, t0, rt, rp = _floats(message_bytes), _floats(t0_us), _floats(r_t), _floats(r_peak)
+    return np.maximum(t0 + b / rt, b / rp)
+
+
+def collective_rate_in_force(
+    message_bytes: ArrayLike, t0_us: ArrayLike, r_t: ArrayLike, r_peak: ArrayLike
+) -> np.ndarray:
+    """The byte rate `collective_us` charges a message of this size at: r_t while the launch
+    cost plus the step-range rate sets the time, r_peak past the crossover."""
+    b, t0, rt, rp = _floats(message_bytes), _floats(t0_us), _floats(r_t), _floats(r_peak)
+    return np.where(t0 + b / rt >= b / rp, rt, rp)
 
 
 def cross_node_span(bandwidth_ratio: float, nodes: int, group: int) -> float:
     """Byte multiplier of a ring collective whose group crosses nodes: 1 + (ratio - 1) * cross / total,
     with cross = nodes - 1 hops of `total = group - 1` on the slower fabric."""
+    if nodes < 1 or bandwidth_ratio <= 0:
+        raise ValueError(
+            f"a span needs nodes >= 1 and a positive ratio, got {nodes}, {bandwidth_ratio}"
+        )
     if group <= 1:
         return 1.0
     return 1.0 + (bandwidth_ratio - 1.0) * (nodes - 1) / (group - 1)
 
 
-def capture_ceiling(max_num_seqs: int, num_spec_tokens: int, fp4_blackwell: bool) -> int:
+def capture_ceiling(max_num_seqs: int, num_spec_tokens: int, blackwell: bool) -> int:
     """Largest token count vLLM captures in a CUDA graph: min(max_num_seqs * (1 + spec) * 2, 512),
-    1024 on native-fp4 Blackwell (vLLM v0.31.0 compilation config defaults)."""
-    return min(max_num_seqs * (1 + num_spec_tokens) * 2, 1024 if fp4_blackwell else 512)
+    1024 on data-center Blackwell whatever the served dtype (vLLM v0.31.0
+    `VllmConfig._set_cudagraph_sizes` decides from the device, not the quantization)."""
+    if max_num_seqs < 1 or num_spec_tokens < 0:
+        raise ValueError(
+            f"capture ceiling needs max_num_seqs >= 1 and num_spec_tokens >= 0, "
+            f"got {max_num_seqs} and {num_spec_tokens}"
+        )
+    return min(max_num_seqs * (1 + num_spec_tokens) * 2, 1024 if blackwell else 512)
 
 
-def graph_host_us(mode: str, layers: int, replay_us: float, eager_per_layer_us: float) -> float:
+def graph_host_us(
+    mode: str, layers: int, splits: int, replay_us: float, eager_per_layer_us: float
+) -> float:
     """CPU cost of running the step's graph(s): one replay (full), one per piece (piecewise
-    splits at every attention, so layers + 1 pieces), or eager launches per layer (none).
-    Values are registry assumptions; their sum with dispatch matches two Granite-5 ITL runs."""
+    splits at every attention op, vLLM's CompilationConfig splitting ops: `splits` of them make
+    splits + 1 pieces), or eager launches per layer (none). Values are registry assumptions;
+    their sum with dispatch matches two Granite-5 ITL runs."""
+    if layers < 1 or splits < 0:
+        raise ValueError(f"a graph needs layers >= 1 and splits >= 0, got {layers}, {splits}")
     if mode == "full":
         return replay_us
     if mode == "piecewise":
-        return replay_us * (layers + 1)
+        return replay_us * (splits + 1)
     return eager_per_layer_us * layers
 
 
@@ -166,11 +238,22 @@ def host_us(
     dispatch_us: float,
 ) -> np.ndarray:
     """Host time per step: the graph cost of the step's capture mode plus a dispatch cost per
-    kernel (3.2 us, backed out of two end-to-end ITL runs). Past the capture ceiling the step
-    runs eager but is never charged less than captured, so adding a request never lowers it."""
+    kernel (3.2 us, backed out of two end-to-end ITL runs). Past the capture ceiling vLLM runs
+    the step with no graph, a uniform decode included (vllm/v1/worker/gpu/cudagraph_utils.py
+    at v0.31.0), so the CPU pays the eager launches, even where that is less than the
+    piecewise replays it would have paid below the ceiling."""
     captured = np.asarray(captured_graph_us, dtype=np.float64)
-    graph = np.where(np.asarray(tokens) > ceiling, np.maximum(captured, eager_graph_us), captured)
+    graph = np.where(np.asarray(tokens) > ceiling, eager_graph_us, captured)
     return graph + kernels * dispatch_us
+
+
+@dataclass(frozen=True)
+class ComposedStep:
+    totals: np.ndarray  # (steps, 5) in the kernel's RESOURCES order
+    overlap: np.ndarray
+    nooverlap: np.ndarray
+    stage: np.ndarray  # (steps, kinds) one layer's time with its resources overlapped
+    bottleneck: np.ndarray
 
 
 def compose_step(
@@ -185,7 +268,7 @@ def compose_step(
     head_sm: np.ndarray,
     head_hbm: np.ndarray,
     host: np.ndarray,
-) -> dict[str, np.ndarray]:
+) -> ComposedStep:
     """Compose steps from per-layer-kind times, arrays (steps, kinds); head and host (steps,).
 
     Within a layer the resources overlap (the busiest one sets its time) except the routed
@@ -214,10 +297,10 @@ def compose_step(
     )
     nooverlap = totals.sum(axis=1)
     overlap = np.minimum(stage @ repeat + np.maximum(head_sm, head_hbm) + host, nooverlap)
-    return {
-        "totals": totals,
-        "overlap": overlap,
-        "nooverlap": nooverlap,
-        "stage": stage,
-        "bottleneck": np.argmax(totals, axis=1),
-    }
+    return ComposedStep(
+        totals=totals,
+        overlap=overlap,
+        nooverlap=nooverlap,
+        stage=stage,
+        bottleneck=np.argmax(totals, axis=1),
+    )

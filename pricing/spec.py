@@ -6,12 +6,20 @@ error names the file and the field. Numbers stay in the files, with their source
 
 from __future__ import annotations
 
+import hashlib
 from functools import cache
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    model_validator,
+)
 
 CHIPS_DIR = Path(__file__).resolve().parent / "chips"
 MODELS_DIR = Path(__file__).resolve().parent / "models"
@@ -34,7 +42,9 @@ WEIGHT_BYTES: dict[str, float] = {
     "nvfp4": 0.5,
 }
 # KV cache bytes per element; "auto" is vLLM's default (the activation dtype, bf16 here).
-CACHE_BYTES: dict[str, int] = {
+# nvfp4 stores four-bit values with one fp8 (e4m3) scale per 16-element block, NVFP4's block
+# size: 0.5 + 1/16 bytes per element, a whole number per token for head widths of 16k.
+CACHE_BYTES: dict[str, float] = {
     "auto": 2,
     "bf16": 2,
     "fp16": 2,
@@ -42,14 +52,50 @@ CACHE_BYTES: dict[str, int] = {
     "fp8_e4m3": 1,
     "fp8_e5m2": 1,
     "fp8_ds_mla": 1,
+    "nvfp4": 0.5625,
+    "nvfp4_ds_mla": 0.5625,
 }
-# vLLM's packed DeepSeek latent cache stores 656 bytes per token per layer (fp8 latent plus
-# bf16 rope part and scales) instead of 576.
-PACKED_LATENT_BYTES: dict[str, int] = {"fp8_ds_mla": 656}
+# Cache formats only a Blackwell part's attention kernels read.
+FOUR_BIT_CACHES = frozenset({"nvfp4", "nvfp4_ds_mla"})
+# The packed DeepSeek latent caches, per token per layer (the Go kernel's constants): fp8 latent
+# plus bf16 rope part and scales, 656 bytes instead of 576; the nvfp4 one 352.
+PACKED_LATENT_BYTES: dict[str, int] = {"fp8_ds_mla": 656, "nvfp4_ds_mla": 352}
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _DataFile(_Strict):
+    """A spec read from one YAML file; `digest` is the SHA-256 of the file's bytes."""
+
+    _digest: str = PrivateAttr(default="")
+
+    @property
+    def digest(self) -> str:
+        return self._digest
+
+
+# Where a coefficient's value comes from: a sweep it was fitted on ("measured"), an end-to-end
+# run it was backed out of ("fitted"), or a stated choice nobody measured ("assumed").
+Basis = Literal["measured", "fitted", "assumed"]
+
+
+class _Coefficients(_Strict):
+    """A block of coefficients whose `basis` states, for each of them, where its value came from."""
+
+    basis: dict[str, Basis]
+
+    @model_validator(mode="after")
+    def _every_coefficient_has_a_basis(self) -> _Coefficients:
+        stated = set(self.basis)
+        coefficients = set(type(self).model_fields) - {"basis", "source"}
+        if stated != coefficients:
+            raise ValueError(
+                f"basis must name exactly {sorted(coefficients)}; "
+                f"missing {sorted(coefficients - stated)}, unknown {sorted(stated - coefficients)}"
+            )
+        return self
 
 
 # ----------------------------------------------------------------------------------- chips
@@ -58,19 +104,19 @@ class Ramp(_Strict):
     m_half: float = Field(ge=0)
 
 
-class GemmBlock(_Strict):
+class GemmBlock(_Coefficients):
     source: str = Field(min_length=1)
     ramps: dict[str, Ramp] = Field(min_length=1)
     hbm_derate: float = Field(gt=0, le=1)
     moe_routing_imbalance: float = Field(gt=0)
 
 
-class DecodeAttention(_Strict):
+class DecodeAttention(_Coefficients):
     floor_us: float = Field(ge=0)
     rate_bytes_per_us: float = Field(gt=0)
 
 
-class PrefillAttention(_Strict):
+class PrefillAttention(_Coefficients):
     floor_us: float = Field(ge=0)
     work_scale: float = Field(gt=0)
 
@@ -90,6 +136,7 @@ CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "all2all"]
 
 class CollectivesBlock(_Strict):
     source: str = Field(min_length=1)
+    basis: Basis  # one sweep per chip measured every width of every op
     # width -> [t0_us, r_t_bytes_per_us, r_peak_bytes_per_us]
     all_reduce: dict[int, CollectiveTriple] = {}
     all_gather: dict[int, CollectiveTriple] = {}
@@ -97,7 +144,7 @@ class CollectivesBlock(_Strict):
     all2all: dict[int, CollectiveTriple] = {}
 
 
-class HostBlock(_Strict):
+class HostBlock(_Coefficients):
     source: str = Field(min_length=1)
     replay_graph_us: float = Field(ge=0)
     eager_launch_per_layer_us: float = Field(ge=0)
@@ -112,7 +159,7 @@ class MeasuredEngine(_Strict):
     version: str = Field(min_length=1)
 
 
-class ChipSpec(_Strict):
+class ChipSpec(_DataFile):
     name: str = Field(min_length=1)
     source: str = Field(min_length=1)
     measured_engine: MeasuredEngine
@@ -128,6 +175,12 @@ class ChipSpec(_Strict):
     collectives: CollectivesBlock
     host: HostBlock
 
+    @property
+    def blackwell(self) -> bool:
+        """Data-center Blackwell: the only parts with a native four-bit peak. vLLM keys its
+        attention backend and its CUDA-graph capture sizes on this generation."""
+        return "nvfp4" in self.peak_tflops
+
     @model_validator(mode="after")
     def _every_peak_has_a_ramp(self) -> ChipSpec:
         missing = sorted(set(self.peak_tflops) - set(self.gemm.ramps))
@@ -140,8 +193,8 @@ class ChipSpec(_Strict):
 
 # ----------------------------------------------------------------------------------- models
 # Collective emit conditions. Sequence-parallel MoE is not a deployment option here, so
-# `tensor_parallel_unless_sp_moe` emits exactly when TP > 1; expert parallelism is not
-# modelled, so `expert_parallel` collectives never emit.
+# `tensor_parallel_unless_sp_moe` emits exactly when TP > 1; `expert_parallel` collectives emit
+# when the deployment places experts across a MoE group of more than one rank.
 Emit = Literal["always", "tensor_parallel", "tensor_parallel_unless_sp_moe", "expert_parallel"]
 
 
@@ -173,6 +226,15 @@ class GroupedGemmNode(_Node):
         return self
 
 
+class Indexer(_Strict):
+    """A sparse layer's top-k selector: it scores every cached position with its own small
+    single-head cache (keys and scales), replicated on every rank."""
+
+    heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    cache_bytes_per_token: int = Field(gt=0)
+
+
 class AttentionNode(_Node):
     op: Literal["attention"]
     kind: Literal["gqa", "swa", "mla", "sparse_mla"]
@@ -182,13 +244,29 @@ class AttentionNode(_Node):
     window: int | None = Field(default=None, gt=0)
     top_k: int | None = Field(default=None, gt=0)  # sparse_mla: positions the indexer selects
     compress_ratio: float | None = Field(default=None, ge=1)  # sparse_mla: compressed stream ratio
+    indexer: Indexer | None = None  # sparse_mla: the scorer that selects top_k
+    # Latent kinds: the expanded per-head widths prefill runs at (qk_nope + qk_rope, v_head_dim);
+    # head_dim is the cached latent width decode reads.
+    qk_head_dim: int | None = Field(default=None, gt=0)
+    v_head_dim: int | None = Field(default=None, gt=0)
+    # Latent kinds: the compressed width of head_dim (without the rope part), the width of the
+    # per-head output a decode-context-parallel group combines.
+    kv_lora_rank: int | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
     def _kind_fields(self) -> AttentionNode:
         if self.kind == "swa" and self.window is None:
             raise ValueError("a swa attention needs a window")
-        if self.kind == "sparse_mla" and (self.top_k is None or self.compress_ratio is None):
-            raise ValueError("a sparse_mla attention needs top_k and compress_ratio")
+        if self.kind == "sparse_mla" and self.top_k is None:
+            raise ValueError("a sparse_mla attention needs top_k")
+        if self.indexer is not None and self.kind != "sparse_mla":
+            raise ValueError("an indexer selects for a sparse_mla attention only")
+        if (self.qk_head_dim is None) != (self.v_head_dim is None):
+            raise ValueError("qk_head_dim and v_head_dim are stated together")
+        if (self.qk_head_dim is not None or self.kv_lora_rank is not None) and not self.latent:
+            raise ValueError(
+                "qk_head_dim/v_head_dim/kv_lora_rank describe a latent (mla) attention only"
+            )
         return self
 
     @property
@@ -239,7 +317,7 @@ class HeadSpec(_Strict):
     weight_dtype: str | None = None
 
 
-class ModelSpec(_Strict):
+class ModelSpec(_DataFile):
     name: str = Field(min_length=1)
     source: str = Field(min_length=1)
     weight_dtype: str
@@ -247,7 +325,7 @@ class ModelSpec(_Strict):
     vocab_size: int = Field(gt=0)
     # Stated KV bytes per token at TP 1 per cache dtype; checked against the graph so a typo in
     # an attention node cannot silently misprice memory.
-    kv_bytes_per_token_tp1: dict[str, int] = {}
+    kv_bytes_per_token_tp1: dict[str, float] = {}
     layer_kinds: list[LayerKind] = Field(min_length=1)
     head: HeadSpec
 
@@ -273,7 +351,7 @@ class ModelSpec(_Strict):
             )
             if derived != stated:
                 raise ValueError(
-                    f"kv_bytes_per_token_tp1[{cache_dtype}] states {stated} but the attention nodes give {derived}"
+                    f"kv_bytes_per_token_tp1[{cache_dtype}] states {stated:g} but the attention nodes give {derived:g}"
                 )
         return self
 
@@ -288,7 +366,7 @@ class ModelSpec(_Strict):
         return sum(kind.repeat for kind in self.layer_kinds)
 
 
-def kv_bytes_per_token_layer(attention: AttentionNode, tp: int, cache_dtype: str) -> int:
+def kv_bytes_per_token_layer(attention: AttentionNode, tp: int, cache_dtype: str) -> float:
     """KV bytes one token occupies in one layer on one rank.
 
     Keys and values are two tensors, a latent one; KV heads shard across TP down to one head
@@ -302,13 +380,17 @@ def kv_bytes_per_token_layer(attention: AttentionNode, tp: int, cache_dtype: str
 
 
 # ----------------------------------------------------------------------------------- loading
-def _load(directory: Path, name: str, what: str, spec_type: type[ChipSpec] | type[ModelSpec]):
+Spec = TypeVar("Spec", ChipSpec, ModelSpec)
+
+
+def _load(directory: Path, name: str, what: str, spec_type: type[Spec]) -> Spec:
     path = directory / f"{name}.yaml"
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in directory.glob("*.yaml")))
         raise PricingError(f"unknown {what} {name!r}: no {path} (known {what}s: {known})")
+    content = path.read_bytes()
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.safe_load(content)
     except yaml.YAMLError as err:
         raise PricingError(f"{path}: not valid YAML: {err}") from err
     try:
@@ -321,6 +403,7 @@ def _load(directory: Path, name: str, what: str, spec_type: type[ChipSpec] | typ
         raise PricingError(
             f"{path}: field name: {spec.name!r} does not match the file name {name!r}"
         )
+    spec._digest = hashlib.sha256(content).hexdigest()
     return spec
 
 

@@ -16,6 +16,8 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pricing.deployment import All2AllBackend, CudagraphMode
+
 
 class ConfigError(ValueError):
     """A configuration file is unreadable or invalid; the message names file, line and field."""
@@ -39,9 +41,7 @@ class EngineSettings(_Strict):
 
     max_num_seqs: int = Field(default=256, gt=0)
     max_num_batched_tokens: int = Field(default=8192, gt=0)
-    cudagraph_mode: Literal[
-        "NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"
-    ] = "FULL_AND_PIECEWISE"
+    cudagraph_mode: CudagraphMode = "FULL_AND_PIECEWISE"
     decode_threshold: int = Field(default=1, gt=0)
     num_spec_tokens: int = Field(default=0, ge=0)
     # KV blocks on the replica; the simulator's scheduler admits while blocks are free.
@@ -156,12 +156,24 @@ class Pool(_Strict):
     slo_owner: str = Field(min_length=1)
     target_utilization: float = Field(default=0.7, gt=0.0, le=1.0)
     engine: EngineSettings = EngineSettings()
+    # Attention data-parallel replicas within one replica's GPUs (TP = gpus_per_replica /
+    # data_parallel each) feeding one MoE group, and how its experts are placed (pricing.Deployment).
+    data_parallel: int = Field(default=1, gt=0)
+    expert_parallel: bool = False
+    eplb_redundant_experts: int = Field(default=0, ge=0)
+    all2all_backend: All2AllBackend = "allgather_reducescatter"
+    decode_context_parallel: int = Field(default=1, gt=0)
     replicas: list[Replica] = Field(min_length=1)
     policies: Policies = Policies()
     workload: Workload | None = None
 
     @model_validator(mode="after")
     def _replicas_match_width(self) -> Pool:
+        if self.gpus_per_replica % self.data_parallel:
+            raise ValueError(
+                f"gpus_per_replica {self.gpus_per_replica} is not a multiple of "
+                f"data_parallel {self.data_parallel}"
+            )
         for replica in self.replicas:
             if len(replica.gpu_uuids) != self.gpus_per_replica:
                 raise ValueError(

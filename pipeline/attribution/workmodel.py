@@ -213,15 +213,12 @@ class KernelWeights:
 
     @classmethod
     def from_deployment(cls, deployment: Any) -> KernelWeights:
-        """Build the kernel for a pricing.Deployment; the version hashes the deployment."""
+        """Build the kernel for a pricing.Deployment; its version hashes the deployment, the
+        laws' revision and the chip and model files."""
         from pricing import Kernel
 
-        canonical = json.dumps(deployment.model_dump(mode="json"), sort_keys=True)
-        digest = hashlib.sha256(canonical.encode()).hexdigest()[:10]
-        return cls(
-            Kernel.build(deployment),
-            f"kernel-{deployment.model}-{deployment.chip}-tp{deployment.tp}-{digest}",
-        )
+        kernel = Kernel.build(deployment)
+        return cls(kernel, kernel.version)
 
     @classmethod
     def for_pool(cls, pool: Pool) -> KernelWeights:

@@ -9,8 +9,7 @@ import click
 import numpy as np
 from pydantic import ValidationError
 
-from pricing import RESOURCES, Deployment, Kernel, PricingError, StepPrice
-from pricing.kernel import GRAPH_MODES
+from pricing import GRAPH_MODES, RESOURCES, Deployment, Kernel, PricingError, StepPrice
 
 SWEEP_BATCHES = np.arange(1, 257)
 
@@ -157,7 +156,7 @@ def _sweep(
 @click.option("--cache-dtype", default=None, help="KV cache dtype (default: auto = bf16)")
 @click.option(
     "--cudagraph",
-    type=click.Choice(list(GRAPH_MODES)),
+    type=click.Choice(list(GRAPH_MODES), case_sensitive=False),
     default="FULL_AND_PIECEWISE",
     show_default=True,
 )

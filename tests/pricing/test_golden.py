@@ -73,7 +73,7 @@ def test_batch_one_breakdown_matches_the_hand_derivation(kernel):
         price.per_kind["head"],
     )
     assert price.host_us == pytest.approx(62 * 7.0 + 972 * 3.2, rel=1e-12)
-    assert kernel.kernels == 972
+    assert kernel.plan.host.kernels == 972
     attention = 13.5 + 4096 * 576 / 2.928e6
     assert dense["hbm_us"] == pytest.approx(
         583_467_008 / 8 / 3.84e6 + 4 * 28672 / 8 / 3.84e6 + attention, rel=1e-12

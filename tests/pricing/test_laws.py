@@ -42,6 +42,8 @@ def test_decode_reads_per_kind():
         == 2048 + 7952 / 4
     )
     assert laws.decode_read_tokens(100, "sparse_mla", top_k=2048, compress_ratio=4) == 100
+    # DSA keeps no compressed stream: only the selected positions
+    assert laws.decode_read_tokens(10000, "sparse_mla", top_k=2048) == 2048
 
 
 def test_decode_attention_mla_at_4096_context_on_h200():
@@ -63,20 +65,43 @@ def test_prefill_pairs_causal_and_windowed():
 
 
 def test_prefill_attention_flops_and_time():
-    flops = laws.prefill_attention_flops(10_000, 32, 128, 2)
+    flops = laws.prefill_attention_flops(10_000, 32, 128, 128, 2)
     assert flops == 4 * 10_000 * 32 * 128 / 2
     # 18.5 us floor + 81.92e6 FLOP at 989.5e6 FLOP/us x 0.5 x 0.4
     expected = 18.5 + 81_920_000 / (989.5e6 * 0.5 * 0.4)
-    assert laws.prefill_attention_us(10_000, 32, 128, 2, 18.5, 989.5e6, 0.5, 0.4) == pytest.approx(
-        expected, rel=1e-15
-    )
+    assert laws.prefill_attention_us(
+        10_000, 32, 128, 128, 2, 18.5, 989.5e6, 0.5, 0.4
+    ) == pytest.approx(expected, rel=1e-15)
+    # DeepSeek-V3's expanded MLA prefill: scores over 192 (128 nope + 64 rope), values at 128
+    assert laws.prefill_attention_flops(1_000, 128, 192, 128, 8) == 2 * 1_000 * 128 * 320 / 8
+    with pytest.raises(ValueError, match="tp"):
+        laws.prefill_attention_flops(1, 1, 1, 1, 0)
+    with pytest.raises(ValueError, match="positive rate"):
+        laws.prefill_attention_us(1, 1, 1, 1, 1, 0.0, 989.5e6, 0.0, 0.4)
+
+
+def test_laws_refuse_a_zero_rate_or_an_impossible_span():
+    with pytest.raises(ValueError, match="positive rate"):
+        laws.memory_time_us(1.0, 0.0, 0.8)
+    with pytest.raises(ValueError, match="read rate"):
+        laws.decode_attention_us(1.0, 0.0, 576, 0.0)
+    with pytest.raises(ValueError, match="positive rates"):
+        laws.collective_us(1.0, 1.0, 0.0, 1.0)
+    with pytest.raises(ValueError, match="ramp"):
+        laws.ramped_arithmetic_us(1.0, 1.0, 0.0, 0.5, 10.0)
+    with pytest.raises(ValueError, match="top_k"):
+        laws.distinct_experts(1, 8, 9, 8)
+    with pytest.raises(ValueError, match="span"):
+        laws.cross_node_span(9.0, 0, 8)
+    with pytest.raises(ValueError, match="compress_ratio"):
+        laws.decode_read_tokens(10, "sparse_mla", top_k=4, compress_ratio=0.5)
 
 
 def test_distinct_experts():
-    assert laws.distinct_experts(1, 256, 8) == pytest.approx(8.0, rel=1e-14)
-    assert laws.distinct_experts(2, 256, 8) == pytest.approx(256 - 248**2 / 256, rel=1e-14)
-    assert laws.distinct_experts(0, 256, 8) == 0.0
-    assert laws.distinct_experts(100_000, 256, 8) == pytest.approx(256.0, rel=1e-12)
+    assert laws.distinct_experts(1, 256, 8, 256) == pytest.approx(8.0, rel=1e-14)
+    assert laws.distinct_experts(2, 256, 8, 256) == pytest.approx(256 - 248**2 / 256, rel=1e-14)
+    assert laws.distinct_experts(0, 256, 8, 256) == 0.0
+    assert laws.distinct_experts(100_000, 256, 8, 256) == pytest.approx(256.0, rel=1e-12)
 
 
 def test_collective_fixed_cost_then_peak_rate():
@@ -87,6 +112,8 @@ def test_collective_fixed_cost_then_peak_rate():
     # the peak rate binds only where it is below the step-range rate's line
     assert laws.collective_us(1e6, 1.0, 2e6, 1e5) == pytest.approx(10.0, rel=1e-15)
     assert laws.collective_us(1e3, 1.0, 2e6, 1e5) == pytest.approx(1.0005, rel=1e-15)
+    assert laws.collective_rate_in_force(1e6, 1.0, 2e6, 1e5) == 1e5
+    assert laws.collective_rate_in_force(1e3, 1.0, 2e6, 1e5) == 2e6
 
 
 def test_cross_node_span():
@@ -100,18 +127,25 @@ def test_capture_ceiling():
     assert laws.capture_ceiling(64, 0, False) == 128
     assert laws.capture_ceiling(64, 1, False) == 256
     assert laws.capture_ceiling(1024, 0, True) == 1024
+    assert laws.capture_ceiling(256, 0, True) == 512
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        laws.capture_ceiling(0, 0, False)
 
 
 def test_graph_cost_per_mode_and_host_time():
-    assert laws.graph_host_us("full", 61, 7.0, 7.0) == 7.0
-    assert laws.graph_host_us("piecewise", 61, 7.0, 7.0) == 7.0 * 62
-    assert laws.graph_host_us("none", 61, 7.0, 7.0) == 7.0 * 61
+    assert laws.graph_host_us("full", 61, 61, 7.0, 7.0) == 7.0
+    assert laws.graph_host_us("piecewise", 61, 61, 7.0, 7.0) == 7.0 * 62
+    assert laws.graph_host_us("none", 61, 61, 7.0, 7.0) == 7.0 * 61
+    # a sparse model splits at each indexer too
+    assert laws.graph_host_us("piecewise", 61, 122, 7.0, 7.0) == 7.0 * 123
     # DeepSeek-V3 TP8 piecewise: 62 replays + 972 kernels x 3.2 us = 3544.4 us
-    host = laws.host_us(np.array([434.0, 434.0]), 427.0, np.array([1, 600]), 512, 972, 3.2)
+    host = laws.host_us(np.array([434.0, 434.0]), 427.0, np.array([1, 512]), 512, 972, 3.2)
     np.testing.assert_allclose(host, [3544.4, 3544.4], rtol=1e-15)
-    # past the ceiling a full-graph step is charged eager launches, never less than captured
+    # past the ceiling a step is charged eager launches, more or less than its captured cost
     host = laws.host_us(np.array([7.0, 7.0]), 427.0, np.array([512, 513]), 512, 972, 3.2)
     np.testing.assert_allclose(host, [7.0 + 3110.4, 427.0 + 3110.4], rtol=1e-15)
+    host = laws.host_us(np.array([434.0, 434.0]), 427.0, np.array([512, 513]), 512, 972, 3.2)
+    np.testing.assert_allclose(host, [434.0 + 3110.4, 427.0 + 3110.4], rtol=1e-15)
 
 
 def test_compose_step_by_hand():
@@ -131,10 +165,10 @@ def test_compose_step_by_hand():
         host=np.array([20.0]),
     )
     # stages: max(12, 5, 3, 0) = 12; max(1, 8, 3, 9) + 4 + 6 = 19
-    np.testing.assert_allclose(composed["stage"], [[12.0, 19.0]])
+    np.testing.assert_allclose(composed.stage, [[12.0, 19.0]])
     sm = 2 * 12 + 3 * (1 + 4) + 7
     hbm = 2 * 5 + 3 * (8 + 6) + 11
-    np.testing.assert_allclose(composed["totals"], [[sm, hbm, 15.0, 27.0, 20.0]])
-    assert composed["nooverlap"][0] == sm + hbm + 15 + 27 + 20
-    assert composed["overlap"][0] == 2 * 12 + 3 * 19 + 11 + 20
-    assert composed["bottleneck"][0] == 1  # hbm
+    np.testing.assert_allclose(composed.totals, [[sm, hbm, 15.0, 27.0, 20.0]])
+    assert composed.nooverlap[0] == sm + hbm + 15 + 27 + 20
+    assert composed.overlap[0] == 2 * 12 + 3 * 19 + 11 + 20
+    assert composed.bottleneck[0] == 1  # hbm

@@ -274,7 +274,7 @@ def test_the_attribution_examples_in_the_docs_still_hold(
         "A        acme            39458        0        39458",  # the seed's step, alpha 1
         "B        acme             2908     7000         9908",  # alpha 0.8
         "H        globex              0     4098         4098",  # alpha from evidence: 0.75
-        "A        acme            29021        0        29021",  # kernel weights
+        "A        acme            29028        0        29028",  # kernel weights
         "cache_credit   platform / (prefix-cache)             -7476",
         "headroom       support / (headroom)             2519910000",
     ):

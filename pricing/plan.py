@@ -1,0 +1,536 @@
+"""A deployment's model graph collapsed once into what pricing a step needs.
+
+One `PlannedLayer` per distinct layer kind, with its repeat count and its per-rank work pre-summed
+(as the Go kernel's `Plan`/`PlannedLayer`): collectives whose emit condition does not hold are
+resolved out, coefficients are looked up in the chip file, and shape-independent work (weight
+bytes, expert counts) is summed into scalars. The kernel evaluates the laws over these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pricing import laws
+from pricing.deployment import GRAPH_MODES, Deployment
+from pricing.spec import (
+    CACHE_BYTES,
+    FOUR_BIT_CACHES,
+    WEIGHT_BYTES,
+    AttentionNode,
+    ChipSpec,
+    CollectiveNode,
+    DecodeKind,
+    ElementwiseNode,
+    GemmNode,
+    GroupedGemmNode,
+    LayerKind,
+    ModelSpec,
+    PricingError,
+    Ramp,
+    kv_bytes_per_token_layer,
+)
+
+# GPU kernels each graph node launches (blis-latency-kernel plan constants, counted from the
+# graph's primitives); a collective whose emit condition does not hold launches none.
+KERNELS_PER_NODE = {
+    "gemm": 1,
+    "grouped_gemm": 4,
+    "attention": 2,
+    "elementwise": 1,
+    "all_reduce": 1,
+    "all_gather": 1,
+    "reduce_scatter": 1,
+    "all2all": 2,
+}
+HEAD_KERNELS = 2  # final norm + lm_head
+# Collectives, norms and hidden states move bf16 activations whatever the weight format: vLLM's
+# quantized linears return out_dtype = x.dtype (ScaledMMLinearKernel at v0.31.0).
+ACTIVATION_BYTES = 2
+# Collective widths the registry searched; wider groups use the widest measured width.
+WIDEST_SEARCHED_WIDTH = 16
+# vLLM's default max_num_seqs: 1024 on parts with at least 70 GiB except A100s, else 256
+# (vllm/engine/arg_utils.py default_max_num_seqs).
+LARGE_PART_GIB = 70
+LARGE_PART_MAX_NUM_SEQS = 1024
+SMALL_PART_MAX_NUM_SEQS = 256
+
+Resource = Literal["nvlink", "nic"]
+ReadKind = Literal["dense", "sparse_mla"]
+DECODE_KIND: dict[str, DecodeKind] = {
+    "gqa": "full",
+    "swa": "swa",
+    "mla": "mla",
+    "sparse_mla": "sparse_mla",
+}
+
+
+@dataclass(frozen=True)
+class Compute:
+    """A compute lane: peak FLOP per microsecond and the GEMM efficiency ramp reached on it."""
+
+    peak_flops_per_us: float
+    ramp: Ramp
+
+
+@dataclass(frozen=True)
+class ReadBound:
+    """How many cached tokens one decode request reads in a layer (`laws.decode_read_tokens`)."""
+
+    kind: ReadKind
+    window: int | None
+    top_k: int | None
+    compress_ratio: float | None
+    context_ranks: int = 1  # the read is dealt over this many ranks (`laws.context_shard`)
+
+
+WHOLE_CONTEXT = ReadBound(kind="dense", window=None, top_k=None, compress_ratio=None)
+
+
+@dataclass(frozen=True)
+class PlannedIndexer:
+    """A sparse layer's selector: it scans every cached position's index key at decode and scores
+    every causal query-key pair at prefill, on every rank."""
+
+    decode_floor_us: float
+    decode_rate_bytes_per_us: float
+    cache_bytes_per_token: float
+    prefill_floor_us: float
+    heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class PlannedAttention:
+    decode_floor_us: float
+    decode_rate_bytes_per_us: float
+    kv_bytes_per_token: float  # one token, this layer, one rank
+    read: ReadBound
+    prefill_floor_us: float
+    q_heads: int
+    qk_dim: int  # per head, the score product's depth
+    v_dim: int  # per head, the value product's width
+    keys_cap: int | None  # keys a prefill query sees at most (window, or a sparse layer's top-k)
+    memory_window: int | None  # tokens per request the cache holds at most
+    one_kernel_floor: bool  # a mixed step pays one floor, the larger
+    indexer: PlannedIndexer | None
+
+
+@dataclass(frozen=True)
+class PlannedExperts:
+    flops_per_token: float  # routed, all top_k experts of one token, on the busiest rank
+    bytes_per_expert: float  # what the busiest rank reads of one touched expert
+    local_experts: float  # experts (or expert shards) the busiest rank holds
+    experts: int
+    top_k: int
+    # Tokens the MoE group routes per token of this rank's step: every attention DP replica
+    # feeds the same experts, each with a step like this one.
+    tokens_per_step_token: int
+
+
+@dataclass(frozen=True)
+class PlannedCollective:
+    t0_us: float
+    r_t_bytes_per_us: float
+    r_peak_bytes_per_us: float
+    bytes_per_token: float
+    resource: Resource
+
+
+@dataclass(frozen=True)
+class PlannedLayer:
+    name: str
+    repeat: int
+    dense_flops_per_token: float  # per rank
+    weight_bytes: float  # per rank, read once per step
+    activation_bytes_per_token: float  # per rank
+    attention: PlannedAttention | None
+    experts: PlannedExperts | None
+    collectives: tuple[PlannedCollective, ...]
+    kernels: int
+
+
+@dataclass(frozen=True)
+class Host:
+    graph_us: dict[str, float]  # "full" / "piecewise" / "none" -> CPU cost of one step's graph
+    decode_mode: str  # graph mode of a uniform-decode (or empty) step
+    other_mode: str  # graph mode of any other step
+    capture_ceiling: int  # tokens; above it the step runs eager
+    uniform_decode_tokens: int
+    kernels: int
+    dispatch_per_kernel_us: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    layers: tuple[PlannedLayer, ...]
+    head_flops_per_token: float
+    head_weight_bytes: float
+    gemm: Compute
+    prefill_attention: Compute
+    prefill_work_scale: float
+    per_request_attention_ramp: bool
+    read_bytes_per_us: float  # derated HBM bandwidth
+    host: Host
+
+
+def compute_lane(dtype: str, chip: ChipSpec, compat: str) -> str:
+    """The peak/ramp a served dtype computes at on this chip.
+
+    bf16/fp16 and int4 (W4A16) compute in bf16; fp8 and int8 at fp8 where the chip has it.
+    Four-bit floats use a native four-bit peak where there is one; otherwise vLLM runs them
+    as weight-only kernels at the bf16 rate (the step-pricing spec), while the Go kernel tries
+    fp8 first.
+    """
+    peaks = chip.peak_tflops
+    if dtype in ("fp8", "int8"):
+        return "fp8" if "fp8" in peaks else "bf16"
+    if dtype in ("mxfp4", "nvfp4"):
+        if "nvfp4" in peaks:
+            return "nvfp4"
+        return "fp8" if compat == "go" and "fp8" in peaks else "bf16"
+    return "bf16"
+
+
+def _snap_width(chip: ChipSpec, op: str, width: int) -> tuple[float, float, float]:
+    measured: dict[int, list[float]] = getattr(chip.collectives, op)
+    if not measured:
+        raise PricingError(
+            f"chip {chip.name!r} has no measured {op} collective (pricing/chips/{chip.name}.yaml)"
+        )
+    widths = sorted(measured)
+    if width in measured:
+        chosen = width
+    elif width < widths[0]:
+        chosen = widths[0]
+    elif width > WIDEST_SEARCHED_WIDTH:
+        chosen = widths[-1]
+    else:
+        raise PricingError(
+            f"chip {chip.name!r} has no measured {op} collective for a group of {width} GPUs "
+            f"(measured widths: {widths})"
+        )
+    t0, r_t, r_peak = measured[chosen]
+    return t0, r_t, r_peak
+
+
+def _emits(node: CollectiveNode, deployment: Deployment) -> bool:
+    if node.emit == "always":
+        return True
+    if node.emit == "expert_parallel":
+        return deployment.expert_parallel and deployment.moe_group > 1
+    return deployment.tp > 1
+
+
+class _Planner:
+    """Resolves one deployment's graph against its chip; `plan()` returns the Plan."""
+
+    def __init__(self, deployment: Deployment, chip: ChipSpec, model: ModelSpec) -> None:
+        self.deployment, self.chip, self.model = deployment, chip, model
+        self.physics = deployment.compat == "physics"
+        self.served = deployment.dtype or model.weight_dtype
+        if self.served not in WEIGHT_BYTES:
+            raise PricingError(f"unknown dtype {self.served!r}; known: {sorted(WEIGHT_BYTES)}")
+        self.cache_dtype = deployment.cache_dtype or "auto"
+        if self.cache_dtype not in CACHE_BYTES:
+            raise PricingError(
+                f"unknown cache dtype {self.cache_dtype!r}; known: {sorted(CACHE_BYTES)}"
+            )
+        if self.cache_dtype in FOUR_BIT_CACHES and not chip.blackwell:
+            raise PricingError(
+                f"a {self.cache_dtype} KV cache needs a part with four-bit attention kernels; "
+                f"{chip.name!r} has no nvfp4 peak"
+            )
+        tp, nodes = deployment.tp, deployment.nodes
+        if tp % nodes or tp // nodes > chip.gpus_per_node:
+            raise PricingError(
+                f"tp {tp} over {nodes} node(s) does not fit {chip.name!r} nodes of "
+                f"{chip.gpus_per_node} GPUs"
+            )
+        if chip.attention.prefill is None:
+            raise PricingError(
+                f"chip {chip.name!r} has no prefill attention coefficients (attention.prefill)"
+            )
+        if nodes > 1 and chip.inter_node_gb_s is None:
+            raise PricingError(
+                f"chip {chip.name!r} states no inter_node_gb_s, needed for a TP group over "
+                f"{nodes} nodes"
+            )
+
+    def _compute(self, lane: str, what: str) -> Compute:
+        if lane not in self.chip.peak_tflops:
+            raise PricingError(f"chip {self.chip.name!r} has no {lane} peak for {what}")
+        # peak_tflops is 1e12 FLOP/s = 1e6 FLOP per microsecond
+        return Compute(self.chip.peak_tflops[lane] * 1e6, self.chip.gemm.ramps[lane])
+
+    def plan(self) -> Plan:
+        deployment, chip, model = self.deployment, self.chip, self.model
+        tp = deployment.tp
+        prefill = chip.attention.prefill
+        assert prefill is not None  # checked in __init__
+        lane = compute_lane(self.served, chip, deployment.compat)
+        layers = tuple(self._layer(kind) for kind in model.layer_kinds)
+        head_bytes_per_element = WEIGHT_BYTES[model.head.weight_dtype or self.served]
+        host = chip.host
+        # vLLM splits a piecewise graph at each layer's attention and at a sparse layer's indexer
+        indexers = sum(
+            layer.repeat for layer in layers if layer.attention and layer.attention.indexer
+        )
+        graph_us = {
+            mode: laws.graph_host_us(
+                mode,
+                model.layers,
+                model.layers + indexers,
+                host.replay_graph_us,
+                host.eager_launch_per_layer_us,
+            )
+            for mode in ("full", "piecewise", "none")
+        }
+        max_num_seqs = deployment.max_num_seqs or (
+            LARGE_PART_MAX_NUM_SEQS
+            if chip.memory_gib >= LARGE_PART_GIB and not chip.name.startswith("a100")
+            else SMALL_PART_MAX_NUM_SEQS
+        )
+        decode_mode, other_mode = GRAPH_MODES[deployment.cudagraph_mode]
+        return Plan(
+            layers=layers,
+            head_flops_per_token=2.0 * model.head.n * model.head.k / tp,
+            head_weight_bytes=model.head.n * model.head.k * head_bytes_per_element / tp,
+            gemm=self._compute(lane, "GEMMs"),
+            # work_scale was fitted as a fraction of the bf16 ramp; the Go kernel applies it to
+            # the served dtype's.
+            prefill_attention=self._compute("bf16" if self.physics else lane, "prefill attention"),
+            prefill_work_scale=prefill.work_scale,
+            per_request_attention_ramp=self.physics,
+            read_bytes_per_us=chip.hbm_tb_s * 1e6 * chip.gemm.hbm_derate,
+            host=Host(
+                graph_us=graph_us,
+                decode_mode=decode_mode,
+                other_mode=other_mode,
+                capture_ceiling=laws.capture_ceiling(
+                    max_num_seqs, deployment.num_spec_tokens, chip.blackwell
+                ),
+                uniform_decode_tokens=1 + deployment.num_spec_tokens,
+                kernels=HEAD_KERNELS + sum(layer.repeat * layer.kernels for layer in layers),
+                dispatch_per_kernel_us=host.dispatch_per_kernel_us,
+            ),
+        )
+
+    def _layer(self, kind: LayerKind) -> PlannedLayer:
+        tp, served, hidden = self.deployment.tp, self.served, self.model.hidden_size
+        dense_flops = weight_bytes = activation_bytes = 0.0
+        attention: PlannedAttention | None = None
+        experts: PlannedExperts | None = None
+        collectives: list[PlannedCollective] = []
+        kernels = 0
+        for node in kind.nodes:
+            if isinstance(node, GemmNode):
+                shards = 1 if node.replicated else tp
+                dense_flops += 2.0 * node.n * node.k / shards
+                weight_bytes += node.n * node.k * WEIGHT_BYTES[node.weight_dtype or served] / shards
+            elif isinstance(node, GroupedGemmNode):
+                bytes_per_element = WEIGHT_BYTES[node.weight_dtype or served]
+                # gate, up and down: three n x k matrices per expert. Shared experts run for
+                # every token, sharded like a dense MLP.
+                dense_flops += 6.0 * node.n * node.k * node.shared_experts / tp
+                weight_bytes += 3.0 * node.n * node.k * node.shared_experts * bytes_per_element / tp
+                experts = self._experts(node, bytes_per_element)
+            elif isinstance(node, AttentionNode):
+                attention = self._attention(node)
+                if self.deployment.decode_context_parallel > 1:
+                    collectives += self._context_parallel_combine(node)
+                    kernels += KERNELS_PER_NODE["all_gather"] + KERNELS_PER_NODE["reduce_scatter"]
+                if attention.indexer is not None:
+                    kernels += KERNELS_PER_NODE["attention"]  # the indexer is an attention op
+            elif isinstance(node, ElementwiseNode):
+                # unstated: a read and a write of the hidden state
+                activation_bytes += (node.bytes_per_token or 2 * hidden * ACTIVATION_BYTES) / tp
+            else:
+                if not _emits(node, self.deployment):
+                    continue
+                collectives.append(self._collective(node, hidden))
+            kernels += KERNELS_PER_NODE[node.op]
+        return PlannedLayer(
+            name=kind.name,
+            repeat=kind.repeat,
+            dense_flops_per_token=dense_flops,
+            weight_bytes=weight_bytes,
+            activation_bytes_per_token=activation_bytes,
+            attention=attention,
+            experts=experts,
+            collectives=tuple(collectives),
+            kernels=kernels,
+        )
+
+    def _experts(self, node: GroupedGemmNode, bytes_per_element: float) -> PlannedExperts:
+        deployment = self.deployment
+        group = deployment.moe_group
+        expert_flops = 6.0 * node.n * node.k * self.chip.gemm.moe_routing_imbalance
+        expert_bytes = 3.0 * node.n * node.k * bytes_per_element
+        if deployment.expert_parallel:
+            # Whole experts, spread evenly with EPLB's redundant copies: the busiest rank holds
+            # ceil(physical / group) of them and, EPLB balancing load over the copies, that
+            # share of the routed work.
+            physical = node.experts + deployment.eplb_redundant_experts
+            local = float(-(-physical // group))
+            return PlannedExperts(
+                flops_per_token=node.top_k * expert_flops * local / physical,
+                bytes_per_expert=expert_bytes,
+                local_experts=local,
+                experts=node.experts,
+                top_k=node.top_k,
+                tokens_per_step_token=deployment.data_parallel,
+            )
+        # Every rank holds a 1/group shard of every expert. The Go kernel divides the routed
+        # arithmetic by the DP width only (a documented over-charge); physics by the group.
+        arithmetic_shards = group if self.physics else deployment.data_parallel
+        return PlannedExperts(
+            flops_per_token=node.top_k * expert_flops / arithmetic_shards,
+            bytes_per_expert=expert_bytes / group,
+            local_experts=float(node.experts),
+            experts=node.experts,
+            top_k=node.top_k,
+            tokens_per_step_token=deployment.data_parallel,
+        )
+
+    def _collective(self, node: CollectiveNode, hidden: int) -> PlannedCollective:
+        deployment, chip = self.deployment, self.chip
+        routed = node.emit == "expert_parallel"
+        width = deployment.moe_group if routed else deployment.tp
+        t0, r_t, r_peak = _snap_width(chip, node.op, width)
+        bytes_per_token = float(hidden * ACTIVATION_BYTES)
+        point_to_point = routed and deployment.all2all_backend != "allgather_reducescatter"
+        if point_to_point:
+            # each token's hidden state goes to each of its top_k experts' ranks
+            bytes_per_token *= self._top_k()
+        nodes = -(-width // chip.gpus_per_node) if routed else deployment.nodes
+        if nodes > 1:
+            if chip.inter_node_gb_s is None:
+                raise PricingError(
+                    f"chip {chip.name!r} states no inter_node_gb_s, needed for a group of "
+                    f"{width} GPUs over {nodes} nodes"
+                )
+            ratio = chip.nvlink_gb_s / chip.inter_node_gb_s
+            if point_to_point:
+                # a point-to-point exchange sends to every rank off the node directly
+                cross = width - chip.gpus_per_node
+                bytes_per_token *= 1.0 + (ratio - 1.0) * cross / (width - 1)
+            else:
+                bytes_per_token *= laws.cross_node_span(ratio, nodes, width)
+        return PlannedCollective(
+            t0_us=t0,
+            r_t_bytes_per_us=r_t,
+            r_peak_bytes_per_us=r_peak,
+            bytes_per_token=bytes_per_token,
+            resource="nic" if nodes > 1 else "nvlink",
+        )
+
+    def _context_parallel_combine(self, node: AttentionNode) -> list[PlannedCollective]:
+        """A decode-context-parallel group all-gathers its ranks' query heads at the latent
+        width (kv_lora_rank + rope) and reduce-scatters the partial outputs at kv_lora_rank
+        (vLLM's MLA DCP: query_head_dim and output_head_dim), every token, on NVLink."""
+        dcp, tp = self.deployment.decode_context_parallel, self.deployment.tp
+        if not node.latent or node.kv_lora_rank is None:
+            raise PricingError(
+                f"decode_context_parallel {dcp} needs a latent attention stating kv_lora_rank "
+                f"(attention {node.name!r} is {node.kind})"
+            )
+        if dcp > self.chip.gpus_per_node:
+            raise PricingError(
+                f"a decode-context-parallel group of {dcp} does not fit {self.chip.name!r} nodes "
+                f"of {self.chip.gpus_per_node} GPUs"
+            )
+        heads = -(-node.q_heads // tp) * dcp
+        combine = []
+        for op, width in (("all_gather", node.head_dim), ("reduce_scatter", node.kv_lora_rank)):
+            t0, r_t, r_peak = _snap_width(self.chip, op, dcp)
+            combine.append(
+                PlannedCollective(
+                    t0_us=t0,
+                    r_t_bytes_per_us=r_t,
+                    r_peak_bytes_per_us=r_peak,
+                    bytes_per_token=float(heads * width * ACTIVATION_BYTES),
+                    resource="nvlink",
+                )
+            )
+        return combine
+
+    def _top_k(self) -> int:
+        return max(
+            (kind.experts.top_k for kind in self.model.layer_kinds if kind.experts is not None),
+            default=1,
+        )
+
+    def _attention(self, node: AttentionNode) -> PlannedAttention:
+        chip = self.chip
+        measured = chip.attention.decode
+        # A kind without its own measurement uses the part's full-attention pair; a part with
+        # none reads the KV bytes at the derated HBM bandwidth with no floor.
+        # The rates were measured on bf16 and fp8 caches; a four-bit cache is assumed to stream at
+        # the same bytes per microsecond.
+        decode = measured.get(DECODE_KIND[node.kind]) or measured.get("full")
+        if decode is None:
+            floor, rate = 0.0, chip.hbm_tb_s * 1e6 * chip.gemm.hbm_derate
+        else:
+            floor, rate = decode.floor_us, decode.rate_bytes_per_us
+        prefill = chip.attention.prefill
+        assert prefill is not None  # checked in __init__
+        # The Go kernel reads the whole context on a windowed primary layer; the spec bounds it.
+        window_bounded = self.physics or node.kind != "swa"
+        # A latent layer's prefill runs the expanded (non-absorbed) form: scores over the
+        # nope + rope query width, values at v_head_dim (vLLM's MLA prefill path), not the
+        # 576-wide cached latent the Go kernel prices.
+        expanded = self.physics and node.latent and node.qk_head_dim is not None
+        qk_dim = node.qk_head_dim if expanded and node.qk_head_dim else node.head_dim
+        v_dim = node.v_head_dim if expanded and node.v_head_dim else node.head_dim
+        return PlannedAttention(
+            decode_floor_us=floor,
+            decode_rate_bytes_per_us=rate,
+            kv_bytes_per_token=kv_bytes_per_token_layer(node, self.deployment.tp, self.cache_dtype),
+            read=ReadBound(
+                kind="sparse_mla" if node.kind == "sparse_mla" else "dense",
+                window=node.window if window_bounded else None,
+                top_k=node.top_k,
+                compress_ratio=node.compress_ratio,
+                context_ranks=self.deployment.decode_context_parallel,
+            ),
+            prefill_floor_us=prefill.floor_us,
+            q_heads=node.q_heads,
+            qk_dim=qk_dim,
+            v_dim=v_dim,
+            keys_cap=node.top_k if node.kind == "sparse_mla" else node.window,
+            memory_window=node.window,
+            # FlashAttention serves decode and prefill rows in one kernel on non-latent
+            # attention, so a mixed step pays one floor. vLLM picks the attention backend from
+            # the device: on data-center Blackwell it is FlashInfer/TRT-LLM for every dtype,
+            # which runs the decode and prefill rows as separate kernels, each with its floor.
+            one_kernel_floor=not node.latent and not chip.blackwell,
+            indexer=self._indexer(node),
+        )
+
+    def _indexer(self, node: AttentionNode) -> PlannedIndexer | None:
+        if node.indexer is None:
+            return None
+        chip = self.chip
+        prefill = chip.attention.prefill
+        assert prefill is not None  # checked in __init__
+        # A dense scan of a cache: the part's full-attention decode pair (the Go kernel prices a
+        # secondary attention at its kind's pair). The cache is fp8 keys plus their scales.
+        scan = chip.attention.decode.get("full")
+        return PlannedIndexer(
+            decode_floor_us=0.0 if scan is None else scan.floor_us,
+            decode_rate_bytes_per_us=(
+                chip.hbm_tb_s * 1e6 * chip.gemm.hbm_derate
+                if scan is None
+                else scan.rate_bytes_per_us
+            ),
+            cache_bytes_per_token=node.indexer.cache_bytes_per_token,
+            prefill_floor_us=prefill.floor_us,
+            heads=node.indexer.heads,
+            head_dim=node.indexer.head_dim,
+        )
+
+
+def build_plan(deployment: Deployment, chip: ChipSpec, model: ModelSpec) -> Plan:
+    """Collapse `model` served as `deployment` on `chip` into a Plan; refuses what it cannot price."""
+    return _Planner(deployment, chip, model).plan()

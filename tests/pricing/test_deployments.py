@@ -1,0 +1,199 @@
+"""Deployments beyond one TP group: expert parallelism with EPLB, attention data parallelism.
+
+Each law checked by hand on one step; that every slot split still sums to the step's NoOverlap
+is the property tests' job (test_kernel.DEPLOYMENTS holds these deployments).
+"""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from pricing import Deployment, Kernel, PricingError
+
+H200_READ = 4.8e6 * 0.8  # bytes per us
+H200_FP8 = 1.979e9  # FLOP per us
+EXPERT_BYTES = 3 * 2048 * 7168  # one DeepSeek-V3 expert, fp8
+EXPERT_FLOPS = 6 * 2048 * 7168
+DSV3 = dict(model="deepseek-v3", chip="h200", tp=8, dtype="fp8")
+
+
+def _decode(kernel: Kernel, batch: int):
+    return kernel.price([1] * batch, [4095] * batch, [4096] * batch)
+
+
+def test_expert_parallel_with_eplb_prices_the_busiest_rank_by_hand():
+    kernel = Kernel.build(Deployment(**DSV3, expert_parallel=True, eplb_redundant_experts=32))
+    moe = _decode(kernel, 1).per_kind["attn_moe"]
+    # 256 + 32 physical experts over 8 ranks: 36 whole experts on each, 36/288 of the routing
+    local = 36
+    flops = 8 * EXPERT_FLOPS * 0.999 * local / 288
+    assert moe["expert_sm_us"] == pytest.approx(flops * (1 + 113) / (H200_FP8 * 0.736), rel=1e-12)
+    # one token touches 36 * 8/256 of the local experts, each read whole
+    assert moe["expert_hbm_us"] == pytest.approx(
+        local * (8 / 256) * EXPERT_BYTES / H200_READ, rel=1e-12
+    )
+    # attention and MLP all-reduces (4.71 us + 14336 B at 104,250 B/us each) and the MoE
+    # dispatch over the default all-gather/reduce-scatter backend (7.39 us + 14336 B at 143,750)
+    assert moe["nvlink_us"] == pytest.approx(
+        2 * (4.71 + 14336 / 104250) + 7.39 + 14336 / 143750, rel=1e-12
+    )
+
+
+def test_a_point_to_point_dispatch_moves_each_token_to_its_top_k():
+    gathered = Kernel.build(Deployment(**DSV3, expert_parallel=True))
+    direct = Kernel.build(
+        Deployment(**DSV3, expert_parallel=True, all2all_backend="deepep_low_latency")
+    )
+    difference = (
+        _decode(direct, 4).per_kind["attn_moe"]["nvlink_us"]
+        - _decode(gathered, 4).per_kind["attn_moe"]["nvlink_us"]
+    )
+    assert difference == pytest.approx(4 * 14336 * (8 - 1) / 143750, rel=1e-12)
+
+
+def test_expert_parallel_reads_whole_experts_where_tp_reads_shards():
+    tp = _decode(Kernel.build(Deployment(**DSV3)), 256).per_kind["attn_moe"]
+    ep = _decode(Kernel.build(Deployment(**DSV3, expert_parallel=True)), 256).per_kind["attn_moe"]
+    touched = 1 - (248 / 256) ** 256
+    assert tp["expert_hbm_us"] == pytest.approx(256 * touched * EXPERT_BYTES / 8 / H200_READ)
+    assert ep["expert_hbm_us"] == pytest.approx(32 * touched * EXPERT_BYTES / H200_READ)
+
+
+def test_attention_data_parallel_funnels_every_replicas_tokens_into_the_experts():
+    kernel = Kernel.build(
+        Deployment(model="deepseek-v3", chip="h200", tp=1, data_parallel=8, expert_parallel=True)
+    )
+    price = _decode(kernel, 2)
+    moe = price.per_kind["attn_moe"]
+    # 8 attention replicas of 2 decodes each: 16 tokens reach the 32 experts of each rank
+    assert moe["expert_sm_us"] == pytest.approx(
+        8 * EXPERT_FLOPS * 0.999 * 32 / 256 * (16 + 113) / (H200_FP8 * 0.736), rel=1e-12
+    )
+    assert moe["expert_hbm_us"] == pytest.approx(
+        32 * (1 - (248 / 256) ** 16) * EXPERT_BYTES / H200_READ, rel=1e-12
+    )
+    # TP 1: no all-reduce; the dispatch spans the 8-rank MoE group
+    assert moe["nvlink_us"] == pytest.approx(7.39 + 2 * 14336 / 143750, rel=1e-12)
+    # TP 1: a dense layer reads all of its 583,467,008 weight bytes, four norms' activations
+    # per token, and the bf16 latent cache of both decodes (1,152 B per token) after the floor
+    assert price.per_kind["attn_dense"]["hbm_us"] == pytest.approx(
+        (583_467_008 + 2 * 4 * 28672) / H200_READ + 13.5 + 2 * 4096 * 1152 / 2.928e6, rel=1e-12
+    )
+
+
+def test_expert_options_without_expert_parallelism_are_refused():
+    with pytest.raises(ValidationError, match="eplb_redundant_experts needs expert_parallel"):
+        Deployment(**DSV3, eplb_redundant_experts=32)
+    with pytest.raises(ValidationError, match="deepep_low_latency.*needs expert_parallel"):
+        Deployment(**DSV3, all2all_backend="deepep_low_latency")
+
+
+def test_a_moe_group_across_nodes_dispatches_over_the_nic():
+    kernel = Kernel.build(
+        Deployment(
+            **DSV3, data_parallel=4, expert_parallel=True, all2all_backend="deepep_high_throughput"
+        )
+    )
+    moe = _decode(kernel, 1).per_kind["attn_moe"]
+    # 32 ranks on 4 nodes: the widest measured all2all (8: 7.39 us, 143,750 B/us); each token to
+    # its 8 experts, 24 of the 31 peers off the node at 450/50 = 9x the NVLink time
+    span = 1 + (9 - 1) * 24 / 31
+    assert moe["nic_us"] == pytest.approx(7.39 + 8 * 14336 * span / 143750, rel=1e-12)
+    # the all-reduces stay within this replica's TP group, over its own token
+    assert moe["nvlink_us"] == pytest.approx(2 * (4.71 + 14336 / 104250), rel=1e-12)
+
+
+def test_an_nvfp4_kv_cache_holds_and_reads_four_bits_and_a_scale_per_16_elements():
+    kernel = Kernel.build(
+        Deployment(model="llama-3.1-8b-instruct", chip="b200", cache_dtype="nvfp4")
+    )
+    # 8 KV heads x 128 x (K and V) x (0.5 + 1/16) bytes = 1,152 B per token per layer
+    assert kernel.kv_bytes_per_token == 32 * 1152
+    bf16 = Kernel.build(Deployment(model="llama-3.1-8b-instruct", chip="b200"))
+    layer, bf16_layer = (
+        k.price([1], [4095], [4096]).per_kind["decoder"]["hbm_us"] for k in (kernel, bf16)
+    )
+    # B200 full-attention decode rate 6,776,000 B/us over the 4,096-token context
+    assert bf16_layer - layer == pytest.approx(4096 * (4096 - 1152) / 6_776_000, rel=1e-12)
+    latent = Kernel.build(
+        Deployment(model="deepseek-v3", chip="b200", tp=8, cache_dtype="nvfp4_ds_mla")
+    )
+    assert latent.kv_bytes_per_token == 8 * 61 * 352  # a full latent copy on every rank
+
+
+def test_an_nvfp4_kv_cache_off_blackwell_is_refused():
+    with pytest.raises(PricingError, match="nvfp4 KV cache needs a part with four-bit attention"):
+        Kernel.build(Deployment(model="llama-3.1-8b-instruct", chip="h100", cache_dtype="nvfp4"))
+
+
+DSV32 = Deployment(model="deepseek-v3.2-exp", chip="h200", tp=8, cache_dtype="fp8_ds_mla")
+
+
+def test_sparse_mla_reads_the_selected_positions_and_its_indexer_scans_the_context():
+    price = Kernel.build(DSV32).price([1], [32767], [32768])
+    dense = price.per_kind["attn_dense"]
+    # weights, 4 norms, the 2,048 selected latents (656 B) at the sparse rate after its floor,
+    # and the indexer's scan of all 32,768 index keys (132 B) at the full-attention pair
+    assert dense["hbm_us"] == pytest.approx(
+        (583_467_008 / 8 + 4 * 28672 / 8) / H200_READ
+        + 13.5
+        + 2048 * 656 / 398_400
+        + 13.5
+        + 32768 * 132 / 2_592_000,
+        rel=1e-12,
+    )
+
+
+def test_sparse_prefill_attends_its_top_k_and_the_indexer_scores_every_pair():
+    kernel = Kernel.build(DSV32)
+    layer = kernel.price([4096], [0], [4096]).per_kind["attn_dense"]
+    gemm_flops = 1_166_934_016 / 8 * (4096 + 113) / (H200_FP8 * 0.736)
+    # attention: each query sees at most 2,048 keys; bf16 ramp at the prompt's own 4,096 rows
+    pairs = 2048 * 2048 / 2 + (4096 - 2048) * 2048
+    rate = 989.5e6 * 0.992 * 4096 / (4096 + 110) * 0.40
+    attention = 18.5 + 2 * pairs * 128 * (192 + 128) / 8 / rate
+    # indexer: 64 heads x 128 logits on every causal pair, on every rank, no value product
+    indexer = 18.5 + 2 * (4096 * 4096 / 2) * 64 * 128 / rate
+    assert layer["sm_us"] == pytest.approx(gemm_flops + attention + indexer, rel=1e-12)
+
+
+def test_a_sparse_model_launches_and_splits_at_its_indexers():
+    kernel = Kernel.build(DSV32.model_copy(update={"cudagraph_mode": "PIECEWISE"}))
+    assert kernel.plan.host.kernels == 972 + 61 * 2
+    assert kernel.price([1, 2], [10, 10], [11, 12]).host_us == pytest.approx(
+        7.0 * (61 + 61 + 1) + (972 + 122) * 3.2
+    )
+    # every rank holds the packed latent and the indexer's key of each token
+    assert kernel.kv_bytes_per_token == 8 * 61 * (656 + 132)
+
+
+def test_decode_context_parallel_reads_a_dealt_share_and_combines_by_hand():
+    kernel = Kernel.build(
+        Deployment(model="deepseek-v3", chip="h200", tp=8, decode_context_parallel=8)
+    )
+    dense = kernel.price([1], [4099], [4100]).per_kind["attn_dense"]
+    # the busiest rank holds ceil(4,100 / 8) = 513 of the request's bf16 latents (1,152 B)
+    assert dense["hbm_us"] == pytest.approx(
+        (583_467_008 / 8 + 4 * 28672 / 8) / H200_READ + 13.5 + 513 * 1152 / 2_928_000, rel=1e-12
+    )
+    # two TP all-reduces, then the group gathers 16 heads x 8 ranks of 576-wide queries and
+    # reduce-scatters 512-wide outputs (h200 all_gather/reduce_scatter at width 8)
+    assert dense["nvlink_us"] == pytest.approx(
+        2 * (4.71 + 14336 / 104250)
+        + (10.30 + 16 * 8 * 576 * 2 / 148_500)
+        + (10.24 + 16 * 8 * 512 * 2 / 177_750),
+        rel=1e-12,
+    )
+    # each token's latent is held once in the group: an eighth of the TP-replicated copies
+    assert kernel.kv_bytes_per_token == 61 * 1152
+    assert kernel.plan.host.kernels == 972 + 61 * 2
+
+
+def test_decode_context_parallel_needs_a_latent_attention_and_a_dividing_group():
+    with pytest.raises(PricingError, match="needs a latent attention stating kv_lora_rank"):
+        Kernel.build(
+            Deployment(model="llama-3.1-70b-instruct", chip="h200", tp=4, decode_context_parallel=2)
+        )
+    with pytest.raises(ValidationError, match="decode_context_parallel 3 does not divide tp 8"):
+        Deployment(model="deepseek-v3", chip="h200", tp=8, decode_context_parallel=3)
