@@ -1,6 +1,6 @@
 """Resources, chosen by environment: STEPLEDGER_DATA (the data directory: outboxes, gateway
-logs, DCGM scrapes, the Parquet lake) and STEPLEDGER_WAREHOUSE (the DuckDB file, by default
-`warehouse.duckdb` in the data directory)."""
+logs, DCGM scrapes, the Parquet lake) and STEPLEDGER_WAREHOUSE (the pipeline's DuckDB state file,
+by default `pipeline.duckdb` in the data directory; the DuckLake warehouse is next to it)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import duckdb
 from dagster_duckdb import DuckDBResource
 
 from pipeline.hourly import CALIBRATION_FILE
-from pipeline.warehouse import apply_schema
+from pipeline.warehouse import STATE_FILE, apply_schema
 from schemas.config import DEFAULT_POOLS_PATH
 
 DATA_ENV = "STEPLEDGER_DATA"
@@ -67,7 +67,7 @@ def data_dir_from_env() -> Path:
 
 
 def warehouse_path(data_dir: Path) -> Path:
-    return Path(os.environ.get(WAREHOUSE_ENV, data_dir / "warehouse.duckdb")).resolve()
+    return Path(os.environ.get(WAREHOUSE_ENV, data_dir / STATE_FILE)).resolve()
 
 
 def build_resources(

@@ -16,6 +16,10 @@ COMMANDS: dict[str, str] = {
     "simulate": "pipeline.cli.simulate:simulate_command",
     "run": "pipeline.cli.run:run_command",
     "costs": "pipeline.cli.costs:costs_command",
+    "sql": "pipeline.cli.sql:sql_command",
+    "export": "pipeline.cli.export:export_group",
+    "close": "pipeline.cli.close:close_command",
+    "migrate": "pipeline.cli.migrate:migrate_command",
     "report": "pipeline.cli.report:report_command",
     "inspect": "pipeline.cli.inspect:inspect_command",
     "price": "pipeline.cli.price:price_command",
@@ -43,7 +47,8 @@ class _LazyGroup(click.Group):
     epilog="""\b
 Environment:
   STEPLEDGER_DATA                 data directory of the Dagster code location (default demo-run)
-  STEPLEDGER_WAREHOUSE            the DuckDB file (default DATA/warehouse.duckdb)
+  STEPLEDGER_WAREHOUSE            the pipeline's DuckDB state file (default DATA/pipeline.duckdb);
+                                  the DuckLake warehouse is the directory warehouse/ next to it
   STEPLEDGER_FIRST_HOUR           first hourly partition, YYYY-MM-DDTHH
   STEPLEDGER_KEY_SALT             key of the HMAC that turns API keys into api_key_id
   STEPLEDGER_ALERT_WEBHOOK_URL    page through a webhook (never logged)
@@ -67,6 +72,7 @@ def main() -> None:
     Try it:
       stepledger demo                        simulate the default pools and bill one hour
       stepledger costs --by feature          what each tenant and feature cost (published hours)
+      stepledger sql                         SQL on the warehouse (read-only, never blocks billing)
       stepledger report                      an HTML report that opens offline
     \b
     On your own data:

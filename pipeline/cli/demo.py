@@ -14,7 +14,7 @@ import click
 
 from pipeline.cli.costs import cost_report, print_report
 from pipeline.cli.run import run_with_progress
-from pipeline.warehouse import hour_key
+from pipeline.warehouse import STATE_FILE, hour_key
 
 if TYPE_CHECKING:
     from pipeline.attribution import CalibrationEntry
@@ -84,7 +84,7 @@ def calibrate_fleet(
     type=click.Path(file_okay=False, path_type=Path),
     default=Path("demo-run"),
     show_default=True,
-    help="directory for the simulated data, the Parquet lake, warehouse.duckdb and report.html",
+    help="directory for the simulated data, the Parquet lake, the warehouse and report.html",
 )
 @click.option(
     "--hours",
@@ -157,17 +157,17 @@ def demo_command(
     for name, what in summary.faults.items():
         console.print(f"  [yellow]fault[/yellow] {name}: {what}")
     runs = run_with_progress(out, hours_in_data(out), quiet=as_json)
-    costs = cost_report(out / "warehouse.duckdb", "tenant")
+    costs = cost_report(out, "tenant")
     if not as_json:
         print_report(costs, "costs by tenant (published hours)")
     held = sum(1 for r in runs if not r.success)
     console.print(
         f"{len(runs) - held} of {len(runs)} pool-hours published, {held} held back. "
-        f"Query {out / 'warehouse.duckdb'} with DuckDB, or run `stepledger costs --data {out} --by feature`."
+        f"Query it with `stepledger sql --data {out}`, or run `stepledger costs --data {out} --by feature`."
     )
     report = out / "report.html"
     with console.status("writing the report"):
-        write_report(out / "warehouse.duckdb", pools, out / "lake", Scope.everything(), report)
+        write_report(out / STATE_FILE, pools, out / "lake", Scope.everything(), report)
     if as_json:
         click.echo(
             json.dumps(

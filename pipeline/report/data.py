@@ -231,10 +231,8 @@ def _resource_breakdown(
     Also returns each pool's median decode context over the scope (for the bottleneck chart).
     """
     from pipeline.attribution import largest_remainder
-    from pipeline.hourly import load_hour
-    from pipeline.ingest import committed_batches
+    from pipeline.hourly import load_hour, load_inputs
 
-    batches = committed_batches(con)
     per_request = []
     decode_contexts: dict[str, list[np.ndarray]] = {}
     for hour, pool_name in invoices.select("hour", "pool").iter_rows():
@@ -244,6 +242,13 @@ def _resource_breakdown(
         except KeyError:
             notes.append(f"pool {pool_name} is not in the pools file: no resource breakdown for it")
             continue
+        # The batches the hour was billed from (its attribution inputs; without them, every
+        # file): the report reads the warehouse and the lake, never the pipeline's state file,
+        # so it never blocks a run.
+        try:
+            batches: frozenset[str] | None = load_inputs(lake, pool_name, hour).batches
+        except FileNotFoundError:
+            batches = None
         data = load_hour(lake, pool_name, hour, batches)
         costs = query_frame(con, _REQUEST_COSTS, [hour.replace(tzinfo=None), pool_name])
         if data.slots.is_empty():

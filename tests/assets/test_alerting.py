@@ -6,12 +6,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import dagster as dg
-import duckdb
 import pytest
 from assets_fleet import small_pools
 
 from assets.definitions import build_definitions
 from assets.partitions import partition_key
+from pipeline import finance
 from pipeline.ingest import segment_files
 
 HOUR = datetime(2026, 11, 30, 0, tzinfo=UTC)
@@ -49,7 +49,7 @@ def test_a_failed_blocking_check_holds_the_hour_back_and_pages_once(
     assert not result.success
     failed = {e.check_name for e in result.get_asset_check_evaluations() if not e.passed}
     assert "sequence" in failed
-    with duckdb.connect(str(data / "warehouse.duckdb"), read_only=True) as con:
+    with finance.connect(data) as con:
         assert con.execute("SELECT pool, reason FROM held_back_hours").fetchall() == [
             ("chat-8b", "failed blocking checks: sequence")
         ]

@@ -5,14 +5,15 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import dagster as dg
-import duckdb
 import pytest
 from assets_fleet import small_pools
 
 from assets.definitions import build_definitions
 from assets.partitions import partition_key
 from assets.resources import StepledgerData
+from pipeline import finance
 from pipeline.ingest import segment_files
+from pipeline.warehouse import STATE_FILE, connect
 
 HOUR = datetime(2026, 11, 30, 0, tzinfo=UTC)
 QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
@@ -28,8 +29,8 @@ def run_hour(data: Path, instance: dg.DagsterInstance) -> dg.ExecuteInProcessRes
     )
 
 
-def snapshot(warehouse: Path) -> dict[str, list[tuple]]:
-    with duckdb.connect(str(warehouse), read_only=True) as con:
+def snapshot(data: Path) -> dict[str, list[tuple]]:
+    with connect(data / STATE_FILE) as con:
         return {
             table: con.execute(
                 f"SELECT * EXCLUDE ({excluded}) FROM {table} ORDER BY ALL"
@@ -57,7 +58,7 @@ def test_a_simulated_hour_end_to_end(data: Path) -> None:
     assert result.success
     checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
     assert checks["money"] and checks["sequence"] and checks["time"]
-    with duckdb.connect(str(data / "warehouse.duckdb"), read_only=True) as con:
+    with finance.connect(data) as con:
         invoice = con.execute("SELECT gpus, amount_nano FROM invoices").fetchall()
         lines_total = con.execute("SELECT sum(amount_nano) FROM ledger_lines").fetchone()[0]
         kinds = {
@@ -83,14 +84,14 @@ def test_a_simulated_hour_end_to_end(data: Path) -> None:
 def test_rerunning_an_hour_and_redelivering_a_segment_change_nothing(data: Path) -> None:
     instance = dg.DagsterInstance.ephemeral()
     assert run_hour(data, instance).success
-    before = snapshot(data / "warehouse.duckdb")
+    before = snapshot(data)
     assert run_hour(data, instance).success
-    assert snapshot(data / "warehouse.duckdb") == before
+    assert snapshot(data) == before
     segment = segment_files(data / "outbox", ["chat-8b-r0"])[0]
     shutil.copy(segment, segment.with_name("redelivered-" + segment.name))
     assert run_hour(data, instance).success
-    assert snapshot(data / "warehouse.duckdb") == before
-    with duckdb.connect(str(data / "warehouse.duckdb"), read_only=True) as con:
+    assert snapshot(data) == before
+    with connect(data / STATE_FILE) as con:
         assert con.execute(
             "SELECT count(*) FROM segment_files WHERE status = 'duplicate'"
         ).fetchone() == (1,)
@@ -114,7 +115,7 @@ def test_the_ledger_materialization_tells_the_hour(data: Path) -> None:
     result = run_hour(data, dg.DagsterInstance.ephemeral())
     (materialization,) = result.asset_materializations_for_node("ledger")
     metadata = {key: value.value for key, value in materialization.metadata.items()}
-    with duckdb.connect(str(data / "warehouse.duckdb"), read_only=True) as con:
+    with finance.connect(data) as con:
         by_kind = dict(
             con.execute(
                 "SELECT line_kind, sum(amount_nano)::BIGINT FROM ledger_lines GROUP BY ALL"
