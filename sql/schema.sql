@@ -70,11 +70,11 @@ CREATE TABLE IF NOT EXISTS reconciliation (
     expected    VARCHAR   NOT NULL,
     observed    VARCHAR   NOT NULL,
     detail      VARCHAR   NOT NULL,
-    severity    VARCHAR   NOT NULL,
-    blocking    BOOLEAN   NOT NULL,
+    severity    VARCHAR   NOT NULL DEFAULT 'ERROR',
+    blocking    BOOLEAN   NOT NULL DEFAULT TRUE,
     -- A short stable code of what failed ('' when passed); it identifies the alert.
-    finding     VARCHAR   NOT NULL,
-    checked_at  TIMESTAMP NOT NULL
+    finding     VARCHAR   NOT NULL DEFAULT '',
+    checked_at  TIMESTAMP NOT NULL DEFAULT current_timestamp
 );
 
 CREATE TABLE IF NOT EXISTS alerts (
