@@ -17,10 +17,11 @@ from __future__ import annotations
 import importlib
 import json
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import duckdb
 import polars as pl
@@ -469,7 +470,7 @@ def replace_hour(
 
 
 def query_frame(
-    con: duckdb.DuckDBPyConnection, sql: str, params: list | None = None
+    con: duckdb.DuckDBPyConnection, sql: str, params: list[object] | None = None
 ) -> pl.DataFrame:
     """A query's result as a polars frame."""
     return con.sql(sql, params=params).pl()
@@ -489,7 +490,11 @@ def insert_frame(con: duckdb.DuckDBPyConnection, table: str, frame: pl.DataFrame
 
 
 def record_checks(
-    con: duckdb.DuckDBPyConnection, hour: datetime, pool: str, check_names: list[str], results: list
+    con: duckdb.DuckDBPyConnection,
+    hour: datetime,
+    pool: str,
+    check_names: list[str],
+    results: Sequence[Any],
 ) -> None:
     """Replace the hour's rows of the named checks with `results` (objects with the
     reconciliation columns as attributes, e.g. pipeline.reconcile.CheckResult), and add an

@@ -21,7 +21,9 @@ QUERIES = {
 HELD_BACK = "SELECT hour, pool, amount_nano, reason FROM held_back_hours ORDER BY hour, pool"
 
 
-def cost_report(data_dir: Path, by: str, *, as_of: datetime | None = None) -> dict[str, list[dict]]:
+def cost_report(
+    data_dir: Path, by: str, *, as_of: datetime | None = None
+) -> dict[str, list[dict[str, object]]]:
     """The rows of one finance breakdown and the hours held back, as plain dicts: now, or as
     the warehouse stood at `as_of`."""
     with finance.connect(data_dir, as_of=as_of) as con:
@@ -79,7 +81,7 @@ HEADINGS = {
 }
 
 
-def print_report(report: dict[str, list[dict]], title: str) -> None:
+def print_report(report: dict[str, list[dict[str, object]]], title: str) -> None:
     from rich.console import Console
     from rich.measure import Measurement
     from rich.table import Table

@@ -5,7 +5,9 @@ from __future__ import annotations
 import csv
 import json
 import sys
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TextIO
 
 import click
 import duckdb
@@ -39,7 +41,7 @@ def print_result(con: duckdb.DuckDBPyConnection, query: str, fmt: str) -> None:
         click.echo(json.dumps(plain, indent=2))
 
 
-def statements(lines) -> list[str]:
+def statements(lines: Iterable[str]) -> Iterator[str]:
     """Complete statements (ending in ';') as the lines come; a last one without ';' too."""
     pending: list[str] = []
     for line in lines:
@@ -104,7 +106,7 @@ def sql_command(data_dir: Path, query: str | None, fmt: str, as_of: str | None) 
             click.echo("(some statements failed)", err=True)
 
 
-def _prompted(stream):
+def _prompted(stream: TextIO) -> Iterator[str]:
     while True:
         click.echo(PROMPT, nl=False, err=True)
         line = stream.readline()

@@ -130,9 +130,7 @@ def test_without_a_warehouse_every_hour_since_the_first_partition_is_overdue(
     assert [a["hour"] for a in paged(alert_file)] == ["2026-11-30T00"]
 
 
-def test_a_run_holding_the_pipeline_state_does_not_stop_the_check(
-    tmp_path: Path, alert_file: Path
-):
+def test_a_run_holding_the_pipeline_state_does_not_stop_the_check(tmp_path: Path, alert_file: Path):
     warehouse = tmp_path / "warehouse.duckdb"
     write_reconciled(warehouse, "chat-8b", [at(h) for h in range(0, 11)])
     with connect(warehouse):
