@@ -249,7 +249,7 @@ def migrate_previous_layout(data_dir: str | Path) -> dict[str, int]:
                         )
                         moved[table] = _check_copied(con, table, target, columns)
                     if ledger:
-                        _commit_message(con, f"migrated from {previous}", rows=moved)
+                        commit_message(con, f"migrated from {previous}", rows=moved)
     except BaseException:
         state_file.unlink(missing_ok=True)
         shutil.rmtree(directory, ignore_errors=True)
@@ -300,6 +300,25 @@ def read_connection(
     return con
 
 
+def ledger_writer(directory: str | Path) -> duckdb.DuckDBPyConnection:
+    """A writing connection to the warehouse alone (not the pipeline's state file), for
+    finance's own writes such as closing a month; DuckLake commits it beside a running
+    pipeline."""
+    directory = Path(directory)
+    if not (directory / CATALOG_FILE).is_file():
+        raise WarehouseError(f"{directory / CATALOG_FILE}: no warehouse")
+    con = duckdb.connect()
+    try:
+        attach_warehouse(con, directory, read_only=False)
+        _check_version(con, directory)
+        con.execute(f"USE {LEDGER}")
+        _define_views(con)
+    except BaseException:
+        con.close()
+        raise
+    return con
+
+
 @contextmanager
 def connect_read_only(state_file: str | Path) -> Iterator[duckdb.DuckDBPyConnection]:
     """A read-only connection to the warehouse next to the pipeline's state file."""
@@ -315,7 +334,7 @@ def current_snapshot(con: duckdb.DuckDBPyConnection) -> int:
     return int(con.execute(f"SELECT id FROM {LEDGER}.current_snapshot()").fetchall()[0][0])
 
 
-def _commit_message(con: duckdb.DuckDBPyConnection, message: str, **extra: object) -> None:
+def commit_message(con: duckdb.DuckDBPyConnection, message: str, **extra: object) -> None:
     con.execute(
         f"CALL {LEDGER}.set_commit_message('stepledger', ?, extra_info => ?)",
         [message, json.dumps(extra, default=str)],
@@ -464,7 +483,7 @@ def replace_hour(
                 .sort("tenant")
             )
             insert_frame(con, "reruns", reruns)
-        _commit_message(
+        commit_message(
             con, f"bill {hour_key(hour)} {pool}", hour=hour_key(hour), pool=pool, rerun=reason
         )
 
@@ -570,4 +589,4 @@ def record_checks(
                     key,
                 ],
             )
-        _commit_message(con, f"reconcile {hour_key(hour)} {pool}", hour=hour_key(hour), pool=pool)
+        commit_message(con, f"reconcile {hour_key(hour)} {pool}", hour=hour_key(hour), pool=pool)

@@ -81,7 +81,9 @@ JOIN published_hours p ON p.hour = c.hour AND p.pool = c.pool;
 -- The ledger as a FOCUS 1.2 cost and usage dataset: all mandatory columns, the conditional
 -- ones that apply to an internal chargeback (sub account = feature, resource = pool, consumed
 -- quantity = tokens), and stepledger's own columns with the x_ prefix. Nothing is discounted,
--- so BilledCost = EffectiveCost = ListCost = ContractedCost.
+-- so BilledCost = EffectiveCost = ListCost = ContractedCost. Times carry their zone (UTC);
+-- quantities are decimals; InvoiceId is the invoice number of a closed month (stepledger
+-- close), null while the month is open. `stepledger export focus` writes it to a file.
 CREATE OR REPLACE TEMP VIEW focus_costs AS
 SELECT
     nano_to_usd(amount_nano)                                            AS BilledCost,
@@ -89,31 +91,35 @@ SELECT
     tenant                                                              AS BillingAccountName,
     'Tenant'                                                            AS BillingAccountType,
     'USD'                                                               AS BillingCurrency,
-    date_trunc('month', hour) + INTERVAL 1 MONTH                        AS BillingPeriodEnd,
-    date_trunc('month', hour)                                           AS BillingPeriodStart,
+    timezone('UTC', date_trunc('month', hour) + INTERVAL 1 MONTH)       AS BillingPeriodEnd,
+    timezone('UTC', date_trunc('month', hour))                          AS BillingPeriodStart,
     CASE WHEN line_kind = 'cache_credit' THEN 'Credit' ELSE 'Usage' END AS ChargeCategory,
     CAST(NULL AS VARCHAR)                                               AS ChargeClass,
     CASE line_kind
         WHEN 'usage'          THEN 'GPU inference on pool ' || pool || ', measured engine steps'
-        WHEN 'idle'           THEN 'Idle GPU time on pool ' || pool || ', spread by usage'
+        -- The capacity_owner policy books idle on the owner's '(idle)' feature; spread idle
+        -- lands on the tenants' own features.
+        WHEN 'idle'           THEN 'Idle GPU time on pool ' || pool ||
+                                   CASE WHEN feature = '(idle)' THEN ', charged to its capacity owner'
+                                        ELSE ', spread by usage' END
         WHEN 'headroom'       THEN 'Headroom GPU time on pool ' || pool || ' beyond target utilization'
         WHEN 'unattributed'   THEN 'GPU inference on pool ' || pool || ' by requests without tenant context'
         WHEN 'platform_retry' THEN 'GPU inference on pool ' || pool || ' retried after a platform timeout'
         WHEN 'cache_credit'   THEN 'Prefix-cache read credit on pool ' || pool
     END                                                                 AS ChargeDescription,
     'Usage-Based'                                                       AS ChargeFrequency,
-    hour + INTERVAL 1 HOUR                                              AS ChargePeriodEnd,
-    hour                                                                AS ChargePeriodStart,
-    CASE WHEN line_kind = 'cache_credit' THEN NULL ELSE CAST(new_tokens AS DECIMAL(38, 0)) END
+    timezone('UTC', hour + INTERVAL 1 HOUR)                             AS ChargePeriodEnd,
+    timezone('UTC', hour)                                               AS ChargePeriodStart,
+    CASE WHEN line_kind = 'cache_credit' THEN NULL ELSE CAST(new_tokens AS DECIMAL(38, 9)) END
                                                                         AS ConsumedQuantity,
     CASE WHEN line_kind = 'cache_credit' THEN NULL ELSE 'Tokens' END    AS ConsumedUnit,
     nano_to_usd(amount_nano)                                            AS ContractedCost,
     nano_to_usd(amount_nano)                                            AS EffectiveCost,
     'stepledger'                                                        AS InvoiceIssuerName,
-    tenant || '-' || strftime(hour, '%Y-%m')                            AS InvoiceId,
+    invoice_id                                                          AS InvoiceId,
     nano_to_usd(amount_nano)                                            AS ListCost,
     CASE WHEN line_kind = 'cache_credit' THEN NULL ELSE 'Standard' END  AS PricingCategory,
-    CASE WHEN line_kind = 'cache_credit' THEN NULL ELSE CAST(new_tokens AS DECIMAL(38, 0)) END
+    CASE WHEN line_kind = 'cache_credit' THEN NULL ELSE CAST(new_tokens AS DECIMAL(38, 9)) END
                                                                         AS PricingQuantity,
     CASE WHEN line_kind = 'cache_credit' THEN NULL ELSE 'Tokens' END    AS PricingUnit,
     'stepledger'                                                        AS ProviderName,
@@ -136,4 +142,6 @@ SELECT
     cached_tokens                                                       AS x_CachedTokens,
     policy_version                                                      AS x_PolicyVersion,
     weights_version                                                     AS x_WeightsVersion
-FROM published_ledger_lines;
+FROM published_ledger_lines
+LEFT JOIN (SELECT month AS invoice_month, tenant AS invoice_tenant, invoice_id FROM invoice_numbers)
+       ON invoice_month = CAST(date_trunc('month', hour) AS DATE) AND invoice_tenant = tenant;

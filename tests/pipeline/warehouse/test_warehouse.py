@@ -237,8 +237,8 @@ def test_focus_costs_has_the_mandatory_columns(tmp_path: Path) -> None:
     assert mandatory <= set(frame.columns)
     assert frame["ChargeCategory"].to_list() == ["Credit", "Usage"]
     assert frame["BilledCost"].to_list() == [Decimal("-0.000000001"), Decimal("2.500000001")]
-    assert frame["ChargePeriodStart"].to_list() == [HOUR.replace(tzinfo=None)] * 2
-    assert frame["BillingPeriodStart"][0] == datetime(2026, 11, 1)
+    assert frame["ChargePeriodStart"].to_list() == [HOUR] * 2
+    assert frame["BillingPeriodStart"][0] == datetime(2026, 11, 1, tzinfo=UTC)
 
 
 def test_read_only_connection_cannot_write(tmp_path: Path) -> None:
