@@ -1,6 +1,6 @@
 """Resources, chosen by environment: STEPLEDGER_DATA (the data directory: outboxes, gateway
-logs, DCGM scrapes, the Parquet lake) and STEPLEDGER_WAREHOUSE (the DuckDB file, by default
-`warehouse.duckdb` in the data directory)."""
+logs, DCGM scrapes, the Parquet lake) and STEPLEDGER_WAREHOUSE (the pipeline's DuckDB state file,
+by default `pipeline.duckdb` in the data directory; the DuckLake warehouse is next to it)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import dagster as dg
 import duckdb
 from dagster_duckdb import DuckDBResource
 
-from pipeline.datadir import CALIBRATION_FILE, WAREHOUSE_FILE, pools_file
-from pipeline.warehouse import apply_schema
+from pipeline.datadir import CALIBRATION_FILE, pools_file
+from pipeline.warehouse import STATE_FILE, apply_schema
 
 DATA_ENV = "STEPLEDGER_DATA"
 WAREHOUSE_ENV = "STEPLEDGER_WAREHOUSE"
@@ -60,7 +60,7 @@ def data_dir_from_env() -> Path:
 
 
 def warehouse_path(data_dir: Path) -> Path:
-    return Path(os.environ.get(WAREHOUSE_ENV, data_dir / WAREHOUSE_FILE)).resolve()
+    return Path(os.environ.get(WAREHOUSE_ENV, data_dir / STATE_FILE)).resolve()
 
 
 def build_resources(

@@ -1,15 +1,27 @@
-"""The DuckDB warehouse: connections, its schema, and exact replacement of an hour.
+"""The warehouse and the pipeline's own state: connections, schemas, exact replacement of an hour.
 
-Writers open short read/write connections (DuckDB is single-writer per file); finance and the
-CLI read through `connect_read_only`, which can never change the ledger.
+The ledger (invoices, ledger lines, request costs, reconciliation, alerts, re-runs) lives in a
+DuckLake: Parquet data files under `<dir>/warehouse/data/` and a SQLite catalog,
+`<dir>/warehouse/catalog.sqlite`. Every committed transaction is a snapshot, so a finance
+session reads one snapshot while the pipeline commits the next, and neither waits for the
+other. The pipeline's bookkeeping (segment and gateway files seen, ingest batches, request
+context) stays in its own DuckDB file, `<dir>/pipeline.duckdb`, which finance never opens.
+
+A writing connection is a connection to the state file with the warehouse attached as
+`ledger` and both on the search path, so unqualified table names reach either. One
+transaction writes to one of the two (DuckDB commits a transaction to one database).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import importlib
+import json
+import shutil
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import duckdb
 import polars as pl
@@ -18,25 +30,162 @@ from pipeline.hours import hour_key, utc_hour
 
 SQL_DIR = Path(__file__).resolve().parent.parent / "sql"
 SCHEMA_SQL = SQL_DIR / "schema.sql"
+STATE_SQL = SQL_DIR / "pipeline_state.sql"
 VIEWS_SQL = SQL_DIR / "views.sql"
+
+STATE_FILE = "pipeline.duckdb"
+WAREHOUSE_DIR = "warehouse"
+CATALOG_FILE = "catalog.sqlite"
+DATA_FILES_DIR = "data"
+# The single DuckDB file that held ledger and bookkeeping together (schema version 1).
+PREVIOUS_LAYOUT_FILE = "warehouse.duckdb"
+# 1: one DuckDB file; 2: the DuckLake warehouse and pipeline.duckdb.
+SCHEMA_VERSION = 2
+LEDGER = "ledger"
 
 # The tables one pool-hour of attribution writes; replaced together, in one transaction.
 HOUR_TABLES = ("invoices", "ledger_lines", "request_costs")
+# What DuckLake cannot enforce as CHECK constraints, refused here.
+LINE_KINDS = ("usage", "idle", "headroom", "unattributed", "platform_retry", "cache_credit")
+SEVERITIES = ("ERROR", "WARN")
 
 
 class WarehouseError(RuntimeError):
-    """The warehouse file is missing, unreadable, or a write does not match a table."""
+    """The warehouse is missing, of another layout, or a write does not match a table."""
 
 
-def apply_schema(con: duckdb.DuckDBPyConnection) -> None:
-    """Create the tables (if missing) and (re)create the views; safe to run on every open."""
-    con.execute(SCHEMA_SQL.read_text())
+def warehouse_dir(data_dir: str | Path) -> Path:
+    """The DuckLake warehouse of a data directory."""
+    return Path(data_dir) / WAREHOUSE_DIR
+
+
+def _quoted(text: str | Path) -> str:
+    return "'" + str(text).replace("'", "''") + "'"
+
+
+def _extension_file(name: str) -> Path:
+    # The extensions come as Python packages (duckdb-extension-<name>), so a machine without
+    # network loads them from the virtualenv, and their version always matches duckdb's.
+    package = importlib.import_module(f"duckdb_extension_{name}")
+    path = (
+        Path(package.__file__ or "").parent
+        / "extensions"
+        / f"v{duckdb.__version__}"
+        / f"{name}.duckdb_extension"
+    )
+    if not path.is_file():
+        raise WarehouseError(
+            f"{path}: no {name} extension for duckdb {duckdb.__version__}; install "
+            f"duckdb-extension-{name.replace('_', '-')}=={duckdb.__version__}"
+        )
+    return path
+
+
+def load_extensions(con: duckdb.DuckDBPyConnection) -> None:
+    """Load DuckLake and its SQLite catalog support from the installed packages."""
+    for name in ("sqlite_scanner", "ducklake"):
+        con.execute(f"LOAD {_quoted(_extension_file(name))}")
+
+
+def attach_warehouse(
+    con: duckdb.DuckDBPyConnection,
+    directory: Path,
+    *,
+    read_only: bool,
+    as_of: datetime | int | None = None,
+) -> None:
+    """Attach the DuckLake in `directory` as `ledger`: read-only, or for writing (created if
+    missing); `as_of` a snapshot id or a time (the last snapshot at or before it)."""
+    options = ["READ_ONLY"] if read_only else [f"DATA_PATH {_quoted(directory / DATA_FILES_DIR)}"]
+    if isinstance(as_of, datetime):
+        if as_of.tzinfo is None:
+            raise WarehouseError(f"as of {as_of.isoformat()}: give a time zone (e.g. +00:00)")
+        options.append(f"SNAPSHOT_TIME {_quoted(as_of.astimezone(UTC).isoformat())}")
+    elif as_of is not None:
+        options.append(f"SNAPSHOT_VERSION {int(as_of)}")
+    load_extensions(con)
+    try:
+        con.execute(
+            f"ATTACH {_quoted('ducklake:sqlite:' + str(directory / CATALOG_FILE))} AS {LEDGER} "
+            f"({', '.join(options)})"
+        )
+    except duckdb.Error as err:
+        if as_of is None:
+            raise
+        raise WarehouseError(f"{directory}: no snapshot as of {as_of} ({err})") from err
+
+
+def _check_version(con: duckdb.DuckDBPyConnection, directory: Path) -> None:
+    versions = {
+        row[0] for row in con.execute(f"SELECT version FROM {LEDGER}.schema_version").fetchall()
+    }
+    if versions != {SCHEMA_VERSION}:
+        raise WarehouseError(
+            f"{directory}: warehouse schema version {sorted(versions)}, this stepledger "
+            f"reads version {SCHEMA_VERSION}"
+        )
+
+
+def _refuse_previous_layout(con: duckdb.DuckDBPyConnection, state_file: Path) -> None:
+    previous = state_file.parent / PREVIOUS_LAYOUT_FILE
+    holds_ledger = con.execute(
+        "SELECT count(*) FROM duckdb_tables() "
+        "WHERE database_name = current_database() AND table_name = 'invoices'"
+    ).fetchall()[0][0]
+    if holds_ledger or (previous != state_file and previous.is_file()):
+        file = state_file if holds_ledger else previous
+        raise WarehouseError(
+            f"{file}: a warehouse of the previous single-file layout (schema version 1); "
+            f"run `stepledger migrate --data {file.parent}` to move it to the DuckLake "
+            f"warehouse (schema version {SCHEMA_VERSION})"
+        )
+
+
+def apply_schema(con: duckdb.DuckDBPyConnection, *, migrating: bool = False) -> None:
+    """Make a connection to the pipeline's state file a writing connection: its tables created
+    (if missing), the warehouse attached (created if missing) with its tables, both on the
+    search path, the finance views defined for this connection. Safe on every open."""
+    attached = con.execute(
+        "SELECT database_name, path FROM duckdb_databases() WHERE database_name = current_database()"
+    ).fetchall()
+    state_db, path = attached[0]
+    if path is None:
+        raise WarehouseError("the pipeline's state needs a DuckDB file, not an in-memory database")
+    state_file = Path(path).resolve()
+    if not migrating:
+        _refuse_previous_layout(con, state_file)
+    con.execute(STATE_SQL.read_text())
+    directory = warehouse_dir(state_file.parent)
+    if not con.execute(
+        "SELECT count(*) FROM duckdb_databases() WHERE database_name = ?", [LEDGER]
+    ).fetchall()[0][0]:
+        (directory / DATA_FILES_DIR).mkdir(parents=True, exist_ok=True)
+        attach_warehouse(con, directory, read_only=False)
+    con.execute(f"USE {LEDGER}")
+    try:
+        con.execute(SCHEMA_SQL.read_text())
+        if not con.execute("SELECT count(*) FROM schema_version").fetchall()[0][0]:
+            con.execute("INSERT INTO schema_version VALUES (?, now()::TIMESTAMP)", [SCHEMA_VERSION])
+    finally:
+        con.execute(f"USE {_identifier(state_db)}")
+    _check_version(con, directory)
+    con.execute(f"SET search_path = {_quoted(f'{state_db}.main,{LEDGER}.main')}")
+    _define_views(con)
+
+
+def _identifier(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _define_views(con: duckdb.DuckDBPyConnection) -> None:
+    # The views and macros are temporary, the connection's own: the warehouse holds data
+    # only, and a reader's views read the snapshot it attached.
     con.execute(VIEWS_SQL.read_text())
 
 
 @contextmanager
 def connect(path: str | Path) -> Iterator[duckdb.DuckDBPyConnection]:
-    """A read/write connection with the schema applied; closed on exit."""
+    """A writing connection (`apply_schema`) to the pipeline's state file `path`; closed on exit."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     con = duckdb.connect(str(path))
@@ -47,19 +196,151 @@ def connect(path: str | Path) -> Iterator[duckdb.DuckDBPyConnection]:
         con.close()
 
 
-@contextmanager
-def connect_read_only(path: str | Path) -> Iterator[duckdb.DuckDBPyConnection]:
-    """A read-only connection for finance queries; the file must exist."""
-    path = Path(path)
-    if not path.is_file():
-        raise WarehouseError(
-            f"{path}: no warehouse file (run `stepledger demo` or `stepledger run` first)"
+# The tables of the previous layout that belong to the warehouse; the rest are bookkeeping.
+LEDGER_TABLES = ("invoices", "ledger_lines", "request_costs", "reconciliation", "alerts")
+
+
+def migrate_previous_layout(data_dir: str | Path) -> dict[str, int]:
+    """Move `<data_dir>/warehouse.duckdb` (schema version 1) to the DuckLake warehouse and
+    `pipeline.duckdb`: the ledger tables in one warehouse snapshot, the bookkeeping in the new
+    state file, each table's row count and money checked equal; then the old file is renamed
+    `warehouse.duckdb.migrated` (kept, never deleted). Returns the rows moved per table."""
+    data_dir = Path(data_dir)
+    previous = data_dir / PREVIOUS_LAYOUT_FILE
+    state_file = data_dir / STATE_FILE
+    directory = warehouse_dir(data_dir)
+    if not previous.is_file():
+        raise WarehouseError(f"{previous}: no warehouse of the previous layout to migrate")
+    for made in (state_file, directory):
+        if made.exists():
+            raise WarehouseError(f"{made} exists: {previous} seems migrated already; move it aside")
+    moved: dict[str, int] = {}
+    try:
+        with duckdb.connect(str(state_file)) as con:
+            apply_schema(con, migrating=True)
+            try:
+                con.execute(f"ATTACH {_quoted(previous)} AS previous (READ_ONLY)")
+            except duckdb.Error as err:
+                raise WarehouseError(
+                    f"{previous}: cannot be read by duckdb {duckdb.__version__} ({err}); "
+                    "export it with the DuckDB that wrote it (EXPORT DATABASE) and import it "
+                    f"into a duckdb {duckdb.__version__} file of the same name, then migrate"
+                ) from err
+            old_tables = {
+                row[0]: row[1]
+                for row in con.execute(
+                    "SELECT table_name, list(column_name ORDER BY column_index) "
+                    "FROM duckdb_columns() WHERE database_name = 'previous' AND table_name IN "
+                    "(SELECT table_name FROM duckdb_tables() WHERE database_name = 'previous') "
+                    "GROUP BY ALL"
+                ).fetchall()
+            }
+            if "invoices" not in old_tables:
+                raise WarehouseError(f"{previous}: no invoices table; not a stepledger warehouse")
+            state_db = con.execute("SELECT current_database()").fetchall()[0][0]
+            for ledger in (False, True):
+                target = LEDGER if ledger else state_db
+                with transaction(con):
+                    for table, columns in sorted(old_tables.items()):
+                        if (table in LEDGER_TABLES) != ledger:
+                            continue
+                        listed = ", ".join(f'"{c}"' for c in columns)
+                        con.execute(
+                            f"INSERT INTO {_identifier(target)}.main.{table} ({listed}) "
+                            f"SELECT {listed} FROM previous.main.{table}"
+                        )
+                        moved[table] = _check_copied(con, table, target, columns)
+                    if ledger:
+                        commit_message(con, f"migrated from {previous}", rows=moved)
+    except BaseException:
+        state_file.unlink(missing_ok=True)
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    previous.rename(previous.with_name(previous.name + ".migrated"))
+    return moved
+
+
+def _check_copied(
+    con: duckdb.DuckDBPyConnection, table: str, target: str, columns: list[str]
+) -> int:
+    measure = "count(*), sum(amount_nano)" if "amount_nano" in columns else "count(*), 0"
+    old, new = (
+        con.execute(f"SELECT {measure} FROM {source}.main.{table}").fetchall()[0]
+        for source in ("previous", _identifier(target))
+    )
+    if old != new:
+        raise WarehouseError(f"migrating {table}: {old} rows/money before, {new} after")
+    return int(old[0])
+
+
+def read_connection(
+    directory: str | Path, *, as_of: datetime | int | None = None
+) -> duckdb.DuckDBPyConnection:
+    """A read-only connection to the warehouse in `directory` (the latest snapshot, or the one
+    `as_of` a time or snapshot id), with the finance views; it never opens the pipeline's
+    state file, so it never blocks the pipeline."""
+    directory = Path(directory)
+    if not (directory / CATALOG_FILE).is_file():
+        previous = directory.parent / PREVIOUS_LAYOUT_FILE
+        how = (
+            f"{previous} is of the previous layout: run `stepledger migrate --data {directory.parent}`"
+            if previous.is_file()
+            else "run `stepledger demo` or `stepledger run` first"
         )
-    con = duckdb.connect(str(path), read_only=True)
+        raise WarehouseError(f"{directory / CATALOG_FILE}: no warehouse ({how})")
+    con = duckdb.connect()
+    try:
+        attach_warehouse(con, directory, read_only=True, as_of=as_of)
+        _check_version(con, directory)
+        # The warehouse is the default catalog, so a write of any kind is refused as
+        # read-only rather than landing in the connection's scratch memory.
+        con.execute(f"USE {LEDGER}")
+        _define_views(con)
+    except BaseException:
+        con.close()
+        raise
+    return con
+
+
+def ledger_writer(directory: str | Path) -> duckdb.DuckDBPyConnection:
+    """A writing connection to the warehouse alone (not the pipeline's state file), for
+    finance's own writes such as closing a month; DuckLake commits it beside a running
+    pipeline."""
+    directory = Path(directory)
+    if not (directory / CATALOG_FILE).is_file():
+        raise WarehouseError(f"{directory / CATALOG_FILE}: no warehouse")
+    con = duckdb.connect()
+    try:
+        attach_warehouse(con, directory, read_only=False)
+        _check_version(con, directory)
+        con.execute(f"USE {LEDGER}")
+        _define_views(con)
+    except BaseException:
+        con.close()
+        raise
+    return con
+
+
+@contextmanager
+def connect_read_only(state_file: str | Path) -> Iterator[duckdb.DuckDBPyConnection]:
+    """A read-only connection to the warehouse next to the pipeline's state file."""
+    con = read_connection(warehouse_dir(Path(state_file).resolve().parent))
     try:
         yield con
     finally:
         con.close()
+
+
+def current_snapshot(con: duckdb.DuckDBPyConnection) -> int:
+    """The id of the warehouse snapshot the connection reads."""
+    return int(con.execute(f"SELECT id FROM {LEDGER}.current_snapshot()").fetchall()[0][0])
+
+
+def commit_message(con: duckdb.DuckDBPyConnection, message: str, **extra: object) -> None:
+    con.execute(
+        f"CALL {LEDGER}.set_commit_message('stepledger', ?, extra_info => ?)",
+        [message, json.dumps(extra, default=str)],
+    )
 
 
 @contextmanager
@@ -88,13 +369,46 @@ def _naive_hours(frame: pl.DataFrame) -> pl.DataFrame:
     return frame
 
 
+def _rerun_reason(before: pl.DataFrame, after: pl.DataFrame) -> str:
+    """Why an hour's ledger lines changed, from the lines themselves: the weights or policy
+    versions they were priced with, the tokens the hour's steps computed (more when segments
+    arrived late), the requests without gateway context (fewer when a gateway file did)."""
+    reasons = []
+    for column, what in (("weights_version", "weights"), ("policy_version", "policy")):
+        old, new = (sorted(set(f[column].to_list())) for f in (before, after))
+        if old != new:
+            reasons.append(f"{what} {', '.join(old)} -> {', '.join(new)}")
+
+    def total(frame: pl.DataFrame, column: str, kind: str | None = None) -> int:
+        rows = frame if kind is None else frame.filter(pl.col("line_kind") == kind)
+        return int(rows[column].sum())
+
+    old_tokens, new_tokens = (total(f, "new_tokens") for f in (before, after))
+    if old_tokens != new_tokens:
+        reasons.append(f"tokens {old_tokens} -> {new_tokens} (new segments)")
+    old_bare, new_bare = (total(f, "requests", "unattributed") for f in (before, after))
+    if old_bare != new_bare:
+        reasons.append(
+            f"requests without gateway context {old_bare} -> {new_bare} (a late gateway file)"
+        )
+    return "; ".join(reasons) or "re-run with the same inputs"
+
+
+def _tenant_totals(lines: pl.DataFrame, name: str) -> pl.DataFrame:
+    return lines.group_by("tenant").agg(pl.col("amount_nano").sum().cast(pl.Int64).alias(name))
+
+
 def replace_hour(
     con: duckdb.DuckDBPyConnection, hour: datetime, pool: str, tables: Mapping[str, pl.DataFrame]
 ) -> None:
-    """Replace the (hour, pool) rows of each table with `tables[name]`, all in one transaction.
+    """Replace the (hour, pool) rows of each table with `tables[name]`, all in one transaction,
+    which is one warehouse snapshot. The hour's reconciliation rows go too: the new charges
+    are unchecked (held back from finance) until the hour is reconciled again.
 
     Rows are inserted by column name, so frames may list columns in any order; a frame whose
     rows belong to another hour or pool is refused, because it would survive the next replace.
+    If the hour was billed before, `reruns` gets a row per tenant with the old and new amounts
+    and the reason, and the snapshot that still holds the old charges.
     """
     naive_hour = _naive(hour)
     tables = {name: _naive_hours(frame) for name, frame in tables.items()}
@@ -103,15 +417,56 @@ def replace_hour(
             frame["pool"].eq(pool).all() and frame["hour"].eq(naive_hour).all()
         ):
             raise WarehouseError(f"{name}: rows outside hour {hour_key(hour)} pool {pool!r}")
+    lines = tables.get("ledger_lines")
+    if lines is not None and lines.height:
+        unknown = sorted(set(lines["line_kind"].to_list()) - set(LINE_KINDS))
+        if unknown:
+            raise WarehouseError(
+                f"ledger_lines of {hour_key(hour)} pool {pool!r}: line_kind {unknown} "
+                f"not one of {list(LINE_KINDS)}"
+            )
+    at_hour = [naive_hour, pool]
+    previous_snapshot = current_snapshot(con)
     with transaction(con):
+        billed_before = con.execute(
+            "SELECT count(*) FROM invoices WHERE hour = ? AND pool = ?", at_hour
+        ).fetchall()[0][0]
+        before = query_frame(
+            con,
+            "SELECT tenant, line_kind, amount_nano, requests, new_tokens, weights_version, "
+            "policy_version FROM ledger_lines WHERE hour = ? AND pool = ?",
+            at_hour,
+        )
+        for name in (*tables, "reconciliation"):
+            con.execute(f"DELETE FROM {name} WHERE hour = ? AND pool = ?", at_hour)
         for name, frame in tables.items():
-            con.execute(f"DELETE FROM {name} WHERE hour = ? AND pool = ?", [naive_hour, pool])
             if frame.height:
                 insert_frame(con, name, frame)
+        reason = None
+        if billed_before and lines is not None:
+            reason = _rerun_reason(before, lines)
+            reruns = (
+                _tenant_totals(before, "previous_nano")
+                .join(_tenant_totals(lines, "amount_nano"), on="tenant", how="full", coalesce=True)
+                .fill_null(0)
+                .with_columns(
+                    delta_nano=pl.col("amount_nano") - pl.col("previous_nano"),
+                    rerun_at=pl.lit(datetime.now(UTC)),
+                    hour=pl.lit(naive_hour),
+                    pool=pl.lit(pool),
+                    reason=pl.lit(reason),
+                    previous_snapshot=pl.lit(previous_snapshot, dtype=pl.Int64),
+                )
+                .sort("tenant")
+            )
+            insert_frame(con, "reruns", reruns)
+        commit_message(
+            con, f"bill {hour_key(hour)} {pool}", hour=hour_key(hour), pool=pool, rerun=reason
+        )
 
 
 def query_frame(
-    con: duckdb.DuckDBPyConnection, sql: str, params: list | None = None
+    con: duckdb.DuckDBPyConnection, sql: str, params: list[object] | None = None
 ) -> pl.DataFrame:
     """A query's result as a polars frame."""
     return con.sql(sql, params=params).pl()
@@ -131,7 +486,11 @@ def insert_frame(con: duckdb.DuckDBPyConnection, table: str, frame: pl.DataFrame
 
 
 def record_checks(
-    con: duckdb.DuckDBPyConnection, hour: datetime, pool: str, check_names: list[str], results: list
+    con: duckdb.DuckDBPyConnection,
+    hour: datetime,
+    pool: str,
+    check_names: list[str],
+    results: Sequence[Any],
 ) -> None:
     """Replace the hour's rows of the named checks with `results` (objects with the
     reconciliation columns as attributes, e.g. pipeline.reconcile.CheckResult)."""
@@ -140,6 +499,7 @@ def record_checks(
         raise WarehouseError(
             f"reconciliation: results of checks {stray} not among those replaced {check_names}"
         )
+    checked_at = datetime.now(UTC).replace(tzinfo=None)
     rows = pl.DataFrame(
         {
             "hour": [_naive(r.hour) for r in results],
@@ -153,6 +513,7 @@ def record_checks(
             "severity": [r.severity for r in results],
             "blocking": [bool(r.blocking) for r in results],
             "finding": [r.finding for r in results],
+            "checked_at": [checked_at] * len(results),
         },
         schema={
             "hour": pl.Datetime("us"),
@@ -166,11 +527,15 @@ def record_checks(
             "severity": pl.String,
             "blocking": pl.Boolean,
             "finding": pl.String,
+            "checked_at": pl.Datetime("us"),
         },
     )
     naive_hour = _naive(hour)
     if rows.height and not (rows["pool"].eq(pool).all() and rows["hour"].eq(naive_hour).all()):
         raise WarehouseError(f"reconciliation: results outside hour {hour_key(hour)} pool {pool!r}")
+    severities = sorted(set(rows["severity"].to_list()) - set(SEVERITIES))
+    if severities:
+        raise WarehouseError(f"reconciliation: severity {severities} not one of {list(SEVERITIES)}")
     with transaction(con):
         con.execute(
             "DELETE FROM reconciliation WHERE hour = ? AND pool = ? AND list_contains(?, check_name)",
@@ -178,3 +543,4 @@ def record_checks(
         )
         if rows.height:
             insert_frame(con, "reconciliation", rows)
+        commit_message(con, f"reconcile {hour_key(hour)} {pool}", hour=hour_key(hour), pool=pool)

@@ -119,3 +119,140 @@ DROPS = pa.schema(
         ("steps", pa.int64()),
     ]
 )
+
+
+def _table(*columns: tuple[str, pa.DataType, bool]) -> pa.Schema:
+    # (name, type, nullable): the warehouse's NOT NULL columns are the non-nullable fields.
+    return pa.schema(
+        [pa.field(name, dtype, nullable=nullable) for name, dtype, nullable in columns]
+    )
+
+
+_TS = pa.timestamp("us")
+_TSTZ = pa.timestamp("us", tz="UTC")
+_STR, _I64, _I32, _BOOL = pa.string(), pa.int64(), pa.int32(), pa.bool_()
+
+# The warehouse (DuckLake) tables, column for column as sql/schema.sql creates them.
+WAREHOUSE_TABLES: dict[str, pa.Schema] = {
+    "schema_version": _table(("version", _I32, False), ("applied_at", _TS, False)),
+    "invoices": _table(
+        ("hour", _TS, False),
+        ("pool", _STR, False),
+        ("gpus", _I32, False),
+        ("usd_per_gpu_hour", pa.float64(), False),
+        ("amount_nano", _I64, False),
+    ),
+    "ledger_lines": _table(
+        ("hour", _TS, False),
+        ("pool", _STR, False),
+        ("tenant", _STR, False),
+        ("feature", _STR, False),
+        ("line_kind", _STR, False),
+        ("amount_nano", _I64, False),
+        ("requests", _I64, False),
+        ("new_tokens", _I64, False),
+        ("cached_tokens", _I64, False),
+        ("weights_version", _STR, False),
+        ("policy_version", _STR, False),
+    ),
+    "request_costs": _table(
+        ("hour", _TS, False),
+        ("pool", _STR, False),
+        ("request_id", _STR, False),
+        ("tenant", _STR, True),
+        ("feature", _STR, True),
+        ("api_key_id", _STR, True),
+        ("compute_nano", _I64, False),
+        ("kv_nano", _I64, False),
+        ("amount_nano", _I64, False),
+        ("steps", _I64, False),
+        ("new_tokens", _I64, False),
+        ("cached_tokens", _I64, False),
+        ("prompt_tokens", _I64, False),
+        ("output_tokens", _I64, False),
+    ),
+    "reconciliation": _table(
+        ("hour", _TS, False),
+        ("pool", _STR, False),
+        ("replica", _STR, True),
+        ("check_name", _STR, False),
+        ("passed", _BOOL, False),
+        ("expected", _STR, False),
+        ("observed", _STR, False),
+        ("detail", _STR, False),
+        ("severity", _STR, False),
+        ("blocking", _BOOL, False),
+        ("finding", _STR, False),
+        ("checked_at", _TS, False),
+    ),
+    "alerts": _table(
+        ("raised_at", _TS, False),
+        ("severity", _STR, False),
+        ("kind", _STR, False),
+        ("hour", _TS, True),
+        ("pool", _STR, True),
+        ("replica", _STR, True),
+        ("detail", _STR, False),
+        ("dedupe_key", _STR, True),
+    ),
+    "reruns": _table(
+        ("rerun_at", _TSTZ, False),
+        ("hour", _TS, False),
+        ("pool", _STR, False),
+        ("tenant", _STR, False),
+        ("previous_nano", _I64, False),
+        ("amount_nano", _I64, False),
+        ("delta_nano", _I64, False),
+        ("reason", _STR, False),
+        ("previous_snapshot", _I64, False),
+    ),
+    "closed_months": _table(
+        ("month", pa.date32(), False), ("snapshot", _I64, False), ("closed_at", _TSTZ, False)
+    ),
+    "invoice_numbers": _table(
+        ("month", pa.date32(), False),
+        ("tenant", _STR, False),
+        ("invoice_id", _STR, False),
+        ("amount_nano", _I64, False),
+    ),
+}
+
+# The pipeline's bookkeeping tables (sql/pipeline_state.sql), in its own DuckDB file.
+PIPELINE_STATE_TABLES: dict[str, pa.Schema] = {
+    "request_context": _table(
+        ("request_id", _STR, False),
+        ("tenant", _STR, False),
+        ("feature", _STR, False),
+        ("api_key_id", _STR, False),
+        ("retry_of", _STR, True),
+        ("retry_cause", _STR, True),
+        ("received_at", _TS, False),
+        ("source_file", _STR, False),
+    ),
+    "context_files": _table(
+        ("path", _STR, False),
+        ("sha256", _STR, False),
+        ("requests", _I64, False),
+        ("loaded_at", _TS, False),
+    ),
+    "segment_files": _table(
+        ("path", _STR, False),
+        ("sha256", _STR, False),
+        ("bytes", _I64, False),
+        ("status", _STR, False),
+        ("batch_id", _STR, False),
+        ("ingested_at", _TS, False),
+    ),
+    "segments": _table(
+        ("path", _STR, False),
+        ("segment_id", _STR, False),
+        ("sha256", _STR, False),
+        *((f.name, f.type, False) for f in SEGMENTS if f.name not in ("path", "segment_id")),
+        ("batch_id", _STR, False),
+    ),
+    "damage": _table(
+        *((f.name, f.type, f.name not in ("path", "kind", "detail")) for f in DAMAGE),
+        ("batch_id", _STR, False),
+    ),
+    "drops": _table(*((f.name, f.type, False) for f in DROPS), ("batch_id", _STR, False)),
+}

@@ -1,26 +1,35 @@
--- The stepledger warehouse (DuckDB). Every statement is idempotent: pipeline.warehouse applies
--- this file on every read/write connection, so a new warehouse file needs no migration step.
+-- The stepledger warehouse: a DuckLake (Parquet data files under warehouse/data/, catalog in
+-- warehouse/catalog.sqlite). Every statement is idempotent: pipeline.warehouse applies this
+-- file on every writing connection. Each table's Arrow schema is in schemas/tables.py.
 -- Money is BIGINT nano-dollars (1 USD = 1_000_000_000); hours are UTC TIMESTAMP at :00.
+-- DuckLake has no primary keys or CHECK constraints: pipeline.warehouse refuses rows that
+-- would break them (an hour outside the one replaced, an unknown line kind or severity).
+
+-- The layout's version; pipeline.warehouse refuses a warehouse of another version.
+CREATE TABLE IF NOT EXISTS schema_version (
+    version    INTEGER   NOT NULL,
+    applied_at TIMESTAMP NOT NULL
+);
 
 -- The GPU-hours each pool paid for in one hour: the total the ledger must add up to.
+-- One row per (hour, pool).
 CREATE TABLE IF NOT EXISTS invoices (
     hour              TIMESTAMP NOT NULL,
     pool              VARCHAR   NOT NULL,
     gpus              INTEGER   NOT NULL,
     usd_per_gpu_hour  DOUBLE    NOT NULL,
-    amount_nano       BIGINT    NOT NULL,
-    PRIMARY KEY (hour, pool)
+    amount_nano       BIGINT    NOT NULL
 );
 
 -- The hour's invoice split into lines per tenant and feature; per (hour, pool) the lines sum
--- to invoices.amount_nano exactly.
+-- to invoices.amount_nano exactly. line_kind is one of usage, idle, headroom, unattributed,
+-- platform_retry, cache_credit.
 CREATE TABLE IF NOT EXISTS ledger_lines (
     hour            TIMESTAMP NOT NULL,
     pool            VARCHAR   NOT NULL,
     tenant          VARCHAR   NOT NULL,
     feature         VARCHAR   NOT NULL,
-    line_kind       VARCHAR   NOT NULL CHECK (line_kind IN
-                        ('usage', 'idle', 'headroom', 'unattributed', 'platform_retry', 'cache_credit')),
+    line_kind       VARCHAR   NOT NULL,
     amount_nano     BIGINT    NOT NULL,
     requests        BIGINT    NOT NULL,
     new_tokens      BIGINT    NOT NULL,
@@ -49,7 +58,9 @@ CREATE TABLE IF NOT EXISTS request_costs (
 );
 
 -- One row per reconciliation check of an hour (per replica where the check is per replica).
--- A failed blocking check holds the hour back from the finance views.
+-- A failed blocking check holds the hour back from the finance views. severity is ERROR or
+-- WARN. Re-billing an hour deletes its checks: the new charges are unchecked until its
+-- reconciliation runs again.
 CREATE TABLE IF NOT EXISTS reconciliation (
     hour        TIMESTAMP NOT NULL,
     pool        VARCHAR   NOT NULL,
@@ -59,7 +70,7 @@ CREATE TABLE IF NOT EXISTS reconciliation (
     expected    VARCHAR   NOT NULL,
     observed    VARCHAR   NOT NULL,
     detail      VARCHAR   NOT NULL,
-    severity    VARCHAR   NOT NULL DEFAULT 'ERROR' CHECK (severity IN ('ERROR', 'WARN')),
+    severity    VARCHAR   NOT NULL DEFAULT 'ERROR',
     blocking    BOOLEAN   NOT NULL DEFAULT TRUE,
     -- A short stable code of what failed ('' when passed); it identifies the alert.
     finding     VARCHAR   NOT NULL DEFAULT '',
@@ -78,82 +89,32 @@ CREATE TABLE IF NOT EXISTS alerts (
     dedupe_key VARCHAR
 );
 
--- Gateway context of each request. API keys are never stored: api_key_id is their keyed hash.
-CREATE TABLE IF NOT EXISTS request_context (
-    request_id  VARCHAR   NOT NULL PRIMARY KEY,
-    tenant      VARCHAR   NOT NULL,
-    feature     VARCHAR   NOT NULL,
-    api_key_id  VARCHAR   NOT NULL,
-    retry_of    VARCHAR,
-    retry_cause VARCHAR   CHECK (retry_cause IN ('client_timeout', 'platform_timeout')),
-    received_at TIMESTAMP NOT NULL,
-    source_file VARCHAR   NOT NULL
+-- Every re-billing of an hour that had been billed before: per tenant, what the hour cost
+-- before and after, and why it changed. previous_snapshot is the warehouse snapshot that
+-- still holds the replaced charges (`AT (VERSION => previous_snapshot)`).
+CREATE TABLE IF NOT EXISTS reruns (
+    rerun_at          TIMESTAMPTZ NOT NULL,
+    hour              TIMESTAMP   NOT NULL,
+    pool              VARCHAR     NOT NULL,
+    tenant            VARCHAR     NOT NULL,
+    previous_nano     BIGINT      NOT NULL,
+    amount_nano       BIGINT      NOT NULL,
+    delta_nano        BIGINT      NOT NULL,
+    reason            VARCHAR     NOT NULL,
+    previous_snapshot BIGINT      NOT NULL
 );
 
--- Gateway files loaded, with a content hash: an unchanged file is not loaded again.
-CREATE TABLE IF NOT EXISTS context_files (
-    path      VARCHAR   NOT NULL PRIMARY KEY,
-    sha256    VARCHAR   NOT NULL,
-    requests  BIGINT    NOT NULL,
-    loaded_at TIMESTAMP NOT NULL
+-- Months finance has closed: the snapshot frozen for their invoices, and when.
+CREATE TABLE IF NOT EXISTS closed_months (
+    month      DATE        NOT NULL,
+    snapshot   BIGINT      NOT NULL,
+    closed_at  TIMESTAMPTZ NOT NULL
 );
 
--- Every segment file seen in an outbox, by its path relative to the data directory and its
--- content. status 'ingested' or 'duplicate' (the same bytes, or only steps of a segment id
--- already ingested, from another delivery).
-CREATE TABLE IF NOT EXISTS segment_files (
-    path        VARCHAR   NOT NULL,
-    sha256      VARCHAR   NOT NULL,
-    bytes       BIGINT    NOT NULL,
-    status      VARCHAR   NOT NULL CHECK (status IN ('ingested', 'duplicate')),
-    batch_id    VARCHAR   NOT NULL,
-    ingested_at TIMESTAMP NOT NULL,
-    PRIMARY KEY (path, sha256)
-);
-
--- One row per distinct segment ingested (schemas.tables.SEGMENTS plus its content hash).
-CREATE TABLE IF NOT EXISTS segments (
-    path             VARCHAR NOT NULL,
-    segment_id       VARCHAR NOT NULL PRIMARY KEY,
-    sha256           VARCHAR NOT NULL,
-    format_version   INTEGER NOT NULL,
-    pool             VARCHAR NOT NULL,
-    replica          VARCHAR NOT NULL,
-    engine_name      VARCHAR NOT NULL,
-    engine_version   VARCHAR NOT NULL,
-    driver_version   VARCHAR NOT NULL,
-    model            VARCHAR NOT NULL,
-    gpu_type         VARCHAR NOT NULL,
-    gpus_per_replica INTEGER NOT NULL,
-    kv_block_size    INTEGER NOT NULL,
-    mono_anchor_ns   BIGINT  NOT NULL,
-    wall_anchor_ns   BIGINT  NOT NULL,
-    first_seq        BIGINT  NOT NULL,
-    last_seq         BIGINT  NOT NULL,
-    steps            BIGINT  NOT NULL,
-    dropped_steps    BIGINT  NOT NULL,
-    bytes            BIGINT  NOT NULL,
-    batch_id         VARCHAR NOT NULL
-);
-
--- Damage the decoder found (schemas.tables.DAMAGE), and the ingest batch that found it.
-CREATE TABLE IF NOT EXISTS damage (
-    path        VARCHAR NOT NULL,
-    kind        VARCHAR NOT NULL,
-    byte_offset BIGINT,
-    byte_length BIGINT,
-    first_seq   BIGINT,
-    last_seq    BIGINT,
-    detail      VARCHAR NOT NULL,
-    batch_id    VARCHAR NOT NULL
-);
-
--- Steps the recorder dropped on purpose (schemas.tables.DROPS).
-CREATE TABLE IF NOT EXISTS drops (
-    pool      VARCHAR NOT NULL,
-    replica   VARCHAR NOT NULL,
-    first_seq BIGINT  NOT NULL,
-    last_seq  BIGINT  NOT NULL,
-    steps     BIGINT  NOT NULL,
-    batch_id  VARCHAR NOT NULL
+-- The invoice numbers of closed months: one per (month, tenant), numbered in closing order.
+CREATE TABLE IF NOT EXISTS invoice_numbers (
+    month       DATE    NOT NULL,
+    tenant      VARCHAR NOT NULL,
+    invoice_id  VARCHAR NOT NULL,
+    amount_nano BIGINT  NOT NULL
 );

@@ -1,27 +1,16 @@
--- Finance views over the ledger. They show only published hours: hours reconciled with no
--- failed blocking check. `held_back_hours` lists every other invoiced hour and why.
+-- Finance views over the ledger, defined as temporary views on every connection by
+-- pipeline.warehouse (the warehouse holds data only). They show only published hours: hours
+-- reconciled with no failed blocking check. `held_back_hours` lists every other invoiced hour
+-- and why.
 
--- Sequence ranges missing between consecutive ingested segments of a replica.
-CREATE OR REPLACE VIEW sequence_gaps AS
-SELECT pool, replica, first_missing_seq, last_missing_seq,
-       last_missing_seq - first_missing_seq + 1 AS missing_steps
-FROM (
-    SELECT pool, replica,
-           max(last_seq) OVER (PARTITION BY pool, replica ORDER BY first_seq
-                               ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) + 1 AS first_missing_seq,
-           first_seq - 1 AS last_missing_seq
-    FROM segments
-)
-WHERE first_missing_seq IS NOT NULL AND last_missing_seq >= first_missing_seq;
-
-CREATE OR REPLACE VIEW published_hours AS
+CREATE OR REPLACE TEMP VIEW published_hours AS
 SELECT i.hour, i.pool
 FROM invoices i
 WHERE EXISTS (SELECT 1 FROM reconciliation r WHERE r.hour = i.hour AND r.pool = i.pool)
   AND NOT EXISTS (SELECT 1 FROM reconciliation r
                   WHERE r.hour = i.hour AND r.pool = i.pool AND r.blocking AND NOT r.passed);
 
-CREATE OR REPLACE VIEW held_back_hours AS
+CREATE OR REPLACE TEMP VIEW held_back_hours AS
 SELECT i.hour, i.pool, i.amount_nano,
        CASE WHEN count(r.check_name) = 0 THEN 'not reconciled yet'
             ELSE 'failed blocking checks: ' || string_agg(DISTINCT r.check_name, ', ' ORDER BY r.check_name)
@@ -34,19 +23,19 @@ WHERE p.hour IS NULL
   AND (r.check_name IS NULL OR (r.blocking AND NOT r.passed))
 GROUP BY i.hour, i.pool, i.amount_nano;
 
-CREATE OR REPLACE VIEW published_ledger_lines AS
+CREATE OR REPLACE TEMP VIEW published_ledger_lines AS
 SELECT l.*
 FROM ledger_lines l
 JOIN published_hours p ON p.hour = l.hour AND p.pool = l.pool;
 
 -- Exact dollars from nano-dollars (DECIMAL(38, 9)), and the unit costs derived from totals.
-CREATE OR REPLACE MACRO nano_to_usd(nano) AS CAST(nano AS DECIMAL(38, 0)) * 0.000000001;
-CREATE OR REPLACE MACRO usd_per(nano, units) AS nano_to_usd(nano) / nullif(units, 0);
+CREATE OR REPLACE TEMP MACRO nano_to_usd(nano) AS CAST(nano AS DECIMAL(38, 0)) * 0.000000001;
+CREATE OR REPLACE TEMP MACRO usd_per(nano, units) AS nano_to_usd(nano) / nullif(units, 0);
 
 -- Totals per tenant (and feature), computed once for every breakdown the views offer.
 -- `tokens` are the tokens the GPUs computed (new_tokens); prefix-cache hits are reported
 -- apart as cached_tokens. Unit costs divide the totals.
-CREATE OR REPLACE VIEW cost_rollup AS
+CREATE OR REPLACE TEMP VIEW cost_rollup AS
 SELECT hour, pool, day, tenant, feature,
        GROUPING(hour, pool, day, tenant, feature) AS breakdown,
        CAST(sum(amount_nano) AS BIGINT) AS amount_nano,
@@ -60,27 +49,27 @@ FROM (SELECT *, CAST(date_trunc('day', hour) AS DATE) AS day FROM published_ledg
 GROUP BY GROUPING SETS ((hour, pool, tenant), (day, tenant), (day, tenant, feature), (tenant), (tenant, feature));
 
 -- GROUPING() sets one bit per column left out, hour being the highest of the five.
-CREATE OR REPLACE VIEW tenant_costs_hourly AS
+CREATE OR REPLACE TEMP VIEW tenant_costs_hourly AS
 SELECT * EXCLUDE (day, feature, breakdown)
 FROM cost_rollup WHERE breakdown = 5;   -- 0b00101: day and feature left out
 
-CREATE OR REPLACE VIEW tenant_costs_daily AS
+CREATE OR REPLACE TEMP VIEW tenant_costs_daily AS
 SELECT * EXCLUDE (hour, pool, feature, breakdown)
 FROM cost_rollup WHERE breakdown = 25;  -- 0b11001
 
-CREATE OR REPLACE VIEW feature_costs_daily AS
+CREATE OR REPLACE TEMP VIEW feature_costs_daily AS
 SELECT * EXCLUDE (hour, pool, breakdown)
 FROM cost_rollup WHERE breakdown = 24;  -- 0b11000
 
-CREATE OR REPLACE VIEW tenant_costs AS
+CREATE OR REPLACE TEMP VIEW tenant_costs AS
 SELECT * EXCLUDE (hour, pool, day, feature, breakdown)
 FROM cost_rollup WHERE breakdown = 29;  -- 0b11101: over all published hours
 
-CREATE OR REPLACE VIEW feature_costs AS
+CREATE OR REPLACE TEMP VIEW feature_costs AS
 SELECT * EXCLUDE (hour, pool, day, breakdown)
 FROM cost_rollup WHERE breakdown = 28;  -- 0b11100
 
-CREATE OR REPLACE VIEW cost_per_request AS
+CREATE OR REPLACE TEMP VIEW cost_per_request AS
 SELECT c.hour, c.pool, c.request_id, c.tenant, c.feature, c.api_key_id,
        c.amount_nano, nano_to_usd(c.amount_nano) AS amount_usd,
        c.compute_nano, c.kv_nano, c.steps,
@@ -92,39 +81,45 @@ JOIN published_hours p ON p.hour = c.hour AND p.pool = c.pool;
 -- The ledger as a FOCUS 1.2 cost and usage dataset: all mandatory columns, the conditional
 -- ones that apply to an internal chargeback (sub account = feature, resource = pool, consumed
 -- quantity = tokens), and stepledger's own columns with the x_ prefix. Nothing is discounted,
--- so BilledCost = EffectiveCost = ListCost = ContractedCost.
-CREATE OR REPLACE VIEW focus_costs AS
+-- so BilledCost = EffectiveCost = ListCost = ContractedCost. Times carry their zone (UTC);
+-- quantities are decimals; InvoiceId is the invoice number of a closed month (stepledger
+-- close), null while the month is open. `stepledger export focus` writes it to a file.
+CREATE OR REPLACE TEMP VIEW focus_costs AS
 SELECT
     nano_to_usd(amount_nano)                                            AS BilledCost,
     tenant                                                              AS BillingAccountId,
     tenant                                                              AS BillingAccountName,
     'Tenant'                                                            AS BillingAccountType,
     'USD'                                                               AS BillingCurrency,
-    date_trunc('month', hour) + INTERVAL 1 MONTH                        AS BillingPeriodEnd,
-    date_trunc('month', hour)                                           AS BillingPeriodStart,
+    timezone('UTC', date_trunc('month', hour) + INTERVAL 1 MONTH)       AS BillingPeriodEnd,
+    timezone('UTC', date_trunc('month', hour))                          AS BillingPeriodStart,
     CASE WHEN line_kind = 'cache_credit' THEN 'Credit' ELSE 'Usage' END AS ChargeCategory,
     CAST(NULL AS VARCHAR)                                               AS ChargeClass,
     CASE line_kind
         WHEN 'usage'          THEN 'GPU inference on pool ' || pool || ', measured engine steps'
-        WHEN 'idle'           THEN 'Idle GPU time on pool ' || pool || ', spread by usage'
+        -- The capacity_owner policy books idle on the owner's '(idle)' feature; spread idle
+        -- lands on the tenants' own features.
+        WHEN 'idle'           THEN 'Idle GPU time on pool ' || pool ||
+                                   CASE WHEN feature = '(idle)' THEN ', charged to its capacity owner'
+                                        ELSE ', spread by usage' END
         WHEN 'headroom'       THEN 'Headroom GPU time on pool ' || pool || ' beyond target utilization'
         WHEN 'unattributed'   THEN 'GPU inference on pool ' || pool || ' by requests without tenant context'
         WHEN 'platform_retry' THEN 'GPU inference on pool ' || pool || ' retried after a platform timeout'
         WHEN 'cache_credit'   THEN 'Prefix-cache read credit on pool ' || pool
     END                                                                 AS ChargeDescription,
     'Usage-Based'                                                       AS ChargeFrequency,
-    hour + INTERVAL 1 HOUR                                              AS ChargePeriodEnd,
-    hour                                                                AS ChargePeriodStart,
-    CASE WHEN line_kind = 'cache_credit' THEN NULL ELSE CAST(new_tokens AS DECIMAL(38, 0)) END
+    timezone('UTC', hour + INTERVAL 1 HOUR)                             AS ChargePeriodEnd,
+    timezone('UTC', hour)                                               AS ChargePeriodStart,
+    CASE WHEN line_kind = 'cache_credit' THEN NULL ELSE CAST(new_tokens AS DECIMAL(38, 9)) END
                                                                         AS ConsumedQuantity,
     CASE WHEN line_kind = 'cache_credit' THEN NULL ELSE 'Tokens' END    AS ConsumedUnit,
     nano_to_usd(amount_nano)                                            AS ContractedCost,
     nano_to_usd(amount_nano)                                            AS EffectiveCost,
     'stepledger'                                                        AS InvoiceIssuerName,
-    tenant || '-' || strftime(hour, '%Y-%m')                            AS InvoiceId,
+    invoice_id                                                          AS InvoiceId,
     nano_to_usd(amount_nano)                                            AS ListCost,
     CASE WHEN line_kind = 'cache_credit' THEN NULL ELSE 'Standard' END  AS PricingCategory,
-    CASE WHEN line_kind = 'cache_credit' THEN NULL ELSE CAST(new_tokens AS DECIMAL(38, 0)) END
+    CASE WHEN line_kind = 'cache_credit' THEN NULL ELSE CAST(new_tokens AS DECIMAL(38, 9)) END
                                                                         AS PricingQuantity,
     CASE WHEN line_kind = 'cache_credit' THEN NULL ELSE 'Tokens' END    AS PricingUnit,
     'stepledger'                                                        AS ProviderName,
@@ -147,4 +142,6 @@ SELECT
     cached_tokens                                                       AS x_CachedTokens,
     policy_version                                                      AS x_PolicyVersion,
     weights_version                                                     AS x_WeightsVersion
-FROM published_ledger_lines;
+FROM published_ledger_lines
+LEFT JOIN (SELECT month AS invoice_month, tenant AS invoice_tenant, invoice_id FROM invoice_numbers)
+       ON invoice_month = CAST(date_trunc('month', hour) AS DATE) AND invoice_tenant = tenant;

@@ -18,6 +18,7 @@ import click
 from pipeline.cli.costs import cost_report, print_report
 from pipeline.cli.dagster_instance import instance_dir, materialize_pool_hours, prepare_instance
 from pipeline.datadir import CALIBRATION_FILE, hours_in_data
+from pipeline.warehouse import STATE_FILE
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -116,7 +117,7 @@ def bill_through_dagster(
     type=click.Path(file_okay=False, path_type=Path),
     default=Path("demo-run"),
     show_default=True,
-    help="directory for the simulated data, the Parquet lake, warehouse.duckdb and report.html",
+    help="directory for the simulated data, the Parquet lake, the warehouse and report.html",
 )
 @click.option(
     "--hours",
@@ -188,17 +189,17 @@ def demo_command(
     for name, what in summary.faults.items():
         console.print(f"  [yellow]fault[/yellow] {name}: {what}")
     runs = bill_through_dagster(out, hours_in_data(out), pools, console)
-    costs = cost_report(out / "warehouse.duckdb", "tenant")
+    costs = cost_report(out, "tenant")
     if not as_json:
         print_report(costs, "costs by tenant (published hours)")
     held = sum(1 for r in runs if r["held_back"])
     console.print(
         f"{len(runs) - held} of {len(runs)} pool-hours published, {held} held back. "
-        f"Query {out / 'warehouse.duckdb'} with DuckDB, or run `stepledger costs --data {out} --by feature`."
+        f"Query it with `stepledger sql --data {out}`, or run `stepledger costs --data {out} --by feature`."
     )
     report = out / "report.html"
     with console.status("writing the report"):
-        write_report(out / "warehouse.duckdb", pools, out / "lake", Scope.everything(), report)
+        write_report(out / STATE_FILE, pools, out / "lake", Scope.everything(), report)
     if as_json:
         click.echo(
             json.dumps(

@@ -17,6 +17,10 @@ import click
 COMMANDS: dict[str, str] = {
     "simulate": "pipeline.cli.simulate:simulate_command",
     "costs": "pipeline.cli.costs:costs_command",
+    "sql": "pipeline.cli.sql:sql_command",
+    "export": "pipeline.cli.export:export_group",
+    "close": "pipeline.cli.close:close_command",
+    "migrate": "pipeline.cli.migrate:migrate_command",
     "report": "pipeline.cli.report:report_command",
     "inspect": "pipeline.cli.inspect:inspect_command",
     "price": "pipeline.cli.price:price_command",
@@ -28,7 +32,8 @@ COMMANDS: dict[str, str] = {
 EPILOG = """\b
 Environment:
   STEPLEDGER_DATA                 data directory of the Dagster code location (default demo-run)
-  STEPLEDGER_WAREHOUSE            the DuckDB file (default DATA/warehouse.duckdb)
+  STEPLEDGER_WAREHOUSE            the pipeline's DuckDB state file (default DATA/pipeline.duckdb);
+                                  the DuckLake warehouse is the directory warehouse/ next to it
   STEPLEDGER_FIRST_HOUR           first hourly partition, YYYY-MM-DDTHH
   STEPLEDGER_KEY_SALT             key of the HMAC that turns API keys into api_key_id
   STEPLEDGER_ALERT_WEBHOOK_URL    page through a webhook (never logged)
@@ -79,6 +84,7 @@ def command_line(commands: Mapping[str, str]) -> click.Group:
         Try it:
           stepledger demo                        simulate the default pools and bill one hour
           stepledger costs --by feature          what each tenant and feature cost (published hours)
+          stepledger sql                         SQL on the warehouse (read-only, never blocks billing)
           stepledger report                      an HTML report that opens offline
         \b
         On your own data:

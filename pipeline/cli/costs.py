@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from decimal import Decimal
 from pathlib import Path
 
 import click
 
-from pipeline.warehouse import WarehouseError, connect_read_only
+from pipeline import finance
+from pipeline.warehouse import WarehouseError
 
 _COLUMNS = "amount_nano, amount_usd, requests, tokens, usd_per_request, usd_per_1k_tokens"
 QUERIES = {
@@ -19,15 +21,31 @@ QUERIES = {
 HELD_BACK = "SELECT hour, pool, amount_nano, reason FROM held_back_hours ORDER BY hour, pool"
 
 
-def cost_report(warehouse: Path, by: str) -> dict[str, list[dict[str, object]]]:
-    """The rows of one finance breakdown and the hours held back, as plain dicts."""
-    with connect_read_only(warehouse) as con:
+def cost_report(
+    data_dir: Path, by: str, *, as_of: datetime | None = None
+) -> dict[str, list[dict[str, object]]]:
+    """The rows of one finance breakdown and the hours held back, as plain dicts: now, or as
+    the warehouse stood at `as_of`."""
+    with finance.connect(data_dir, as_of=as_of) as con:
         report = {}
         for name, sql in (("costs", QUERIES[by]), ("held_back", HELD_BACK)):
             cursor = con.execute(sql)
             columns = [d[0] for d in cursor.description]
             report[name] = [dict(zip(columns, row, strict=True)) for row in cursor.fetchall()]
     return report
+
+
+def parse_as_of(text: str) -> datetime:
+    """An --as-of time: ISO 8601 carrying its time zone (a bare time is ambiguous)."""
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError as err:
+        raise click.BadParameter(f"{text!r} is not an ISO 8601 time", param_hint="--as-of") from err
+    if moment.tzinfo is None:
+        raise click.BadParameter(
+            f"{text!r} has no time zone; add one, e.g. {text}+00:00", param_hint="--as-of"
+        )
+    return moment
 
 
 def _plain(value: object) -> object:
@@ -105,20 +123,22 @@ def print_report(report: dict[str, list[dict[str, object]]], title: str) -> None
     type=click.Path(file_okay=False, path_type=Path),
     default=Path("demo-run"),
     show_default=True,
-    help="data directory whose warehouse.duckdb to read",
-)
-@click.option(
-    "--warehouse",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="the DuckDB file (default: DATA/warehouse.duckdb)",
+    help="data directory whose warehouse (DATA/warehouse/) to read",
 )
 @click.option("--by", type=click.Choice(sorted(QUERIES)), default="tenant", show_default=True)
+@click.option(
+    "--as-of",
+    "as_of",
+    type=str,
+    default=None,
+    metavar="TIMESTAMP",
+    help="as the warehouse stood then: ISO 8601 with a zone, e.g. 2026-12-01T09:00:00+00:00",
+)
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
-def costs_command(data_dir: Path, warehouse: Path | None, by: str, as_json: bool) -> None:
+def costs_command(data_dir: Path, by: str, as_of: str | None, as_json: bool) -> None:
     """What each tenant, feature or day cost, over the published (reconciled) hours."""
     try:
-        report = cost_report(warehouse or data_dir / "warehouse.duckdb", by)
+        report = cost_report(data_dir, by, as_of=parse_as_of(as_of) if as_of else None)
     except WarehouseError as err:
         raise click.ClickException(str(err)) from err
     if as_json:
@@ -128,4 +148,4 @@ def costs_command(data_dir: Path, warehouse: Path | None, by: str, as_json: bool
         }
         click.echo(json.dumps(plain, indent=2))
     else:
-        print_report(report, f"costs by {by}")
+        print_report(report, f"costs by {by}" + (f" as of {as_of}" if as_of else ""))

@@ -5,12 +5,12 @@ import shutil
 from pathlib import Path
 
 import dagster as dg
-import duckdb
 import pytest
 
 from assets.definitions import build_definitions
 from assets.partitions import partition_key
 from assets.runner import pool_hour_outcome
+from pipeline import finance
 from pipeline.ingest import segment_files
 from tests.helpers.fleets import small_pools
 from tests.helpers.hours import SIMULATED_HOUR
@@ -51,7 +51,7 @@ def test_a_failed_blocking_check_holds_the_hour_back_and_pages_once(
     assert "sequence" in failed
     outcome = pool_hour_outcome(result)
     assert (outcome["success"], outcome["held_back"], outcome["error"]) == (False, True, None)
-    with duckdb.connect(str(data / "warehouse.duckdb"), read_only=True) as con:
+    with finance.connect(data) as con:
         assert con.execute("SELECT pool, reason FROM held_back_hours").fetchall() == [
             ("chat-8b", "failed blocking checks: sequence")
         ]

@@ -7,7 +7,6 @@ import shutil
 from pathlib import Path
 
 import dagster as dg
-import duckdb
 import pytest
 import yaml
 
@@ -15,6 +14,7 @@ from assets.cli.demo import calibrate_from_segments
 from assets.definitions import build_definitions
 from assets.partitions import partition_key
 from assets.runner import pool_hour_outcome
+from pipeline import finance
 from pipeline.simulator import simulate
 from pipeline.simulator.faults import DRIVER_VERSION, ENGINE_VERSION, UNCALIBRATED_ENGINE_VERSION
 from schemas.config import PoolsFile
@@ -35,7 +35,7 @@ def run_hour(data: Path, pools: PoolsFile) -> dg.ExecuteInProcessResult:
 
 
 def calibration_rows(data: Path) -> list[tuple]:
-    with duckdb.connect(str(data / "warehouse.duckdb"), read_only=True) as con:
+    with finance.connect(data) as con:
         return con.execute(
             "SELECT check_name, replica, passed, severity, detail FROM reconciliation "
             "WHERE check_name LIKE 'calibration%' ORDER BY check_name, replica"
@@ -124,7 +124,7 @@ def test_a_new_engine_version_warns_without_paging(simulated: Path, tmp_path: Pa
         ("calibration", "chat-8b-r0", False, "WARN", stale),
         ("calibration", "chat-8b-r1", True, "WARN", known),
     ]
-    with duckdb.connect(str(data / "warehouse.duckdb"), read_only=True) as con:
+    with finance.connect(data) as con:
         assert con.execute(
             "SELECT severity, kind, replica FROM alerts WHERE kind LIKE 'calibration%'"
         ).fetchall() == [("WARN", "calibration", "chat-8b-r0")]

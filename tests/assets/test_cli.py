@@ -5,13 +5,13 @@ import shutil
 from pathlib import Path
 
 import dagster as dg
-import duckdb
 import pytest
 import yaml
 from click.testing import CliRunner
 
 from assets.cli import main
 from assets.cli.demo import DEMO_MARKER, prepare_out_dir
+from pipeline import finance
 from pipeline.simulator.faults import ENGINE_VERSION
 from schemas.config import load_pools
 from tests.helpers.fleets import small_pools
@@ -55,7 +55,7 @@ def test_run_rejects_a_malformed_hour(simulated: Path) -> None:
 
 def test_costs_without_a_warehouse_says_so(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["costs", "--data", str(tmp_path)])
-    assert result.exit_code == 1 and "no warehouse file" in result.output
+    assert result.exit_code == 1 and "no warehouse" in result.output
 
 
 def test_demo_replaces_only_an_earlier_demo(tmp_path: Path) -> None:
@@ -103,7 +103,7 @@ def test_demo_calibrates_bills_and_writes_the_report(
         ("deepseek-v3", "h200", ENGINE_VERSION),
         ("llama-3.1-8b-instruct", "h100", ENGINE_VERSION),
     ]
-    with duckdb.connect(str(out / "warehouse.duckdb"), read_only=True) as con:
+    with finance.connect(out) as con:
         assert con.execute(
             "SELECT count(*), bool_and(passed) FROM reconciliation WHERE check_name = 'calibration'"
         ).fetchone() == (5, True)

@@ -139,11 +139,12 @@ def test_without_a_warehouse_every_hour_since_the_first_partition_is_overdue(
     assert [a["hour"] for a in paged(alert_file)] == ["2026-11-30T00"]
 
 
-def test_a_busy_warehouse_is_skipped_without_paging(tmp_path: Path, alert_file: Path):
+def test_a_run_holding_the_pipeline_state_does_not_stop_the_check(tmp_path: Path, alert_file: Path):
     warehouse = tmp_path / "warehouse.duckdb"
+    write_reconciled(warehouse, "chat-8b", [at(h) for h in range(0, 11)])
     with connect(warehouse):
         message = tick(tmp_path, at(12, 0))
-    assert message.startswith("warehouse busy, not read this tick: ")
+    assert message == "every pool on time: chat-8b reconciled to 2026-11-30T10"
     assert paged(alert_file) == []
 
 

@@ -59,7 +59,7 @@ def test_lazy_definitions_read_the_environment(
         "pool_hour_job"
     ).partitions_def.get_partitions_def_for_dimension("pool")
     assert pool_keys.get_partition_keys() == ["chat-small", "reason-dsv3"]
-    assert defs.resources["warehouse"].database == str(tmp_path / "warehouse.duckdb")
+    assert defs.resources["warehouse"].database == str(tmp_path / "pipeline.duckdb")
 
 
 def test_importing_the_code_location_does_no_io(tmp_path: Path) -> None:

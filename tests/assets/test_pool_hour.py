@@ -4,14 +4,15 @@ import shutil
 from pathlib import Path
 
 import dagster as dg
-import duckdb
 import pytest
 
 from assets.definitions import build_definitions
 from assets.partitions import partition_key
 from assets.resources import StepledgerData
+from pipeline import finance
 from pipeline.ingest import segment_files
 from pipeline.reconcile import CHECKS
+from pipeline.warehouse import STATE_FILE, connect
 from tests.helpers.fleets import small_pools
 from tests.helpers.hours import SIMULATED_HOUR
 
@@ -28,8 +29,8 @@ def run_hour(data: Path, instance: dg.DagsterInstance) -> dg.ExecuteInProcessRes
     )
 
 
-def snapshot(warehouse: Path) -> dict[str, list[tuple]]:
-    with duckdb.connect(str(warehouse), read_only=True) as con:
+def snapshot(data: Path) -> dict[str, list[tuple]]:
+    with connect(data / STATE_FILE) as con:
         return {
             table: con.execute(
                 f"SELECT * EXCLUDE ({excluded}) FROM {table} ORDER BY ALL"
@@ -62,7 +63,7 @@ def test_a_simulated_hour_end_to_end(data: Path) -> None:
     assert sorted((e.check_name, e.partition) for e in evaluations) == sorted(
         (name, "2026-11-30-00:00|chat-8b") for name in CHECKS
     )
-    with duckdb.connect(str(data / "warehouse.duckdb"), read_only=True) as con:
+    with finance.connect(data) as con:
         invoice = con.execute("SELECT gpus, amount_nano FROM invoices").fetchall()
         lines_total = con.execute("SELECT sum(amount_nano) FROM ledger_lines").fetchone()[0]
         kinds = {
@@ -88,14 +89,14 @@ def test_a_simulated_hour_end_to_end(data: Path) -> None:
 def test_rerunning_an_hour_and_redelivering_a_segment_change_nothing(data: Path) -> None:
     instance = dg.DagsterInstance.ephemeral()
     assert run_hour(data, instance).success
-    before = snapshot(data / "warehouse.duckdb")
+    before = snapshot(data)
     assert run_hour(data, instance).success
-    assert snapshot(data / "warehouse.duckdb") == before
+    assert snapshot(data) == before
     segment = segment_files(data / "outbox", ["chat-8b-r0"])[0]
     shutil.copy(segment, segment.with_name("redelivered-" + segment.name))
     assert run_hour(data, instance).success
-    assert snapshot(data / "warehouse.duckdb") == before
-    with duckdb.connect(str(data / "warehouse.duckdb"), read_only=True) as con:
+    assert snapshot(data) == before
+    with connect(data / STATE_FILE) as con:
         assert con.execute(
             "SELECT count(*) FROM segment_files WHERE status = 'duplicate'"
         ).fetchone() == (1,)
@@ -119,7 +120,7 @@ def test_the_ledger_materialization_tells_the_hour(data: Path) -> None:
     result = run_hour(data, dg.DagsterInstance.ephemeral())
     (materialization,) = result.asset_materializations_for_node("ledger")
     metadata = {key: value.value for key, value in materialization.metadata.items()}
-    with duckdb.connect(str(data / "warehouse.duckdb"), read_only=True) as con:
+    with finance.connect(data) as con:
         by_kind = dict(
             con.execute(
                 "SELECT line_kind, sum(amount_nano)::BIGINT FROM ledger_lines GROUP BY ALL"

@@ -8,9 +8,9 @@ import shutil
 from pathlib import Path
 
 import dagster as dg
-import duckdb
 import pytest
 
+from pipeline import finance
 from tests.helpers.fleets import bill, rerecord, simulate_small, small_pools
 
 pytestmark = pytest.mark.timeout(300)
@@ -63,7 +63,7 @@ def billed(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def rows(data: Path, sql: str) -> list[tuple]:
-    with duckdb.connect(str(data / "warehouse.duckdb"), read_only=True) as con:
+    with finance.connect(data) as con:
         return con.execute(sql).fetchall()
 
 

@@ -178,7 +178,7 @@ def test_missing_warehouse_is_a_clear_error(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["report", "--data", str(tmp_path)])
     assert result.exit_code == 1
     assert (
-        f"{tmp_path / 'warehouse.duckdb'}: no warehouse file (run `stepledger demo` or `stepledger run` first)"
+        f"{tmp_path / 'warehouse' / 'catalog.sqlite'}: no warehouse (run `stepledger demo` or `stepledger run` first)"
         in result.output
     )
 

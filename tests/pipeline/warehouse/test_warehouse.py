@@ -108,14 +108,26 @@ def test_replace_hour_is_exact_and_leaves_other_hours(tmp_path: Path) -> None:
 def test_failed_replace_keeps_the_previous_hour(tmp_path: Path) -> None:
     with connect(tmp_path / "w.duckdb") as con:
         publish(con, "chat", [("acme", "bot", "usage", 1000, 3, 30)], 1000)
-        bad = lines("chat", [("acme", "bot", "not_a_kind", 1000, 3, 30)])
+        bad = lines("chat", [("acme", "bot", "usage", 1000, 3, 30)]).with_columns(
+            tenant=pl.lit(None, dtype=pl.String)
+        )
         with pytest.raises(duckdb.ConstraintException):
             replace_hour(
-                con, HOUR, "chat", {"invoices": invoice("chat", 1000), "ledger_lines": bad}
+                con, HOUR, "chat", {"invoices": invoice("chat", 2000), "ledger_lines": bad}
             )
         assert con.execute("SELECT line_kind, amount_nano FROM ledger_lines").fetchall() == [
             ("usage", 1000)
         ]
+        assert con.execute("SELECT amount_nano FROM invoices").fetchall() == [(1000,)]
+
+
+def test_replace_hour_refuses_an_unknown_line_kind(tmp_path: Path) -> None:
+    bad = lines("chat", [("acme", "bot", "not_a_kind", 1000, 3, 30)])
+    with (
+        connect(tmp_path / "w.duckdb") as con,
+        pytest.raises(WarehouseError, match=r"line_kind \['not_a_kind'\]"),
+    ):
+        replace_hour(con, HOUR, "chat", {"invoices": invoice("chat", 1000), "ledger_lines": bad})
 
 
 def test_replace_hour_refuses_rows_of_another_hour(tmp_path: Path) -> None:
@@ -225,8 +237,8 @@ def test_focus_costs_has_the_mandatory_columns(tmp_path: Path) -> None:
     assert mandatory <= set(frame.columns)
     assert frame["ChargeCategory"].to_list() == ["Credit", "Usage"]
     assert frame["BilledCost"].to_list() == [Decimal("-0.000000001"), Decimal("2.500000001")]
-    assert frame["ChargePeriodStart"].to_list() == [HOUR.replace(tzinfo=None)] * 2
-    assert frame["BillingPeriodStart"][0] == datetime(2026, 11, 1)
+    assert frame["ChargePeriodStart"].to_list() == [HOUR] * 2
+    assert frame["BillingPeriodStart"][0] == datetime(2026, 11, 1, tzinfo=UTC)
 
 
 def test_read_only_connection_cannot_write(tmp_path: Path) -> None:
@@ -235,8 +247,8 @@ def test_read_only_connection_cannot_write(tmp_path: Path) -> None:
     with connect_read_only(tmp_path / "w.duckdb") as con, pytest.raises(duckdb.Error):
         con.execute("DELETE FROM invoices")
     with (
-        pytest.raises(WarehouseError, match="no warehouse file"),
-        connect_read_only(tmp_path / "missing.duckdb"),
+        pytest.raises(WarehouseError, match="no warehouse"),
+        connect_read_only(tmp_path / "elsewhere" / "pipeline.duckdb"),
     ):
         pass
 

@@ -1,0 +1,36 @@
+"""`stepledger close`: finance closes a month, numbering its invoices."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from decimal import Decimal
+from pathlib import Path
+
+import click
+
+from pipeline.finance import close_month
+from pipeline.warehouse import WarehouseError
+
+
+@click.command("close")
+@click.option(
+    "--data",
+    "data_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("demo-run"),
+    show_default=True,
+    help="data directory whose warehouse (DATA/warehouse/) holds the month",
+)
+@click.option(
+    "--month", type=click.DateTime(["%Y-%m"]), required=True, help="the UTC month, YYYY-MM"
+)
+def close_command(data_dir: Path, month: datetime) -> None:
+    """Close a month: one numbered invoice per tenant, and the warehouse snapshot they were
+    computed from frozen for its FOCUS export. Refused while any hour of the month is held
+    back, and for a month closed before."""
+    try:
+        invoices = close_month(data_dir, month.date())
+    except WarehouseError as err:
+        raise click.ClickException(str(err)) from err
+    for invoice_id, tenant, amount in invoices:
+        click.echo(f"{invoice_id}  {tenant}  {Decimal(amount).scaleb(-9):,.9f} USD")

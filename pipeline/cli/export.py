@@ -1,0 +1,70 @@
+"""`stepledger export focus`: the ledger as a FOCUS 1.2 file (Parquet or CSV)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+
+import click
+
+from pipeline.focus import FORMATS, focus_table, write_focus
+from pipeline.warehouse import WarehouseError
+
+# Before and after any charge the ledger can hold.
+_EARLIEST = datetime(1970, 1, 1, tzinfo=UTC)
+_LATEST = datetime(9999, 1, 1, tzinfo=UTC)
+
+
+@click.group("export")
+def export_group() -> None:
+    """Export the ledger for other tools."""
+
+
+def _day(value: datetime | None, default: datetime) -> datetime:
+    return default if value is None else value.replace(tzinfo=UTC)
+
+
+@export_group.command("focus")
+@click.option(
+    "--data",
+    "data_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("demo-run"),
+    show_default=True,
+    help="data directory whose warehouse (DATA/warehouse/) to export",
+)
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True)
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="parquet", show_default=True)
+@click.option(
+    "--from",
+    "start",
+    type=click.DateTime(["%Y-%m-%d"]),
+    default=None,
+    help="first UTC day charged (default: the first)",
+)
+@click.option(
+    "--to",
+    "end",
+    type=click.DateTime(["%Y-%m-%d"]),
+    default=None,
+    help="UTC day after the last one charged (default: all)",
+)
+def focus_command(
+    data_dir: Path, out: Path, fmt: str, start: datetime | None, end: datetime | None
+) -> None:
+    """Write the published ledger as a FOCUS 1.2 cost and usage dataset.
+
+    Closed months (`stepledger close`) are exported as they were invoiced, with their invoice
+    numbers; open months as they stand now, with InvoiceId empty.
+
+    \b
+    Examples:
+      stepledger export focus --data demo-run --out focus.parquet
+      stepledger export focus --data demo-run --out nov.csv --format csv --from 2026-11-01 --to 2026-12-01
+    """
+    try:
+        table = focus_table(data_dir, _day(start, _EARLIEST), _day(end, _LATEST))
+    except WarehouseError as err:
+        raise click.ClickException(str(err)) from err
+    write_focus(table, out, fmt)
+    click.echo(f"{out}: {table.num_rows:,} FOCUS rows")

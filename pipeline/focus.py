@@ -1,0 +1,97 @@
+"""FOCUS 1.2 export: the `focus_costs` view written as Parquet or CSV that FinOps tools accept.
+
+Open months come from the latest snapshot; a closed month (`stepledger close`) from the
+snapshot frozen when it was closed, with its invoice numbers, so an export reproduces what was
+invoiced even after an hour of the month was re-billed.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+import pyarrow.csv as pa_csv
+import pyarrow.parquet as pq
+
+from pipeline import finance
+
+FORMATS = ("parquet", "csv")
+_RANGE = "ChargePeriodStart >= ? AND ChargePeriodStart < ?"
+_MONTH = "CAST(date_trunc('month', ChargePeriodStart) AS DATE)"
+# FOCUS date-times are ISO 8601 in UTC with a Z; CSV has no types, so they are written so.
+_TIME_COLUMNS = ("BillingPeriodEnd", "BillingPeriodStart", "ChargePeriodEnd", "ChargePeriodStart")
+
+
+def focus_table(data_dir: str | Path, start: datetime, end: datetime) -> pa.Table:
+    """FOCUS rows charged in [start, end) (aware datetimes), ordered by period, account, sub
+    account and line."""
+    params = [start, end]
+    with finance.connect(data_dir) as latest:
+        latest.execute("SET TimeZone = 'UTC'")
+        closed = latest.execute(
+            "SELECT month, snapshot FROM closed_months ORDER BY month"
+        ).fetchall()
+        numbers = latest.execute(
+            "SELECT month, tenant, invoice_id FROM invoice_numbers"
+        ).fetch_arrow_table()
+        closed_months = [m for m, _ in closed]
+        parts = [
+            latest.execute(
+                f"SELECT * FROM focus_costs WHERE {_RANGE} AND NOT list_contains(?, {_MONTH})",
+                [*params, closed_months],
+            ).fetch_arrow_table()
+        ]
+    for month, snapshot in closed:
+        with finance.connect(data_dir, as_of=snapshot) as frozen:
+            frozen.execute("SET TimeZone = 'UTC'")
+            frozen.register("numbers", numbers)
+            parts.append(
+                frozen.execute(
+                    "SELECT f.* REPLACE (n.invoice_id AS InvoiceId) FROM focus_costs f "
+                    "LEFT JOIN numbers n "
+                    "ON n.month = CAST(date_trunc('month', f.ChargePeriodStart) AS DATE) "
+                    "AND n.tenant = f.BillingAccountId "
+                    f"WHERE {_RANGE} AND {_MONTH} = ?",
+                    [*params, month],
+                ).fetch_arrow_table()
+            )
+    schema = parts[0].schema
+    table = pa.concat_tables([part.cast(schema) for part in parts])
+    with duckdb.connect() as con:
+        con.register("focus_rows", table)
+        ordered = con.execute(
+            "SELECT * FROM focus_rows ORDER BY ChargePeriodStart, BillingAccountId, SubAccountId, "
+            "ResourceId, x_LineKind"
+        ).fetch_arrow_table()
+    # DuckDB names the zone Etc/UTC; FOCUS readers expect UTC.
+    utc = pa.schema(
+        [
+            f.with_type(pa.timestamp("us", tz="UTC")) if f.name in _TIME_COLUMNS else f
+            for f in schema
+        ]
+    )
+    return ordered.cast(utc)
+
+
+def write_focus(table: pa.Table, out: Path, fmt: str) -> None:
+    """Write the rows: Parquet keeps the types (decimals, UTC timestamps); CSV writes times
+    as ISO 8601 with Z and quantities with their decimal places."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".partial")
+    if fmt == "parquet":
+        pq.write_table(table, partial)
+    elif fmt == "csv":
+        with duckdb.connect() as con:
+            con.execute("SET TimeZone = 'UTC'")
+            con.register("focus_rows", table)
+            text = con.execute(
+                "SELECT * REPLACE ("
+                + ", ".join(f"strftime({c}, '%Y-%m-%dT%H:%M:%SZ') AS {c}" for c in _TIME_COLUMNS)
+                + ") FROM focus_rows"
+            ).fetch_arrow_table()
+        pa_csv.write_csv(text, partial)
+    else:
+        raise ValueError(f"format {fmt!r} is not one of {FORMATS}")
+    partial.replace(out)

@@ -1,0 +1,97 @@
+-- The pipeline's own bookkeeping (DuckDB file pipeline.duckdb): what it ingested and the
+-- gateway context it loaded. Finance never reads it (the ledger is in the DuckLake warehouse,
+-- sql/schema.sql), so a finance session never holds this file. Idempotent; applied by
+-- pipeline.warehouse on every writing connection. Arrow schemas in schemas/tables.py.
+
+-- Gateway context of each request. API keys are never stored: api_key_id is their keyed hash.
+CREATE TABLE IF NOT EXISTS request_context (
+    request_id  VARCHAR   NOT NULL PRIMARY KEY,
+    tenant      VARCHAR   NOT NULL,
+    feature     VARCHAR   NOT NULL,
+    api_key_id  VARCHAR   NOT NULL,
+    retry_of    VARCHAR,
+    retry_cause VARCHAR   CHECK (retry_cause IN ('client_timeout', 'platform_timeout')),
+    received_at TIMESTAMP NOT NULL,
+    source_file VARCHAR   NOT NULL
+);
+
+-- Gateway files loaded, with a content hash: an unchanged file is not loaded again.
+CREATE TABLE IF NOT EXISTS context_files (
+    path      VARCHAR   NOT NULL PRIMARY KEY,
+    sha256    VARCHAR   NOT NULL,
+    requests  BIGINT    NOT NULL,
+    loaded_at TIMESTAMP NOT NULL
+);
+
+-- Every segment file seen in an outbox, by its path relative to the data directory and its
+-- content. status 'ingested' or 'duplicate' (the same bytes, or only steps of a segment id
+-- already ingested, from another delivery).
+CREATE TABLE IF NOT EXISTS segment_files (
+    path        VARCHAR   NOT NULL,
+    sha256      VARCHAR   NOT NULL,
+    bytes       BIGINT    NOT NULL,
+    status      VARCHAR   NOT NULL CHECK (status IN ('ingested', 'duplicate')),
+    batch_id    VARCHAR   NOT NULL,
+    ingested_at TIMESTAMP NOT NULL,
+    PRIMARY KEY (path, sha256)
+);
+
+-- One row per distinct segment ingested (schemas.tables.SEGMENTS plus its content hash).
+CREATE TABLE IF NOT EXISTS segments (
+    path             VARCHAR NOT NULL,
+    segment_id       VARCHAR NOT NULL PRIMARY KEY,
+    sha256           VARCHAR NOT NULL,
+    format_version   INTEGER NOT NULL,
+    pool             VARCHAR NOT NULL,
+    replica          VARCHAR NOT NULL,
+    engine_name      VARCHAR NOT NULL,
+    engine_version   VARCHAR NOT NULL,
+    driver_version   VARCHAR NOT NULL,
+    model            VARCHAR NOT NULL,
+    gpu_type         VARCHAR NOT NULL,
+    gpus_per_replica INTEGER NOT NULL,
+    kv_block_size    INTEGER NOT NULL,
+    mono_anchor_ns   BIGINT  NOT NULL,
+    wall_anchor_ns   BIGINT  NOT NULL,
+    first_seq        BIGINT  NOT NULL,
+    last_seq         BIGINT  NOT NULL,
+    steps            BIGINT  NOT NULL,
+    dropped_steps    BIGINT  NOT NULL,
+    bytes            BIGINT  NOT NULL,
+    batch_id         VARCHAR NOT NULL
+);
+
+-- Damage the decoder found (schemas.tables.DAMAGE), and the ingest batch that found it.
+CREATE TABLE IF NOT EXISTS damage (
+    path        VARCHAR NOT NULL,
+    kind        VARCHAR NOT NULL,
+    byte_offset BIGINT,
+    byte_length BIGINT,
+    first_seq   BIGINT,
+    last_seq    BIGINT,
+    detail      VARCHAR NOT NULL,
+    batch_id    VARCHAR NOT NULL
+);
+
+-- Steps the recorder dropped on purpose (schemas.tables.DROPS).
+CREATE TABLE IF NOT EXISTS drops (
+    pool      VARCHAR NOT NULL,
+    replica   VARCHAR NOT NULL,
+    first_seq BIGINT  NOT NULL,
+    last_seq  BIGINT  NOT NULL,
+    steps     BIGINT  NOT NULL,
+    batch_id  VARCHAR NOT NULL
+);
+
+-- Sequence ranges missing between consecutive ingested segments of a replica.
+CREATE OR REPLACE VIEW sequence_gaps AS
+SELECT pool, replica, first_missing_seq, last_missing_seq,
+       last_missing_seq - first_missing_seq + 1 AS missing_steps
+FROM (
+    SELECT pool, replica,
+           max(last_seq) OVER (PARTITION BY pool, replica ORDER BY first_seq
+                               ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) + 1 AS first_missing_seq,
+           first_seq - 1 AS last_missing_seq
+    FROM segments
+)
+WHERE first_missing_seq IS NOT NULL AND last_missing_seq >= first_missing_seq;
