@@ -10,6 +10,8 @@ green and page nobody); WARN failures never fail a run.
 # No `from __future__ import annotations`: Dagster checks the `context` annotation as an
 # object, and a postponed (string) annotation fails that check.
 
+from collections.abc import Iterator
+
 import dagster as dg
 from dagster_duckdb import DuckDBResource
 
@@ -46,7 +48,7 @@ def build_reconciliation_checks(pools: PoolsFile) -> list[dg.AssetChecksDefiniti
     @dg.multi_asset_check(specs=specs, name="reconciliation", pool=DUCKDB_POOL)
     def reconciliation(
         context: dg.AssetCheckExecutionContext, data: StepledgerData, warehouse: DuckDBResource
-    ):
+    ) -> Iterator[dg.AssetCheckResult]:
         hour, pool_name = hour_and_pool(context)
         with open_warehouse(warehouse) as con:
             results = reconcile_hour(

@@ -89,7 +89,8 @@ def partition_dir(lake: Path, table: str, pool: str, hour_key: str) -> Path:
 def part_name(replica: str, part: pl.DataFrame, batch_id: str) -> str:
     """`<replica>.<first seq>.<batch>.parquet`: sorted by name, a partition's files list each
     replica's rows in sequence order, the order attribution works in."""
-    return f"{replica}.{part['seq'].min():012d}.{batch_id}.parquet"
+    first_seq = part.select(pl.col("seq").min()).item()
+    return f"{replica}.{first_seq:012d}.{batch_id}.parquet"
 
 
 def batch_of(part: Path) -> str:
@@ -260,11 +261,11 @@ def _ingest_batch(
     if fresh:
         decoded = read_segments(list(fresh), following)
         steps, slots, holders = (
-            pl.from_arrow(t) for t in (decoded.steps, decoded.slots, decoded.holders)
+            pl.DataFrame(t) for t in (decoded.steps, decoded.slots, decoded.holders)
         )
-        decoded_segments = pl.from_arrow(decoded.segments)
-        damage = pl.from_arrow(decoded.damage)
-        drops = pl.from_arrow(decoded.drops)
+        decoded_segments = pl.DataFrame(decoded.segments)
+        damage = pl.DataFrame(decoded.damage)
+        drops = pl.DataFrame(decoded.drops)
         # A segment id already ingested (a re-delivery with different bytes) is a duplicate.
         known_ids = {row[0] for row in con.execute("SELECT segment_id FROM segments").fetchall()}
         repeated = decoded_segments.filter(pl.col("segment_id").is_in(list(known_ids)))
@@ -291,6 +292,7 @@ def _ingest_batch(
             for partition in partitions
         }
         _write_intent(lake, intents, batch_id, directories)
+        assert slots is not None and holders is not None  # decoded with the steps
         for name, frame in (("steps", steps), ("slots", slots), ("holders", holders)):
             placed = frame.join(hours, on=STEP_KEY, how="left")
             for (pool, replica, hour_index), part in placed.group_by(
@@ -324,9 +326,9 @@ def _ingest_batch(
                     batch_id=pl.lit(batch_id)
                 ),
             )
-        for name, frame in (("damage", damage), ("drops", drops)):
-            if frame is not None and frame.height:
-                insert_frame(con, name, frame.with_columns(batch_id=pl.lit(batch_id)))
+        for name, found in (("damage", damage), ("drops", drops)):
+            if found is not None and found.height:
+                insert_frame(con, name, found.with_columns(batch_id=pl.lit(batch_id)))
     # Committed: the intent is settled (should the process die first, the next ingest finds
     # the batch committed and drops the intent alone).
     (intents / f"{batch_id}.json").unlink(missing_ok=True)

@@ -10,6 +10,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import duckdb
 import polars as pl
@@ -111,10 +112,11 @@ def replace_hour(
 
 
 def query_frame(
-    con: duckdb.DuckDBPyConnection, sql: str, params: list | None = None
+    con: duckdb.DuckDBPyConnection, sql: str, params: list[Any] | None = None
 ) -> pl.DataFrame:
     """A query's result as a polars frame."""
-    return con.sql(sql, params=params).pl()
+    frame: pl.DataFrame = con.sql(sql, params=params).pl()
+    return frame
 
 
 def insert_frame(con: duckdb.DuckDBPyConnection, table: str, frame: pl.DataFrame) -> None:
@@ -131,7 +133,11 @@ def insert_frame(con: duckdb.DuckDBPyConnection, table: str, frame: pl.DataFrame
 
 
 def record_checks(
-    con: duckdb.DuckDBPyConnection, hour: datetime, pool: str, check_names: list[str], results: list
+    con: duckdb.DuckDBPyConnection,
+    hour: datetime,
+    pool: str,
+    check_names: list[str],
+    results: list[Any],
 ) -> None:
     """Replace the hour's rows of the named checks with `results` (objects with the
     reconciliation columns as attributes, e.g. pipeline.reconcile.CheckResult)."""

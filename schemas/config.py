@@ -215,7 +215,7 @@ class PoolsFile(_Strict):
 DEFAULT_POOLS_PATH = Path(__file__).resolve().parent.parent / "pipeline" / "data" / "pools.yaml"
 
 
-def _line_of(text: str, loc: tuple) -> int | None:
+def _line_of(text: str, loc: tuple[int | str, ...]) -> int | None:
     """Best-effort line number of a pydantic error location in a YAML document."""
     try:
         node = yaml.compose(text)

@@ -128,7 +128,7 @@ class ExplainedStep:
         )
         return text + (" rounded up (largest remainder)" if slot.rounded_up else " rounded down")
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "total": self.total,
             "unit": self.unit,
@@ -183,7 +183,7 @@ def _kernel_work(
     own = np.zeros(step_index.shape[0])
     by_deployment: dict[str, list[int]] = {}
     for number, step in enumerate(steps):
-        if step.weights == "kernel":
+        if step.weights == "kernel" and step.deployment is not None:
             by_deployment.setdefault(repr(sorted(step.deployment.items())), []).append(number)
     for numbers in by_deployment.values():
         deployment = Deployment.model_validate(steps[numbers[0]].deployment)

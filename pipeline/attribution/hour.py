@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -43,45 +44,51 @@ IDLE_FEATURE = "(idle)"
 HEADROOM_FEATURE = "(headroom)"
 CACHE_FEATURE = "(prefix-cache)"
 
-LEDGER_LINE_SCHEMA = {
-    "hour": pl.Datetime("us"),
-    "pool": pl.String,
-    "tenant": pl.String,
-    "feature": pl.String,
-    "line_kind": pl.String,
-    "amount_nano": pl.Int64,
-    "requests": pl.Int64,
-    "new_tokens": pl.Int64,
-    "cached_tokens": pl.Int64,
-    "weights_version": pl.String,
-    "policy_version": pl.String,
-}
-REQUEST_COST_SCHEMA = {
-    "hour": pl.Datetime("us"),
-    "pool": pl.String,
-    "request_id": pl.String,
-    "tenant": pl.String,
-    "feature": pl.String,
-    "api_key_id": pl.String,
-    "compute_nano": pl.Int64,
-    "kv_nano": pl.Int64,
-    "amount_nano": pl.Int64,
-    "steps": pl.Int64,
-    "new_tokens": pl.Int64,
-    "cached_tokens": pl.Int64,
-    "prompt_tokens": pl.Int64,
-    "output_tokens": pl.Int64,
-}
-REPLICA_FACTS_SCHEMA = {
-    "replica": pl.String,
-    "steps": pl.Int64,
-    "first_seq": pl.Int64,
-    "last_seq": pl.Int64,
-    "busy_ns": pl.Int64,
-    "step_cost_nano": pl.Int64,
-    "idle_nano": pl.Int64,
-    "admission_blocked_steps": pl.Int64,
-}
+LEDGER_LINE_SCHEMA = pl.Schema(
+    {
+        "hour": pl.Datetime("us"),
+        "pool": pl.String(),
+        "tenant": pl.String(),
+        "feature": pl.String(),
+        "line_kind": pl.String(),
+        "amount_nano": pl.Int64(),
+        "requests": pl.Int64(),
+        "new_tokens": pl.Int64(),
+        "cached_tokens": pl.Int64(),
+        "weights_version": pl.String(),
+        "policy_version": pl.String(),
+    }
+)
+REQUEST_COST_SCHEMA = pl.Schema(
+    {
+        "hour": pl.Datetime("us"),
+        "pool": pl.String(),
+        "request_id": pl.String(),
+        "tenant": pl.String(),
+        "feature": pl.String(),
+        "api_key_id": pl.String(),
+        "compute_nano": pl.Int64(),
+        "kv_nano": pl.Int64(),
+        "amount_nano": pl.Int64(),
+        "steps": pl.Int64(),
+        "new_tokens": pl.Int64(),
+        "cached_tokens": pl.Int64(),
+        "prompt_tokens": pl.Int64(),
+        "output_tokens": pl.Int64(),
+    }
+)
+REPLICA_FACTS_SCHEMA = pl.Schema(
+    {
+        "replica": pl.String(),
+        "steps": pl.Int64(),
+        "first_seq": pl.Int64(),
+        "last_seq": pl.Int64(),
+        "busy_ns": pl.Int64(),
+        "step_cost_nano": pl.Int64(),
+        "idle_nano": pl.Int64(),
+        "admission_blocked_steps": pl.Int64(),
+    }
+)
 CONTEXT_COLUMNS = ("request_id", "tenant", "feature", "api_key_id", "retry_of", "retry_cause")
 STEP_COLUMNS = ("pool", "replica", "seq", "start_utc_ns", "end_utc_ns", "admission_blocked")
 SLOT_COLUMNS = (
@@ -108,7 +115,7 @@ class HourAttribution:
     hourly reconciliation checks.
     """
 
-    invoice: dict
+    invoice: dict[str, Any]
     request_costs: pl.DataFrame
     ledger_lines: pl.DataFrame
     replicas: pl.DataFrame
@@ -394,7 +401,7 @@ def _usage_lines(requests: pl.DataFrame, pool: Pool) -> pl.DataFrame:
 
 def _line(
     tenant: str, feature: str, kind: str, amount: int, requests: int = 0, cached: int = 0
-) -> dict:
+) -> dict[str, Any]:
     return {
         "tenant": tenant,
         "feature": feature,
@@ -406,7 +413,9 @@ def _line(
     }
 
 
-def idle_lines(pool: Pool, invoice_nano: int, idle_nano: int, usage: pl.DataFrame) -> list[dict]:
+def idle_lines(
+    pool: Pool, invoice_nano: int, idle_nano: int, usage: pl.DataFrame
+) -> list[dict[str, Any]]:
     """Label the hour's idle per the pool's policy.
 
     spread: to tenants' features in proportion to their usage (largest remainder);
@@ -506,7 +515,7 @@ def attribute_hour(
             )
         )
     extra += idle_lines(pool, invoice_nano, idle_nano, usage)
-    line_columns = {c: LEDGER_LINE_SCHEMA[c] for c in usage.columns}
+    line_columns = pl.Schema({c: LEDGER_LINE_SCHEMA[c] for c in usage.columns})
     lines = (
         pl.concat([usage.cast(line_columns), pl.DataFrame(extra, schema=line_columns)])
         .with_columns(

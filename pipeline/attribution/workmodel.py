@@ -93,7 +93,7 @@ def split_fixed(
 ) -> np.ndarray:
     """Each slot's part of its step's fixed work, per the fixed-cost policy."""
     step_fixed = fixed_per_step[batch.step_index]
-    per_slot = step_fixed / batch.slots_per_step[batch.step_index]
+    per_slot: np.ndarray = step_fixed / batch.slots_per_step[batch.step_index]
     if policy == "per_slot":
         return per_slot
     if policy != "per_token":
@@ -106,7 +106,8 @@ def split_fixed(
         tokens, tokens_per_step, out=np.zeros_like(tokens), where=tokens_per_step > 0
     )
     # A step of zero new tokens (holders only, defensive) falls back to per slot.
-    return np.where(tokens_per_step > 0, per_token, per_slot)
+    split: np.ndarray = np.where(tokens_per_step > 0, per_token, per_slot)
+    return split
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -19,7 +20,7 @@ QUERIES = {
 HELD_BACK = "SELECT hour, pool, amount_nano, reason FROM held_back_hours ORDER BY hour, pool"
 
 
-def cost_report(warehouse: Path, by: str) -> dict[str, list[dict]]:
+def cost_report(warehouse: Path, by: str) -> dict[str, list[dict[str, Any]]]:
     """The rows of one finance breakdown and the hours held back, as plain dicts."""
     with connect_read_only(warehouse) as con:
         report = {}
@@ -63,7 +64,7 @@ HEADINGS = {
 }
 
 
-def print_report(report: dict[str, list[dict]], title: str) -> None:
+def print_report(report: dict[str, list[dict[str, Any]]], title: str) -> None:
     from rich.console import Console
     from rich.measure import Measurement
     from rich.table import Table
