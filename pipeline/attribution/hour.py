@@ -102,7 +102,7 @@ SLOT_COLUMNS = (
 )
 # Slot and holder rows allocated at a time: bounds the working memory (the pricing kernel's
 # per-slot terms are a few hundred bytes a row) while keeping per-batch overhead negligible.
-_ROWS_PER_BATCH = 1 << 20
+ROWS_PER_BATCH = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -209,12 +209,13 @@ def _hour_steps(
     return inside.drop("row", "replica_code"), keys
 
 
-def _step_batches(row_offsets: np.ndarray) -> list[tuple[int, int]]:
-    """Consecutive step ranges of about _ROWS_PER_BATCH rows each (a bigger step is a batch alone).
+def _step_batches(row_offsets: np.ndarray, rows_per_batch: int) -> list[tuple[int, int]]:
+    """Consecutive step ranges of about `rows_per_batch` rows each (a bigger step is a batch
+    alone).
 
     `row_offsets[s]` is the number of rows before step s."""
     cuts = np.searchsorted(
-        row_offsets, np.arange(_ROWS_PER_BATCH, int(row_offsets[-1]), _ROWS_PER_BATCH)
+        row_offsets, np.arange(rows_per_batch, int(row_offsets[-1]), rows_per_batch)
     )
     bounds = np.unique(np.concatenate([[0], cuts, [row_offsets.shape[0] - 1]]))
     return list(zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=False))
@@ -243,6 +244,7 @@ def _attribute_rows(
     holders: pl.DataFrame,
     weights: WeightSource,
     alpha: float,
+    rows_per_batch: int,
 ) -> pl.DataFrame:
     """Split every step's cost among its slots and holders and total the rows per request.
 
@@ -273,7 +275,7 @@ def _attribute_rows(
         "exact": np.empty(n_holders),
         "block_seconds": np.empty(n_holders),
     }
-    for first, end in _step_batches(slot_layout.offsets + holder_layout.offsets):
+    for first, end in _step_batches(slot_layout.offsets + holder_layout.offsets, rows_per_batch):
         slot_rows, holder_rows = slot_layout.rows(first, end), holder_layout.rows(first, end)
         slot_columns = gather(slots, list(SLOT_COLUMNS), slot_rows)
         holder_columns = gather(holders, ["kv_blocks", "state"], holder_rows)
@@ -460,6 +462,8 @@ def attribute_hour(
     holders: pl.DataFrame,
     context: pl.DataFrame,
     weights: WeightSource,
+    *,
+    rows_per_batch: int = ROWS_PER_BATCH,
 ) -> HourAttribution:
     """Attribute one pool-hour.
 
@@ -467,6 +471,7 @@ def attribute_hour(
     may include steps of neighbouring hours: only steps overlapping the hour count, and a
     step crossing the boundary contributes the part inside it. `context` has columns
     request_id, tenant, feature, api_key_id, retry_of, retry_cause and may lack requests.
+    `rows_per_batch`: slot and holder rows allocated at a time (a step is never split).
     """
     start_ns = hour_start_ns(hour_start)
     hour_value = hour_start.astimezone(UTC).replace(tzinfo=None)
@@ -489,7 +494,9 @@ def attribute_hour(
     alpha, blocked_fraction = alpha_for_period(
         pool.policies, hour_steps["admission_blocked"].to_numpy()
     )
-    requests = _attribute_rows(pool, hour_steps, keys, slots, holders, weights, alpha)
+    requests = _attribute_rows(
+        pool, hour_steps, keys, slots, holders, weights, alpha, rows_per_batch
+    )
     cache_saving = 0
     if pool.policies.prefix_cache == "cache_read":
         requests, cache_saving = _cache_read_charges(requests, pool.policies.cache_read_fraction)
