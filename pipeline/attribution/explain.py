@@ -34,6 +34,7 @@ from pipeline.attribution.workmodel import (
     kernel_work_us,
     split_fixed,
 )
+from pricing import Deployment
 
 UNITS = {"micro": MICRO_PER_USD, "nano": NANO_PER_USD}
 
@@ -177,8 +178,6 @@ def _kernel_work(
     steps: list[StepSpec], batch: SlotBatch, step_index: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """(fixed, own) kernel work per slot (us) for the kernel-weighted steps, one kernel per deployment."""
-    from pricing import Deployment
-
     fixed = np.zeros(step_index.shape[0])
     own = np.zeros(step_index.shape[0])
     by_deployment: dict[str, list[int]] = {}

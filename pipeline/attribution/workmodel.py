@@ -21,6 +21,7 @@ import numba
 import numpy as np
 
 from pipeline.attribution.allocator import GroupedRows
+from pricing import Kernel, deployment_for_pool
 
 if TYPE_CHECKING:
     from schemas.config import Pool
@@ -215,8 +216,6 @@ class KernelWeights:
     @classmethod
     def from_deployment(cls, deployment: Any) -> KernelWeights:
         """Build the kernel for a pricing.Deployment; the version hashes the deployment."""
-        from pricing import Kernel
-
         canonical = json.dumps(deployment.model_dump(mode="json"), sort_keys=True)
         digest = hashlib.sha256(canonical.encode()).hexdigest()[:10]
         return cls(
@@ -226,8 +225,6 @@ class KernelWeights:
 
     @classmethod
     def for_pool(cls, pool: Pool) -> KernelWeights:
-        from pricing import deployment_for_pool
-
         return cls.from_deployment(deployment_for_pool(pool))
 
     def compute_work(self, batch: SlotBatch, policy: FixedCostPolicy) -> np.ndarray:
