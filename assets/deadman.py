@@ -27,7 +27,7 @@ from pipeline.warehouse import WarehouseError, connect_read_only, query_frame
 from schemas.config import PoolsFile
 
 DEADMAN_INTERVAL_SECONDS = 300
-HOUR = timedelta(hours=1)
+ONE_HOUR = timedelta(hours=1)
 
 
 def last_reconciled_hours(
@@ -75,7 +75,7 @@ def build_deadman_sensor(
             # A run holds the file open for writing (another process locks it, this process
             # refuses a second configuration): try again at the next tick.
             return dg.SkipReason(f"warehouse busy, not read this tick: {err}")
-        last = last_reconciled_hours(reconciled, pool_names, first_hour() - HOUR)
+        last = last_reconciled_hours(reconciled, pool_names, first_hour() - ONE_HOUR)
         findings = alerts.deadman(last, now, settings)
         sent = alerts.page(
             findings,

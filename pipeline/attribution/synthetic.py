@@ -14,10 +14,11 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from pipeline.hours import hour_start_ns
 from schemas.config import Policies, Pool, Replica
 
 HOUR = datetime(2026, 11, 30, 5, tzinfo=UTC)
-HOUR_START_NS = int(HOUR.timestamp()) * 1_000_000_000
+HOUR_START_NS = hour_start_ns(HOUR)
 
 
 def synthetic_pool(replicas: int = 2, gpus_per_replica: int = 1, **policies: Any) -> Pool:
