@@ -31,7 +31,7 @@ from pipeline.warehouse import WarehouseError, connect_read_only, query_frame
 from schemas.config import PoolsFile
 
 DEADMAN_INTERVAL_SECONDS = 300
-HOUR = timedelta(hours=1)
+ONE_HOUR = timedelta(hours=1)
 
 
 def last_reconciled_hours(
@@ -58,7 +58,7 @@ def first_owed_hour(deployed_at: datetime) -> datetime:
     """The first hour that began at or after the deployment, and not before the first partition."""
     start = deployed_at.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
     if start < deployed_at:
-        start += HOUR
+        start += ONE_HOUR
     return max(start, first_hour())
 
 
@@ -94,7 +94,7 @@ def build_deadman_sensor(
             # refuses a second configuration): try again at the next tick.
             return dg.SkipReason(f"warehouse busy, not read this tick: {err}")
         owed = reconciled.filter(pl.col("hour") >= owed_from.replace(tzinfo=None))
-        last = last_reconciled_hours(owed, pool_names, owed_from - HOUR)
+        last = last_reconciled_hours(owed, pool_names, owed_from - ONE_HOUR)
         findings = alerts.deadman(last, now, settings)
         sent = alerts.page(
             findings,

@@ -8,6 +8,8 @@ the `duckdb` concurrency pool (limit 1 in dagster_home/dagster.yaml): DuckDB has
 # No `from __future__ import annotations`: Dagster checks the `context` annotation as an
 # object, and a postponed (string) annotation fails that check.
 
+from typing import Any
+
 import dagster as dg
 import polars as pl
 from dagster_duckdb import DuckDBResource
@@ -58,7 +60,7 @@ def top_tenants_table(
     return "\n".join(header + rows + more)
 
 
-def ledger_metadata(ledger: HourLedger) -> dict[str, object]:
+def ledger_metadata(ledger: HourLedger) -> dict[str, Any]:
     """What the hour's published ledger holds: row counts, money totals by line kind (integer
     nano-dollars, and dollars to read), and the top tenants."""
     lines = ledger.ledger_lines
@@ -83,7 +85,7 @@ def build_pool_hour_assets(
     @dg.asset(partitions_def=partitions, group_name=GROUP, pool=DUCKDB_POOL)
     def step_log(
         context: dg.AssetExecutionContext, data: StepledgerData, warehouse: DuckDBResource
-    ) -> dg.MaterializeResult:
+    ) -> dg.MaterializeResult[None]:
         """New step-log segments of the pool's replicas, decoded into the Parquet lake (each
         segment once, however often it is delivered); damage and drops recorded."""
         _, pool_name = hour_and_pool(context)
@@ -103,7 +105,7 @@ def build_pool_hour_assets(
     @dg.asset(partitions_def=partitions, group_name=GROUP, pool=DUCKDB_POOL, deps=[step_log])
     def request_context(
         context: dg.AssetExecutionContext, data: StepledgerData, warehouse: DuckDBResource
-    ) -> dg.MaterializeResult:
+    ) -> dg.MaterializeResult[None]:
         """The gateway's request context for the hour, API keys stored only as keyed hashes;
         then what the hour's attribution needs from the warehouse, saved to the lake."""
         hour, pool_name = hour_and_pool(context)
@@ -126,7 +128,7 @@ def build_pool_hour_assets(
     @dg.asset(partitions_def=partitions, group_name=GROUP, deps=[request_context])
     def attribution(
         context: dg.AssetExecutionContext, data: StepledgerData
-    ) -> dg.MaterializeResult:
+    ) -> dg.MaterializeResult[None]:
         """Every measured step of the hour split among its requests, idle and headroom
         labelled, under the pool's policies: the hour's ledger, saved to the lake."""
         hour, pool_name = hour_and_pool(context)
@@ -146,7 +148,7 @@ def build_pool_hour_assets(
     @dg.asset(partitions_def=partitions, group_name=GROUP, pool=DUCKDB_POOL, deps=[attribution])
     def ledger(
         context: dg.AssetExecutionContext, data: StepledgerData, warehouse: DuckDBResource
-    ) -> dg.MaterializeResult:
+    ) -> dg.MaterializeResult[None]:
         """The hour's invoice, ledger lines and request costs in the warehouse, replacing any
         earlier run of the hour in one transaction."""
         hour, pool_name = hour_and_pool(context)

@@ -8,6 +8,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 import duckdb
@@ -21,7 +22,7 @@ WAREHOUSE_ENV = "STEPLEDGER_WAREHOUSE"
 DEFAULT_DATA_DIR = "demo-run"
 
 
-class StepledgerData(dg.ConfigurableResource):
+class StepledgerData(dg.ConfigurableResource["StepledgerData"]):
     """Where one deployment's files live."""
 
     data_dir: str
@@ -65,7 +66,7 @@ def warehouse_path(data_dir: Path) -> Path:
 
 def build_resources(
     data_dir: Path, warehouse: Path | None = None
-) -> dict[str, dg.ConfigurableResource]:
+) -> dict[str, dg.ConfigurableResource[Any]]:
     return {
         "data": StepledgerData(data_dir=str(data_dir)),
         "warehouse": DuckDBResource(database=str(warehouse or warehouse_path(data_dir))),

@@ -33,7 +33,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Literal, Protocol, TextIO
+from typing import Any, Literal, Protocol, TextIO
 
 import duckdb
 
@@ -80,7 +80,7 @@ class Alert:
         where = self.pool if self.replica is None else f"{self.pool}/{self.replica}"
         return f"[{self.severity}] stepledger {self.kind} failed for {where} hour {hour_key(self.hour)}: {self.detail}"
 
-    def as_json(self) -> dict:
+    def as_json(self) -> dict[str, Any]:
         return {
             "raised_at": self.raised_at.astimezone(UTC).isoformat(),
             "severity": self.severity,
@@ -201,9 +201,9 @@ class JsonLinesSink:
             with self.target.open("a", encoding="utf-8") as stream:
                 stream.write(line)
         else:
-            stream = self.target or sys.stdout
-            stream.write(line)
-            stream.flush()
+            out = self.target or sys.stdout
+            out.write(line)
+            out.flush()
 
     def __repr__(self) -> str:
         return f"JsonLinesSink({str(self.target) if isinstance(self.target, Path) else 'stream'})"
@@ -249,7 +249,7 @@ class WebhookSink:
     def __repr__(self) -> str:
         return f"WebhookSink({self.format} -> {self.destination}/…)"
 
-    def payload(self, alert: Alert) -> dict:
+    def payload(self, alert: Alert) -> dict[str, Any]:
         if self.format == "slack":
             return {"text": alert.summary}
         return {
@@ -319,7 +319,11 @@ def sink_from_env(environ: Mapping[str, str] | None = None) -> AlertSink:
         raise AlertConfigError(f"{ENV_FORMAT}={format!r} is not one of pagerduty, slack")
     if format == "slack" and url is None:
         raise AlertConfigError(f"{ENV_FORMAT}=slack needs {ENV_URL}")
-    return WebhookSink(url or PAGERDUTY_EVENTS_URL, format=format, routing_key=routing_key)
+    return WebhookSink(
+        url or PAGERDUTY_EVENTS_URL,
+        format="slack" if format == "slack" else "pagerduty",
+        routing_key=routing_key,
+    )
 
 
 # --- paging -------------------------------------------------------------------------------

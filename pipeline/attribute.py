@@ -19,7 +19,7 @@ import polars as pl
 from pipeline.attribution import SlotBatch, WeightSource, attribute_hour
 from pipeline.attribution.workmodel import split_fixed
 from pipeline.gateway import context_for_requests
-from pipeline.hours import utc_hour
+from pipeline.hours import to_warehouse, utc_hour
 from pipeline.ingest import STEP_KEY, committed_batches
 from pipeline.lake import AttributionInputs, HourInput, load_hour
 from pipeline.ledger import DECODE_CONTEXTS_SCHEMA, RESOURCE_WORK_SCHEMA, RESOURCES, HourLedger
@@ -66,7 +66,7 @@ def attribute_pool_hour(
     )
     resource_work, decode_contexts = resource_parts(pool, data)
     stamp = [
-        pl.lit(inputs.hour.replace(tzinfo=None)).cast(pl.Datetime("us")).alias("hour"),
+        pl.lit(to_warehouse(inputs.hour)).cast(pl.Datetime("us")).alias("hour"),
         pl.lit(pool.name).alias("pool"),
     ]
     return HourLedger(

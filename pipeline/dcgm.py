@@ -16,6 +16,7 @@ import re
 from datetime import datetime
 from os import PathLike
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 
@@ -122,7 +123,7 @@ def parse_dcgm(
     else:
         text = source
 
-    rows: dict[str, list] = {name: [] for name in DCGM_SCHEMA}
+    rows: dict[str, list[Any]] = {name: [] for name in DCGM_SCHEMA}
     # Lines end at "\n" only: a quoted label value may hold any other control character.
     for line_number, line in enumerate(text.split("\n"), start=1):
         stripped = line.strip(" \t\r")

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import duckdb
 import polars as pl
@@ -95,7 +95,7 @@ def read_gateway_file(path: Path, salt: bytes) -> pl.DataFrame:
         raise ContextError(f"{path}: cannot read gateway file: {err.strerror}") from err
     except UnicodeDecodeError as err:
         raise ContextError(f"{path}: not UTF-8 text: {err}") from err
-    columns: dict[str, list] = {name: [] for name in _GatewayLine.model_fields}
+    columns: dict[str, list[Any]] = {name: [] for name in _GatewayLine.model_fields}
     first_line_of: dict[str, int] = {}
     # Lines end at "\n" only: str.splitlines also breaks at U+2028, U+0085 and \x1c-\x1e,
     # which gateways write raw inside JSON strings.

@@ -113,7 +113,7 @@ def partition_dir(lake: Path, table: str, pool: str, hour_key: str) -> Path:
 def part_name(replica: str, part: pl.DataFrame, batch_id: str) -> str:
     """`<replica>.<first seq>.<batch>.parquet`: sorted by name, a partition's files list each
     replica's rows in sequence order, the order attribution works in."""
-    first_seq: int = part["seq"].min()  # type: ignore[assignment]  # an Int64 column's minimum
+    first_seq = part.select(pl.col("seq").min()).item()
     return f"{replica}.{first_seq:012d}.{batch_id}.parquet"
 
 
@@ -390,6 +390,7 @@ def _ingest_batch(
             for partition in partitions
         }
         _write_intent(lake, intents, batch_id, directories)
+        assert slots is not None and holders is not None  # decoded with the steps
         for name, frame in (("steps", steps), ("slots", slots), ("holders", holders)):
             placed = frame.join(hours, on=STEP_KEY, how="left")
             for (pool, replica, hour_index), part in placed.group_by(

@@ -32,6 +32,8 @@ from pipeline.ledger import STORED_TABLES, HourLedger
 
 @dataclass(frozen=True)
 class HourInput:
+    """The steps of one pool-hour with their slots and holders, as `load_hour` reads them."""
+
     steps: pl.DataFrame
     slots: pl.DataFrame
     holders: pl.DataFrame

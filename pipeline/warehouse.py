@@ -466,10 +466,11 @@ def replace_hour(
 
 
 def query_frame(
-    con: duckdb.DuckDBPyConnection, sql: str, params: list[object] | None = None
+    con: duckdb.DuckDBPyConnection, sql: str, params: list[Any] | None = None
 ) -> pl.DataFrame:
     """A query's result as a polars frame."""
-    return con.sql(sql, params=params).pl()
+    frame: pl.DataFrame = con.sql(sql, params=params).pl()
+    return frame
 
 
 def insert_frame(con: duckdb.DuckDBPyConnection, table: str, frame: pl.DataFrame) -> None:

@@ -52,15 +52,11 @@ CALIBRATION_SWEEP_HOURS = 2 / 60
 def calibrate_from_segments(segment_paths: list[Path], store_path: Path) -> list[CalibrationEntry]:
     """Fit the work model per (model, GPU type, engine version, driver version) in the
     segments and store each fit in `store_path` (what `stepledger calibrate` does)."""
-    import polars as pl
-
-    from pipeline.attribution.calibration import CalibrationStore, fit_by_version
+    from pipeline.attribution.calibration import CalibrationStore, fit_decoded_log
     from pipeline.steplog import read_segments
 
     log = read_segments(segment_paths)
-    fits = fit_by_version(
-        pl.from_arrow(log.steps), pl.from_arrow(log.slots), pl.from_arrow(log.segments)
-    )
+    fits = fit_decoded_log(log.steps, log.slots, log.segments)
     store = CalibrationStore.load(store_path)
     entries = [store.put(*key, fit) for key, fit in fits.items()]
     store.save(store_path)

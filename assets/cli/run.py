@@ -56,9 +56,10 @@ def run_pool_hours(
                 )
                 # A failed blocking check also fails its step; only other failures are errors.
                 failures = [
-                    e
+                    error
                     for e in result.get_step_failure_events()
-                    if e.event_specific_data.error.cls_name != "DagsterAssetCheckFailedError"
+                    if (error := e.step_failure_data.error) is not None
+                    and error.cls_name != "DagsterAssetCheckFailedError"
                 ]
                 run = PoolHourRun(
                     hour=hour,
@@ -69,9 +70,7 @@ def run_pool_hours(
                         for e in result.get_asset_check_evaluations()
                         if not e.passed
                     ],
-                    error=failures[0].event_specific_data.error.message.strip()
-                    if failures
-                    else None,
+                    error=failures[0].message.strip() if failures else None,
                 )
                 runs.append(run)
                 if on_done:

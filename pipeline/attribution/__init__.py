@@ -28,12 +28,12 @@ from pipeline.attribution.hour import (
     LEDGER_LINE_SCHEMA,
     REPLICA_FACTS_SCHEMA,
     REQUEST_COST_SCHEMA,
-    AttributionError,
     HourAttribution,
     attribute_hour,
     idle_lines,
 )
 from pipeline.attribution.kv import alpha_for_period
+from pipeline.attribution.layout import AttributionError
 from pipeline.attribution.workmodel import (
     Coefficients,
     FittedWeights,

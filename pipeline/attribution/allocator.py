@@ -57,7 +57,7 @@ def _bucket_count(size: int) -> int:
 @numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def _floor_row(
     value: float, top_bucket: int, i: int, lo: int, shares: np.ndarray, buckets: np.ndarray
-) -> int:
+) -> np.int64:
     """Store the floor of `value` as row i's share and its remainder's bucket; returns the floor."""
     floor = np.int64(value)
     shares[i] = floor
@@ -67,7 +67,7 @@ def _floor_row(
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
 def _rank_boundary(
-    need: int, found: int, exact: np.ndarray, shares: np.ndarray, rows: np.ndarray
+    need: int | np.int64, found: int, exact: np.ndarray, shares: np.ndarray, rows: np.ndarray
 ) -> None:
     """Give a unit to the `need` of `rows[:found]` (in position order) with the largest
     remainders, earliest on ties."""
@@ -95,7 +95,7 @@ def _rank_boundary(
 @numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
 def _give_leftover_units(
     total: int,
-    given: int,
+    given: np.int64,
     lo: int,
     hi: int,
     exact: np.ndarray,
@@ -189,7 +189,7 @@ def _largest_remainder_sorted(
         if not weight_sum > 0.0:
             return group
         top_bucket = _bucket_count(hi - lo) - 1
-        given = 0
+        given = np.int64(0)
         for i in range(lo, hi):
             exact[i] = total * (weights[i] / weight_sum)
             given += _floor_row(exact[i], top_bucket, i, lo, shares, buckets)
@@ -260,7 +260,7 @@ def _blend_allocate_sorted(
         if total > 0 and compute_scale == 0.0 and kv_scale == 0.0:
             return group
         top_bucket = _bucket_count(hi - lo) - 1
-        given = 0
+        given = np.int64(0)
         # One scalar pass: on steps of a few dozen rows it beats a vectorised pass for the
         # exact shares and another for their floors, which mostly run their scalar tails.
         for i in range(lo, hi):
@@ -391,15 +391,15 @@ def _raise_bad_value(arrays: dict[str, np.ndarray]) -> None:
     raise AllocationError("weights sum to infinity within a group")
 
 
-def _unpermute(permutation: np.ndarray | None, *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+def _unpermute(
+    permutation: np.ndarray | None, first: np.ndarray, second: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     if permutation is None:
-        return arrays
-    restored = []
-    for values in arrays:
-        out = np.empty_like(values)
-        out[permutation] = values
-        restored.append(out)
-    return tuple(restored)
+        return first, second
+    restored = (np.empty_like(first), np.empty_like(second))
+    restored[0][permutation] = first
+    restored[1][permutation] = second
+    return restored
 
 
 def largest_remainder(
@@ -493,9 +493,8 @@ def blend_and_allocate(
         raise AllocationError(
             f"group {failed} has total {int(totals[failed])} but no row with compute work or KV blocks to carry it"
         )
-    return BlendedSplit(
-        *_unpermute(permutation, shares, exact), permutation, offsets, compute, kv, group_alpha
-    )
+    shares, exact = _unpermute(permutation, shares, exact)
+    return BlendedSplit(shares, exact, permutation, offsets, compute, kv, group_alpha)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")

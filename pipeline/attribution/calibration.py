@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
+import pyarrow as pa
 import yaml
 
 from pipeline.attribution.workmodel import (
@@ -332,6 +333,19 @@ def calibration_coverage(
 CalibrationKey = tuple[str, str, str, str]
 
 
+def fit_decoded_log(
+    steps: pa.Table, slots: pa.Table, segments: pa.Table
+) -> dict[CalibrationKey, FitResult]:
+    """fit_by_version over the decoder's Arrow tables (pipeline.steplog.read_segments)."""
+    frames = []
+    for name, table in (("steps", steps), ("slots", slots), ("segments", segments)):
+        frame = pl.from_arrow(table)
+        if not isinstance(frame, pl.DataFrame):
+            raise CalibrationError(f"the decoded log's {name} is not a table")
+        frames.append(frame)
+    return fit_by_version(*frames)
+
+
 def fit_by_version(
     steps: pl.DataFrame, slots: pl.DataFrame, segments: pl.DataFrame
 ) -> dict[CalibrationKey, FitResult]:
@@ -379,9 +393,8 @@ def weights_for_log(
     """
     if pool.policies.weights == "kernel":
         return kernel or KernelWeights.for_pool(pool), []
-    coverage = calibration_coverage(
-        store or CalibrationStore(), pool.model, pool.gpu_type, segments
-    )
+    store = store or CalibrationStore()
+    coverage = calibration_coverage(store, pool.model, pool.gpu_type, segments)
     findings = [
         f"pool {pool.name}: {detail} ({steps} steps); kernel weights used instead"
         for detail, steps in zip(coverage["detail"], coverage["steps"], strict=False)

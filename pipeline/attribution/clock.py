@@ -35,7 +35,8 @@ def cumulative_nano(offset_ns: np.ndarray, price_per_hour_nano: int) -> np.ndarr
     low = offset & ((1 << _LOW_BITS) - 1)
     quotient, remainder = np.divmod(high * price_per_hour_nano, HOUR_NS)
     tail = (remainder << _LOW_BITS) + low * price_per_hour_nano
-    return (quotient << _LOW_BITS) + tail // HOUR_NS
+    cumulative: np.ndarray = (quotient << _LOW_BITS) + tail // HOUR_NS
+    return cumulative
 
 
 def step_costs_in_hour(

@@ -34,6 +34,7 @@ from pipeline.attribution.workmodel import (
     kernel_work_us,
     split_fixed,
 )
+from pricing import Deployment
 
 UNITS = {"micro": MICRO_PER_USD, "nano": NANO_PER_USD}
 
@@ -128,7 +129,7 @@ class ExplainedStep:
         )
         return text + (" rounded up (largest remainder)" if slot.rounded_up else " rounded down")
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "total": self.total,
             "unit": self.unit,
@@ -177,13 +178,11 @@ def _kernel_work(
     steps: list[StepSpec], batch: SlotBatch, step_index: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """(fixed, own) kernel work per slot (us) for the kernel-weighted steps, one kernel per deployment."""
-    from pricing import Deployment
-
     fixed = np.zeros(step_index.shape[0])
     own = np.zeros(step_index.shape[0])
     by_deployment: dict[str, list[int]] = {}
     for number, step in enumerate(steps):
-        if step.weights == "kernel":
+        if step.weights == "kernel" and step.deployment is not None:
             by_deployment.setdefault(repr(sorted(step.deployment.items())), []).append(number)
     for numbers in by_deployment.values():
         deployment = Deployment.model_validate(steps[numbers[0]].deployment)

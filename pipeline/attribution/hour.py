@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -43,45 +44,51 @@ IDLE_FEATURE = "(idle)"
 HEADROOM_FEATURE = "(headroom)"
 CACHE_FEATURE = "(prefix-cache)"
 
-LEDGER_LINE_SCHEMA = {
-    "hour": pl.Datetime("us"),
-    "pool": pl.String,
-    "tenant": pl.String,
-    "feature": pl.String,
-    "line_kind": pl.String,
-    "amount_nano": pl.Int64,
-    "requests": pl.Int64,
-    "new_tokens": pl.Int64,
-    "cached_tokens": pl.Int64,
-    "weights_version": pl.String,
-    "policy_version": pl.String,
-}
-REQUEST_COST_SCHEMA = {
-    "hour": pl.Datetime("us"),
-    "pool": pl.String,
-    "request_id": pl.String,
-    "tenant": pl.String,
-    "feature": pl.String,
-    "api_key_id": pl.String,
-    "compute_nano": pl.Int64,
-    "kv_nano": pl.Int64,
-    "amount_nano": pl.Int64,
-    "steps": pl.Int64,
-    "new_tokens": pl.Int64,
-    "cached_tokens": pl.Int64,
-    "prompt_tokens": pl.Int64,
-    "output_tokens": pl.Int64,
-}
-REPLICA_FACTS_SCHEMA = {
-    "replica": pl.String,
-    "steps": pl.Int64,
-    "first_seq": pl.Int64,
-    "last_seq": pl.Int64,
-    "busy_ns": pl.Int64,
-    "step_cost_nano": pl.Int64,
-    "idle_nano": pl.Int64,
-    "admission_blocked_steps": pl.Int64,
-}
+LEDGER_LINE_SCHEMA = pl.Schema(
+    {
+        "hour": pl.Datetime("us"),
+        "pool": pl.String(),
+        "tenant": pl.String(),
+        "feature": pl.String(),
+        "line_kind": pl.String(),
+        "amount_nano": pl.Int64(),
+        "requests": pl.Int64(),
+        "new_tokens": pl.Int64(),
+        "cached_tokens": pl.Int64(),
+        "weights_version": pl.String(),
+        "policy_version": pl.String(),
+    }
+)
+REQUEST_COST_SCHEMA = pl.Schema(
+    {
+        "hour": pl.Datetime("us"),
+        "pool": pl.String(),
+        "request_id": pl.String(),
+        "tenant": pl.String(),
+        "feature": pl.String(),
+        "api_key_id": pl.String(),
+        "compute_nano": pl.Int64(),
+        "kv_nano": pl.Int64(),
+        "amount_nano": pl.Int64(),
+        "steps": pl.Int64(),
+        "new_tokens": pl.Int64(),
+        "cached_tokens": pl.Int64(),
+        "prompt_tokens": pl.Int64(),
+        "output_tokens": pl.Int64(),
+    }
+)
+REPLICA_FACTS_SCHEMA = pl.Schema(
+    {
+        "replica": pl.String(),
+        "steps": pl.Int64(),
+        "first_seq": pl.Int64(),
+        "last_seq": pl.Int64(),
+        "busy_ns": pl.Int64(),
+        "step_cost_nano": pl.Int64(),
+        "idle_nano": pl.Int64(),
+        "admission_blocked_steps": pl.Int64(),
+    }
+)
 CONTEXT_COLUMNS = ("request_id", "tenant", "feature", "api_key_id", "retry_of", "retry_cause")
 STEP_COLUMNS = ("pool", "replica", "seq", "start_utc_ns", "end_utc_ns", "admission_blocked")
 SLOT_COLUMNS = (
@@ -95,7 +102,7 @@ SLOT_COLUMNS = (
 )
 # Slot and holder rows allocated at a time: bounds the working memory (the pricing kernel's
 # per-slot terms are a few hundred bytes a row) while keeping per-batch overhead negligible.
-_ROWS_PER_BATCH = 1 << 20
+ROWS_PER_BATCH = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -108,7 +115,7 @@ class HourAttribution:
     hourly reconciliation checks.
     """
 
-    invoice: dict
+    invoice: dict[str, Any]
     request_costs: pl.DataFrame
     ledger_lines: pl.DataFrame
     replicas: pl.DataFrame
@@ -202,12 +209,13 @@ def _hour_steps(
     return inside.drop("row", "replica_code"), keys
 
 
-def _step_batches(row_offsets: np.ndarray) -> list[tuple[int, int]]:
-    """Consecutive step ranges of about _ROWS_PER_BATCH rows each (a bigger step is a batch alone).
+def _step_batches(row_offsets: np.ndarray, rows_per_batch: int) -> list[tuple[int, int]]:
+    """Consecutive step ranges of about `rows_per_batch` rows each (a bigger step is a batch
+    alone).
 
     `row_offsets[s]` is the number of rows before step s."""
     cuts = np.searchsorted(
-        row_offsets, np.arange(_ROWS_PER_BATCH, int(row_offsets[-1]), _ROWS_PER_BATCH)
+        row_offsets, np.arange(rows_per_batch, int(row_offsets[-1]), rows_per_batch)
     )
     bounds = np.unique(np.concatenate([[0], cuts, [row_offsets.shape[0] - 1]]))
     return list(zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=False))
@@ -236,6 +244,7 @@ def _attribute_rows(
     holders: pl.DataFrame,
     weights: WeightSource,
     alpha: float,
+    rows_per_batch: int,
 ) -> pl.DataFrame:
     """Split every step's cost among its slots and holders and total the rows per request.
 
@@ -266,7 +275,7 @@ def _attribute_rows(
         "exact": np.empty(n_holders),
         "block_seconds": np.empty(n_holders),
     }
-    for first, end in _step_batches(slot_layout.offsets + holder_layout.offsets):
+    for first, end in _step_batches(slot_layout.offsets + holder_layout.offsets, rows_per_batch):
         slot_rows, holder_rows = slot_layout.rows(first, end), holder_layout.rows(first, end)
         slot_columns = gather(slots, list(SLOT_COLUMNS), slot_rows)
         holder_columns = gather(holders, ["kv_blocks", "state"], holder_rows)
@@ -394,7 +403,7 @@ def _usage_lines(requests: pl.DataFrame, pool: Pool) -> pl.DataFrame:
 
 def _line(
     tenant: str, feature: str, kind: str, amount: int, requests: int = 0, cached: int = 0
-) -> dict:
+) -> dict[str, Any]:
     return {
         "tenant": tenant,
         "feature": feature,
@@ -406,7 +415,9 @@ def _line(
     }
 
 
-def idle_lines(pool: Pool, invoice_nano: int, idle_nano: int, usage: pl.DataFrame) -> list[dict]:
+def idle_lines(
+    pool: Pool, invoice_nano: int, idle_nano: int, usage: pl.DataFrame
+) -> list[dict[str, Any]]:
     """Label the hour's idle per the pool's policy.
 
     spread: to tenants' features in proportion to their usage (largest remainder);
@@ -451,6 +462,8 @@ def attribute_hour(
     holders: pl.DataFrame,
     context: pl.DataFrame,
     weights: WeightSource,
+    *,
+    rows_per_batch: int = ROWS_PER_BATCH,
 ) -> HourAttribution:
     """Attribute one pool-hour.
 
@@ -458,6 +471,7 @@ def attribute_hour(
     may include steps of neighbouring hours: only steps overlapping the hour count, and a
     step crossing the boundary contributes the part inside it. `context` has columns
     request_id, tenant, feature, api_key_id, retry_of, retry_cause and may lack requests.
+    `rows_per_batch`: slot and holder rows allocated at a time (a step is never split).
     """
     start_ns = hour_start_ns(hour_start)
     hour_value = hour_start.astimezone(UTC).replace(tzinfo=None)
@@ -480,7 +494,9 @@ def attribute_hour(
     alpha, blocked_fraction = alpha_for_period(
         pool.policies, hour_steps["admission_blocked"].to_numpy()
     )
-    requests = _attribute_rows(pool, hour_steps, keys, slots, holders, weights, alpha)
+    requests = _attribute_rows(
+        pool, hour_steps, keys, slots, holders, weights, alpha, rows_per_batch
+    )
     cache_saving = 0
     if pool.policies.prefix_cache == "cache_read":
         requests, cache_saving = _cache_read_charges(requests, pool.policies.cache_read_fraction)
@@ -506,7 +522,7 @@ def attribute_hour(
             )
         )
     extra += idle_lines(pool, invoice_nano, idle_nano, usage)
-    line_columns = {c: LEDGER_LINE_SCHEMA[c] for c in usage.columns}
+    line_columns = pl.Schema({c: LEDGER_LINE_SCHEMA[c] for c in usage.columns})
     lines = (
         pl.concat([usage.cast(line_columns), pl.DataFrame(extra, schema=line_columns)])
         .with_columns(

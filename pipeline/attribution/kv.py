@@ -56,4 +56,5 @@ def first_writer_blocks(
     request that wrote it is charged its whole footprint, shared or not.
     """
     footprint = np.ceil((context_tokens + new_tokens) / block_size)
-    return np.maximum(footprint - np.floor(request_prefix_hits / block_size), 0.0)
+    blocks: np.ndarray = np.maximum(footprint - np.floor(request_prefix_hits / block_size), 0.0)
+    return blocks

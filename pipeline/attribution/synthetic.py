@@ -9,17 +9,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 import numpy as np
 import polars as pl
 
+from pipeline.hours import hour_start_ns
 from schemas.config import Policies, Pool, Replica
 
 HOUR = datetime(2026, 11, 30, 5, tzinfo=UTC)
-HOUR_START_NS = int(HOUR.timestamp()) * 1_000_000_000
+HOUR_START_NS = hour_start_ns(HOUR)
 
 
-def synthetic_pool(replicas: int = 2, gpus_per_replica: int = 1, **policies) -> Pool:
+def synthetic_pool(replicas: int = 2, gpus_per_replica: int = 1, **policies: Any) -> Pool:
     """Pool "chat" (Llama 3.1 8B on H100 at $3.60/GPU-h, replicas r0, r1, ...) with the given policies."""
     return Pool(
         name="chat",
@@ -144,9 +146,11 @@ def synthetic_log(
             clock += duration + int(rng.integers(0, gap_ns + 1))
     known = [r for r in requests if rng.random() >= missing_context]
     causes = rng.choice(
-        [None, "client_timeout", "platform_timeout"], size=len(known), p=[0.8, 0.1, 0.1]
+        np.array([None, "client_timeout", "platform_timeout"], dtype=object),
+        size=len(known),
+        p=[0.8, 0.1, 0.1],
     )
-    context = pl.DataFrame(
+    gateway_context = pl.DataFrame(
         {
             "request_id": known,
             "tenant": [f"tenant-{i % 3}" for i in range(len(known))],
@@ -183,5 +187,5 @@ def synthetic_log(
             }
         ),
         pl.DataFrame(holders).cast({"seq": pl.Int64, "holder_index": pl.Int32}),
-        context,
+        gateway_context,
     )

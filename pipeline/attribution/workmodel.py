@@ -21,6 +21,7 @@ import numba
 import numpy as np
 
 from pipeline.attribution.allocator import GroupedRows
+from pricing import Kernel, deployment_for_pool
 
 if TYPE_CHECKING:
     from schemas.config import Pool
@@ -93,7 +94,7 @@ def split_fixed(
 ) -> np.ndarray:
     """Each slot's part of its step's fixed work, per the fixed-cost policy."""
     step_fixed = fixed_per_step[batch.step_index]
-    per_slot = step_fixed / batch.slots_per_step[batch.step_index]
+    per_slot: np.ndarray = step_fixed / batch.slots_per_step[batch.step_index]
     if policy == "per_slot":
         return per_slot
     if policy != "per_token":
@@ -106,7 +107,8 @@ def split_fixed(
         tokens, tokens_per_step, out=np.zeros_like(tokens), where=tokens_per_step > 0
     )
     # A step of zero new tokens (holders only, defensive) falls back to per slot.
-    return np.where(tokens_per_step > 0, per_token, per_slot)
+    split: np.ndarray = np.where(tokens_per_step > 0, per_token, per_slot)
+    return split
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
@@ -215,15 +217,12 @@ class KernelWeights:
     def from_deployment(cls, deployment: Any) -> KernelWeights:
         """Build the kernel for a pricing.Deployment; its version hashes the deployment, the
         laws' revision and the chip and model files."""
-        from pricing import Kernel
 
         kernel = Kernel.build(deployment)
         return cls(kernel, kernel.version)
 
     @classmethod
     def for_pool(cls, pool: Pool) -> KernelWeights:
-        from pricing import deployment_for_pool
-
         return cls.from_deployment(deployment_for_pool(pool))
 
     def compute_work(self, batch: SlotBatch, policy: FixedCostPolicy) -> np.ndarray:

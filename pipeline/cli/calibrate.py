@@ -40,9 +40,7 @@ def calibrate_command(
 ) -> None:
     """Fit the work model on the steps in DIR, one fit per model, GPU type, engine version and
     driver version found in the segment headers, and store the coefficients with a version."""
-    import polars as pl
-
-    from pipeline.attribution.calibration import CalibrationError, CalibrationStore, fit_by_version
+    from pipeline.attribution.calibration import CalibrationError, CalibrationStore, fit_decoded_log
 
     segment_paths = sorted(data_dir.rglob("*.seg"))
     if not segment_paths:
@@ -56,9 +54,7 @@ def calibrate_command(
     log = read_segments(segment_paths)
     try:
         store = CalibrationStore.load(store_path)
-        fits = fit_by_version(
-            pl.from_arrow(log.steps), pl.from_arrow(log.slots), pl.from_arrow(log.segments)
-        )
+        fits = fit_decoded_log(log.steps, log.slots, log.segments)
     except CalibrationError as err:
         raise click.ClickException(str(err)) from err
 

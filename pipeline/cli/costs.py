@@ -6,6 +6,7 @@ import json
 from datetime import datetime
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -23,7 +24,7 @@ HELD_BACK = "SELECT hour, pool, amount_nano, reason FROM held_back_hours ORDER B
 
 def cost_report(
     data_dir: Path, by: str, *, as_of: datetime | None = None
-) -> dict[str, list[dict[str, object]]]:
+) -> dict[str, list[dict[str, Any]]]:
     """The rows of one finance breakdown and the hours held back, as plain dicts: now, or as
     the warehouse stood at `as_of`."""
     with finance.connect(data_dir, as_of=as_of) as con:
@@ -81,7 +82,7 @@ HEADINGS = {
 }
 
 
-def print_report(report: dict[str, list[dict[str, object]]], title: str) -> None:
+def print_report(report: dict[str, list[dict[str, Any]]], title: str) -> None:
     from rich.console import Console
     from rich.measure import Measurement
     from rich.table import Table

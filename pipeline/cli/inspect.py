@@ -7,6 +7,7 @@ import json
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import click
 import numpy as np
@@ -40,7 +41,7 @@ def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return merged
 
 
-def _gaps(covered: list[tuple[int, int]], damage: list[dict]) -> list[dict]:
+def _gaps(covered: list[tuple[int, int]], damage: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Sequence numbers missing between covered ranges, with the damage that explains them."""
     gaps = []
     for (_, before), (after, _) in itertools.pairwise(covered):
@@ -65,7 +66,7 @@ def _gaps(covered: list[tuple[int, int]], damage: list[dict]) -> list[dict]:
     return gaps
 
 
-def build_report(paths: list[Path]) -> dict:
+def build_report(paths: list[Path]) -> dict[str, Any]:
     """The inspection of `paths` as plain data (what --json prints)."""
     log = read_segments(paths)
     segments = log.segments.to_pylist()
@@ -129,7 +130,7 @@ def _ranges(ranges: list[tuple[int, int]]) -> str:
     return ", ".join(shown) + (f" (+{more} more)" if more > 0 else "") if ranges else "-"
 
 
-def _print(report: dict, console: Console) -> None:
+def _print(report: dict[str, Any], console: Console) -> None:
     if not report["segments"]:
         console.print(f"no readable segment among {report['files']} files")
     else:
@@ -143,7 +144,7 @@ def _print(report: dict, console: Console) -> None:
     )
 
 
-def _print_segments(report: dict, console: Console) -> None:
+def _print_segments(report: dict[str, Any], console: Console) -> None:
     table = Table(title=f"Segments ({len(report['segments'])} of {report['files']} files)")
     for column in (
         "file",
@@ -188,7 +189,7 @@ def _print_segments(report: dict, console: Console) -> None:
     console.print(table)
 
 
-def _print_damage(report: dict, console: Console) -> None:
+def _print_damage(report: dict[str, Any], console: Console) -> None:
     table = Table(title="Damage", style="red")
     for column in ("file", "kind", "byte offset", "bytes", "seq", "detail"):
         table.add_column(column, overflow="fold")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import click
 import numpy as np
@@ -34,7 +35,7 @@ def _batch(
 
 def _as_json(
     deployment: Deployment, decode: int, context: int, prefill: tuple[int, ...], price: StepPrice
-) -> dict:
+) -> dict[str, Any]:
     return {
         "deployment": deployment.model_dump(),
         "batch": {
@@ -104,9 +105,8 @@ def _sweep(
 
     parts = [_batch(int(b), context, prefill, spec_tokens) for b in SWEEP_BATCHES]
     step_index = np.concatenate([np.full(len(p[0]), i) for i, p in enumerate(parts)])
-    prices = kernel.price_many(
-        step_index, *(np.concatenate([p[j] for p in parts]) for j in range(3)), n_steps=len(parts)
-    )
+    scheduled, computed, prompt_len = (np.concatenate([p[j] for p in parts]) for j in range(3))
+    prices = kernel.price_many(step_index, scheduled, computed, prompt_len, n_steps=len(parts))
     d = kernel.deployment
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
     colours = {
@@ -248,7 +248,7 @@ def price_command(
             compat=compat,
         )
         kernel = Kernel.build(deployment)
-        if sweep:
+        if sweep and out is not None:
             _sweep(kernel, context, prefill, spec_tokens, out)
             return
         price = kernel.price(*_batch(decode, context, prefill, spec_tokens))

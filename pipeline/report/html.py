@@ -8,9 +8,9 @@ from html import escape
 import numpy as np
 import polars as pl
 
-from pipeline.ledger import LINE_KINDS
+from pipeline.ledger import LINE_KINDS, RESOURCES
 from pipeline.report import charts
-from pipeline.report.data import RESOURCES, ReportData
+from pipeline.report.data import ReportData
 from pipeline.report.money import usd, usd_per
 
 KIND_COLOURS = {

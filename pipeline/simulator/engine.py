@@ -75,18 +75,18 @@ def _seed(seed: int) -> None:
 
 @njit(cache=True)
 def _free_request(
-    r,
-    feature,
-    prefix_blocks,
-    private_blocks,
-    shares_prefix,
-    feature_ref,
-    feature_resident,
-    feature_writer,
-    feature_released_step,
-    scalars,
-    step,
-):
+    r: int,
+    feature: np.ndarray,
+    prefix_blocks: np.ndarray,
+    private_blocks: np.ndarray,
+    shares_prefix: np.ndarray,
+    feature_ref: np.ndarray,
+    feature_resident: np.ndarray,
+    feature_writer: np.ndarray,
+    feature_released_step: np.ndarray,
+    scalars: np.ndarray,
+    step: int,
+) -> None:
     """Release every block request `r` holds; returns nothing, updates the block counters."""
     scalars[S_USED] -= private_blocks[r]
     private_blocks[r] = 0
@@ -104,7 +104,14 @@ def _free_request(
 
 
 @njit(cache=True)
-def _held_blocks(r, feature, prefix_blocks, private_blocks, shares_prefix, feature_ref):
+def _held_blocks(
+    r: int,
+    feature: np.ndarray,
+    prefix_blocks: np.ndarray,
+    private_blocks: np.ndarray,
+    shares_prefix: np.ndarray,
+    feature_ref: np.ndarray,
+) -> float:
     held = float(private_blocks[r])
     if shares_prefix[r]:
         f = feature[r]
@@ -114,14 +121,14 @@ def _held_blocks(r, feature, prefix_blocks, private_blocks, shares_prefix, featu
 
 @njit(cache=True)
 def _make_room(
-    needed,
-    prefix_blocks,
-    feature_ref,
-    feature_resident,
-    feature_released_step,
-    scalars,
-    total_blocks,
-):
+    needed: int,
+    prefix_blocks: np.ndarray,
+    feature_ref: np.ndarray,
+    feature_resident: np.ndarray,
+    feature_released_step: np.ndarray,
+    scalars: np.ndarray,
+    total_blocks: int,
+) -> None:
     """Evict unreferenced cached prefixes (least recently released first) until `needed` blocks are truly free."""
     while total_blocks - scalars[S_USED] - scalars[S_EVICTABLE] < needed:
         victim = -1
@@ -138,52 +145,52 @@ def _make_room(
 
 @njit(cache=True)
 def _run_steps(
-    arrival_ns,
-    prompt_tokens,
-    output_tokens,
-    feature,
-    prefix_blocks,
-    computed,
-    generated,
-    status,
-    private_blocks,
-    shares_prefix,
-    scheduled_once,
-    preemptions,
-    feature_ref,
-    feature_resident,
-    feature_writer,
-    feature_released_step,
-    running,
-    waiting,
-    scalars,
-    block_size,
-    total_blocks,
-    max_num_seqs,
-    max_num_batched_tokens,
-    num_spec_tokens,
-    spec_accept_prob,
-    visible_until_ns,
-    max_steps,
-    time_budget_ns,
-    step_model,
-    step_features,
-    step_num_slots,
-    step_num_holders,
-    step_admission_blocked,
-    step_free_blocks,
-    step_preempted,
-    slot_request,
-    slot_new,
-    slot_context,
-    slot_kv,
-    slot_prompt,
-    slot_hit,
-    slot_drafted,
-    slot_accepted,
-    holder_request,
-    holder_kv,
-):
+    arrival_ns: np.ndarray,
+    prompt_tokens: np.ndarray,
+    output_tokens: np.ndarray,
+    feature: np.ndarray,
+    prefix_blocks: np.ndarray,
+    computed: np.ndarray,
+    generated: np.ndarray,
+    status: np.ndarray,
+    private_blocks: np.ndarray,
+    shares_prefix: np.ndarray,
+    scheduled_once: np.ndarray,
+    preemptions: np.ndarray,
+    feature_ref: np.ndarray,
+    feature_resident: np.ndarray,
+    feature_writer: np.ndarray,
+    feature_released_step: np.ndarray,
+    running: np.ndarray,
+    waiting: np.ndarray,
+    scalars: np.ndarray,
+    block_size: int,
+    total_blocks: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    num_spec_tokens: int,
+    spec_accept_prob: float,
+    visible_until_ns: int,
+    max_steps: int,
+    time_budget_ns: float,
+    step_model: np.ndarray,
+    step_features: np.ndarray,
+    step_num_slots: np.ndarray,
+    step_num_holders: np.ndarray,
+    step_admission_blocked: np.ndarray,
+    step_free_blocks: np.ndarray,
+    step_preempted: np.ndarray,
+    slot_request: np.ndarray,
+    slot_new: np.ndarray,
+    slot_context: np.ndarray,
+    slot_kv: np.ndarray,
+    slot_prompt: np.ndarray,
+    slot_hit: np.ndarray,
+    slot_drafted: np.ndarray,
+    slot_accepted: np.ndarray,
+    holder_request: np.ndarray,
+    holder_kv: np.ndarray,
+) -> tuple[int, int, int]:
     n_requests = arrival_ns.shape[0]
     capacity = waiting.shape[0]
     while (

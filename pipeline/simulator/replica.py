@@ -72,7 +72,7 @@ class _StepTimeModel:
     def __init__(self) -> None:
         self.gram = np.zeros((N_STEP_FEATURES, N_STEP_FEATURES))
         self.moment = np.zeros(N_STEP_FEATURES)
-        self.coefficients = np.zeros(N_STEP_FEATURES)
+        self.coefficients: np.ndarray = np.zeros(N_STEP_FEATURES)
         self.coefficients[0] = 20_000_000.0
 
     def update(self, features: np.ndarray, elapsed_ns: np.ndarray) -> None:
@@ -286,6 +286,7 @@ class _Log:
                 first_seq=self.next_seq,
             )
             self.window = window
+        assert self.recorder is not None  # opened for this window above, or for it earlier
         return self.recorder
 
     def record(

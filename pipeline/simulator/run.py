@@ -15,8 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import yaml
@@ -87,6 +88,13 @@ def _fault_targets(pools: PoolsFile, faults: dict[str, float | None]) -> tuple[s
     return target, idle
 
 
+def _fault_value(faults: dict[str, float | None], name: str) -> float:
+    value = faults[name]
+    if value is None:
+        raise ValueError(f"fault {name!r} needs a value")
+    return value
+
+
 def _replica_faults(
     replica: str, target: str, faults: dict[str, float | None], span_ns: int, notes: dict[str, str]
 ) -> ReplicaFaults:
@@ -94,7 +102,7 @@ def _replica_faults(
         return ReplicaFaults()
     drop_window = None
     if "drop-records" in faults:
-        fraction = faults["drop-records"]
+        fraction = _fault_value(faults, "drop-records")
         first = int(0.4 * span_ns)
         drop_window = (first, first + int(fraction * span_ns))
         notes["drop-records"] = (
@@ -103,7 +111,7 @@ def _replica_faults(
         )
     wall_rate = 1.0
     if "clock-skew" in faults:
-        wall_rate = 1.0 - faults["clock-skew"] / 3600.0
+        wall_rate = 1.0 - _fault_value(faults, "clock-skew") / 3600.0
         notes["clock-skew"] = (
             f"{replica}: wall clock runs slow by {faults['clock-skew']:g} s per hour"
         )
@@ -128,7 +136,7 @@ def _rng(seed: int, *keys: int) -> np.random.Generator:
     return np.random.default_rng([seed, *keys])
 
 
-def _simulate_in_worker(pool: Pool, replica: Replica, job: dict) -> ReplicaRun:
+def _simulate_in_worker(pool: Pool, replica: Replica, job: dict[str, Any]) -> ReplicaRun:
     return simulate_replica(pool, replica, Kernel.build(deployment_for_pool(pool)), **job)
 
 
@@ -154,7 +162,7 @@ def simulate(
         raise ValueError(f"hours must be positive, got {hours}")
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
-    if start.tzinfo is None or start.utcoffset().total_seconds() != 0:
+    if start.utcoffset() != timedelta(0):
         raise ValueError(f"start must be a UTC datetime, got {start!r}")
     if (start.minute, start.second, start.microsecond) != (0, 0, 0):
         raise ValueError(f"start must be on the hour, got {start.isoformat()}")
@@ -185,7 +193,7 @@ def simulate(
             progress(done_s, total_s)
 
     traffic: list[PoolTraffic] = []
-    jobs: list[tuple[Pool, Replica, dict]] = []
+    jobs: list[tuple[Pool, Replica, dict[str, Any]]] = []
     for pool_index, pool in enumerate(pools.pools):
         serving = [i for i, r in enumerate(pool.replicas) if r.id != idle]
         pool_traffic = generate_pool_traffic(

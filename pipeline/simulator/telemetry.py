@@ -70,9 +70,11 @@ def busy_between(
         started = np.searchsorted(busy_start_ns, moment, side="right")
         last = np.maximum(started - 1, 0)
         partial = np.clip(moment - busy_start_ns[last], 0, durations[last])
-        return np.where(started > 0, cumulative[last] + partial, 0)
+        busy: np.ndarray = np.where(started > 0, cumulative[last] + partial, 0)
+        return busy
 
-    return busy_before(window_end_ns) - busy_before(window_start_ns)
+    inside: np.ndarray = busy_before(window_end_ns) - busy_before(window_start_ns)
+    return inside
 
 
 def write_dcgm(
@@ -153,9 +155,8 @@ def write_gateway(
             continue
         tenants = np.array(pool.feature_tenants, dtype=object)[pool.feature]
         features = np.array(pool.feature_names, dtype=object)[pool.feature]
-        retry_of = np.where(
-            pool.retry_of >= 0, pool.request_ids[np.maximum(pool.retry_of, 0)], None
-        )
+        retry_of = pool.request_ids[np.maximum(pool.retry_of, 0)].astype(object)
+        retry_of[pool.retry_of < 0] = None
         causes = np.array((*RETRY_CAUSES, None), dtype=object)[pool.retry_cause]
         received = (start_ns + pool.received_ns).astype("datetime64[ns]")
         frames.append(

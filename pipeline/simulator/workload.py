@@ -65,6 +65,9 @@ def generate_pool_traffic(
     workload = pool.workload
     tenants = workload.tenants if workload is not None and serving_replicas else []
     features = [(tenant, feature) for tenant in tenants for feature in tenant.features]
+    # Only read when there are features, which come from the workload.
+    retry_fraction = workload.retry_fraction if workload is not None else 0.0
+    platform_timeout_fraction = workload.platform_timeout_fraction if workload is not None else 0.0
     parts: list[dict[str, np.ndarray]] = []
     for index, (tenant, feature) in enumerate(features):
         n = int(rng.poisson(feature.requests_per_s * span_ns / 1e9))
@@ -74,15 +77,13 @@ def generate_pool_traffic(
         output = _lengths(rng, feature.output_tokens, n)
         keys = np.array(tenant.api_keys, dtype=object)[rng.integers(0, len(tenant.api_keys), n)]
         # A retry repeats the feature's previous request: same key, same lengths.
-        is_retry = rng.random(n) < workload.retry_fraction
+        is_retry = rng.random(n) < retry_fraction
         is_retry[:1] = False
         previous = np.arange(n) - 1
         keys[is_retry] = keys[previous[is_retry]]
         prompt[is_retry] = prompt[previous[is_retry]]
         output[is_retry] = output[previous[is_retry]]
-        cause = np.where(
-            is_retry, (rng.random(n) < workload.platform_timeout_fraction).astype(np.int8), -1
-        )
+        cause = np.where(is_retry, (rng.random(n) < platform_timeout_fraction).astype(np.int8), -1)
         parts.append(
             {
                 "received": received,

@@ -19,10 +19,17 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 from pipeline.steplog import format as fmt
 from schemas.records import FORMAT_VERSION, LAYOUT, HeaderFrame, SegmentHeader
+
+if TYPE_CHECKING:
+    import numpy as np
+
+# A step's per-slot values: a list from the engine, or a column of a simulated batch.
+IntColumn: TypeAlias = "Sequence[int] | np.ndarray"
+FloatColumn: TypeAlias = "Sequence[float] | np.ndarray"
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +176,7 @@ class StepRecorder:
 
         # Engine-thread state. Each queued item carries how many steps were dropped just
         # before it, so the writer can place drop frames without sharing a mutable structure.
-        self._queue: deque[tuple] = deque()
+        self._queue: deque[tuple[Any, ...]] = deque()
         self._next_seq = first_seq
         self._drops_pending = 0
         self._dropped_total = 0
@@ -194,16 +201,16 @@ class StepRecorder:
         start_ns: int,
         end_ns: int,
         request_ids: Sequence[str],
-        new_tokens: Sequence[int],
-        context_tokens: Sequence[int],
-        kv_blocks: Sequence[float],
-        prompt_tokens: Sequence[int],
-        prefix_hit_tokens: Sequence[int],
-        spec_drafted: Sequence[int],
-        spec_accepted: Sequence[int],
+        new_tokens: IntColumn,
+        context_tokens: IntColumn,
+        kv_blocks: FloatColumn,
+        prompt_tokens: IntColumn,
+        prefix_hit_tokens: IntColumn,
+        spec_drafted: IntColumn,
+        spec_accepted: IntColumn,
         *,
         holder_ids: Sequence[str] = (),
-        holder_blocks: Sequence[float] = (),
+        holder_blocks: FloatColumn = (),
         holder_states: Sequence[str] = (),
         admission_blocked: bool = False,
         free_blocks: int = 0,
@@ -400,4 +407,5 @@ class StepRecorder:
 
     def _ship(self) -> None:
         segment, self._segment = self._segment, None
-        self._shipped.append(segment.ship())
+        if segment is not None:
+            self._shipped.append(segment.ship())

@@ -16,8 +16,8 @@ from pipeline.hours import (
     to_warehouse,
     utc_hour,
 )
+from tests.helpers.hours import HOUR
 
-HOUR = datetime(2026, 11, 30, 5, tzinfo=UTC)
 hours = st.integers(0, 200_000).map(lambda n: datetime(2000, 1, 1, tzinfo=UTC) + timedelta(hours=n))
 offsets = st.integers(-12 * 60, 14 * 60).map(lambda m: timezone(timedelta(minutes=m)))
 

@@ -262,30 +262,71 @@ def test_compute_kv_split_sums_to_amount():
     assert kv.tolist() == [2, 7, 0, 2]
 
 
-def test_fitted_work_splits_c0_per_slot_or_per_token():
-    batch = SlotBatch(
-        np.array([0, 0, 1]),
-        2,
-        np.array([100, 1, 4]),
-        np.array([0, 500, 10]),
-        np.zeros(3, dtype=np.int64),
+slots_strategy = st.lists(
+    st.tuples(st.integers(0, 4), st.integers(0, 2048), st.integers(0, 8192)),
+    min_size=1,
+    max_size=30,
+).map(sorted)
+COEFFICIENTS = Coefficients(12, 0.05, 0.00005)
+WITHOUT_C0 = Coefficients(0, 0.05, 0.00005)
+
+
+def _slot_batch(slots: list[tuple[int, int, int]]) -> SlotBatch:
+    step, new, context = (np.array(column, dtype=np.int64) for column in zip(*slots, strict=True))
+    return SlotBatch(step, 5, new, context, np.zeros(len(slots), dtype=np.int64))
+
+
+@settings(max_examples=100, deadline=None)
+@given(slots_strategy, st.sampled_from(["per_slot", "per_token"]))
+def test_each_step_with_slots_carries_c0_exactly_once(slots, policy):
+    batch = _slot_batch(slots)
+    fixed = fitted_work_ms(COEFFICIENTS, batch, policy) - fitted_work_ms(WITHOUT_C0, batch, policy)
+    per_step = np.bincount(batch.step_index, weights=fixed, minlength=5)
+    assert per_step.tolist() == pytest.approx(
+        [12.0 if size else 0.0 for size in batch.slots_per_step]
     )
-    coefficients = Coefficients(12, 0.05, 0.00005)
-    # a t + b t (L + (t + 1) / 2) of each slot
-    own = [5 + 0.00005 * 100 * 50.5, 0.05 + 0.00005 * 501, 0.2 + 0.00005 * 4 * 12.5]
-    assert fitted_work_ms(coefficients, batch, "per_slot").tolist() == pytest.approx(
-        [6 + own[0], 6 + own[1], 12 + own[2]]
+    assert (fixed >= 0).all()
+
+
+@settings(max_examples=100, deadline=None)
+@given(slots_strategy)
+def test_per_token_gives_the_fixed_part_in_proportion_to_new_tokens(slots):
+    batch = _slot_batch(slots)
+    fixed = fitted_work_ms(COEFFICIENTS, batch, "per_token") - fitted_work_ms(
+        WITHOUT_C0, batch, "per_token"
     )
-    assert fitted_work_ms(coefficients, batch, "per_token").tolist() == pytest.approx(
-        [12 * 100 / 101 + own[0], 12 / 101 + own[1], 12 + own[2]]
-    )
-    # A step without new tokens (defensive) splits c0 per slot even under the per-token policy.
+    for step in np.unique(batch.step_index):
+        rows = batch.step_index == step
+        tokens = batch.new_tokens[rows]
+        expected = (
+            12.0 * tokens / tokens.sum()
+            if tokens.sum()
+            else np.full(tokens.size, 12.0 / tokens.size)
+        )
+        assert fixed[rows].tolist() == pytest.approx(expected.tolist())
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 2048), st.integers(0, 8192), st.integers(1, 64), st.integers(1, 4096))
+def test_a_slots_own_work_grows_with_its_tokens_and_its_context(
+    new, context, more_new, more_context
+):
+    def own(t: int, length: int) -> float:
+        return float(fitted_work_ms(WITHOUT_C0, _slot_batch([(0, t, length)]), "per_slot")[0])
+
+    assert own(new, context) >= 0
+    assert own(new + more_new, context) > own(new, context)
+    assert own(new, context + more_context) >= own(new, context)
+    assert own(0, context) == 0
+
+
+def test_the_fixed_cost_policy_is_checked_and_a_step_without_tokens_splits_per_slot():
     idle = SlotBatch(
         np.array([0, 0]), 1, np.array([0, 0]), np.array([10, 20]), np.zeros(2, dtype=np.int64)
     )
-    assert fitted_work_ms(coefficients, idle, "per_token").tolist() == [6.0, 6.0]
+    assert fitted_work_ms(COEFFICIENTS, idle, "per_token").tolist() == [6.0, 6.0]
     with pytest.raises(ValueError, match="unknown fixed-cost policy 'per_hour'"):
-        fitted_work_ms(coefficients, batch, "per_hour")
+        fitted_work_ms(COEFFICIENTS, idle, "per_hour")
 
 
 def test_slot_batch_names_a_step_index_out_of_order():

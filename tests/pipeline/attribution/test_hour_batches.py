@@ -11,18 +11,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from polars.testing import assert_frame_equal
 
-import pipeline.attribution.hour as hour_module
 from pipeline.attribution import AttributionError, Coefficients, FittedWeights, attribute_hour
+from pipeline.attribution.hour import ROWS_PER_BATCH
 from pipeline.attribution.synthetic import HOUR, HOUR_START_NS, synthetic_log, synthetic_pool
 
 WEIGHTS = FittedWeights(Coefficients(12.0, 0.05, 0.00005))
 
 
-def _attribute(pool, log, *, rows_per_batch: int | None = None):
-    with pytest.MonkeyPatch.context() as patch:
-        if rows_per_batch is not None:
-            patch.setattr(hour_module, "_ROWS_PER_BATCH", rows_per_batch)
-        return attribute_hour(HOUR, pool, log.steps, log.slots, log.holders, log.context, WEIGHTS)
+def _attribute(pool, log, *, rows_per_batch: int = ROWS_PER_BATCH):
+    return attribute_hour(
+        HOUR,
+        pool,
+        log.steps,
+        log.slots,
+        log.holders,
+        log.context,
+        WEIGHTS,
+        rows_per_batch=rows_per_batch,
+    )
 
 
 def _assert_same_ledger(expected, actual) -> None:

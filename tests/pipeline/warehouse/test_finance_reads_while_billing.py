@@ -16,8 +16,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from pipeline import finance
 from assets.cli import main
+from pipeline import finance
 from pipeline.simulator import simulate
 from schemas.config import load_pools
 
