@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import glob
 import hashlib
 import json
 import logging
@@ -278,45 +279,44 @@ def _hour_key(hour_index: int) -> str:
 
 
 def _held_seqs(
-    con: duckdb.DuckDBPyConnection, lake: Path, replica: str, partitions: Iterable[tuple[str, str]]
+    con: duckdb.DuckDBPyConnection, lake: Path, replica: str, low: int, high: int
 ) -> pl.Series:
-    """The sequence numbers of `replica` in the committed lake files of `partitions`."""
+    """The distinct sequence numbers in [low, high] of `replica`'s steps in committed lake files.
+
+    A file's name gives its first sequence number (`part_name`), so files that start after
+    `high` are not opened, and Parquet statistics skip the row groups outside the range."""
     committed = committed_batches(con)
     files = [
         part
-        for pool, hour in partitions
-        for part in partition_dir(lake, "steps", pool, hour).glob(f"{replica}.*.parquet")
+        for part in (lake / "steps").glob(f"pool=*/hour=*/{glob.escape(replica)}.*.parquet")
         if batch_of(part) in committed
+        and int(part.name.removeprefix(f"{replica}.").split(".", 1)[0]) <= high
     ]
     if not files:
         return pl.Series("seq", [], pl.Int64)
-    return pl.scan_parquet(files).select("seq").collect()["seq"]
+    return (
+        pl.scan_parquet(files)
+        .select("seq")
+        .filter(pl.col("seq").is_between(low, high))
+        .unique()
+        .collect()["seq"]
+    )
 
 
 def _new_steps_of_known_segments(
     con: duckdb.DuckDBPyConnection, lake: Path, steps: pl.DataFrame, known_ids: set[str]
 ) -> pl.DataFrame:
-    """Of the steps of segments already ingested, those no earlier copy delivered.
-
-    A copy's steps all lie in the hours this copy's steps lie in, so only those partitions
-    are read."""
+    """Of the steps of segments already ingested, those no earlier copy delivered."""
     repeated = steps.filter(pl.col("segment_id").is_in(list(known_ids)))
     if not repeated.height:
         return repeated
-    hours = repeated.select(
-        "pool", "replica", (pl.col("start_utc_ns") // NS_PER_HOUR).alias("_hour")
-    ).unique()
+    ranges = repeated.group_by("replica").agg(pl.col("seq").min().alias("low"), pl.col("seq").max())
     held = pl.concat(
         [
-            _held_seqs(
-                con,
-                lake,
-                replica,
-                [(pool, _hour_key(h)) for _, r, h in hours.iter_rows() if r == replica],
-            )
+            _held_seqs(con, lake, replica, low, high)
             .to_frame()
             .with_columns(replica=pl.lit(replica))
-            for pool, replica in hours.select("pool", "replica").unique().iter_rows()
+            for replica, low, high in ranges.iter_rows()
         ]
     )
     return repeated.join(held, on=["replica", "seq"], how="anti")
@@ -349,6 +349,9 @@ def _ingest_batch(
             else _frame(t)
             for t in (decoded.segments, decoded.damage, decoded.drops)
         )
+        # A segment with no intact step or drop frame has nothing to record (its damage says
+        # which steps it held).
+        decoded_segments = decoded_segments.filter(pl.col("first_seq").is_not_null())
         known_ids = {row[0] for row in con.execute("SELECT segment_id FROM segments").fetchall()}
         repeated = decoded_segments.filter(pl.col("segment_id").is_in(list(known_ids)))
         if repeated.height:
@@ -437,7 +440,7 @@ def _ingest_batch(
         for name, found in (("damage", damage), ("drops", drops)):
             if found is not None and found.height:
                 insert_frame(con, name, found.with_columns(batch_id=pl.lit(batch_id)))
-        _settle_damage(con, lake, batch.replica, partitions)
+        _settle_damage(con, lake, batch.replica)
     # Committed: the intent is settled (should the process die first, the next ingest finds
     # the batch committed and drops the intent alone).
     (intents / f"{batch_id}.json").unlink(missing_ok=True)
@@ -467,24 +470,28 @@ def _dropped_within(dropped: list[tuple[int, int]], first: int, last: int) -> in
 HIDING_DAMAGE = ("torn_tail", "corrupt_frame", "bad_header", "unknown_version", "unreadable")
 
 
-def _settle_damage(
-    con: duckdb.DuckDBPyConnection, lake: Path, replica: str, partitions: set[tuple[str, str]]
-) -> None:
+def _settle_damage(con: duckdb.DuckDBPyConnection, lake: Path, replica: str) -> None:
     """Scope and settle the replica's damage now that a batch has arrived.
 
     A range left open (the file was the replica's last) ends before the first segment that
-    starts at or after it; a range whose every sequence number is held (in the partitions
-    this batch wrote, or counted as dropped) hides nothing and becomes `recovered`, its
-    original kind and detail kept in the detail."""
+    starts at or after it, or where a segment that runs into it ends (another copy of the
+    torn segment, which holds those steps or reports its own torn tail); a range whose every
+    sequence number is held (by a committed step, or counted as dropped) hides nothing and
+    becomes `recovered`, its original kind and detail kept in the detail."""
     open_rows = con.execute(
-        "SELECT d.rowid, min(s.first_seq) - 1 FROM damage d JOIN segments s "
-        "ON s.replica = ? AND s.first_seq >= d.first_seq "
-        "WHERE d.last_seq IS NULL AND d.first_seq IS NOT NULL "
-        "AND regexp_extract(d.path, '([^/]+)/[^/]*$', 1) = ? GROUP BY d.rowid",
-        [replica, replica],
+        "SELECT d.rowid, "
+        "(SELECT min(s.first_seq) - 1 FROM segments s WHERE s.replica = $replica "
+        " AND s.first_seq >= d.first_seq), "
+        "(SELECT max(s.last_seq) FROM segments s WHERE s.replica = $replica "
+        " AND s.first_seq < d.first_seq AND s.last_seq >= d.first_seq) "
+        "FROM damage d WHERE d.last_seq IS NULL AND d.first_seq IS NOT NULL "
+        "AND regexp_extract(d.path, '([^/]+)/[^/]*$', 1) = $replica",
+        {"replica": replica},
     ).fetchall()
-    for rowid, last in open_rows:
-        con.execute("UPDATE damage SET last_seq = ? WHERE rowid = ?", [last, rowid])
+    for rowid, *bounds in open_rows:
+        known = [bound for bound in bounds if bound is not None]
+        if known:
+            con.execute("UPDATE damage SET last_seq = ? WHERE rowid = ?", [min(known), rowid])
     hiding = con.execute(
         "SELECT rowid, kind, detail, first_seq, last_seq FROM damage WHERE list_contains(?, kind) "
         "AND first_seq IS NOT NULL AND last_seq IS NOT NULL "
@@ -493,7 +500,12 @@ def _settle_damage(
     ).fetchall()
     if not hiding:
         return
-    held = _held_seqs(con, lake, replica, partitions).unique()
+    ranges = [(first, last) for _, _, _, first, last in hiding if last >= first]
+    held = (
+        _held_seqs(con, lake, replica, min(r[0] for r in ranges), max(r[1] for r in ranges))
+        if ranges
+        else pl.Series("seq", [], pl.Int64)
+    )
     dropped = con.execute(
         "SELECT first_seq, last_seq FROM drops WHERE replica = ?", [replica]
     ).fetchall()
