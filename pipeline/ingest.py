@@ -83,9 +83,10 @@ def segment_files(outbox: Path, replicas: Iterable[str] | None = None) -> list[P
     return sorted(p for d in dirs if d.is_dir() for p in d.glob("*.seg"))
 
 
-def _fingerprint(path: Path) -> tuple[int, str]:
-    """(bytes, sha256) of a segment file. What cannot be read is keyed by why, so it is
-    reported once, and again only once the path holds something else."""
+def _fingerprint(path: Path, name: str) -> tuple[int, str]:
+    """(bytes, sha256) of the segment file at `path` (known as `name`). A path that cannot be
+    read is keyed by its name and why, so it is reported once, and again only once it holds
+    something else."""
     digest = hashlib.sha256()
     size = 0
     try:
@@ -94,10 +95,12 @@ def _fingerprint(path: Path) -> tuple[int, str]:
                 digest.update(block)
                 size += len(block)
     except UnreadableSegment as err:
-        return 0, hashlib.sha256(f"unreadable: {err}".encode()).hexdigest()
+        why = str(err)
     except OSError as err:
-        return 0, hashlib.sha256(f"unreadable: cannot read: {err.strerror}".encode()).hexdigest()
-    return size, digest.hexdigest()
+        why = f"cannot read: {err.strerror}"
+    else:
+        return size, digest.hexdigest()
+    return 0, hashlib.sha256(f"{name} unreadable: {why}".encode()).hexdigest()
 
 
 def _frame(table: pa.Table) -> pl.DataFrame:
@@ -215,10 +218,7 @@ class _Batch:
     replica: str
     fresh: dict[Path, tuple[int, str]] = field(default_factory=dict)
     duplicates: dict[Path, tuple[int, str]] = field(default_factory=dict)
-
-    @property
-    def size(self) -> int:
-        return sum(size for size, _ in self.fresh.values())
+    size: int = 0  # bytes of the fresh files
 
 
 def _ingest_new(
@@ -240,8 +240,9 @@ def _ingest_new(
     # batch alone): memory stays bounded however much waited in the outbox.
     batches: list[_Batch] = []
     for path in segment_files(outbox, replicas):
-        size, digest = _fingerprint(path)
-        if (str(path.relative_to(root)), digest) in known_files:
+        name = str(path.relative_to(root))
+        size, digest = _fingerprint(path, name)
+        if (name, digest) in known_files:
             continue
         if (
             not batches
@@ -253,6 +254,7 @@ def _ingest_new(
             batches[-1].duplicates[path] = (size, digest)
         else:
             batches[-1].fresh[path] = (size, digest)
+            batches[-1].size += size
             known_hashes.add(digest)
     # A torn tail at the end of a batch is bounded by the first segment of the replica's next batch.
     following = [
@@ -440,7 +442,14 @@ def _ingest_batch(
         for name, found in (("damage", damage), ("drops", drops)):
             if found is not None and found.height:
                 insert_frame(con, name, found.with_columns(batch_id=pl.lit(batch_id)))
-        _settle_damage(con, lake, batch.replica)
+        _settle_damage(
+            con,
+            lake,
+            batch.replica,
+            batch_id,
+            pl.Series("seq", [], pl.Int64) if steps is None else steps["seq"],
+            [] if drops is None else list(drops.select("first_seq", "last_seq").iter_rows()),
+        )
     # Committed: the intent is settled (should the process die first, the next ingest finds
     # the batch committed and drops the intent alone).
     (intents / f"{batch_id}.json").unlink(missing_ok=True)
@@ -470,14 +479,23 @@ def _dropped_within(dropped: list[tuple[int, int]], first: int, last: int) -> in
 HIDING_DAMAGE = ("torn_tail", "corrupt_frame", "bad_header", "unknown_version", "unreadable")
 
 
-def _settle_damage(con: duckdb.DuckDBPyConnection, lake: Path, replica: str) -> None:
-    """Scope and settle the replica's damage now that a batch has arrived.
+def _settle_damage(
+    con: duckdb.DuckDBPyConnection,
+    lake: Path,
+    replica: str,
+    batch_id: str,
+    new_seqs: pl.Series,
+    new_drops: list[tuple[int, int]],
+) -> None:
+    """Scope and settle the replica's damage now that batch `batch_id` has delivered the steps
+    `new_seqs` and the counted drops `new_drops`.
 
     A range left open (the file was the replica's last) ends before the first segment that
     starts at or after it, or where a segment that runs into it ends (another copy of the
     torn segment, which holds those steps or reports its own torn tail); a range whose every
     sequence number is held (by a committed step, or counted as dropped) hides nothing and
-    becomes `recovered`, its original kind and detail kept in the detail."""
+    becomes `recovered`, its original kind and detail kept in the detail. Only damage this
+    batch could change is looked at: its own, what it bounded, what its steps fall in."""
     open_rows = con.execute(
         "SELECT d.rowid, "
         "(SELECT min(s.first_seq) - 1 FROM segments s WHERE s.replica = $replica "
@@ -488,40 +506,41 @@ def _settle_damage(con: duckdb.DuckDBPyConnection, lake: Path, replica: str) -> 
         "AND regexp_extract(d.path, '([^/]+)/[^/]*$', 1) = $replica",
         {"replica": replica},
     ).fetchall()
+    bounded = set()
     for rowid, *bounds in open_rows:
         known = [bound for bound in bounds if bound is not None]
         if known:
             con.execute("UPDATE damage SET last_seq = ? WHERE rowid = ?", [min(known), rowid])
+            bounded.add(rowid)
     hiding = con.execute(
-        "SELECT rowid, kind, detail, first_seq, last_seq FROM damage WHERE list_contains(?, kind) "
-        "AND first_seq IS NOT NULL AND last_seq IS NOT NULL "
+        "SELECT rowid, kind, detail, first_seq, last_seq, batch_id FROM damage "
+        "WHERE list_contains(?, kind) AND first_seq IS NOT NULL AND last_seq IS NOT NULL "
         "AND regexp_extract(path, '([^/]+)/[^/]*$', 1) = ?",
         [list(HIDING_DAMAGE), replica],
     ).fetchall()
-    if not hiding:
-        return
-    ranges = [(first, last) for _, _, _, first, last in hiding if last >= first]
-    held = (
-        _held_seqs(con, lake, replica, min(r[0] for r in ranges), max(r[1] for r in ranges))
-        if ranges
-        else pl.Series("seq", [], pl.Int64)
-    )
-    dropped = con.execute(
-        "SELECT first_seq, last_seq FROM drops WHERE replica = ?", [replica]
-    ).fetchall()
-    for rowid, kind, detail, first, last in hiding:
+    dropped: list[tuple[int, int]] | None = None
+    for rowid, kind, detail, first, last, found_by in hiding:
         if last < first:
             why = (
                 f"it can hide no step: a segment held starts at seq {first}, where its range begins"
             )
-        else:
+        elif (
+            found_by == batch_id
+            or rowid in bounded
+            or new_seqs.is_between(first, last).any()
+            or _dropped_within(new_drops, first, last)
+        ):
+            if dropped is None:
+                dropped = con.execute(
+                    "SELECT first_seq, last_seq FROM drops WHERE replica = ?", [replica]
+                ).fetchall()
             # Steps and counted drops never share a sequence number, so their counts add up.
-            held_count = int(held.is_between(first, last).sum()) + _dropped_within(
-                dropped, first, last
-            )
-            if held_count < last - first + 1:
+            held = _held_seqs(con, lake, replica, first, last).len()
+            if held + _dropped_within(dropped, first, last) < last - first + 1:
                 continue
             why = f"every step it could hide (seq {first}-{last}) is held"
+        else:
+            continue
         con.execute(
             "UPDATE damage SET kind = 'recovered', detail = ? WHERE rowid = ?",
             [f"{kind} ({detail}); {why}", rowid],
