@@ -520,6 +520,7 @@ def test_what_is_no_readable_file_is_damage_naming_it_and_nothing_blocks(
     odd = {
         "a-directory.seg": "unreadable (a directory, not a segment file)",
         "a-fifo.seg": "unreadable (a FIFO, not a segment file)",
+        "b-fifo.seg": "unreadable (a FIFO, not a segment file)",
         "dangling.seg": "unreadable (cannot open: No such file or directory)",
         "loop.seg": "unreadable (cannot open: Too many levels of symbolic links)",
         # Root reads a file of mode 000 all the same; /proc/self/mem refuses every reader
@@ -528,6 +529,7 @@ def test_what_is_no_readable_file_is_damage_naming_it_and_nothing_blocks(
     }
     (directory / "a-directory.seg").mkdir()
     os.mkfifo(directory / "a-fifo.seg")
+    os.mkfifo(directory / "b-fifo.seg")
     (directory / "dangling.seg").symlink_to(directory / "gone.seg")
     (directory / "loop.seg").symlink_to("loop.seg")
     (directory / "eio.seg").symlink_to("/proc/self/mem")
@@ -541,7 +543,7 @@ def test_what_is_no_readable_file_is_damage_naming_it_and_nothing_blocks(
             for name, why in sorted(odd.items())
         ]
         # Names that do not place them in the sequence: they may hide anything of the replica.
-        assert con.execute("SELECT count(*) FROM damage WHERE first_seq IS NULL").fetchone() == (5,)
+        assert con.execute("SELECT count(*) FROM damage WHERE first_seq IS NULL").fetchone() == (6,)
         # Reported once, not on every ingest.
         assert ingest_outbox(con, outbox, lake).batch_id is None
 
