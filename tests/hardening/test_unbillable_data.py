@@ -193,3 +193,14 @@ def test_an_entry_whose_name_does_not_place_it_holds_the_hour_back_naming_it(
         "unreadable in outbox/chat-8b-r0/stray.seg at byte 0: a FIFO, not a segment file"
         in sequence_detail(data)
     )
+
+
+def test_a_fleet_simulated_with_the_file_knobs_bills_exactly(fleet, undamaged, tmp_path: Path):
+    """The same knobs through `simulate`: the fleet as delivered, one segment per replica."""
+    pools, _ = fleet
+    knobs = ("trailing-garbage", "empty-segment", "hostile-outbox")
+    data = simulate_small(tmp_path / "fleet", pools, faults=dict.fromkeys(knobs))
+    assert billed(data, pools)
+    assert costs(data) == undamaged
+    kinds = {kind for _, kind, _ in damage_rows(data)}
+    assert kinds == {"recovered", "corrupt_frame"}  # the garbage ends the replica's last segment
