@@ -30,6 +30,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -101,6 +102,22 @@ def _fingerprint(path: Path, name: str) -> tuple[int, str]:
     else:
         return size, digest.hexdigest()
     return 0, hashlib.sha256(f"{name} unreadable: {why}".encode()).hexdigest()
+
+
+def _unchanged_since(path: Path, size: int, seen_at: datetime) -> bool:
+    """Whether the regular file at `path` still has `size` bytes and its inode has not changed
+    since `seen_at`: then it holds what was read then, and hashing it again (every ingest, for
+    every segment an outbox retains) is skipped. A file renamed into place, written to,
+    or restored from a backup has a later change time, which no one can set back."""
+    try:
+        status = path.stat()
+    except OSError:
+        return False
+    return (
+        stat.S_ISREG(status.st_mode)
+        and status.st_size == size
+        and status.st_ctime_ns < seen_at.timestamp() * 1_000_000_000
+    )
 
 
 def _frame(table: pa.Table) -> pl.DataFrame:
@@ -230,6 +247,13 @@ def _ingest_new(
 ) -> IngestReport:
     root = outbox.parent
     known_files = set(con.execute("SELECT path, sha256 FROM segment_files").fetchall())
+    last_seen = {
+        path: (size, ingested_at.replace(tzinfo=UTC))
+        for path, size, ingested_at in con.execute(
+            "SELECT path, arg_max(bytes, ingested_at), max(ingested_at) FROM segment_files "
+            "GROUP BY path"
+        ).fetchall()
+    }
     known_hashes = {
         row[0]
         for row in con.execute(
@@ -241,6 +265,8 @@ def _ingest_new(
     batches: list[_Batch] = []
     for path in segment_files(outbox, replicas):
         name = str(path.relative_to(root))
+        if name in last_seen and _unchanged_since(path, *last_seen[name]):
+            continue
         size, digest = _fingerprint(path, name)
         if (name, digest) in known_files:
             continue
