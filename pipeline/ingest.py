@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import glob
 import hashlib
 import json
 import logging
 import os
+import stat
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -83,9 +85,10 @@ def segment_files(outbox: Path, replicas: Iterable[str] | None = None) -> list[P
     return sorted(p for d in dirs if d.is_dir() for p in d.glob("*.seg"))
 
 
-def _fingerprint(path: Path) -> tuple[int, str]:
-    """(bytes, sha256) of a segment file. What cannot be read is keyed by why, so it is
-    reported once, and again only once the path holds something else."""
+def _fingerprint(path: Path, name: str) -> tuple[int, str]:
+    """(bytes, sha256) of the segment file at `path` (known as `name`). A path that cannot be
+    read is keyed by its name and why, so it is reported once, and again only once it holds
+    something else."""
     digest = hashlib.sha256()
     size = 0
     try:
@@ -94,10 +97,28 @@ def _fingerprint(path: Path) -> tuple[int, str]:
                 digest.update(block)
                 size += len(block)
     except UnreadableSegment as err:
-        return 0, hashlib.sha256(f"unreadable: {err}".encode()).hexdigest()
+        why = str(err)
     except OSError as err:
-        return 0, hashlib.sha256(f"unreadable: cannot read: {err.strerror}".encode()).hexdigest()
-    return size, digest.hexdigest()
+        why = f"cannot read: {err.strerror}"
+    else:
+        return size, digest.hexdigest()
+    return 0, hashlib.sha256(f"{name} unreadable: {why}".encode()).hexdigest()
+
+
+def _unchanged_since(path: Path, size: int, seen_at: datetime) -> bool:
+    """Whether the regular file at `path` still has `size` bytes and its inode has not changed
+    since `seen_at`: then it holds what was read then, and hashing it again (every ingest, for
+    every segment an outbox retains) is skipped. A file renamed into place, written to,
+    or restored from a backup has a later change time, which no one can set back."""
+    try:
+        status = path.stat()
+    except OSError:
+        return False
+    return (
+        stat.S_ISREG(status.st_mode)
+        and status.st_size == size
+        and status.st_ctime_ns < seen_at.timestamp() * 1_000_000_000
+    )
 
 
 def _frame(table: pa.Table) -> pl.DataFrame:
@@ -215,10 +236,7 @@ class _Batch:
     replica: str
     fresh: dict[Path, tuple[int, str]] = field(default_factory=dict)
     duplicates: dict[Path, tuple[int, str]] = field(default_factory=dict)
-
-    @property
-    def size(self) -> int:
-        return sum(size for size, _ in self.fresh.values())
+    size: int = 0  # bytes of the fresh files
 
 
 def _ingest_new(
@@ -230,6 +248,13 @@ def _ingest_new(
 ) -> IngestReport:
     root = outbox.parent
     known_files = set(con.execute("SELECT path, sha256 FROM segment_files").fetchall())
+    last_seen = {
+        path: (size, ingested_at.replace(tzinfo=UTC))
+        for path, size, ingested_at in con.execute(
+            "SELECT path, arg_max(bytes, ingested_at), max(ingested_at) FROM segment_files "
+            "GROUP BY path"
+        ).fetchall()
+    }
     known_hashes = {
         row[0]
         for row in con.execute(
@@ -240,8 +265,11 @@ def _ingest_new(
     # batch alone): memory stays bounded however much waited in the outbox.
     batches: list[_Batch] = []
     for path in segment_files(outbox, replicas):
-        size, digest = _fingerprint(path)
-        if (str(path.relative_to(root)), digest) in known_files:
+        name = str(path.relative_to(root))
+        if name in last_seen and _unchanged_since(path, *last_seen[name]):
+            continue
+        size, digest = _fingerprint(path, name)
+        if (name, digest) in known_files:
             continue
         if (
             not batches
@@ -253,6 +281,7 @@ def _ingest_new(
             batches[-1].duplicates[path] = (size, digest)
         else:
             batches[-1].fresh[path] = (size, digest)
+            batches[-1].size += size
             known_hashes.add(digest)
     # A torn tail at the end of a batch is bounded by the first segment of the replica's next batch.
     following = [
@@ -279,45 +308,44 @@ def _hour_key(hour_index: int) -> str:
 
 
 def _held_seqs(
-    con: duckdb.DuckDBPyConnection, lake: Path, replica: str, partitions: Iterable[tuple[str, str]]
+    con: duckdb.DuckDBPyConnection, lake: Path, replica: str, low: int, high: int
 ) -> pl.Series:
-    """The sequence numbers of `replica` in the committed lake files of `partitions`."""
+    """The distinct sequence numbers in [low, high] of `replica`'s steps in committed lake files.
+
+    A file's name gives its first sequence number (`part_name`), so files that start after
+    `high` are not opened, and Parquet statistics skip the row groups outside the range."""
     committed = committed_batches(con)
     files = [
         part
-        for pool, hour in partitions
-        for part in partition_dir(lake, "steps", pool, hour).glob(f"{replica}.*.parquet")
+        for part in (lake / "steps").glob(f"pool=*/hour=*/{glob.escape(replica)}.*.parquet")
         if batch_of(part) in committed
+        and int(part.name.removeprefix(f"{replica}.").split(".", 1)[0]) <= high
     ]
     if not files:
         return pl.Series("seq", [], pl.Int64)
-    return pl.scan_parquet(files).select("seq").collect()["seq"]
+    return (
+        pl.scan_parquet(files)
+        .select("seq")
+        .filter(pl.col("seq").is_between(low, high))
+        .unique()
+        .collect()["seq"]
+    )
 
 
 def _new_steps_of_known_segments(
     con: duckdb.DuckDBPyConnection, lake: Path, steps: pl.DataFrame, known_ids: set[str]
 ) -> pl.DataFrame:
-    """Of the steps of segments already ingested, those no earlier copy delivered.
-
-    A copy's steps all lie in the hours this copy's steps lie in, so only those partitions
-    are read."""
+    """Of the steps of segments already ingested, those no earlier copy delivered."""
     repeated = steps.filter(pl.col("segment_id").is_in(list(known_ids)))
     if not repeated.height:
         return repeated
-    hours = repeated.select(
-        "pool", "replica", (pl.col("start_utc_ns") // NS_PER_HOUR).alias("_hour")
-    ).unique()
+    ranges = repeated.group_by("replica").agg(pl.col("seq").min().alias("low"), pl.col("seq").max())
     held = pl.concat(
         [
-            _held_seqs(
-                con,
-                lake,
-                replica,
-                [(pool, _hour_key(h)) for _, r, h in hours.iter_rows() if r == replica],
-            )
+            _held_seqs(con, lake, replica, low, high)
             .to_frame()
             .with_columns(replica=pl.lit(replica))
-            for pool, replica in hours.select("pool", "replica").unique().iter_rows()
+            for replica, low, high in ranges.iter_rows()
         ]
     )
     return repeated.join(held, on=["replica", "seq"], how="anti")
@@ -350,6 +378,9 @@ def _ingest_batch(
             else _frame(t)
             for t in (decoded.segments, decoded.damage, decoded.drops)
         )
+        # A segment with no intact step or drop frame has nothing to record (its damage says
+        # which steps it held).
+        decoded_segments = decoded_segments.filter(pl.col("first_seq").is_not_null())
         known_ids = {row[0] for row in con.execute("SELECT segment_id FROM segments").fetchall()}
         repeated = decoded_segments.filter(pl.col("segment_id").is_in(list(known_ids)))
         if repeated.height:
@@ -439,7 +470,14 @@ def _ingest_batch(
         for name, found in (("damage", damage), ("drops", drops)):
             if found is not None and found.height:
                 insert_frame(con, name, found.with_columns(batch_id=pl.lit(batch_id)))
-        _settle_damage(con, lake, batch.replica, partitions)
+        _settle_damage(
+            con,
+            lake,
+            batch.replica,
+            batch_id,
+            pl.Series("seq", [], pl.Int64) if steps is None else steps["seq"],
+            [] if drops is None else list(drops.select("first_seq", "last_seq").iter_rows()),
+        )
     # Committed: the intent is settled (should the process die first, the next ingest finds
     # the batch committed and drops the intent alone).
     (intents / f"{batch_id}.json").unlink(missing_ok=True)
@@ -470,48 +508,67 @@ HIDING_DAMAGE = ("torn_tail", "corrupt_frame", "bad_header", "unknown_version", 
 
 
 def _settle_damage(
-    con: duckdb.DuckDBPyConnection, lake: Path, replica: str, partitions: set[tuple[str, str]]
+    con: duckdb.DuckDBPyConnection,
+    lake: Path,
+    replica: str,
+    batch_id: str,
+    new_seqs: pl.Series,
+    new_drops: list[tuple[int, int]],
 ) -> None:
-    """Scope and settle the replica's damage now that a batch has arrived.
+    """Scope and settle the replica's damage now that batch `batch_id` has delivered the steps
+    `new_seqs` and the counted drops `new_drops`.
 
     A range left open (the file was the replica's last) ends before the first segment that
-    starts at or after it; a range whose every sequence number is held (in the partitions
-    this batch wrote, or counted as dropped) hides nothing and becomes `recovered`, its
-    original kind and detail kept in the detail."""
+    starts at or after it, or where a segment that runs into it ends (another copy of the
+    torn segment, which holds those steps or reports its own torn tail); a range whose every
+    sequence number is held (by a committed step, or counted as dropped) hides nothing and
+    becomes `recovered`, its original kind and detail kept in the detail. Only damage this
+    batch could change is looked at: its own, what it bounded, what its steps fall in."""
     open_rows = con.execute(
-        "SELECT d.rowid, min(s.first_seq) - 1 FROM damage d JOIN segments s "
-        "ON s.replica = ? AND s.first_seq >= d.first_seq "
-        "WHERE d.last_seq IS NULL AND d.first_seq IS NOT NULL "
-        "AND regexp_extract(d.path, '([^/]+)/[^/]*$', 1) = ? GROUP BY d.rowid",
-        [replica, replica],
+        "SELECT d.rowid, "
+        "(SELECT min(s.first_seq) - 1 FROM segments s WHERE s.replica = $replica "
+        " AND s.first_seq >= d.first_seq), "
+        "(SELECT max(s.last_seq) FROM segments s WHERE s.replica = $replica "
+        " AND s.first_seq < d.first_seq AND s.last_seq >= d.first_seq) "
+        "FROM damage d WHERE d.last_seq IS NULL AND d.first_seq IS NOT NULL "
+        "AND regexp_extract(d.path, '([^/]+)/[^/]*$', 1) = $replica",
+        {"replica": replica},
     ).fetchall()
-    for rowid, last in open_rows:
-        con.execute("UPDATE damage SET last_seq = ? WHERE rowid = ?", [last, rowid])
+    bounded = set()
+    for rowid, *bounds in open_rows:
+        known = [bound for bound in bounds if bound is not None]
+        if known:
+            con.execute("UPDATE damage SET last_seq = ? WHERE rowid = ?", [min(known), rowid])
+            bounded.add(rowid)
     hiding = con.execute(
-        "SELECT rowid, kind, detail, first_seq, last_seq FROM damage WHERE list_contains(?, kind) "
-        "AND first_seq IS NOT NULL AND last_seq IS NOT NULL "
+        "SELECT rowid, kind, detail, first_seq, last_seq, batch_id FROM damage "
+        "WHERE list_contains(?, kind) AND first_seq IS NOT NULL AND last_seq IS NOT NULL "
         "AND regexp_extract(path, '([^/]+)/[^/]*$', 1) = ?",
         [list(HIDING_DAMAGE), replica],
     ).fetchall()
-    if not hiding:
-        return
-    held = _held_seqs(con, lake, replica, partitions).unique()
-    dropped = con.execute(
-        "SELECT first_seq, last_seq FROM drops WHERE replica = ?", [replica]
-    ).fetchall()
-    for rowid, kind, detail, first, last in hiding:
+    dropped: list[tuple[int, int]] | None = None
+    for rowid, kind, detail, first, last, found_by in hiding:
         if last < first:
             why = (
                 f"it can hide no step: a segment held starts at seq {first}, where its range begins"
             )
-        else:
+        elif (
+            found_by == batch_id
+            or rowid in bounded
+            or new_seqs.is_between(first, last).any()
+            or _dropped_within(new_drops, first, last)
+        ):
+            if dropped is None:
+                dropped = con.execute(
+                    "SELECT first_seq, last_seq FROM drops WHERE replica = ?", [replica]
+                ).fetchall()
             # Steps and counted drops never share a sequence number, so their counts add up.
-            held_count = int(held.is_between(first, last).sum()) + _dropped_within(
-                dropped, first, last
-            )
-            if held_count < last - first + 1:
+            held = _held_seqs(con, lake, replica, first, last).len()
+            if held + _dropped_within(dropped, first, last) < last - first + 1:
                 continue
             why = f"every step it could hide (seq {first}-{last}) is held"
+        else:
+            continue
         con.execute(
             "UPDATE damage SET kind = 'recovered', detail = ? WHERE rowid = ?",
             [f"{kind} ({detail}); {why}", rowid],

@@ -76,12 +76,15 @@ def open_segment(path: Path) -> Iterator[BinaryIO]:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as err:
         raise UnreadableSegment(f"cannot open: {err.strerror}") from None
-    kind = stat.S_IFMT(os.fstat(fd).st_mode)
-    if kind != stat.S_IFREG:
+    try:
+        kind = stat.S_IFMT(os.fstat(fd).st_mode)
+        if kind != stat.S_IFREG:
+            raise UnreadableSegment(
+                f"{_FILE_TYPES.get(kind, 'not a regular file')}, not a segment file"
+            )
+    except BaseException:
         os.close(fd)
-        raise UnreadableSegment(
-            f"{_FILE_TYPES.get(kind, 'not a regular file')}, not a segment file"
-        )
+        raise
     with os.fdopen(fd, "rb") as handle:
         yield handle
 

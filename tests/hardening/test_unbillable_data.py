@@ -90,59 +90,51 @@ def middle(segments: list[Path]) -> Path:
     return segments[len(segments) // 2]
 
 
-def test_a_torn_segment_is_held_back_then_billed_exactly_once_its_intact_copy_arrives(
-    fleet, undamaged, tmp_path: Path
+@pytest.mark.parametrize(
+    ("fault", "found", "redelivered_as"),
+    [("torn-segment", "torn_tail", None), ("bit-flip", "corrupt_frame", "again.seg")],
+    ids=["torn-then-same-name", "bit-flipped-then-another-name"],
+)
+def test_a_damaged_segment_is_held_back_then_billed_exactly_once_its_intact_copy_arrives(
+    fleet, undamaged, tmp_path: Path, fault: str, found: str, redelivered_as: str | None
 ) -> None:
     pools, _ = fleet
-    data, segments, notes = damaged(fleet, tmp_path, "torn-segment", "intact-copy")
-    torn = middle(segments)
-    assert "truncated" in notes["torn-segment"]
+    data, segments, _ = damaged(fleet, tmp_path, fault, "intact-copy")
+    victim = middle(segments)
     assert not billed(data, pools)
-    assert costs(data)["held_back"] == [("chat-8b", "failed blocking checks: sequence, time")]
-    assert f"torn_tail in {torn.relative_to(data)}" in sequence_detail(data)
-    # The replica ships the segment again under the same name.
-    shutil.copyfile(data / "redelivery" / torn.relative_to(data), torn)
+    ((pool, reason),) = costs(data)["held_back"]
+    assert pool == "chat-8b" and reason.startswith("failed blocking checks: sequence")
+    assert f"{found} in {victim.relative_to(data)}" in sequence_detail(data)
+    # The replica ships the segment again, under the same name or another.
+    shutil.copyfile(
+        data / "redelivery" / victim.relative_to(data),
+        victim.with_name(redelivered_as or victim.name),
+    )
     assert billed(data, pools)
     assert costs(data) == undamaged
+    settled = [(k, d) for p, k, d in damage_rows(data) if p.endswith(victim.name)]
+    assert [k for k, _ in settled] == ["recovered"] and settled[0][1].startswith(f"{found} (")
 
 
-def test_a_bit_flipped_segment_is_recovered_from_a_copy_under_another_name(
-    fleet, undamaged, tmp_path: Path
+@pytest.mark.parametrize(
+    ("fault", "found"),
+    [
+        # Garbage after the last frame of a segment the next one follows without a gap.
+        ("trailing-garbage", "corrupt_frame (bad frame marker, length or checksum)"),
+        # A zero-byte file named like a delivery of a segment that is there intact.
+        ("empty-segment", "torn_tail (empty file)"),
+    ],
+)
+def test_damage_that_can_hide_no_step_holds_nothing_back(
+    fleet, undamaged, tmp_path: Path, fault: str, found: str
 ) -> None:
     pools, _ = fleet
-    data, segments, _ = damaged(fleet, tmp_path, "bit-flip", "intact-copy")
-    flipped = middle(segments)
-    assert not billed(data, pools)
-    assert f"corrupt_frame in {flipped.relative_to(data)}" in sequence_detail(data)
-    shutil.copyfile(data / "redelivery" / flipped.relative_to(data), flipped.with_name("again.seg"))
-    assert billed(data, pools)
-    assert costs(data) == undamaged
-    ((kind, detail),) = [(k, d) for p, k, d in damage_rows(data) if p.endswith(flipped.name)]
-    assert kind == "recovered" and detail.startswith("corrupt_frame (")
-
-
-def test_garbage_after_an_intact_segment_holds_nothing_back(
-    fleet, undamaged, tmp_path: Path
-) -> None:
-    pools, _ = fleet
-    data, segments, _ = damaged(fleet, tmp_path, "trailing-garbage")
+    data, _, notes = damaged(fleet, tmp_path, fault)
     assert billed(data, pools)
     assert costs(data) == undamaged
     ((path, kind, detail),) = damage_rows(data)
-    assert (path, kind) == (str(middle(segments).relative_to(data)), "recovered")
-    assert "it can hide no step" in detail
-
-
-def test_a_zero_byte_file_beside_its_segment_holds_nothing_back(
-    fleet, undamaged, tmp_path: Path
-) -> None:
-    pools, _ = fleet
-    data, _, notes = damaged(fleet, tmp_path, "empty-segment")
-    assert billed(data, pools)
-    assert costs(data) == undamaged
-    ((path, kind, detail),) = damage_rows(data)
-    assert notes["empty-segment"].startswith(path) and kind == "recovered"
-    assert detail.startswith("torn_tail (empty file)")
+    assert notes[fault].startswith(f"{path}: ") and kind == "recovered"
+    assert detail.startswith(found) and "it can hide no step" in detail
 
 
 def test_a_moved_data_directory_bills_its_hours_again_unchanged(
@@ -201,3 +193,14 @@ def test_an_entry_whose_name_does_not_place_it_holds_the_hour_back_naming_it(
         "unreadable in outbox/chat-8b-r0/stray.seg at byte 0: a FIFO, not a segment file"
         in sequence_detail(data)
     )
+
+
+def test_a_fleet_simulated_with_the_file_knobs_bills_exactly(fleet, undamaged, tmp_path: Path):
+    """The same knobs through `simulate`: the fleet as delivered, one segment per replica."""
+    pools, _ = fleet
+    knobs = ("trailing-garbage", "empty-segment", "hostile-outbox")
+    data = simulate_small(tmp_path / "fleet", pools, faults=dict.fromkeys(knobs))
+    assert billed(data, pools)
+    assert costs(data) == undamaged
+    kinds = {kind for _, kind, _ in damage_rows(data)}
+    assert kinds == {"recovered", "corrupt_frame"}  # the garbage ends the replica's last segment

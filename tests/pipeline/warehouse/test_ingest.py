@@ -7,8 +7,10 @@ import threading
 from datetime import timedelta
 from pathlib import Path
 
+import hypothesis.strategies as st
 import polars as pl
 import pytest
+from hypothesis import given, settings
 
 from pipeline import ingest
 from pipeline.ingest import (
@@ -517,6 +519,7 @@ def test_what_is_no_readable_file_is_damage_naming_it_and_nothing_blocks(
     odd = {
         "a-directory.seg": "unreadable (a directory, not a segment file)",
         "a-fifo.seg": "unreadable (a FIFO, not a segment file)",
+        "b-fifo.seg": "unreadable (a FIFO, not a segment file)",
         "dangling.seg": "unreadable (cannot open: No such file or directory)",
         "loop.seg": "unreadable (cannot open: Too many levels of symbolic links)",
         # Root reads a file of mode 000 all the same; /proc/self/mem refuses every reader
@@ -525,6 +528,7 @@ def test_what_is_no_readable_file_is_damage_naming_it_and_nothing_blocks(
     }
     (directory / "a-directory.seg").mkdir()
     os.mkfifo(directory / "a-fifo.seg")
+    os.mkfifo(directory / "b-fifo.seg")
     (directory / "dangling.seg").symlink_to(directory / "gone.seg")
     (directory / "loop.seg").symlink_to("loop.seg")
     (directory / "eio.seg").symlink_to("/proc/self/mem")
@@ -538,6 +542,66 @@ def test_what_is_no_readable_file_is_damage_naming_it_and_nothing_blocks(
             for name, why in sorted(odd.items())
         ]
         # Names that do not place them in the sequence: they may hide anything of the replica.
-        assert con.execute("SELECT count(*) FROM damage WHERE first_seq IS NULL").fetchone() == (5,)
+        assert con.execute("SELECT count(*) FROM damage WHERE first_seq IS NULL").fetchone() == (6,)
         # Reported once, not on every ingest.
         assert ingest_outbox(con, outbox, lake).batch_id is None
+
+
+DAMAGE_KINDS = st.sampled_from(["tear", "flip", "empty"])
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    damaged=st.dictionaries(st.integers(0, 5), st.tuples(DAMAGE_KINDS, st.floats(0.0, 1.0))),
+    same_name=st.lists(st.booleans(), min_size=6, max_size=6),
+    order=st.permutations(range(6)),
+    rounds=st.integers(1, 3),
+)
+def test_every_step_is_billed_once_whatever_is_damaged_and_redelivered(
+    damaged, same_name, order, rounds
+) -> None:
+    """Damage any segments (torn anywhere, a byte flipped anywhere, emptied), ingest, then
+    deliver the intact copies in any order, under the same name or another, over several
+    ingests: no step is ever held twice, and at the end every step is held and no damage can
+    hide one."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as directory:
+        root = Path(directory)
+        segments = replica_r0(root)
+        intact = {i: segments[i].read_bytes() for i in damaged}
+        for i, (kind, where) in damaged.items():
+            data = intact[i]
+            at = min(int(where * len(data)), len(data) - 1)
+            if kind == "tear":
+                segments[i].write_bytes(data[:at])
+            elif kind == "flip":
+                segments[i].write_bytes(data[:at] + bytes([data[at] ^ 0x5A]) + data[at + 1 :])
+            else:
+                segments[i].write_bytes(b"")
+        lake = root / "lake"
+        redeliveries = [i for i in order if i in damaged]
+        with connect(root / "w.duckdb") as con:
+            ingest_outbox(con, root / "outbox", lake)
+            for turn in range(rounds):
+                for i in redeliveries[turn::rounds]:
+                    target = (
+                        segments[i] if same_name[i] else segments[i].with_name(f"again-{i}.seg")
+                    )
+                    target.write_bytes(intact[i])
+                ingest_outbox(con, root / "outbox", lake)
+                held = pl.read_parquet(
+                    [
+                        p
+                        for p in (lake / "steps").rglob("*.parquet")
+                        if batch_of(p) in committed_batches(con)
+                    ]
+                )["seq"]
+                assert held.is_unique().all()
+            assert sorted(held.to_list()) == list(range(120))
+            hiding = con.execute(
+                "SELECT path, kind, first_seq, last_seq FROM damage WHERE list_contains(?, kind)",
+                [list(ingest.HIDING_DAMAGE)],
+            ).fetchall()
+            assert hiding == []
+            assert con.execute("SELECT sum(steps) FROM segments").fetchone() == (120,)
