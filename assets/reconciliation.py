@@ -101,14 +101,14 @@ def build_reconciliation_checks(
                 calibration_file=data.calibration_file,
             )
             record_alerts(con, results)
-        paging = []
+        published_with_errors = []
         for name in CHECKS:
             mine = [r for r in results if r.check_name == name]
             failed = [r for r in mine if not r.passed]
             # A failure is WARN only when every failed result is; a passed check keeps ERROR.
             warn_only = bool(failed) and all(r.severity == "WARN" for r in failed)
             if failed and not warn_only and name not in HOLDS_HOUR_BACK:
-                paging.append(name)
+                published_with_errors.append(name)
             yield dg.AssetCheckResult(
                 check_name=name,
                 asset_key="ledger",
@@ -124,9 +124,9 @@ def build_reconciliation_checks(
                 },
             )
 
-        if paging:
+        if published_with_errors:
             raise dg.Failure(
-                description=f"ERROR findings, the hour is published: {', '.join(paging)}",
+                description=f"ERROR findings, the hour is published: {', '.join(published_with_errors)}",
                 allow_retries=False,
             )
 

@@ -1,5 +1,6 @@
 """`stepledger dev` for real: the webserver, daemon and code server start on a data directory,
-answer over HTTP on loopback only, and all stop on SIGTERM or Ctrl-C (SIGINT)."""
+answer over HTTP on loopback only with the history of the pool-hours billed there, and all stop
+on SIGTERM (Ctrl-C, and DAGSTER_HOME set by the user: tests/assets/test_production.py)."""
 
 from __future__ import annotations
 
@@ -48,53 +49,15 @@ def test_dagster_home_when_set_else_the_data_directory_instance(tmp_path: Path) 
     assert instance_dir(tmp_path, {}) == tmp_path / "dagster"
 
 
-@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads processes from /proc")
-@pytest.mark.parametrize(
-    ("own_dagster_home", "stop_signal"), [(False, signal.SIGTERM), (True, signal.SIGINT)]
-)
-def test_dev_serves_on_loopback_and_stops_every_process(
-    tmp_path: Path, own_dagster_home: bool, stop_signal: signal.Signals
+def test_an_instance_directory_gets_the_committed_configuration_only_when_it_has_none(
+    tmp_path: Path,
 ) -> None:
-    data = tmp_path / "data"
-    data.mkdir()
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "DAGSTER_HOME"}
-    env["STEPLEDGER_ALERT_FILE"] = str(tmp_path / "alerts.jsonl")
-    home = tmp_path / "my-dagster-home" if own_dagster_home else data / "dagster"
-    if own_dagster_home:
-        env["DAGSTER_HOME"] = str(home)
-    dev = start_dev(data, port, env, tmp_path)
-    try:
-        status = wait_for_daemons(port, time.monotonic() + STARTUP_SECONDS)
-        children = descendants(dev.pid)
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/server_info", timeout=30) as r:
-            assert json.loads(r.read())["dagster_webserver_version"] == "1.13.27"
-    except BaseException:
-        dev.kill()
-        raise
-    # 127.0.0.1 only, as /proc/net/tcp writes it (little-endian hex).
-    assert listening_addresses(port) == {"0100007F"}
-    commands = " | ".join(children.values())
-    for part in ("dagster dev", "dagster_webserver", "dagster._daemon run", "dagster api grpc"):
-        assert part in commands
-    assert f"base_dir: {home}" in status["instance"]["info"]
+    home = tmp_path / "new" / "home"
+    assert prepare_instance(home)
     assert (home / "dagster.yaml").read_text() == INSTANCE_TEMPLATE.read_text()
-    assert (data / "dagster").exists() == (not own_dagster_home)
-    assert {
-        s["name"]: s["scheduleState"]["status"] for s in status["schedulesOrError"]["results"]
-    } == {"hourly_ledger": "RUNNING"}
-    assert {s["name"]: s["sensorState"]["status"] for s in status["sensorsOrError"]["results"]} == {
-        "new_segments": "RUNNING",
-        "deadman": "RUNNING",
-        "page_on_call": "RUNNING",
-    }
-
-    dev.send_signal(stop_signal)
-    _, stderr = dev.communicate(timeout=STOP_SECONDS)
-    assert dev.returncode == 0, stderr.decode()[-2000:]
-    assert [pid for pid in children if running(pid)] == []
-    assert not group_alive(next(pid for pid, cmd in children.items() if "dagster dev" in cmd))
-    assert listening_addresses(port) == set()
+    (home / "dagster.yaml").write_text("telemetry: {enabled: false}\n")
+    assert not prepare_instance(home)
+    assert (home / "dagster.yaml").read_text() == "telemetry: {enabled: false}\n"
 
 
 HISTORY_QUERY = """{
@@ -110,12 +73,17 @@ HISTORY_QUERY = """{
 }"""
 
 
-def test_dev_shows_the_pool_hours_billed_on_the_data_directory_instance(
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads processes from /proc")
+def test_dev_serves_the_data_directory_history_on_loopback_and_stops_every_process(
     simulated: Path, tmp_path: Path
 ) -> None:
     data = tmp_path / "data"
     shutil.copytree(simulated, data)
-    home = instance_dir(data, {})
+    # Without DAGSTER_HOME, the instance is the data directory's own, as `stepledger demo` uses.
+    env = {k: v for k, v in os.environ.items() if k != "DAGSTER_HOME"}
+    env["STEPLEDGER_ALERT_FILE"] = str(tmp_path / "alerts.jsonl")
+    home = instance_dir(data, env)
+    assert home == data / "dagster"
     prepare_instance(home)
     outcomes = list(materialize_pool_hours(data, [datetime(2026, 11, 30, tzinfo=UTC)], home))
     assert [(o["hour"], o["pool"], o["success"], o["held_back"], o["error"]) for o in outcomes] == [
@@ -128,15 +96,30 @@ def test_dev_shows_the_pool_hours_billed_on_the_data_directory_instance(
     ]
 
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "DAGSTER_HOME"}
-    env["STEPLEDGER_ALERT_FILE"] = str(tmp_path / "alerts.jsonl")
     dev = start_dev(data, port, env, tmp_path)
     try:
-        wait_for_daemons(port, time.monotonic() + STARTUP_SECONDS)
+        status = wait_for_daemons(port, time.monotonic() + STARTUP_SECONDS)
+        children = descendants(dev.pid)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/server_info", timeout=30) as r:
+            assert json.loads(r.read())["dagster_webserver_version"] == "1.13.27"
         history = graphql(port, HISTORY_QUERY)
-    finally:
-        dev.send_signal(signal.SIGTERM)
-        dev.communicate(timeout=STOP_SECONDS)
+    except BaseException:
+        dev.kill()
+        raise
+    # 127.0.0.1 only, as /proc/net/tcp writes it (little-endian hex).
+    assert listening_addresses(port) == {"0100007F"}
+    commands = " | ".join(children.values())
+    for part in ("dagster dev", "dagster_webserver", "dagster._daemon run", "dagster api grpc"):
+        assert part in commands
+    assert f"base_dir: {home}" in status["instance"]["info"]
+    assert {
+        s["name"]: s["scheduleState"]["status"] for s in status["schedulesOrError"]["results"]
+    } == {"hourly_ledger": "RUNNING"}
+    assert {s["name"]: s["sensorState"]["status"] for s in status["sensorsOrError"]["results"]} == {
+        "new_segments": "RUNNING",
+        "deadman": "RUNNING",
+        "page_on_call": "RUNNING",
+    }
     ledger = history["assetNodeOrError"]
     assert ledger["partitionStats"] == {"numMaterialized": 1, "numFailed": 0}
     assert {
@@ -145,3 +128,10 @@ def test_dev_shows_the_pool_hours_billed_on_the_data_directory_instance(
     (run,) = history["runsOrError"]["results"]
     tags = {t["key"]: t["value"] for t in run["tags"]}
     assert (run["status"], tags["dagster/partition"]) == ("SUCCESS", "2026-11-30-00:00|chat-8b")
+
+    dev.send_signal(signal.SIGTERM)
+    _, stderr = dev.communicate(timeout=STOP_SECONDS)
+    assert dev.returncode == 0, stderr.decode()[-2000:]
+    assert [pid for pid in children if running(pid)] == []
+    assert not group_alive(next(pid for pid, cmd in children.items() if "dagster dev" in cmd))
+    assert listening_addresses(port) == set()

@@ -23,7 +23,14 @@ import pytest
 import yaml
 
 from schemas.config import PoolsFile
-from tests.helpers.dagster_processes import free_port, graphql, running, start_dev, wait_for_daemons
+from tests.helpers.dagster_processes import (
+    descendants,
+    free_port,
+    graphql,
+    running,
+    start_dev,
+    wait_for_daemons,
+)
 from tests.helpers.fleets import SIMULATED_HOURS, small_pools
 from tests.helpers.postgres_server import PostgresServer, PostgresUnavailable, throwaway_postgres
 
@@ -185,15 +192,21 @@ def test_two_pool_hours_run_through_the_queue_on_postgres(
     }
     port = free_port()
     dev = start_dev(two_pool_data, port, env, tmp_path)
+    children: dict[int, str] = {}
     try:
         wait_for_daemons(port, time.monotonic() + STARTUP_SECONDS)
+        children = descendants(dev.pid)
         run_ids = [launch(port, "chat-8b"), launch(port, "chat-8b-eu")]
         status = wait_for_runs(port, run_ids)
     finally:
-        dev.send_signal(signal.SIGTERM)
+        # Ctrl-C, as in a terminal.
+        dev.send_signal(signal.SIGINT)
         _, stderr = dev.communicate(timeout=60)
     assert status == {run_id: "SUCCESS" for run_id in run_ids}, stderr.decode()[-3000:]
-    assert dev.returncode == 0 and not running(dev.pid)
+    assert dev.returncode == 0
+    assert [pid for pid in [dev.pid, *children] if running(pid)] == []
+    # The DAGSTER_HOME set here was used as it is, and nothing was written beside the data.
+    assert not (two_pool_data / "dagster").exists()
 
     out = subprocess.run(
         [sys.executable, "-c", HISTORY], env=env, capture_output=True, text=True, timeout=120
