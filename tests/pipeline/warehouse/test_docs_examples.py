@@ -34,7 +34,7 @@ def examples(doc: Path) -> list[tuple[list[str], str, list[str] | None]]:
         for line in lines:
             if not line.startswith("stepledger sql") and not line.startswith("stepledger costs"):
                 continue
-            command, _, heredoc = line.partition("<<'SQL'")
+            command, heredoc, _ = line.partition("<<'SQL'")
             argv = shlex.split(command.split("#")[0])[1:]
             stdin = (
                 "\n".join(itertools.takewhile(lambda sql: sql != "SQL", lines)) if heredoc else ""
