@@ -35,13 +35,13 @@ def focus_table(data_dir: str | Path, start: datetime, end: datetime) -> pa.Tabl
         ).fetchall()
         numbers = latest.execute(
             "SELECT month, tenant, invoice_id FROM invoice_numbers"
-        ).fetch_arrow_table()
+        ).to_arrow_table()
         closed_months = [m for m, _ in closed]
         parts = [
             latest.execute(
                 f"SELECT * FROM focus_costs WHERE {_RANGE} AND NOT list_contains(?, {_MONTH})",
                 [*params, closed_months],
-            ).fetch_arrow_table()
+            ).to_arrow_table()
         ]
     for month, snapshot in closed:
         with finance.connect(data_dir, as_of=snapshot) as frozen:
@@ -55,7 +55,7 @@ def focus_table(data_dir: str | Path, start: datetime, end: datetime) -> pa.Tabl
                     "AND n.tenant = f.BillingAccountId "
                     f"WHERE {_RANGE} AND {_MONTH} = ?",
                     [*params, month],
-                ).fetch_arrow_table()
+                ).to_arrow_table()
             )
     schema = parts[0].schema
     table = pa.concat_tables([part.cast(schema) for part in parts])
@@ -64,7 +64,7 @@ def focus_table(data_dir: str | Path, start: datetime, end: datetime) -> pa.Tabl
         ordered = con.execute(
             "SELECT * FROM focus_rows ORDER BY ChargePeriodStart, BillingAccountId, SubAccountId, "
             "ResourceId, x_LineKind"
-        ).fetch_arrow_table()
+        ).to_arrow_table()
     # DuckDB names the zone Etc/UTC; FOCUS readers expect UTC.
     utc = pa.schema(
         [
@@ -90,7 +90,7 @@ def write_focus(table: pa.Table, out: Path, fmt: str) -> None:
                 "SELECT * REPLACE ("
                 + ", ".join(f"strftime({c}, '%Y-%m-%dT%H:%M:%SZ') AS {c}" for c in _TIME_COLUMNS)
                 + ") FROM focus_rows"
-            ).fetch_arrow_table()
+            ).to_arrow_table()
         pa_csv.write_csv(text, partial)
     else:
         raise ValueError(f"format {fmt!r} is not one of {FORMATS}")
