@@ -5,9 +5,14 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test lint demo bench dev clean
 
-$(STAMP): pyproject.toml
+# vLLM and xgrammar without their dependencies: the `vllm` extra lists what the scheduler
+# imports, and their full requirements would add a CUDA torch, flashinfer and triton.
+VLLM_NO_DEPS := vllm==0.33.0 xgrammar==0.2.8
+
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[test,vllm]'
+	$(BIN)/pip install --quiet --no-deps $(VLLM_NO_DEPS)
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -6,6 +6,7 @@ import struct
 import zlib
 from collections.abc import Sequence
 from itertools import chain
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -205,7 +206,7 @@ _ADMISSION_BLOCKED, _FREE_BLOCKS, _TOTAL_BLOCKS = 14, 15, 16
 _STEP_PAYLOAD_FIXED = STEP_STRUCT.size
 
 
-def step_frames(steps: Sequence[tuple]) -> list[bytes | Exception]:
+def step_frames(steps: Sequence[tuple[Any, ...]]) -> list[bytes | Exception]:
     """Frames for many steps, each given as step_frame's positional arguments: the frame's
     bytes, or the error that makes the step unrecordable (InvalidStep, TypeError, ValueError).
 
@@ -225,7 +226,7 @@ def step_frames(steps: Sequence[tuple]) -> list[bytes | Exception]:
     return encoded
 
 
-def _batch_column(columns: list, lengths: list[int], kinds: str) -> np.ndarray | None:
+def _batch_column(columns: Sequence[Any], lengths: list[int], kinds: str) -> np.ndarray | None:
     """One step's values after another, or None unless every step has one value per entry
     of a dtype kind in `kinds` (an empty step's dtype is free, as in step_frame)."""
     arrays = [np.asarray(values) for values in columns]
@@ -236,7 +237,7 @@ def _batch_column(columns: list, lengths: list[int], kinds: str) -> np.ndarray |
     return np.concatenate(arrays)
 
 
-def _batch_ids(columns: list) -> tuple[np.ndarray, np.ndarray, memoryview] | None:
+def _batch_ids(columns: Sequence[Any]) -> tuple[np.ndarray, np.ndarray, memoryview] | None:
     """Entries per step, byte offsets of the ids of all steps in order, and their UTF-8."""
     if not all(type(ids) is list or type(ids) is tuple for ids in columns):
         return None
@@ -262,7 +263,7 @@ def _valid_blocks(values: np.ndarray | None) -> bool:
     return values is not None and bool(np.all(np.isfinite(values))) and not np.any(values < 0)
 
 
-def _batch_frames(steps: Sequence[tuple]) -> list[bytes | Exception] | None:
+def _batch_frames(steps: Sequence[tuple[Any, ...]]) -> list[bytes | Exception] | None:
     """All of `steps` encoded together, or None when any of them needs step_frame's checks."""
     try:
         return _pack_batch(steps)
@@ -271,7 +272,7 @@ def _batch_frames(steps: Sequence[tuple]) -> list[bytes | Exception] | None:
         return None
 
 
-def _pack_batch(steps: Sequence[tuple]) -> list[bytes | Exception] | None:
+def _pack_batch(steps: Sequence[tuple[Any, ...]]) -> list[bytes | Exception] | None:
     """step_frame's checks over whole columns; None as soon as any step fails one."""
     columns = list(zip(*steps, strict=False))
     if not columns:

@@ -19,7 +19,9 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
+
+import numpy as np
 
 from pipeline.steplog import format as fmt
 from schemas.records import FORMAT_VERSION, LAYOUT, HeaderFrame, SegmentHeader
@@ -169,7 +171,7 @@ class StepRecorder:
 
         # Engine-thread state. Each queued item carries how many steps were dropped just
         # before it, so the writer can place drop frames without sharing a mutable structure.
-        self._queue: deque[tuple] = deque()
+        self._queue: deque[tuple[Any, ...]] = deque()
         self._next_seq = first_seq
         self._drops_pending = 0
         self._dropped_total = 0
@@ -196,14 +198,14 @@ class StepRecorder:
         request_ids: Sequence[str],
         new_tokens: Sequence[int],
         context_tokens: Sequence[int],
-        kv_blocks: Sequence[float],
+        kv_blocks: Sequence[float] | np.ndarray,
         prompt_tokens: Sequence[int],
         prefix_hit_tokens: Sequence[int],
         spec_drafted: Sequence[int],
         spec_accepted: Sequence[int],
         *,
         holder_ids: Sequence[str] = (),
-        holder_blocks: Sequence[float] = (),
+        holder_blocks: Sequence[float] | np.ndarray = (),
         holder_states: Sequence[str] = (),
         admission_blocked: bool = False,
         free_blocks: int = 0,
@@ -400,4 +402,5 @@ class StepRecorder:
 
     def _ship(self) -> None:
         segment, self._segment = self._segment, None
-        self._shipped.append(segment.ship())
+        if segment is not None:
+            self._shipped.append(segment.ship())
