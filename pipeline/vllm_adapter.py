@@ -24,6 +24,8 @@ import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,7 @@ SUPPORTED_RANGE = ">=0.33.0,<0.35.0"
 # With async scheduling one step is scheduled while the previous one runs; more outstanding
 # steps than this means update_from_output will never come for the oldest.
 _MAX_OUTSTANDING_STEPS = 8
+_PROMPT_TOKENS = attrgetter("num_prompt_tokens")
 
 
 class UnsupportedVllmVersion(ConfigError):
@@ -107,6 +110,13 @@ class ScheduledStep:
     total_blocks: int = 0
 
 
+def block_lists(kv_cache_manager: Any) -> list[Mapping[str, list[Any]]]:
+    """Per KV-cache group, request id -> its KVCacheBlock objects: the managers' own lists
+    (`coordinator.single_type_managers[g].req_to_blocks`, in 0.33 and 0.34), read in place
+    rather than copied into block ids by `get_block_ids`."""
+    return [manager.req_to_blocks for manager in kv_cache_manager.coordinator.single_type_managers]
+
+
 class _BlockShares:
     """KV blocks held per request in one step, a block shared by k requests counting 1/k.
 
@@ -118,48 +128,48 @@ class _BlockShares:
     """
 
     def __init__(self, kv_cache_manager: Any) -> None:
-        self.kv_cache_manager = kv_cache_manager
-        block_pool = kv_cache_manager.block_pool
-        null_block = getattr(block_pool, "null_block", None)
-        self.null_id = null_block.block_id if null_block is not None else -1
-        self.blocks = block_pool.blocks
-        # block id -> sum of 1/ref_cnt over the shared prefix ending with that block.
+        self.groups = block_lists(kv_cache_manager)
+        # id(block) -> sum of 1/ref_cnt over the shared prefix ending with that block.
         self.prefix_share: dict[int, float] = {}
 
     def held(self, request_ids: list[str]) -> np.ndarray:
-        return np.array(
-            [sum(map(self._group, self.kv_cache_manager.get_block_ids(r))) for r in request_ids],
-            dtype=np.float64,
-        )
+        held = np.zeros(len(request_ids), np.float64)
+        for group in self.groups:
+            lists = map(group.get, request_ids)
+            held += np.fromiter(map(self._group, lists), np.float64, len(request_ids))
+        return held
 
-    def _group(self, block_ids: list[int]) -> float:
+    def _group(self, blocks: list[Any] | None) -> float:
+        if not blocks:
+            return 0.0
+        if blocks[0].ref_cnt <= 1 and not blocks[0].is_null:
+            return float(len(blocks))
         # Sliding-window groups replace blocks that left the window with the null block.
         first = 0
-        while first < len(block_ids) and block_ids[first] == self.null_id:
+        while first < len(blocks) and blocks[first].is_null:
             first += 1
-        low, high = first, len(block_ids)
+        low, high = first, len(blocks)
         while low < high:
             middle = (low + high) // 2
-            if self.blocks[block_ids[middle]].ref_cnt > 1:
+            if blocks[middle].ref_cnt > 1:
                 low = middle + 1
             else:
                 high = middle
         if first:
             # A window-trimmed list starts mid-prefix, so its sums are not the memoised ones.
-            shared = sum(1.0 / self.blocks[b].ref_cnt for b in block_ids[first:low])
+            shared = float(sum(1.0 / b.ref_cnt for b in blocks[first:low]))
         else:
-            shared = self._shared(block_ids, low)
-        return float(shared) + (len(block_ids) - low)
+            shared = self._shared(blocks, low)
+        return shared + (len(blocks) - low)
 
-    def _shared(self, block_ids: list[int], end: int) -> float:
-        first = 0
+    def _shared(self, blocks: list[Any], end: int) -> float:
         position = end - 1
-        while position >= first and block_ids[position] not in self.prefix_share:
+        while position >= 0 and id(blocks[position]) not in self.prefix_share:
             position -= 1
-        total = self.prefix_share[block_ids[position]] if position >= first else 0.0
-        for block_id in block_ids[position + 1 : end]:
-            total += 1.0 / self.blocks[block_id].ref_cnt
-            self.prefix_share[block_id] = total
+        total = self.prefix_share[id(blocks[position])] if position >= 0 else 0.0
+        for block in blocks[position + 1 : end]:
+            total += 1.0 / block.ref_cnt
+            self.prefix_share[id(block)] = total
         return total
 
 
@@ -180,7 +190,8 @@ def scheduled_step(scheduler: Any, output: Any) -> ScheduledStep:
       such as LoRA slots, are counted here too).
     """
     requests = scheduler.requests
-    request_ids = list(output.num_scheduled_tokens)
+    scheduled = output.num_scheduled_tokens
+    request_ids = list(scheduled)
     cached = output.scheduled_cached_reqs
     computed = {new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs}
     computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
@@ -191,8 +202,14 @@ def scheduled_step(scheduler: Any, output: Any) -> ScheduledStep:
     }
     drafts = output.scheduled_spec_decode_tokens
 
-    scheduled = output.num_scheduled_tokens
-    holder_ids = [r.request_id for r in scheduler.running if r.request_id not in scheduled]
+    # Everything scheduled is in `running` once schedule() returns, so equal lengths mean
+    # no running request was left out.
+    running = scheduler.running
+    holder_ids = (
+        [r.request_id for r in running if r.request_id not in scheduled]
+        if len(running) > len(scheduled)
+        else []
+    )
     holder_ids.extend(r.request_id for r in scheduler.kv_holding_waiting)
     shares = _BlockShares(scheduler.kv_cache_manager)
     holder_blocks = shares.held(holder_ids)
@@ -202,19 +219,25 @@ def scheduled_step(scheduler: Any, output: Any) -> ScheduledStep:
     admissible_waiting = len(scheduler.waiting) + len(scheduler.kv_holding_waiting) > len(
         scheduler.deferred_waiting
     )
-    active = len(scheduler.running) + scheduler.num_waiting_for_streaming_input
+    active = len(running) + scheduler.num_waiting_for_streaming_input
     under_limits = (
         active < scheduler.max_num_active_reqs
         and output.total_num_scheduled_tokens < scheduler.max_num_scheduled_tokens
     )
+    # map() over C-level getters: one Python-level operation per step, not per slot.
+    slots = len(request_ids)
     return ScheduledStep(
         request_ids=request_ids,
-        new_tokens=[scheduled[r] for r in request_ids],
-        context_tokens=[computed[r] for r in request_ids],
+        new_tokens=list(scheduled.values()),
+        context_tokens=list(map(computed.__getitem__, request_ids)),
         kv_blocks=shares.held(request_ids),
-        prompt_tokens=[requests[r].num_prompt_tokens for r in request_ids],
-        prefix_hit_tokens=[first_hits.get(r, 0) for r in request_ids],
-        spec_drafted=[len(drafts.get(r, ())) for r in request_ids],
+        prompt_tokens=list(map(_PROMPT_TOKENS, map(requests.__getitem__, request_ids))),
+        prefix_hit_tokens=(
+            list(map(first_hits.get, request_ids, repeat(0))) if first_hits else [0] * slots
+        ),
+        spec_drafted=(
+            list(map(len, map(drafts.get, request_ids, repeat(())))) if drafts else [0] * slots
+        ),
         holder_ids=[holder_ids[i] for i in holding],
         holder_blocks=holder_blocks[holding],
         holder_states=["waiting"] * len(holding),

@@ -24,31 +24,35 @@ from schemas.config import ConfigError, load_pools
 
 @dataclass
 class KVCacheManager:
-    """get_block_ids and block_pool as in vllm/v1/core/kv_cache_manager.py."""
+    """Per-group request -> KVCacheBlock lists, as `coordinator.single_type_managers[g]
+    .req_to_blocks` in vllm/v1/core/kv_cache_coordinator.py; block 0 is the null block."""
 
     held: dict[str, tuple[list[int], ...]]
     num_gpu_blocks: int = 64
-    free: int = 10
-    block_pool: SimpleNamespace = field(init=False)
+    coordinator: SimpleNamespace = field(init=False)
 
     def __post_init__(self) -> None:
         ref_counts: dict[int, int] = {}
         for groups in self.held.values():
-            for block in (b for group in groups for b in group):
+            for block in (b for group in groups for b in group if b):
                 ref_counts[block] = ref_counts.get(block, 0) + 1
         blocks = [
-            SimpleNamespace(block_id=i, ref_cnt=ref_counts.get(i, 0))
+            SimpleNamespace(block_id=i, ref_cnt=ref_counts.get(i, 0), is_null=i == 0)
             for i in range(self.num_gpu_blocks)
         ]
-        self.block_pool = SimpleNamespace(
-            blocks=blocks,
-            null_block=blocks[0],
-            num_gpu_blocks=self.num_gpu_blocks,
-            get_num_free_blocks=lambda: self.free,
+        groups = max(len(g) for g in self.held.values())
+        self.coordinator = SimpleNamespace(
+            single_type_managers=[
+                SimpleNamespace(
+                    req_to_blocks={
+                        request: [blocks[b] for b in lists[group]]
+                        for request, lists in self.held.items()
+                        if group < len(lists)
+                    }
+                )
+                for group in range(groups)
+            ]
         )
-
-    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        return self.held.get(request_id, ([],))
 
 
 def test_block_shares_split_shared_prefixes_and_skip_null_blocks():

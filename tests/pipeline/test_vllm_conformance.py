@@ -78,9 +78,19 @@ def expected_step(scheduler: Any, output: Any) -> dict[str, Any]:
         for request_id in blocks
         if request_id not in scheduled and share(request_id) > 0
     )
+    admissible_waiting = len(scheduler.waiting) + len(scheduler.kv_holding_waiting) > len(
+        scheduler.deferred_waiting
+    )
+    active = len(scheduler.running) + scheduler.num_waiting_for_streaming_input
+    below_limits = (
+        active < scheduler.max_num_active_reqs
+        and sum(scheduled.values()) < scheduler.max_num_scheduled_tokens
+    )
     return {
         "slots": slots,
         "holders": holders,
+        "admission_blocked": bool(output.preempted_req_ids)
+        or (admissible_waiting and below_limits),
         "free_blocks": manager.block_pool.get_num_free_blocks(),
         "total_blocks": NUM_GPU_BLOCKS,
         "preempted": sorted(output.preempted_req_ids or ()),
@@ -183,8 +193,7 @@ def test_recorded_steps_match_the_real_scheduler(
             want["free_blocks"],
             want["total_blocks"],
         )
-        if want["preempted"]:
-            assert step["admission_blocked"], f"step {seq} preempted {want['preempted']}"
+        assert step["admission_blocked"] == want["admission_blocked"], f"step {seq}"
 
     # The scenario reached every case it is meant to check.
     first = {}
@@ -195,6 +204,7 @@ def test_recorded_steps_match_the_real_scheduler(
     assert sum(s["prefix_hit_tokens"] for s in slots) == 64
     assert any(s["spec_drafted"] == 2 and s["spec_accepted"] == 1 for s in slots)
     assert any(want["preempted"] for want in expected)
+    assert any(want["admission_blocked"] and not want["preempted"] for want in expected)
     session_waits = [
         (seq, want)
         for seq, want in enumerate(expected)
