@@ -41,7 +41,7 @@ def figures(quick: bool) -> list[Figure]:
     from schemas.config import load_pools
     from tests.pipeline.vllm_engine import Engine, build_scheduler, request_factory, vllm_config
 
-    steps = 300 if quick else 3000
+    steps = 100 if quick else 3000
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(scratch)
         config = vllm_config(
@@ -70,7 +70,7 @@ def figures(quick: bool) -> list[Figure]:
             engine.step()
 
         # What the recording subclass runs on the engine thread, timed where it runs.
-        original = (adapter.scheduled_step, adapter.accepted_tokens, scheduler.step_recorder)
+        original = (adapter.scheduled_step, adapter.accepted_tokens)
         adapter.scheduled_step = _timed(adapter.scheduled_step, hook)
         adapter.accepted_tokens = _timed(adapter.accepted_tokens, hook)
         recorder = scheduler.step_recorder
@@ -83,7 +83,7 @@ def figures(quick: bool) -> list[Figure]:
                 engine_steps.append(time.perf_counter_ns() - began)
                 time.sleep(0.0005)
         finally:
-            adapter.scheduled_step, adapter.accepted_tokens = original[:2]
+            adapter.scheduled_step, adapter.accepted_tokens = original
         engine.drain()
         scheduler.shutdown()
         if recorder.dropped_steps or recorder.rejected_steps:
@@ -95,7 +95,5 @@ def figures(quick: bool) -> list[Figure]:
     return [
         Figure("vllm_hook_step_us_median", float(np.median(per_step)) / 1e3, "us", 20, "max"),
         Figure("vllm_hook_step_us_p99", float(np.percentile(per_step, 99)) / 1e3, "us", 100, "max"),
-        Figure(
-            "vllm_scheduler_step_us_median", float(np.median(with_hook)) / 1e3, "us", 0, "min"
-        ),
+        Figure("vllm_scheduler_step_us_median", float(np.median(with_hook)) / 1e3, "us", 0, "min"),
     ]
