@@ -20,6 +20,7 @@ from vllm.v1.request import Request
 
 import pipeline.vllm_adapter as adapter
 from schemas.config import ConfigError, load_pools
+from tests.pipeline.vllm_engine import HAS_REQ_ID_TO_INDEX
 
 
 @dataclass
@@ -152,6 +153,7 @@ def test_recording_classes_subclass_vllms_schedulers():
     assert adapter.AsyncRecordingScheduler.__name__ == "RecordingAsyncScheduler"
 
 
+@pytest.mark.skipif(not HAS_REQ_ID_TO_INDEX, reason="this vLLM has no req_id_to_index")
 def test_sampled_index_from_req_id_to_index_as_in_0_33():
     output = ModelRunnerOutput(
         req_ids=["x", "y"], req_id_to_index={"x": 1, "y": 0}, sampled_token_ids=[[1], [2, 3]]
@@ -161,7 +163,8 @@ def test_sampled_index_from_req_id_to_index_as_in_0_33():
 
 def test_sampled_index_from_req_ids_as_in_0_34():
     # vLLM 0.34's ModelRunnerOutput has no req_id_to_index: rows follow req_ids.
-    output = SimpleNamespace(req_ids=["x", "y", "z"], sampled_token_ids=[[1], [2, 3], []])
+    shaped_as_0_34 = SimpleNamespace if HAS_REQ_ID_TO_INDEX else ModelRunnerOutput
+    output = shaped_as_0_34(req_ids=["x", "y", "z"], sampled_token_ids=[[1], [2, 3], []])
     assert adapter.sampled_index(output) == {"x": 0, "y": 1, "z": 2}
     step = adapter.ScheduledStep(
         request_ids=["z", "y", "x"],

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,8 @@ TINY_LLAMA = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
+# vLLM 0.34 removed ModelRunnerOutput.req_id_to_index.
+HAS_REQ_ID_TO_INDEX = "req_id_to_index" in {f.name for f in fields(ModelRunnerOutput)}
 SAMPLED_TOKEN = 7
 DRAFT_TOKENS = [5, 6]
 
@@ -163,11 +165,13 @@ class Engine:
             sampled.append(
                 [] if request.is_prefill_chunk else [SAMPLED_TOKEN] * (1 + min(len(drafts), 1))
             )
-        return ModelRunnerOutput(
-            req_ids=request_ids,
-            req_id_to_index={r: i for i, r in enumerate(request_ids)},
-            sampled_token_ids=sampled,
-        )
+        if HAS_REQ_ID_TO_INDEX:
+            return ModelRunnerOutput(
+                req_ids=request_ids,
+                req_id_to_index={r: i for i, r in enumerate(request_ids)},
+                sampled_token_ids=sampled,
+            )
+        return ModelRunnerOutput(req_ids=request_ids, sampled_token_ids=sampled)
 
     def step(self) -> None:
         if self.async_scheduling:
