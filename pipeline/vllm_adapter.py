@@ -224,7 +224,7 @@ def scheduled_step(scheduler: Any, output: Any) -> ScheduledStep:
         active < scheduler.max_num_active_reqs
         and output.total_num_scheduled_tokens < scheduler.max_num_scheduled_tokens
     )
-    # map() over C-level getters: one Python-level operation per step, not per slot.
+    # The slot columns come from map() over C-level getters, outside the interpreter loop.
     slots = len(request_ids)
     return ScheduledStep(
         request_ids=request_ids,
