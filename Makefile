@@ -5,12 +5,26 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test lint demo bench dev clean
 
-$(STAMP): pyproject.toml
+# vLLM and xgrammar without their dependencies: the `vllm` extra lists what the scheduler
+# imports, and their full requirements would add a CUDA torch, flashinfer and triton.
+VLLM_NO_DEPS := vllm==0.33.0 xgrammar==0.2.8
+# The other supported vLLM release, beside the venv's, for the conformance test.
+VLLM_NEXT := $(VENV)/vllm-0.34
+VLLM_NEXT_STAMP := $(VLLM_NEXT)/.installed
+VLLM_TESTS := tests/pipeline/test_vllm_conformance.py tests/pipeline/test_vllm_adapter.py
+
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[test,vllm]'
+	$(BIN)/pip install --quiet --no-deps $(VLLM_NO_DEPS)
 	touch $(STAMP)
 
-test: $(STAMP)
+$(VLLM_NEXT_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet --no-deps --upgrade --target $(VLLM_NEXT) vllm==0.34.0
+	touch $(VLLM_NEXT_STAMP)
+
+test: $(STAMP) $(VLLM_NEXT_STAMP)
+	PYTHONPATH=$(VLLM_NEXT) $(BIN)/pytest $(VLLM_TESTS)
 	$(BIN)/pytest
 
 lint: $(STAMP)

@@ -1,25 +1,31 @@
 """Record every vLLM engine step with a StepRecorder, through vLLM's `scheduler_cls` option.
 
-Followed: vLLM's v1 engine as of vllm-project/vllm main commit 00024d31 (after v0.11.0):
-`vllm/v1/core/sched/scheduler.py` (`Scheduler.schedule`, `Scheduler.update_from_output`),
-`vllm/v1/core/sched/output.py` (`SchedulerOutput`, `NewRequestData`, `CachedRequestData`),
-`vllm/v1/core/kv_cache_manager.py` (`get_block_ids`, `block_pool`) and
-`vllm/v1/core/block_pool.py` (`blocks[i].ref_cnt`, `get_num_free_blocks`, `num_gpu_blocks`).
-The scheduler interface is not a stable vLLM API: pin the engine version next to this module.
+Supported: vLLM 0.33.x and 0.34.x (`SUPPORTED_VLLM`), the v1 engine with synchronous or
+asynchronous scheduling. Followed there: `vllm/v1/core/sched/scheduler.py` (`Scheduler.schedule`,
+`update_from_output`, `running`, `waiting`, `kv_holding_waiting`, `max_num_active_reqs`),
+`vllm/v1/core/sched/async_scheduler.py`, `vllm/v1/core/sched/output.py` (`SchedulerOutput`),
+`vllm/v1/request.py` (`Request.prefill_stats`, `num_preemptions`), `vllm/v1/outputs.py`
+(`ModelRunnerOutput`), `vllm/v1/core/kv_cache_manager.py` (`get_block_ids`, `block_pool`) and
+`vllm/config/parallel.py` (the world size). The scheduler interface is not a stable vLLM API:
+an unsupported release is refused when the class is requested, before the engine starts.
 
-Use: `vllm serve ... --scheduler-cls pipeline.vllm_adapter.RecordingScheduler` (or
-`AsyncRecordingScheduler` with async scheduling), with STEPLEDGER_OUTBOX (directory for
+Use: `vllm serve ... --async-scheduling --scheduler-cls pipeline.vllm_adapter.AsyncRecordingScheduler`
+(or `RecordingScheduler` with synchronous scheduling), with STEPLEDGER_OUTBOX (directory for
 segments), STEPLEDGER_REPLICA (replica id in the pools file) and optionally STEPLEDGER_POOLS
 (pools file) and STEPLEDGER_DRIVER_VERSION set. vLLM is imported only when one of those two
-classes is requested, so the mapping below runs and is tested without vLLM installed.
+classes is requested.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +34,61 @@ import numpy as np
 from pipeline.steplog import SegmentHeader, StepRecorder
 from schemas.config import DEFAULT_POOLS_PATH, ConfigError, Pool, load_pools
 
+log = logging.getLogger(__name__)
+
 ENGINE_NAME = "vllm"
+# (major, minor) release series whose scheduler this module follows.
+SUPPORTED_VLLM = ((0, 33), (0, 34))
+SUPPORTED_RANGE = ">=0.33.0,<0.35.0"
 # With async scheduling one step is scheduled while the previous one runs; more outstanding
 # steps than this means update_from_output will never come for the oldest.
 _MAX_OUTSTANDING_STEPS = 8
+_PROMPT_TOKENS = attrgetter("num_prompt_tokens")
+
+
+class UnsupportedVllmVersion(ConfigError):
+    """The installed vLLM is outside SUPPORTED_RANGE."""
+
+
+def check_vllm_version(version: str) -> None:
+    """Refuse a vLLM release whose scheduler this module does not follow."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None or (int(match[1]), int(match[2])) not in SUPPORTED_VLLM:
+        raise UnsupportedVllmVersion(
+            f"the step-recording scheduler does not support vLLM {version}; "
+            f"supported: vllm{SUPPORTED_RANGE} (0.33.x, 0.34.x)"
+        )
+
+
+# --- one shim per attribute that differs between supported releases -----------------------
+
+
+def sampled_index(model_runner_output: Any) -> Mapping[str, int]:
+    """Request id -> row of `sampled_token_ids`: 0.33 sends `req_id_to_index`; 0.34 removed
+    it, the rows following `req_ids`."""
+    index = getattr(model_runner_output, "req_id_to_index", None)
+    if index is not None:
+        return index  # type: ignore[no-any-return]
+    return {request_id: row for row, request_id in enumerate(model_runner_output.req_ids)}
+
+
+def gpus_per_replica(parallel_config: Any) -> int:
+    """GPUs one engine occupies: pipeline × tensor × prefill-context parallel size, as vLLM's
+    `ParallelConfig.world_size` (which also multiplies in data parallelism under an external
+    launcher, where each engine is still one replica)."""
+    return int(
+        parallel_config.pipeline_parallel_size
+        * parallel_config.tensor_parallel_size
+        * getattr(parallel_config, "prefill_context_parallel_size", 1)
+    )
+
+
+def prefix_hit_tokens(request: Any) -> int:
+    """Prompt tokens found in the prefix cache (local or external) when the request was first
+    scheduled: `Request.prefill_stats`, set by schedule() and cleared once output is emitted
+    (`Request.num_cached_tokens` no longer exists)."""
+    stats = request.prefill_stats
+    return int(stats.num_cached_tokens) if stats is not None else 0
 
 
 @dataclass
@@ -53,6 +110,13 @@ class ScheduledStep:
     total_blocks: int = 0
 
 
+def block_lists(kv_cache_manager: Any) -> list[Mapping[str, list[Any]]]:
+    """Per KV-cache group, request id -> its KVCacheBlock objects: the managers' own lists
+    (`coordinator.single_type_managers[g].req_to_blocks`, in 0.33 and 0.34), read in place
+    rather than copied into block ids by `get_block_ids`."""
+    return [manager.req_to_blocks for manager in kv_cache_manager.coordinator.single_type_managers]
+
+
 class _BlockShares:
     """KV blocks held per request in one step, a block shared by k requests counting 1/k.
 
@@ -64,48 +128,48 @@ class _BlockShares:
     """
 
     def __init__(self, kv_cache_manager: Any) -> None:
-        self.kv_cache_manager = kv_cache_manager
-        block_pool = kv_cache_manager.block_pool
-        null_block = getattr(block_pool, "null_block", None)
-        self.null_id = null_block.block_id if null_block is not None else -1
-        self.blocks = block_pool.blocks
-        # block id -> sum of 1/ref_cnt over the shared prefix ending with that block.
+        self.groups = block_lists(kv_cache_manager)
+        # id(block) -> sum of 1/ref_cnt over the shared prefix ending with that block.
         self.prefix_share: dict[int, float] = {}
 
     def held(self, request_ids: list[str]) -> np.ndarray:
-        return np.array(
-            [sum(map(self._group, self.kv_cache_manager.get_block_ids(r))) for r in request_ids],
-            dtype=np.float64,
-        )
+        held = np.zeros(len(request_ids), np.float64)
+        for group in self.groups:
+            lists = map(group.get, request_ids)
+            held += np.fromiter(map(self._group, lists), np.float64, len(request_ids))
+        return held
 
-    def _group(self, block_ids: list[int]) -> float:
+    def _group(self, blocks: list[Any] | None) -> float:
+        if not blocks:
+            return 0.0
+        if blocks[0].ref_cnt <= 1 and not blocks[0].is_null:
+            return float(len(blocks))
         # Sliding-window groups replace blocks that left the window with the null block.
         first = 0
-        while first < len(block_ids) and block_ids[first] == self.null_id:
+        while first < len(blocks) and blocks[first].is_null:
             first += 1
-        low, high = first, len(block_ids)
+        low, high = first, len(blocks)
         while low < high:
             middle = (low + high) // 2
-            if self.blocks[block_ids[middle]].ref_cnt > 1:
+            if blocks[middle].ref_cnt > 1:
                 low = middle + 1
             else:
                 high = middle
         if first:
             # A window-trimmed list starts mid-prefix, so its sums are not the memoised ones.
-            shared = sum(1.0 / self.blocks[b].ref_cnt for b in block_ids[first:low])
+            shared = float(sum(1.0 / b.ref_cnt for b in blocks[first:low]))
         else:
-            shared = self._shared(block_ids, low)
-        return shared + (len(block_ids) - low)
+            shared = self._shared(blocks, low)
+        return shared + (len(blocks) - low)
 
-    def _shared(self, block_ids: list[int], end: int) -> float:
-        first = 0
+    def _shared(self, blocks: list[Any], end: int) -> float:
         position = end - 1
-        while position >= first and block_ids[position] not in self.prefix_share:
+        while position >= 0 and id(blocks[position]) not in self.prefix_share:
             position -= 1
-        total = self.prefix_share[block_ids[position]] if position >= first else 0.0
-        for block_id in block_ids[position + 1 : end]:
-            total += 1.0 / self.blocks[block_id].ref_cnt
-            self.prefix_share[block_id] = total
+        total = self.prefix_share[id(blocks[position])] if position >= 0 else 0.0
+        for block in blocks[position + 1 : end]:
+            total += 1.0 / block.ref_cnt
+            self.prefix_share[id(block)] = total
         return total
 
 
@@ -115,54 +179,69 @@ def scheduled_step(scheduler: Any, output: Any) -> ScheduledStep:
     - new_tokens: `num_scheduled_tokens` (includes speculative drafts); spec_drafted: the
       length of `scheduled_spec_decode_tokens[req]`.
     - context_tokens: `num_computed_tokens` as sent to the workers (before this step).
-    - prefix_hit_tokens: `Request.num_cached_tokens`, on the request's first schedule only.
-    - holders: running requests not scheduled this step and waiting or preempted requests
-      that still hold KV blocks.
-    - admission_blocked: requests were left waiting although neither the sequence limit nor
-      the token budget was reached, so free KV blocks were what stopped them (vLLM's other
-      admission limits, such as LoRA slots, are counted here too).
+    - prefix_hit_tokens: `prefix_hit_tokens(request)`, on the request's first schedule only.
+    - holders: running requests not scheduled this step, and waiting requests that keep their
+      KV blocks (`kv_holding_waiting`: streaming sessions between inputs, requests waiting for
+      remote KV), all in state "waiting". A preempted request frees its blocks in vLLM
+      (`_preempt_request`), so it holds nothing and is not a holder.
+    - admission_blocked: the step preempted a request, or admissible requests were left
+      waiting although neither `max_num_active_reqs` (streaming sessions included) nor the
+      token budget was reached, so free KV blocks stopped them (vLLM's other admission limits,
+      such as LoRA slots, are counted here too).
     """
     requests = scheduler.requests
-    request_ids = list(output.num_scheduled_tokens)
+    scheduled = output.num_scheduled_tokens
+    request_ids = list(scheduled)
     cached = output.scheduled_cached_reqs
     computed = {new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs}
     computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
-    first_time = {
-        new.req_id for new in output.scheduled_new_reqs if requests[new.req_id].num_preemptions == 0
+    first_hits = {
+        new.req_id: prefix_hit_tokens(requests[new.req_id])
+        for new in output.scheduled_new_reqs
+        if requests[new.req_id].num_preemptions == 0
     }
     drafts = output.scheduled_spec_decode_tokens
 
-    scheduled = set(request_ids)
-    holder_requests = [r for r in scheduler.running if r.request_id not in scheduled]
-    holder_states = ["waiting"] * len(holder_requests)
-    for request in scheduler.waiting:
-        holder_requests.append(request)
-        holder_states.append("preempted" if request.status.name == "PREEMPTED" else "waiting")
-    holder_ids = [r.request_id for r in holder_requests]
+    # Everything scheduled is in `running` once schedule() returns, so equal lengths mean
+    # no running request was left out.
+    running = scheduler.running
+    holder_ids = (
+        [r.request_id for r in running if r.request_id not in scheduled]
+        if len(running) > len(scheduled)
+        else []
+    )
+    holder_ids.extend(r.request_id for r in scheduler.kv_holding_waiting)
     shares = _BlockShares(scheduler.kv_cache_manager)
     holder_blocks = shares.held(holder_ids)
     holding = np.flatnonzero(holder_blocks > 0)
 
     block_pool = scheduler.kv_cache_manager.block_pool
-    waiting_left = len(scheduler.waiting) > 0
+    admissible_waiting = len(scheduler.waiting) + len(scheduler.kv_holding_waiting) > len(
+        scheduler.deferred_waiting
+    )
+    active = len(running) + scheduler.num_waiting_for_streaming_input
     under_limits = (
-        len(request_ids) < scheduler.max_num_running_reqs
+        active < scheduler.max_num_active_reqs
         and output.total_num_scheduled_tokens < scheduler.max_num_scheduled_tokens
     )
+    # The slot columns come from map() over C-level getters, outside the interpreter loop.
+    slots = len(request_ids)
     return ScheduledStep(
         request_ids=request_ids,
-        new_tokens=[output.num_scheduled_tokens[r] for r in request_ids],
-        context_tokens=[computed[r] for r in request_ids],
+        new_tokens=list(scheduled.values()),
+        context_tokens=list(map(computed.__getitem__, request_ids)),
         kv_blocks=shares.held(request_ids),
-        prompt_tokens=[requests[r].num_prompt_tokens for r in request_ids],
-        prefix_hit_tokens=[
-            max(requests[r].num_cached_tokens, 0) if r in first_time else 0 for r in request_ids
-        ],
-        spec_drafted=[len(drafts.get(r, ())) for r in request_ids],
+        prompt_tokens=list(map(_PROMPT_TOKENS, map(requests.__getitem__, request_ids))),
+        prefix_hit_tokens=(
+            list(map(first_hits.get, request_ids, repeat(0))) if first_hits else [0] * slots
+        ),
+        spec_drafted=(
+            list(map(len, map(drafts.get, request_ids, repeat(())))) if drafts else [0] * slots
+        ),
         holder_ids=[holder_ids[i] for i in holding],
         holder_blocks=holder_blocks[holding],
-        holder_states=[holder_states[i] for i in holding],
-        admission_blocked=bool((waiting_left and under_limits) or output.preempted_req_ids),
+        holder_states=["waiting"] * len(holding),
+        admission_blocked=bool((admissible_waiting and under_limits) or output.preempted_req_ids),
         free_blocks=block_pool.get_num_free_blocks(),
         total_blocks=block_pool.num_gpu_blocks,
     )
@@ -170,12 +249,14 @@ def scheduled_step(scheduler: Any, output: Any) -> ScheduledStep:
 
 def accepted_tokens(step: ScheduledStep, model_runner_output: Any) -> list[int]:
     """Draft tokens accepted per slot: vLLM samples accepted drafts plus one bonus token."""
-    index = model_runner_output.req_id_to_index
     sampled = model_runner_output.sampled_token_ids
+    if not sampled or not any(step.spec_drafted):
+        return [0] * len(step.request_ids)
+    index = sampled_index(model_runner_output)
     accepted = []
     for request_id, drafted in zip(step.request_ids, step.spec_drafted, strict=False):
-        position = index.get(request_id)
-        tokens = len(sampled[position]) if drafted and sampled and position is not None else 0
+        row = index.get(request_id)
+        tokens = len(sampled[row]) if drafted and row is not None else 0
         accepted.append(min(max(tokens - 1, 0), drafted))
     return accepted
 
@@ -234,8 +315,7 @@ def recorder_from_environment(scheduler: Any) -> StepRecorder:
         raise ConfigError(
             f"replica {replica!r} (STEPLEDGER_REPLICA) is in no pool of the pools file"
         )
-    parallel = scheduler.vllm_config.parallel_config
-    gpus = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+    gpus = gpus_per_replica(scheduler.vllm_config.parallel_config)
     header = header_for(
         pool, replica, vllm.__version__, driver_version(), gpus, scheduler.block_size
     )
@@ -251,7 +331,8 @@ def recording_scheduler_class(
     update_from_output() receives its result (host time around the forward pass).
     """
 
-    class RecordingScheduler(base):
+    # The base is vLLM's class, known only at run time.
+    class RecordingScheduler(base):  # type: ignore[misc]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.step_recorder = recorder_factory(self)
@@ -259,8 +340,8 @@ def recording_scheduler_class(
             # object schedule() returned, so pairing is exact under async scheduling too.
             self._outstanding: dict[int, tuple[int, ScheduledStep]] = {}
 
-        def schedule(self) -> Any:
-            output = super().schedule()
+        def schedule(self, *args: Any, **kwargs: Any) -> Any:
+            output = super().schedule(*args, **kwargs)
             if output.total_num_scheduled_tokens:
                 if len(self._outstanding) >= _MAX_OUTSTANDING_STEPS:
                     del self._outstanding[next(iter(self._outstanding))]
@@ -304,6 +385,12 @@ def recording_scheduler_class(
 
 
 def _vllm_scheduler(name: str) -> type:
+    import vllm
+
+    check_vllm_version(vllm.__version__)
+    log.info(
+        "stepledger records steps of vLLM %s (supported: vllm%s)", vllm.__version__, SUPPORTED_RANGE
+    )
     if name == "RecordingScheduler":
         from vllm.v1.core.sched.scheduler import Scheduler
 

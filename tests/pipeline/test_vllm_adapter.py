@@ -1,126 +1,59 @@
-"""The vLLM adapter's mapping, against objects shaped like vLLM's v1 scheduler state."""
+"""The adapter's own logic (block shares, header, version check) and one test per shim of an
+attribute that moved between vLLM releases. The mapping from the scheduler's state is tested
+on vLLM's real scheduler in test_vllm_conformance.py."""
 
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import vllm
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from vllm import SamplingParams
+from vllm.config import ParallelConfig
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
 
 import pipeline.vllm_adapter as adapter
-from pipeline.steplog import StepRecorder, read_segments
 from schemas.config import ConfigError, load_pools
-
-
-class RequestStatus(enum.Enum):
-    WAITING = enum.auto()
-    RUNNING = enum.auto()
-    PREEMPTED = enum.auto()
-
-
-@dataclass
-class Request:
-    request_id: str
-    num_prompt_tokens: int
-    num_cached_tokens: int = -1
-    num_preemptions: int = 0
-    status: RequestStatus = RequestStatus.RUNNING
+from tests.pipeline.vllm_engine import HAS_REQ_ID_TO_INDEX
 
 
 @dataclass
 class KVCacheManager:
-    """get_block_ids and block_pool as in vllm/v1/core/kv_cache_manager.py."""
+    """Per-group request -> KVCacheBlock lists, as `coordinator.single_type_managers[g]
+    .req_to_blocks` in vllm/v1/core/kv_cache_coordinator.py; block 0 is the null block."""
 
     held: dict[str, tuple[list[int], ...]]
     num_gpu_blocks: int = 64
-    free: int = 10
-    block_pool: SimpleNamespace = field(init=False)
+    coordinator: SimpleNamespace = field(init=False)
 
     def __post_init__(self) -> None:
         ref_counts: dict[int, int] = {}
         for groups in self.held.values():
-            for block in (b for group in groups for b in group):
+            for block in (b for group in groups for b in group if b):
                 ref_counts[block] = ref_counts.get(block, 0) + 1
         blocks = [
-            SimpleNamespace(block_id=i, ref_cnt=ref_counts.get(i, 0))
+            SimpleNamespace(block_id=i, ref_cnt=ref_counts.get(i, 0), is_null=i == 0)
             for i in range(self.num_gpu_blocks)
         ]
-        self.block_pool = SimpleNamespace(
-            blocks=blocks,
-            null_block=blocks[0],
-            num_gpu_blocks=self.num_gpu_blocks,
-            get_num_free_blocks=lambda: self.free,
+        groups = max(len(g) for g in self.held.values())
+        self.coordinator = SimpleNamespace(
+            single_type_managers=[
+                SimpleNamespace(
+                    req_to_blocks={
+                        request: [blocks[b] for b in lists[group]]
+                        for request, lists in self.held.items()
+                        if group < len(lists)
+                    }
+                )
+                for group in range(groups)
+            ]
         )
-
-    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        return self.held.get(request_id, ([],))
-
-
-def scheduler_state() -> tuple[SimpleNamespace, SimpleNamespace]:
-    """Three scheduled requests (a new one with a prefix hit, a decode with two drafts, a
-    chunked prefill), one running request left out, one preempted request holding a block."""
-    requests = {
-        "new": Request("new", num_prompt_tokens=300, num_cached_tokens=256),
-        "dec": Request("dec", num_prompt_tokens=40),
-        "chunk": Request("chunk", num_prompt_tokens=900, num_cached_tokens=0),
-        "idle": Request("idle", num_prompt_tokens=20),
-        "pre": Request(
-            "pre", num_prompt_tokens=50, status=RequestStatus.PREEMPTED, num_preemptions=1
-        ),
-        "queued": Request("queued", num_prompt_tokens=70, status=RequestStatus.WAITING),
-    }
-    # Block 1-2 shared by "new" and "dec" (a common prefix); block 0 is vLLM's null block.
-    kv = KVCacheManager(
-        held={
-            "new": ([1, 2, 3], [0]),
-            "dec": ([1, 2, 4, 5],),
-            "chunk": ([6, 7],),
-            "idle": ([8],),
-            "pre": ([9],),
-        }
-    )
-    scheduler = SimpleNamespace(
-        requests=requests,
-        running=[requests["dec"], requests["chunk"], requests["idle"], requests["new"]],
-        waiting=[requests["pre"], requests["queued"]],
-        kv_cache_manager=kv,
-        max_num_running_reqs=8,
-        max_num_scheduled_tokens=4096,
-    )
-    output = SimpleNamespace(
-        scheduled_new_reqs=[SimpleNamespace(req_id="new", num_computed_tokens=256)],
-        scheduled_cached_reqs=SimpleNamespace(
-            req_ids=["dec", "chunk"], num_computed_tokens=[57, 512], resumed_req_ids=set()
-        ),
-        num_scheduled_tokens={"dec": 3, "chunk": 388, "new": 44},
-        total_num_scheduled_tokens=435,
-        scheduled_spec_decode_tokens={"dec": [11, 12]},
-        preempted_req_ids=None,
-    )
-    return scheduler, output
-
-
-def test_scheduled_step_maps_scheduler_state():
-    scheduler, output = scheduler_state()
-    step = adapter.scheduled_step(scheduler, output)
-    assert step.request_ids == ["dec", "chunk", "new"]
-    assert step.new_tokens == [3, 388, 44]
-    assert step.context_tokens == [57, 512, 256]
-    assert step.prompt_tokens == [40, 900, 300]
-    assert step.prefix_hit_tokens == [0, 0, 256]
-    assert step.spec_drafted == [2, 0, 0]
-    assert step.kv_blocks.tolist() == [0.5 + 0.5 + 1 + 1, 2.0, 0.5 + 0.5 + 1]
-    assert step.holder_ids == ["idle", "pre"]
-    assert step.holder_states == ["waiting", "preempted"]
-    assert step.holder_blocks.tolist() == [1.0, 1.0]
-    assert step.admission_blocked is True
-    assert (step.free_blocks, step.total_blocks) == (10, 64)
 
 
 def test_block_shares_split_shared_prefixes_and_skip_null_blocks():
@@ -166,92 +99,6 @@ def test_block_shares_of_all_holders_sum_to_the_blocks_held(requests):
     assert np.allclose(shares, expected, rtol=1e-12, atol=0)
 
 
-def test_admission_not_blocked_when_a_limit_explains_the_queue():
-    scheduler, output = scheduler_state()
-    scheduler.max_num_scheduled_tokens = output.total_num_scheduled_tokens
-    assert adapter.scheduled_step(scheduler, output).admission_blocked is False
-    scheduler.waiting = []
-    scheduler.max_num_scheduled_tokens = 4096
-    assert adapter.scheduled_step(scheduler, output).admission_blocked is False
-
-
-def test_prefix_hits_only_on_a_first_schedule():
-    scheduler, output = scheduler_state()
-    scheduler.requests["new"].num_preemptions = 1
-    assert adapter.scheduled_step(scheduler, output).prefix_hit_tokens == [0, 0, 0]
-
-
-def test_accepted_tokens_are_sampled_tokens_minus_the_bonus():
-    scheduler, output = scheduler_state()
-    step = adapter.scheduled_step(scheduler, output)
-    runner = SimpleNamespace(
-        req_id_to_index={"chunk": 0, "dec": 1, "new": 2}, sampled_token_ids=[[], [5, 6], [9]]
-    )
-    assert adapter.accepted_tokens(step, runner) == [1, 0, 0]
-    runner.sampled_token_ids = [[], [5, 6, 7], [9]]
-    assert adapter.accepted_tokens(step, runner) == [2, 0, 0]
-    runner.sampled_token_ids = []
-    assert adapter.accepted_tokens(step, runner) == [0, 0, 0]
-
-
-class FakeScheduler:
-    """The slice of vllm.v1.core.sched.scheduler.Scheduler the recording subclass touches."""
-
-    def __init__(self, steps: list[tuple[SimpleNamespace, SimpleNamespace]]) -> None:
-        self._steps = list(steps)
-        self.updates: list[object] = []
-        self.shut_down = False
-        state, _ = scheduler_state()
-        vars(self).update(vars(state))
-
-    def schedule(self):
-        return self._steps.pop(0)[0]
-
-    def update_from_output(self, scheduler_output, model_runner_output):
-        self.updates.append(scheduler_output)
-        return {0: "outputs"}
-
-    def shutdown(self) -> None:
-        self.shut_down = True
-
-
-def test_recording_scheduler_records_each_scheduled_step(tmp_path: Path):
-    pool = load_pools().pools[0]
-    header = adapter.header_for(
-        pool, pool.replicas[0].id, "0.11.0", "550.54.15", pool.gpus_per_replica, 16
-    )
-    _, output = scheduler_state()
-    idle = SimpleNamespace(total_num_scheduled_tokens=0)
-    runner = SimpleNamespace(
-        req_id_to_index={"dec": 0, "chunk": 1, "new": 2}, sampled_token_ids=[[5, 6, 7], [], [1]]
-    )
-    outbox = tmp_path / "outbox"
-    recording = adapter.recording_scheduler_class(
-        FakeScheduler, lambda scheduler: StepRecorder(outbox, header)
-    )
-    assert recording.__name__ == "RecordingFakeScheduler"
-    scheduler = recording([(output, runner), (idle, None)])
-    first = scheduler.schedule()
-    assert scheduler.update_from_output(first, runner) == {0: "outputs"}
-    second = scheduler.schedule()
-    scheduler.update_from_output(second, None)
-    scheduler.shutdown()
-    assert scheduler.shut_down and scheduler.updates == [first, second]
-    decoded = read_segments(outbox.glob("*.seg"))
-    assert decoded.steps.column("seq").to_pylist() == [0]
-    slots = decoded.slots.to_pylist()
-    assert [
-        (s["request_id"], s["new_tokens"], s["spec_drafted"], s["spec_accepted"]) for s in slots
-    ] == [
-        ("dec", 3, 2, 2),
-        ("chunk", 388, 0, 0),
-        ("new", 44, 0, 0),
-    ]
-    assert decoded.holders.column("state").to_pylist() == ["waiting", "preempted"]
-    step = decoded.steps.to_pylist()[0]
-    assert step["end_ns"] >= step["start_ns"] and step["admission_blocked"]
-
-
 def test_header_checks_the_pools_file():
     pool = load_pools().pools[0]
     replica = pool.replicas[0].id
@@ -273,11 +120,78 @@ def test_driver_version_from_environment(monkeypatch):
     assert adapter.driver_version() == "550.54.15"
 
 
-def test_vllm_is_imported_only_on_demand():
+@pytest.mark.parametrize("version", ["0.33.0", "0.33.4", "0.34.0", "0.34.1rc1"])
+def test_supported_versions_start(version):
+    adapter.check_vllm_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.11.0", "0.32.1", "0.35.0", "1.0.0", "dev"])
+def test_unsupported_versions_are_refused_by_name(version):
+    with pytest.raises(adapter.UnsupportedVllmVersion) as refused:
+        adapter.check_vllm_version(version)
+    assert str(refused.value) == (
+        f"the step-recording scheduler does not support vLLM {version}; "
+        "supported: vllm>=0.33.0,<0.35.0 (0.33.x, 0.34.x)"
+    )
+
+
+def test_an_unsupported_vllm_is_refused_when_the_class_is_requested(monkeypatch):
+    monkeypatch.setattr(adapter, "_BUILT", {})
+    monkeypatch.setattr(vllm, "__version__", "0.32.0")
+    with pytest.raises(adapter.UnsupportedVllmVersion, match="vLLM 0.32.0"):
+        adapter.AsyncRecordingScheduler  # noqa: B018
     with pytest.raises(AttributeError):
         adapter.NotAScheduler  # noqa: B018
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        with pytest.raises(ImportError):
-            adapter.RecordingScheduler  # noqa: B018
+
+
+def test_recording_classes_subclass_vllms_schedulers():
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    assert adapter.RecordingScheduler.__bases__ == (Scheduler,)
+    assert adapter.AsyncRecordingScheduler.__bases__ == (AsyncScheduler,)
+    assert adapter.AsyncRecordingScheduler.__name__ == "RecordingAsyncScheduler"
+
+
+@pytest.mark.skipif(not HAS_REQ_ID_TO_INDEX, reason="this vLLM has no req_id_to_index")
+def test_sampled_index_from_req_id_to_index_as_in_0_33():
+    output = ModelRunnerOutput(
+        req_ids=["x", "y"], req_id_to_index={"x": 1, "y": 0}, sampled_token_ids=[[1], [2, 3]]
+    )
+    assert adapter.sampled_index(output) == {"x": 1, "y": 0}
+
+
+def test_sampled_index_from_req_ids_as_in_0_34():
+    # vLLM 0.34's ModelRunnerOutput has no req_id_to_index: rows follow req_ids.
+    shaped_as_0_34 = SimpleNamespace if HAS_REQ_ID_TO_INDEX else ModelRunnerOutput
+    output = shaped_as_0_34(req_ids=["x", "y", "z"], sampled_token_ids=[[1], [2, 3], []])
+    assert adapter.sampled_index(output) == {"x": 0, "y": 1, "z": 2}
+    step = adapter.ScheduledStep(
+        request_ids=["z", "y", "x"],
+        new_tokens=[1, 3, 1],
+        context_tokens=[5, 5, 5],
+        kv_blocks=np.ones(3),
+        prompt_tokens=[4, 4, 4],
+        prefix_hit_tokens=[0, 0, 0],
+        spec_drafted=[0, 2, 0],
+    )
+    assert adapter.accepted_tokens(step, output) == [0, 1, 0]
+
+
+def test_prefix_hit_tokens_from_prefill_stats():
+    request = Request("r", list(range(40)), SamplingParams(max_tokens=1), None)
+    assert adapter.prefix_hit_tokens(request) == 0
+    request.prefill_stats.set(
+        num_prompt_tokens=40, num_local_cached_tokens=16, num_external_cached_tokens=16
+    )
+    assert adapter.prefix_hit_tokens(request) == 32
+    request.take_prefill_stats()
+    assert adapter.prefix_hit_tokens(request) == 0
+
+
+@pytest.mark.parametrize(("pp", "tp", "pcp", "gpus"), [(1, 1, 1, 1), (2, 4, 1, 8), (2, 2, 2, 8)])
+def test_gpus_per_replica_is_pipeline_tensor_and_prefill_context_parallel(pp, tp, pcp, gpus):
+    parallel = ParallelConfig(
+        pipeline_parallel_size=pp, tensor_parallel_size=tp, prefill_context_parallel_size=pcp
+    )
+    assert adapter.gpus_per_replica(parallel) == gpus == parallel.world_size

@@ -1,0 +1,99 @@
+"""The vLLM hook's cost on the engine thread, through vLLM's real scheduler.
+
+256 requests decode side by side in vLLM's AsyncScheduler (CPU, a tiny model config, synthetic
+model outputs, prefix caching on, every request sharing a 4-block system prompt). Timed per
+step: everything the recording subclass adds to schedule() and update_from_output() (mapping
+the scheduler's state onto the step, queueing it to the recorder), with the recorder's writer
+thread running. The scheduler's own schedule() + update_from_output() time is reported beside
+it for scale.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.figure import Figure
+
+SLOTS_PER_STEP = 256
+SHARED_PROMPT = list(range(1000, 1064))
+
+
+def _timed(function: Any, durations: list[int]) -> Any:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter_ns()
+        result = function(*args, **kwargs)
+        durations.append(time.perf_counter_ns() - began)
+        return result
+
+    return timed
+
+
+def figures(quick: bool) -> list[Figure]:
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    import pipeline.vllm_adapter as adapter
+    from pipeline.steplog import StepRecorder
+    from schemas.config import load_pools
+    from tests.pipeline.vllm_engine import Engine, build_scheduler, request_factory, vllm_config
+
+    steps = 100 if quick else 3000
+    with tempfile.TemporaryDirectory() as scratch:
+        root = Path(scratch)
+        config = vllm_config(
+            root / "tiny-llama",
+            num_gpu_blocks=8192,
+            max_num_seqs=SLOTS_PER_STEP,
+            max_num_batched_tokens=8192,
+            async_scheduling=True,
+            num_speculative_tokens=0,
+        )
+        pool = load_pools().pools[0]
+        header = adapter.header_for(
+            pool, pool.replicas[0].id, "bench", "bench", pool.gpus_per_replica, 16
+        )
+        hook: list[int] = []
+        recording = adapter.recording_scheduler_class(
+            AsyncScheduler, lambda scheduler: StepRecorder(root / "outbox", header)
+        )
+        scheduler = build_scheduler(recording, config)
+        make_request = request_factory(config)
+        for index in range(SLOTS_PER_STEP):
+            prompt = SHARED_PROMPT + [2000 + index] * (16 + index % 48)
+            scheduler.add_request(make_request(f"cmpl-{index:04d}", prompt, max_tokens=10**6))
+        engine = Engine(scheduler, async_scheduling=True)
+        for _ in range(8):
+            engine.step()
+
+        # What the recording subclass runs on the engine thread, timed where it runs.
+        original = (adapter.scheduled_step, adapter.accepted_tokens)
+        adapter.scheduled_step = _timed(adapter.scheduled_step, hook)
+        adapter.accepted_tokens = _timed(adapter.accepted_tokens, hook)
+        recorder = scheduler.step_recorder
+        recorder.record_step = _timed(recorder.record_step, hook)
+        engine_steps = []
+        try:
+            for _ in range(steps):
+                began = time.perf_counter_ns()
+                engine.step()
+                engine_steps.append(time.perf_counter_ns() - began)
+                time.sleep(0.0005)
+        finally:
+            adapter.scheduled_step, adapter.accepted_tokens = original
+        engine.drain()
+        scheduler.shutdown()
+        if recorder.dropped_steps or recorder.rejected_steps:
+            raise RuntimeError(f"the recorder dropped or rejected steps: {recorder.dropped_steps}")
+
+    # Three timed calls per recorded step: scheduled_step, accepted_tokens, record_step.
+    per_step = np.asarray(hook[: len(hook) // 3 * 3], np.int64).reshape(-1, 3).sum(axis=1)
+    with_hook = np.asarray(engine_steps, np.int64)
+    return [
+        Figure("vllm_hook_step_us_median", float(np.median(per_step)) / 1e3, "us", 20, "max"),
+        Figure("vllm_hook_step_us_p99", float(np.percentile(per_step, 99)) / 1e3, "us", 100, "max"),
+        Figure("vllm_scheduler_step_us_median", float(np.median(with_hook)) / 1e3, "us", 0, "min"),
+    ]
