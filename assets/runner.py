@@ -23,7 +23,7 @@ import dagster as dg
 
 from assets.definitions import build_definitions
 from assets.partitions import partition_key
-from assets.resources import pools_file
+from pipeline.datadir import pools_file
 from pipeline.hours import hour_key, parse_hour_key
 from schemas.config import load_pools
 
