@@ -27,9 +27,9 @@ independent runs of about the same size, so the backfill is about linear in hour
 memory is the shorter run's, unscaled, and reads low: the full run's first `step_log`
 ingests a whole day of a replica's segments.
 
-Target: 1800 s, a day of backfill in half an hour (48 times faster than the hours arrive):
-after a day-long outage the pipeline is current again before the next hour is due; that is
-37.5 s per pool-hour on 2 cores. Peak memory: 8 GiB.
+Target: 240 s, a day of backfill in four minutes (360 times faster than the hours arrive),
+so that billing stays a rounding error of the GPUs it bills; that is 5 s per pool-hour on 2
+cores. Peak memory: 8 GiB.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ HOURS = 24
 QUICK_HOURS = 1
 SEED = 5
 LANES = int(os.environ.get("STEPLEDGER_BACKFILL_LANES", "2"))
-TARGET_WALL_S = 1800.0
+TARGET_WALL_S = 240.0
 TARGET_PEAK_GIB = 8.0
 CACHE = Path(
     os.environ.get("STEPLEDGER_BENCH_CACHE", Path(tempfile.gettempdir()) / "stepledger-bench-cache")
@@ -229,6 +229,12 @@ def backfill(data: Path, hours: int) -> tuple[float, int]:
 def figures(quick: bool) -> list[Figure]:
     hours = QUICK_HOURS if quick else HOURS
     wall_s, peak_bytes = backfill(simulated_input(hours), hours)
+    if quick:
+        print(
+            f"  backfill_24h_s extrapolated from {hours} hour(s) x {HOURS / hours:g};"
+            " backfill_24h_peak_gib is the shorter run's",
+            file=sys.stderr,
+        )
     return [
         Figure("backfill_24h_s", wall_s * HOURS / hours, "s", TARGET_WALL_S, "max"),
         Figure("backfill_24h_peak_gib", peak_bytes / (1 << 30), "GiB", TARGET_PEAK_GIB, "max"),
