@@ -255,4 +255,16 @@ PIPELINE_STATE_TABLES: dict[str, pa.Schema] = {
         ("batch_id", _STR, False),
     ),
     "drops": _table(*((f.name, f.type, False) for f in DROPS), ("batch_id", _STR, False)),
+    "clock_jumps": _table(
+        ("segment_id", _STR, False),
+        ("path", _STR, False),
+        ("pool", _STR, False),
+        ("replica", _STR, False),
+        ("first_seq", _I64, False),
+        ("previous_segment_id", _STR, False),
+        ("placed_shift_ns", _I64, False),
+        ("jump_ns", _I64, False),
+        ("first_start_utc_ns", _I64, False),
+        ("batch_id", _STR, False),
+    ),
 }

@@ -83,6 +83,24 @@ CREATE TABLE IF NOT EXISTS drops (
     batch_id  VARCHAR NOT NULL
 );
 
+-- Segments whose wall-clock anchor stepped away from the monotonic clock of the replica's
+-- previous segment (same boot: earlier sequence numbers, earlier monotonic anchor). Their steps
+-- are placed by the previous segment's clock shift (placed_shift_ns, UTC = monotonic + shift);
+-- jump_ns is how far the header's wall clock was off. first_start_utc_ns: the placed UTC start
+-- of the segment's first step (the hour the finding belongs to).
+CREATE TABLE IF NOT EXISTS clock_jumps (
+    segment_id          VARCHAR NOT NULL PRIMARY KEY,
+    path                VARCHAR NOT NULL,
+    pool                VARCHAR NOT NULL,
+    replica             VARCHAR NOT NULL,
+    first_seq           BIGINT  NOT NULL,
+    previous_segment_id VARCHAR NOT NULL,
+    placed_shift_ns     BIGINT  NOT NULL,
+    jump_ns             BIGINT  NOT NULL,
+    first_start_utc_ns  BIGINT  NOT NULL,
+    batch_id            VARCHAR NOT NULL
+);
+
 -- Sequence ranges missing between consecutive ingested segments of a replica.
 CREATE OR REPLACE VIEW sequence_gaps AS
 SELECT pool, replica, first_missing_seq, last_missing_seq,

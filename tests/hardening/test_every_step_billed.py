@@ -1,0 +1,103 @@
+"""Every measured step is billed once, or its hour is held back and paged: a simulated fleet
+whose replica's wall clock jumps, or whose replica's segments never arrive, billed through the
+pool-hour job against the same fleet without the fault."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dagster as dg
+import duckdb
+import pytest
+
+from pipeline.warehouse import STATE_FILE, connect_read_only
+from schemas.config import PoolsFile
+from tests.helpers.fleets import bill, costs, simulate_small, small_pools
+
+pytestmark = pytest.mark.timeout(600)
+
+REPLICA = "chat-8b-r0"
+
+
+def failed_findings(data: Path) -> list[tuple]:
+    with connect_read_only(data / STATE_FILE) as con:
+        return con.execute(
+            "SELECT check_name, replica, severity, blocking, finding, detail FROM reconciliation "
+            "WHERE NOT passed ORDER BY ALL"
+        ).fetchall()
+
+
+def billed(data: Path, pools: PoolsFile) -> bool:
+    with dg.DagsterInstance.ephemeral() as instance:
+        (result,) = bill(data, pools, instance)
+    return result.success
+
+
+@pytest.fixture(scope="module")
+def pools() -> PoolsFile:
+    return small_pools()
+
+
+@pytest.fixture(scope="module")
+def unfaulted(pools, tmp_path_factory) -> dict:
+    data = simulate_small(tmp_path_factory.mktemp("unfaulted") / "fleet", pools)
+    assert billed(data, pools)
+    money = costs(data)
+    assert money["published"] and money["held_back"] == []
+    return {**money, "findings": failed_findings(data)}
+
+
+def new_findings(data: Path, unfaulted: dict) -> list[tuple]:
+    """The failed results the fault added to those of the fleet without it."""
+    return [f for f in failed_findings(data) if f not in unfaulted["findings"]]
+
+
+@pytest.mark.parametrize("jump_s", [7200.0, -7200.0, 90.0])
+def test_a_wall_clock_jump_is_placed_by_the_monotonic_clock_and_reported(
+    pools, unfaulted, tmp_path: Path, jump_s: float
+) -> None:
+    data = simulate_small(tmp_path / "fleet", pools, faults={"clock-jump": jump_s})
+    assert billed(data, pools)
+    assert {**costs(data), "findings": unfaulted["findings"]} == unfaulted
+    ((check, replica, severity, blocking, finding, detail),) = new_findings(data, unfaulted)
+    assert (check, replica, severity, blocking, finding) == (
+        "clock",
+        REPLICA,
+        "WARN",
+        False,
+        "clock_jump",
+    )
+    assert f"the wall clock stepped {jump_s:+.3f} s against the monotonic clock" in detail
+    with duckdb.connect(str(data / STATE_FILE), read_only=True) as con:
+        ((jump_ns, path),) = con.execute("SELECT jump_ns, path FROM clock_jumps").fetchall()
+    assert jump_ns == round(jump_s * 1e9)
+    assert detail.startswith(f"{path}: ")
+
+
+def test_a_clock_step_within_the_tolerance_is_left_to_the_time_check(
+    pools, unfaulted, tmp_path: Path
+) -> None:
+    """A minute is within what the jump detection tolerates: the steps stay where the wall
+    clock put them, and the time check reports the skew."""
+    data = simulate_small(tmp_path / "fleet", pools, faults={"clock-jump": 60.0})
+    assert not billed(data, pools)
+    assert costs(data)["held_back"] == [("chat-8b", "failed blocking checks: time")]
+    assert [f[:5] for f in new_findings(data, unfaulted)] == [
+        ("time", REPLICA, "ERROR", True, "clock_skew")
+    ]
+
+
+def test_a_silent_replica_whose_gpus_are_busy_holds_the_hour_back(
+    pools, unfaulted, tmp_path: Path
+) -> None:
+    data = simulate_small(tmp_path / "fleet", pools, faults={"silent-replica": None})
+    assert not list((data / "outbox" / REPLICA).glob("*.seg"))
+    assert not billed(data, pools)
+    money = costs(data)
+    assert money["published"] == []
+    assert money["held_back"] == [("chat-8b", "failed blocking checks: silence")]
+    silence = [f for f in new_findings(data, unfaulted) if f[0] == "silence"]
+    ((_, replica, severity, blocking, finding, detail),) = silence
+    assert (replica, severity, blocking, finding) == (REPLICA, "ERROR", True, "silent_replica")
+    assert detail.startswith(f"no step log from replica {REPLICA} (host ")
+    assert "billing the hour would charge its work as idle" in detail
