@@ -267,4 +267,13 @@ PIPELINE_STATE_TABLES: dict[str, pa.Schema] = {
         ("first_start_utc_ns", _I64, False),
         ("batch_id", _STR, False),
     ),
+    "alert_outbox": _table(
+        ("dedup_key", _STR, False),
+        ("alert", _STR, False),
+        ("enqueued_at", _TS, False),
+        ("attempts", _I64, False),
+        ("next_attempt_at", _TS, False),
+        ("last_error", _STR, True),
+        ("delivered_at", _TS, True),
+    ),
 }

@@ -101,6 +101,18 @@ CREATE TABLE IF NOT EXISTS clock_jumps (
     batch_id            VARCHAR NOT NULL
 );
 
+-- Pages owed to on-call (pipeline.alerts): recorded before any delivery is tried, retried with
+-- backoff until the sink accepts each one, once per dedup_key. delivered_at NULL: still owed.
+CREATE TABLE IF NOT EXISTS alert_outbox (
+    dedup_key       VARCHAR   NOT NULL PRIMARY KEY,
+    alert           VARCHAR   NOT NULL,
+    enqueued_at     TIMESTAMP NOT NULL,
+    attempts        BIGINT    NOT NULL,
+    next_attempt_at TIMESTAMP NOT NULL,
+    last_error      VARCHAR,
+    delivered_at    TIMESTAMP
+);
+
 -- Sequence ranges missing between consecutive ingested segments of a replica.
 CREATE OR REPLACE VIEW sequence_gaps AS
 SELECT pool, replica, first_missing_seq, last_missing_seq,

@@ -7,7 +7,7 @@ import json
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 
 import click
@@ -15,8 +15,12 @@ import dagster as dg
 
 from assets.definitions import build_definitions
 from assets.partitions import partition_key
+from assets.resources import warehouse_path
+from pipeline import alerts
 from pipeline.datadir import hours_in_data, pools_file
 from pipeline.hours import hour_key, parse_hour_key
+from pipeline.reconcile import failed_checks
+from pipeline.warehouse import connect
 from schemas.config import load_pools
 
 # Dagster's console logger prints every step event; the CLI shows a progress bar instead.
@@ -39,11 +43,16 @@ def run_pool_hours(
     warehouse: Path | None = None,
     on_done: Callable[[PoolHourRun], None] | None = None,
 ) -> list[PoolHourRun]:
-    """Materialize every (hour, pool) in order, in-process, on one ephemeral Dagster instance."""
+    """Materialize every (hour, pool) in order, in-process, on one ephemeral Dagster instance.
+
+    A failed pool-hour owes on-call the same pages as under the daemon (`pipeline.alerts`:
+    recorded in the outbox, delivered now if the sink accepts, else by the delivery sensor or
+    the next run)."""
     warnings.filterwarnings("ignore", module="dagster")
     pools = load_pools(pools_file(data_dir))
     defs = build_definitions(pools, data_dir.resolve(), warehouse.resolve() if warehouse else None)
     job = defs.resolve_job_def("pool_hour_job")
+    state_file = warehouse.resolve() if warehouse else warehouse_path(data_dir.resolve())
     runs = []
     with dg.DagsterInstance.ephemeral() as instance:
         for hour in hours:
@@ -74,9 +83,21 @@ def run_pool_hours(
                     else None,
                 )
                 runs.append(run)
+                _page(state_file, run, result.run_id)
                 if on_done:
                     on_done(run)
     return runs
+
+
+def _page(state_file: Path, run: PoolHourRun, run_id: str) -> None:
+    now = datetime.now(UTC)
+    with connect(state_file) as con:
+        if not run.success:
+            findings = failed_checks(con, run.pool, run.hour)
+            alerts.enqueue(
+                con, alerts.hour_alerts(findings, run.pool, run.hour, run_id, run.error, now)
+            )
+        alerts.deliver_due(con, alerts.sink_from_env(), now)
 
 
 def run_with_progress(
