@@ -142,13 +142,16 @@ def committed_batches(con: duckdb.DuckDBPyConnection) -> set[str]:
     return {row[0] for row in con.execute("SELECT DISTINCT batch_id FROM segment_files").fetchall()}
 
 
-def _write_atomically(table: pa.Table, target: Path) -> None:
+def _write_atomically(table: pa.Table, target: Path) -> str:
+    """Write `table` to `target` through a temporary name; returns the file's sha256."""
     import pyarrow.parquet as pq
 
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(".parquet.partial")
     pq.write_table(table, partial)
+    digest = hashlib.sha256(partial.read_bytes()).hexdigest()
     os.replace(partial, target)
+    return digest
 
 
 @contextmanager
@@ -473,6 +476,7 @@ def _ingest_batch(
         steps, jumps = _place_by_monotonic_clock(con, decoded_segments, steps)
 
     partitions: set[tuple[str, str]] = set()
+    written: dict[str, str] = {}
     if steps is not None and slots is not None and holders is not None and steps.height:
         # The hour as an integer (hours since the epoch): a slot row carries 8 bytes, not a string.
         hours = steps.select(*STEP_KEY, (pl.col("start_utc_ns") // NS_PER_HOUR).alias("_hour"))
@@ -493,7 +497,8 @@ def _ingest_batch(
             ):
                 table = part.drop("_hour").to_arrow().cast(LAKE_TABLES[name])
                 directory = partition_dir(lake, name, str(pool), _hour_key(int(hour_index)))
-                _write_atomically(table, directory / part_name(str(replica), part, batch_id))
+                target = directory / part_name(str(replica), part, batch_id)
+                written[str(target.relative_to(lake))] = _write_atomically(table, target)
             del placed
 
     now = datetime.now(UTC).replace(tzinfo=None)
@@ -530,6 +535,14 @@ def _ingest_batch(
                 "UPDATE segments SET first_seq = least(first_seq, ?), last_seq = greatest(last_seq, ?), "
                 "steps = steps + ? WHERE segment_id = ?",
                 [first, last, count, segment_id],
+            )
+        if written:
+            insert_frame(
+                con,
+                "lake_files",
+                pl.DataFrame(
+                    {"path": list(written), "sha256": list(written.values()), "batch_id": batch_id}
+                ),
             )
         for name, found in (("damage", damage), ("drops", drops), ("clock_jumps", jumps)):
             if found is not None and found.height:

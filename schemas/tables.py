@@ -267,6 +267,11 @@ PIPELINE_STATE_TABLES: dict[str, pa.Schema] = {
         ("first_start_utc_ns", _I64, False),
         ("batch_id", _STR, False),
     ),
+    "lake_files": _table(
+        ("path", _STR, False),
+        ("sha256", _STR, False),
+        ("batch_id", _STR, False),
+    ),
     "alert_outbox": _table(
         ("dedup_key", _STR, False),
         ("alert", _STR, False),

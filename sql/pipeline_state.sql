@@ -101,6 +101,14 @@ CREATE TABLE IF NOT EXISTS clock_jumps (
     batch_id            VARCHAR NOT NULL
 );
 
+-- Every lake file ingest wrote (path relative to the lake) and its content hash: attribution
+-- refuses a file whose bytes differ from what was written.
+CREATE TABLE IF NOT EXISTS lake_files (
+    path     VARCHAR NOT NULL PRIMARY KEY,
+    sha256   VARCHAR NOT NULL,
+    batch_id VARCHAR NOT NULL
+);
+
 -- Pages owed to on-call (pipeline.alerts): recorded before any delivery is tried, retried with
 -- backoff until the sink accepts each one, once per dedup_key. delivered_at NULL: still owed.
 CREATE TABLE IF NOT EXISTS alert_outbox (

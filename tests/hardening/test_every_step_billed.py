@@ -13,6 +13,7 @@ from typing import ClassVar
 
 import dagster as dg
 import duckdb
+import polars as pl
 import pytest
 
 from assets.cli.run import run_pool_hours
@@ -184,3 +185,24 @@ def test_a_page_the_sink_refuses_is_owed_until_it_accepts_then_delivered_once(
     assert len(webhook.accepted) == 1
     assert webhook.accepted[0]["text"].startswith("[ERROR] stepledger silence failed for chat-8b/")
     assert outbox(data)[0][1:] == (2, None, True)
+
+
+def test_a_lake_file_rewritten_after_ingest_fails_the_hour_and_keeps_the_money(
+    pools, unfaulted, tmp_path: Path
+) -> None:
+    data = simulate_small(tmp_path / "fleet", pools)
+    assert billed(data, pools)
+    (steps_file, *_) = sorted((data / "lake" / "steps").glob(f"pool=chat-8b/*/{REPLICA}.*.parquet"))
+    steps = pl.read_parquet(steps_file)
+    # A reader with write access doubles every step's duration: more usage, less idle.
+    steps.with_columns(pl.col("end_ns") + (pl.col("end_ns") - pl.col("start_ns"))).write_parquet(
+        steps_file
+    )
+    with dg.DagsterInstance.ephemeral() as instance:
+        (result,) = bill(data, pools, instance)
+    assert not result.success
+    (failure,) = result.get_step_failure_events()
+    message = failure.event_specific_data.error.cause.message
+    assert message.startswith(f"pipeline.lake.LakeFileChanged: {steps_file}: sha256 ")
+    assert "was changed after ingest" in message
+    assert costs(data) == {k: v for k, v in unfaulted.items() if k != "findings"}
