@@ -78,15 +78,21 @@ def run_pool_hours(
                         for e in result.get_asset_check_evaluations()
                         if not e.passed
                     ],
-                    error=failures[0].event_specific_data.error.message.strip()
-                    if failures
-                    else None,
+                    error=root_cause(failures[0].event_specific_data.error) if failures else None,
                 )
                 runs.append(run)
                 _page(state_file, run, result.run_id)
                 if on_done:
                     on_done(run)
     return runs
+
+
+def root_cause(error: dg.SerializableErrorInfo) -> str:
+    """The innermost cause of a step failure: Dagster wraps it as "Error occurred while
+    executing op ...", and the file, record or field that failed is in the chained cause."""
+    while error.cause is not None:
+        error = error.cause
+    return str(error.message).strip()
 
 
 def _page(state_file: Path, run: PoolHourRun, run_id: str) -> None:

@@ -206,3 +206,6 @@ def test_a_lake_file_rewritten_after_ingest_fails_the_hour_and_keeps_the_money(
     assert message.startswith(f"pipeline.lake.LakeFileChanged: {steps_file}: sha256 ")
     assert "was changed after ingest" in message
     assert costs(data) == {k: v for k, v in unfaulted.items() if k != "findings"}
+    # `stepledger run` shows the root cause, not Dagster's "Error occurred while executing".
+    (run,) = run_pool_hours(data, [SIMULATED_HOUR])
+    assert run.error == message.strip()
