@@ -2,7 +2,11 @@
 (pipeline.alerts: PagerDuty Events v2 or Slack webhook, else a JSON-lines file or stdout).
 
 A run fails when a reconciliation check fails with ERROR (its findings are paged, each once
-per hour) or when a step raises (paged as `run_failed`, once per run).
+per hour) or when a step raises (paged as `run_failed`, once per run). The failure sensor only
+records what is owed in the pipeline state's alert outbox and tries it once; the delivery
+sensor retries what the sink refused, with backoff, until it accepts, and fails its tick
+(visible in the UI, and to Dagster's own sensor alerting) while any alert stays owed for
+longer than the dead-man delay.
 """
 
 # No `from __future__ import annotations`: Dagster checks the `context` annotation as an
@@ -14,19 +18,20 @@ from typing import TYPE_CHECKING
 import dagster as dg
 from dagster_duckdb import DuckDBResource
 
-from assets.resources import StepledgerData
+from assets.resources import open_warehouse
 from pipeline import alerts
 from pipeline.hours import parse_hour_key
 from pipeline.reconcile import failed_checks
-from pipeline.warehouse import connect_read_only
+from schemas.config import Settings
+
+# Dedup keys of the dead-man pages already delivered, in the data directory (the dead-man
+# sensor reads while a run holds the pipeline's state, so it cannot use the outbox).
+SENT_KEYS_FILE = "alerts_sent.keys"
 
 if TYPE_CHECKING:
     from dagster._core.definitions.unresolved_asset_job_definition import (
         UnresolvedAssetJobDefinition,
     )
-
-# Dedup keys of the alerts already delivered, in the data directory.
-SENT_KEYS_FILE = "alerts_sent.keys"
 
 
 def build_failure_pager(pool_hour_job: "UnresolvedAssetJobDefinition") -> dg.SensorDefinition:
@@ -35,38 +40,48 @@ def build_failure_pager(pool_hour_job: "UnresolvedAssetJobDefinition") -> dg.Sen
         monitored_jobs=[pool_hour_job],
         default_status=dg.DefaultSensorStatus.RUNNING,
     )
-    def page_on_call(
-        context: dg.RunFailureSensorContext, data: StepledgerData, warehouse: DuckDBResource
-    ) -> None:
+    def page_on_call(context: dg.RunFailureSensorContext, warehouse: DuckDBResource) -> None:
         tags = context.dagster_run.tags
         hour = parse_hour_key(tags["dagster/partition/hour"])
         pool = tags["dagster/partition/pool"]
         now = datetime.now(UTC)
-        with connect_read_only(warehouse.database) as con:
-            findings = failed_checks(con, pool, hour)
-        sink = alerts.sink_from_env()
-        sent_keys = alerts.SentKeysFile(data.root / SENT_KEYS_FILE)
-        errors = [r for r in findings if r.severity == "ERROR"]
-        if errors:
-            alerts.page(errors, sink, sent_keys, raised_at=now)
-            return
-        run_id = context.dagster_run.run_id
-        alerts.send_new(
-            [
-                alerts.Alert(
-                    raised_at=now,
-                    severity="ERROR",
-                    kind="run_failed",
-                    hour=hour,
-                    pool=pool,
-                    replica=None,
-                    finding=run_id,
-                    detail=context.failure_event.message or "the pool-hour run failed",
-                    dedup_key=alerts.dedup_key("run_failed", hour, pool, None, run_id),
-                )
-            ],
-            sink,
-            sent_keys,
-        )
+        with open_warehouse(warehouse) as con:
+            owed = alerts.hour_alerts(
+                failed_checks(con, pool, hour),
+                pool,
+                hour,
+                context.dagster_run.run_id,
+                context.failure_event.message,
+                now,
+            )
+            alerts.enqueue(con, owed)
+            alerts.deliver_due(con, alerts.sink_from_env(), now)
 
     return page_on_call
+
+
+class AlertsUndelivered(RuntimeError):
+    """Alerts the sink has refused for longer than the dead-man delay."""
+
+
+def build_alert_delivery_sensor(settings: Settings) -> dg.SensorDefinition:
+    @dg.sensor(
+        name="deliver_alerts",
+        minimum_interval_seconds=60,
+        default_status=dg.DefaultSensorStatus.RUNNING,
+    )
+    def deliver_alerts(
+        context: dg.SensorEvaluationContext, warehouse: DuckDBResource
+    ) -> dg.SkipReason:
+        now = datetime.now(UTC)
+        with open_warehouse(warehouse) as con:
+            sent = alerts.deliver_due(con, alerts.sink_from_env(), now)
+            owed = con.execute(
+                "SELECT count(*) FROM alert_outbox WHERE delivered_at IS NULL"
+            ).fetchall()[0][0]
+            overdue = alerts.undelivered(con, now, settings)
+        if overdue:
+            raise AlertsUndelivered("; ".join(r.detail for r in overdue))
+        return dg.SkipReason(f"{len(sent)} alert(s) delivered, {owed} still owed")
+
+    return deliver_alerts

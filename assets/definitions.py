@@ -10,7 +10,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from assets.alerting import build_failure_pager
+from assets.alerting import build_alert_delivery_sensor, build_failure_pager
 from assets.deadman import build_deadman_sensor
 from assets.jobs import build_jobs
 from assets.partitions import pool_hour_partitions
@@ -37,6 +37,7 @@ def build_definitions(
         sensors=[
             build_new_segments_sensor(pools),
             build_failure_pager(pool_hour_job),
+            build_alert_delivery_sensor(pools.settings),
             build_deadman_sensor(pools),
         ],
         resources=build_resources(data_dir, warehouse),

@@ -32,6 +32,14 @@ QUIET_RUN_CONFIG = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}
 CHECK_FAILURES = ("DagsterAssetCheckFailedError", "Failure")
 
 
+def root_cause(error: dg.SerializableErrorInfo) -> str:
+    """The innermost cause of a step failure: Dagster wraps it as "Error occurred while
+    executing op ...", and the file, record or field that failed is in the chained cause."""
+    while error.cause is not None:
+        error = error.cause
+    return str(error.message).strip()
+
+
 def pool_hour_outcome(result: dg.ExecuteInProcessResult) -> dict[str, Any]:
     """What became of one pool-hour run: see the module's docstring."""
     errors = []
@@ -41,7 +49,7 @@ def pool_hour_outcome(result: dg.ExecuteInProcessResult) -> dict[str, Any]:
         # others): that is a finding, listed with the checks, not an error.
         if event.step_key == "reconciliation" and error and error.cls_name in CHECK_FAILURES:
             continue
-        errors.append(error.message.strip() if error else f"step {event.step_key} failed")
+        errors.append(root_cause(error) if error else f"step {event.step_key} failed")
     evaluations = result.get_asset_check_evaluations()
     return {
         "success": result.success,

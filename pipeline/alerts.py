@@ -37,7 +37,7 @@ from typing import Any, Literal, Protocol, TextIO
 
 import duckdb
 
-from pipeline.hours import hour_key, to_warehouse
+from pipeline.hours import hour_key, parse_hour_key, to_warehouse
 from pipeline.reconcile import CheckResult
 from pipeline.warehouse import transaction
 from schemas.config import Settings
@@ -351,6 +351,147 @@ def send_new(alerts: Iterable[Alert], sink: AlertSink, sent_keys: SentKeys) -> l
         sent_keys.add(alert.dedup_key)
         sent.append(alert)
     return sent
+
+
+# --- the outbox: at-least-once delivery --------------------------------------------------
+
+# After a failed delivery the next try waits FIRST_RETRY, doubling per attempt up to LAST_RETRY:
+# a sink down for a minute is retried within one, one down for a day is tried hourly.
+FIRST_RETRY = timedelta(minutes=1)
+LAST_RETRY = timedelta(hours=1)
+
+
+def _alert_from_json(text: str) -> Alert:
+    fields = json.loads(text)
+    return Alert(
+        **{
+            **fields,
+            "raised_at": datetime.fromisoformat(fields["raised_at"]),
+            "hour": parse_hour_key(fields["hour"]),
+        }
+    )
+
+
+def enqueue(con: duckdb.DuckDBPyConnection, alerts: Iterable[Alert]) -> int:
+    """Record alerts owed to on-call in the pipeline state's `alert_outbox`; an alert whose
+    dedup key is there already (owed or delivered) is not added again. Returns how many were."""
+    added = 0
+    with transaction(con):
+        for alert in alerts:
+            added += (
+                con.execute(
+                    "INSERT INTO alert_outbox VALUES (?, ?, ?, 0, ?, NULL, NULL) "
+                    "ON CONFLICT (dedup_key) DO NOTHING RETURNING 1",
+                    [
+                        alert.dedup_key,
+                        json.dumps(alert.as_json(), sort_keys=True),
+                        _naive(alert.raised_at),
+                        _naive(alert.raised_at),
+                    ],
+                )
+                .fetchall()
+                .__len__()
+            )
+    return added
+
+
+def _naive(moment: datetime) -> datetime:
+    return moment.astimezone(UTC).replace(tzinfo=None)
+
+
+def deliver_due(con: duckdb.DuckDBPyConnection, sink: AlertSink, now: datetime) -> list[Alert]:
+    """Try every owed alert whose next attempt is due, oldest first; returns those delivered.
+
+    Each outcome is committed as it happens: delivered, or the attempt counted with its error
+    and the next attempt put off (FIRST_RETRY doubling up to LAST_RETRY). A sink that fails
+    stops this round, so a sink that is down is not hammered with every owed alert."""
+    due = con.execute(
+        "SELECT dedup_key, alert, attempts FROM alert_outbox "
+        "WHERE delivered_at IS NULL AND next_attempt_at <= ? ORDER BY enqueued_at, dedup_key",
+        [_naive(now)],
+    ).fetchall()
+    delivered = []
+    for key, text, attempts in due:
+        alert = _alert_from_json(text)
+        try:
+            sink.send(alert)
+        except (AlertDeliveryError, OSError) as err:
+            wait = min(FIRST_RETRY * 2**attempts, LAST_RETRY)
+            con.execute(
+                "UPDATE alert_outbox SET attempts = attempts + 1, last_error = ?, "
+                "next_attempt_at = ? WHERE dedup_key = ?",
+                [str(err), _naive(now + wait), key],
+            )
+            log.warning("alert %s owed (attempt %d): %s", key, attempts + 1, err)
+            break
+        con.execute(
+            "UPDATE alert_outbox SET attempts = attempts + 1, delivered_at = ?, last_error = NULL "
+            "WHERE dedup_key = ?",
+            [_naive(now), key],
+        )
+        delivered.append(alert)
+    return delivered
+
+
+def hour_alerts(
+    findings: Iterable[CheckResult],
+    pool: str,
+    hour: datetime,
+    run_id: str,
+    error: str | None,
+    now: datetime,
+) -> list[Alert]:
+    """What a failed pool-hour run owes on-call: its ERROR findings, each once per hour; when it
+    has none, the run's failure itself (`run_failed`, once per run)."""
+    errors = [alert_for(r, now) for r in findings if not r.passed and r.severity == "ERROR"]
+    if errors:
+        return errors
+    return [
+        Alert(
+            raised_at=now,
+            severity="ERROR",
+            kind="run_failed",
+            hour=hour,
+            pool=pool,
+            replica=None,
+            finding=run_id,
+            detail=error or "the pool-hour run failed",
+            dedup_key=dedup_key("run_failed", hour, pool, None, run_id),
+        )
+    ]
+
+
+def undelivered(
+    con: duckdb.DuckDBPyConnection, now: datetime, settings: Settings
+) -> list[CheckResult]:
+    """A failed `alert_delivery` result per alert owed for longer than
+    `settings.deadman_minutes`: the sink has refused on-call's pages that long."""
+    grace = timedelta(minutes=settings.deadman_minutes)
+    rows = con.execute(
+        "SELECT alert, attempts, last_error, enqueued_at FROM alert_outbox "
+        "WHERE delivered_at IS NULL AND enqueued_at <= ? ORDER BY enqueued_at",
+        [_naive(now - grace)],
+    ).fetchall()
+    results = []
+    for text, attempts, last_error, enqueued_at in rows:
+        alert = _alert_from_json(text)
+        results.append(
+            CheckResult(
+                hour=alert.hour,
+                pool=alert.pool,
+                replica=alert.replica,
+                check_name="alert_delivery",
+                passed=False,
+                expected=f"every alert delivered within {settings.deadman_minutes} min",
+                observed=f"{attempts} failed attempt(s) since {enqueued_at.isoformat()} UTC",
+                detail=f"the {alert.kind} alert for {alert.pool} hour {hour_key(alert.hour)} "
+                f"({alert.dedup_key}) is still undelivered: {last_error}",
+                severity="ERROR",
+                blocking=False,
+                finding="undelivered",
+            )
+        )
+    return results
 
 
 def deadman(

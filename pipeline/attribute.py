@@ -9,7 +9,7 @@ attribute_pool_hour  the hour's steps of the committed batches, their requests' 
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import duckdb
@@ -19,12 +19,23 @@ import polars as pl
 from pipeline.attribution import SlotBatch, WeightSource, attribute_hour
 from pipeline.attribution.workmodel import split_fixed
 from pipeline.gateway import context_for_requests
-from pipeline.hours import to_warehouse, utc_hour
+from pipeline.hours import hour_key, to_warehouse, utc_hour
 from pipeline.ingest import STEP_KEY, committed_batches
 from pipeline.lake import AttributionInputs, HourInput, load_hour
 from pipeline.ledger import DECODE_CONTEXTS_SCHEMA, RESOURCE_WORK_SCHEMA, RESOURCES, HourLedger
 from pipeline.weights import kernel_weights
 from schemas.config import Pool
+
+
+def lake_hashes(con: duckdb.DuckDBPyConnection, pool: str, hour: datetime) -> dict[str, str]:
+    """The recorded sha256 of the pool's lake files of `hour` and the hour before (which holds
+    the steps straddling into it)."""
+    partitions = [f"%/pool={pool}/hour={hour_key(h)}/%" for h in (hour, hour - timedelta(hours=1))]
+    return dict(
+        con.execute(
+            "SELECT path, sha256 FROM lake_files WHERE path LIKE ? OR path LIKE ?", partitions
+        ).fetchall()
+    )
 
 
 def gather_inputs(
@@ -48,6 +59,7 @@ def gather_inputs(
         frozenset(batches),
         context_for_requests(con, request_ids),
         (str(logged[0][0]), str(logged[0][1])) if logged else None,
+        lake_hashes(con, pool.name, hour),
     )
 
 
@@ -58,7 +70,7 @@ def attribute_pool_hour(
     context, the pool's policies. Reads only the lake."""
     if inputs.pool != pool.name:
         raise ValueError(f"attribution inputs of pool {inputs.pool!r} given for pool {pool.name!r}")
-    data = load_hour(lake, pool.name, inputs.hour, inputs.batches)
+    data = load_hour(lake, pool.name, inputs.hour, inputs.batches, hashes=inputs.lake_hashes)
     # Every row is of this pool: without the constant column the attribution's joins copy less.
     slots, holders = data.slots.drop("pool"), data.holders.drop("pool")
     attribution = attribute_hour(

@@ -56,6 +56,21 @@ INTENTS_DIR = "_ingest"
 # at 2.4 GiB resident with 256 MiB batches and 3.8 GiB with 512 MiB (decoded Arrow tables, their
 # polars frames and the split by hour); as one batch, in the 24-hour backfill benchmark, 17 GiB.
 BATCH_BYTES = 256 << 20
+# NTP slews offsets under 128 ms and steps larger ones; a clock drifting even 1% moves 3 s over
+# a 5-minute segment. A shift a minute off the previous segment's is a step of the wall clock.
+CLOCK_JUMP_TOLERANCE_NS = 60_000_000_000
+_JUMP_COLUMNS = (
+    "segment_id",
+    "path",
+    "pool",
+    "replica",
+    "first_seq",
+    "previous_segment_id",
+    "placed_shift_ns",
+    "jump_ns",
+    "first_start_utc_ns",
+)
+_JUMP_TYPES = (pl.String,) * 4 + (pl.Int64, pl.String) + (pl.Int64,) * 3
 
 log = logging.getLogger(__name__)
 
@@ -148,13 +163,16 @@ def committed_batches(con: duckdb.DuckDBPyConnection) -> set[str]:
     return {row[0] for row in con.execute("SELECT DISTINCT batch_id FROM segment_files").fetchall()}
 
 
-def _write_atomically(table: pa.Table, target: Path) -> None:
+def _write_atomically(table: pa.Table, target: Path) -> str:
+    """Write `table` to `target` through a temporary name; returns the file's sha256."""
     import pyarrow.parquet as pq
 
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(".parquet.partial")
     pq.write_table(table, partial)
+    digest = hashlib.sha256(partial.read_bytes()).hexdigest()
     os.replace(partial, target)
+    return digest
 
 
 @contextmanager
@@ -351,6 +369,79 @@ def _new_steps_of_known_segments(
     return repeated.join(held, on=["replica", "seq"], how="anti")
 
 
+def _place_by_monotonic_clock(
+    con: duckdb.DuckDBPyConnection, segments: pl.DataFrame, steps: pl.DataFrame
+) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """The steps placed in UTC by each replica's monotonic clock, and the new `clock_jumps` rows.
+
+    A segment's header pairs a monotonic and a wall reading taken as it opened; the decoder
+    places its steps at monotonic + (wall - monotonic). Within one boot the monotonic clock runs
+    on while the wall clock may step (a bad NTP source, a hand-set clock), which would put the
+    segment's steps hours away from when they ran, in hours never attributed. So a segment whose
+    shift differs by more than CLOCK_JUMP_TOLERANCE_NS from the shift the replica's previous
+    segment was placed by (earlier sequence numbers, earlier monotonic anchor) is placed by
+    that shift instead, and the jump is recorded for reconciliation to report."""
+    placed = query_frame(
+        con,
+        "SELECT s.segment_id, s.replica, s.mono_anchor_ns, s.last_seq, "
+        "coalesce(j.placed_shift_ns, s.wall_anchor_ns - s.mono_anchor_ns) AS placed_shift_ns "
+        "FROM segments s LEFT JOIN clock_jumps j USING (segment_id) "
+        "WHERE list_contains(?, s.replica)",
+        [segments["replica"].unique().to_list()],
+    )
+    corrections: dict[str, int] = {}
+    chains: dict[str, list[tuple[int, int, int, str]]] = {}
+    for segment_id, replica, mono, last, shift in placed.iter_rows():
+        chains.setdefault(replica, []).append((last, mono, shift, segment_id))
+    jumps = []
+    first_starts = dict(steps.group_by("segment_id").agg(pl.col("start_utc_ns").min()).iter_rows())
+    for row in segments.sort("replica", "first_seq").iter_rows(named=True):
+        shift = row["wall_anchor_ns"] - row["mono_anchor_ns"]
+        earlier = [
+            c
+            for c in chains.get(row["replica"], [])
+            if c[0] < row["first_seq"] and c[1] <= row["mono_anchor_ns"]
+        ]
+        placed_shift = shift
+        if earlier:
+            _, _, previous_shift, previous_id = max(earlier)
+            if abs(shift - previous_shift) > CLOCK_JUMP_TOLERANCE_NS:
+                placed_shift = previous_shift
+                corrections[row["segment_id"]] = previous_shift - shift
+                jumps.append(
+                    {
+                        "segment_id": row["segment_id"],
+                        "path": row["path"],
+                        "pool": row["pool"],
+                        "replica": row["replica"],
+                        "first_seq": row["first_seq"],
+                        "previous_segment_id": previous_id,
+                        "placed_shift_ns": previous_shift,
+                        "jump_ns": shift - previous_shift,
+                        "first_start_utc_ns": first_starts.get(row["segment_id"], 0)
+                        + previous_shift
+                        - shift,
+                    }
+                )
+        chains.setdefault(row["replica"], []).append(
+            (row["last_seq"], row["mono_anchor_ns"], placed_shift, row["segment_id"])
+        )
+    jump_rows = pl.DataFrame(
+        jumps, schema={n: t for n, t in zip(_JUMP_COLUMNS, _JUMP_TYPES, strict=True)}
+    )
+    return _shifted(steps, corrections), jump_rows
+
+
+def _shifted(steps: pl.DataFrame, corrections: dict[str, int]) -> pl.DataFrame:
+    """`steps` with each segment's UTC times moved by its correction (segment id -> ns)."""
+    if not corrections:
+        return steps
+    correction = pl.col("segment_id").replace_strict(corrections, default=0, return_dtype=pl.Int64)
+    return steps.with_columns(
+        pl.col("start_utc_ns") + correction, pl.col("end_utc_ns") + correction
+    )
+
+
 def _ingest_batch(
     con: duckdb.DuckDBPyConnection,
     root: Path,
@@ -382,6 +473,10 @@ def _ingest_batch(
         # which steps it held).
         decoded_segments = decoded_segments.filter(pl.col("first_seq").is_not_null())
         known_ids = {row[0] for row in con.execute("SELECT segment_id FROM segments").fetchall()}
+        # Another copy of a segment placed by the monotonic clock is placed the same way.
+        steps = _shifted(
+            steps, dict(con.execute("SELECT segment_id, -jump_ns FROM clock_jumps").fetchall())
+        )
         repeated = decoded_segments.filter(pl.col("segment_id").is_in(list(known_ids)))
         if repeated.height:
             # Another copy of a segment already ingested: only the steps it alone holds count.
@@ -407,7 +502,12 @@ def _ingest_batch(
                 known_drops, on=["pool", "replica", "first_seq", "last_seq"], how="anti"
             )
 
+    jumps = None
+    if steps is not None and decoded_segments is not None:
+        steps, jumps = _place_by_monotonic_clock(con, decoded_segments, steps)
+
     partitions: set[tuple[str, str]] = set()
+    written: dict[str, str] = {}
     if steps is not None and slots is not None and holders is not None and steps.height:
         # The hour as an integer (hours since the epoch): a slot row carries 8 bytes, not a string.
         hours = steps.select(*STEP_KEY, (pl.col("start_utc_ns") // NS_PER_HOUR).alias("_hour"))
@@ -429,7 +529,8 @@ def _ingest_batch(
             ):
                 table = part.drop("_hour").to_arrow().cast(LAKE_TABLES[name])
                 directory = partition_dir(lake, name, str(pool), _hour_key(int(hour_index)))
-                _write_atomically(table, directory / part_name(str(replica), part, batch_id))
+                target = directory / part_name(str(replica), part, batch_id)
+                written[str(target.relative_to(lake))] = _write_atomically(table, target)
             del placed
 
     now = datetime.now(UTC).replace(tzinfo=None)
@@ -467,7 +568,15 @@ def _ingest_batch(
                 "steps = steps + ? WHERE segment_id = ?",
                 [first, last, count, segment_id],
             )
-        for name, found in (("damage", damage), ("drops", drops)):
+        if written:
+            insert_frame(
+                con,
+                "lake_files",
+                pl.DataFrame(
+                    {"path": list(written), "sha256": list(written.values()), "batch_id": batch_id}
+                ),
+            )
+        for name, found in (("damage", damage), ("drops", drops), ("clock_jumps", jumps)):
             if found is not None and found.height:
                 insert_frame(con, name, found.with_columns(batch_id=pl.lit(batch_id)))
         _settle_damage(

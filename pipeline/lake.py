@@ -8,16 +8,20 @@
     ledger/pool=<pool>/hour=<hour>/<table>.parquet
         the hour's ledger (`pipeline.ledger.HourLedger`) before it is published
 
+Ingest records each step-log file's sha256 (`lake_files`); attribution verifies every file
+it reads against it, so a file rewritten after ingest fails the hour instead of billing it.
+
 Every file is written under a temporary name and renamed into place, so a reader sees the
 old file or the new one, never half of one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-from collections.abc import Collection
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -39,12 +43,42 @@ class HourInput:
     holders: pl.DataFrame
 
 
+class LakeFileChanged(RuntimeError):
+    """A lake file's bytes differ from what ingest wrote."""
+
+
+def verify(lake: Path, files: list[Path], hashes: Mapping[str, str] | None) -> None:
+    """Refuse `files` unless each one's sha256 is the one recorded when it was written
+    (`hashes`: path relative to the lake -> sha256, the `lake_files` rows); None skips it.
+    A file of a lake ingested before hashes were recorded has none and is read unverified."""
+    if hashes is None:
+        return
+    for path in files:
+        recorded = hashes.get(str(path.relative_to(lake)))
+        if recorded is None:
+            continue
+        found = hashlib.sha256(path.read_bytes()).hexdigest()
+        if recorded != found:
+            raise LakeFileChanged(
+                f"{path}: sha256 {found}, but ingest wrote it as {recorded}: the lake file was "
+                "changed after ingest, so the hour is not attributed from it (restore the file "
+                "or re-ingest the outbox into a fresh lake)"
+            )
+
+
 def _partition_files(
-    lake: Path, table: str, pool: str, hour: datetime, batches: Collection[str] | None
+    lake: Path,
+    table: str,
+    pool: str,
+    hour: datetime,
+    batches: Collection[str] | None,
+    hashes: Mapping[str, str] | None = None,
 ) -> list[Path]:
     directory = partition_dir(lake, table, pool, hour_key(hour))
     files = sorted(directory.glob("*.parquet")) if directory.is_dir() else []
-    return files if batches is None else [f for f in files if batch_of(f) in batches]
+    files = files if batches is None else [f for f in files if batch_of(f) in batches]
+    verify(lake, files, hashes)
+    return files
 
 
 def _replica_of(part: Path) -> str:
@@ -73,10 +107,11 @@ def _read_partition(
     batches: Collection[str] | None,
     where: pl.Expr | None = None,
     columns: list[str] | None = None,
+    hashes: Mapping[str, str] | None = None,
 ) -> pl.DataFrame:
     """A lake partition, or the rows of it matching `where` (Parquet row-group statistics let
     the scan skip the rest, so a few rows of a previous hour cost little)."""
-    files = _partition_files(lake, table, pool, hour, batches)
+    files = _partition_files(lake, table, pool, hour, batches, hashes)
     if where is None or not files:
         return _read(files, table, columns)
     scan = pl.scan_parquet(files).filter(where)
@@ -89,6 +124,7 @@ def load_hour(
     hour: datetime,
     batches: Collection[str] | None = None,
     columns: list[str] | None = None,
+    hashes: Mapping[str, str] | None = None,
 ) -> HourInput:
     """The steps of `pool` that ran during `hour`, with their slots and holders, ordered by
     replica and sequence number (so attribution need not sort tens of millions of rows).
@@ -96,11 +132,18 @@ def load_hour(
     `batches`: the ingest batches to read (`pipeline.ingest.committed_batches`), so that the
     files of a batch still being ingested, or of one that died before its commit, are not
     read; None reads every file in the lake. `columns`: only these columns of each table (the
-    ones it has; they must include the step key); None reads them all."""
+    ones it has; they must include the step key); None reads them all. `hashes`: each file
+    read is verified against them (`verify`)."""
     hour = utc_hour(hour)
     previous = hour - timedelta(hours=1)
     straddling_keys = _read_partition(
-        lake, "steps", pool, previous, batches, pl.col("end_utc_ns") > hour_start_ns(hour)
+        lake,
+        "steps",
+        pool,
+        previous,
+        batches,
+        pl.col("end_utc_ns") > hour_start_ns(hour),
+        hashes=hashes,
     ).select(STEP_KEY)
 
     def ordered(table: str) -> pl.DataFrame:
@@ -115,9 +158,9 @@ def load_hour(
             # of the previous hour, and the join on the step keys makes the selection exact.
             after = pl.col("seq") >= straddling_keys["seq"].min()
             earlier = _read_partition(
-                lake, table, pool, previous, batches, after, table_columns
+                lake, table, pool, previous, batches, after, table_columns, hashes
             ).join(straddling_keys, on=STEP_KEY, how="semi")
-        current = _partition_files(lake, table, pool, hour, batches)
+        current = _partition_files(lake, table, pool, hour, batches, hashes)
         replicas = sorted({*earlier["replica"].unique().to_list(), *map(_replica_of, current)})
         frames = [
             frame
@@ -153,6 +196,8 @@ class AttributionInputs:
     context: pl.DataFrame  # request_context rows of the hour's requests
     # (engine_version, driver_version) that logged most of the pool's steps; None before any segment
     engine: tuple[str, str] | None
+    # sha256 of every lake file of the hour and the one before, as ingest wrote them
+    lake_hashes: Mapping[str, str] = field(default_factory=dict)
 
 
 def inputs_path(lake: Path, pool: str, hour: datetime) -> Path:
@@ -169,6 +214,7 @@ def save_inputs(lake: Path, inputs: AttributionInputs) -> Path:
     described = {
         "batches": sorted(inputs.batches),
         "engine": list(inputs.engine) if inputs.engine else None,
+        "lake_hashes": dict(inputs.lake_hashes),
     }
     table = inputs.context.to_arrow()
     partial = path.with_suffix(".parquet.partial")
@@ -198,6 +244,7 @@ def load_inputs(lake: Path, pool: str, hour: datetime) -> AttributionInputs:
         frozenset(described["batches"]),
         _frame(table),
         tuple(described["engine"]) if described["engine"] else None,
+        described["lake_hashes"],
     )
 
 

@@ -21,10 +21,12 @@ Severity (what pages, what holds an hour back from the finance views):
 | calibration       | replica | no coefficients (fitted weights)          | ERROR    | no       |
 | calibration       | replica | engine version unmeasured (kernel weights)| WARN     | no       |
 | calibration_drift | pool    | fresh fit drifted (fitted weights only)   | ERROR    | no       |
+| clock             | replica | wall clock jumped (steps placed by mono)  | WARN     | no       |
+| silence           | replica | no step log while DCGM shows GPUs busy    | ERROR    | yes      |
 | deadman           | pool    | hours not reconciled in time (alerts.py)  | ERROR    | no       |
 
-Sequence, time and money decide whether the numbers are complete and exact, so a failure
-holds the hour back. The others say the numbers may be unfair (host stalls charged to
+Sequence, time, money and silence decide whether the numbers are complete and exact, so a
+failure holds the hour back. The others say the numbers may be unfair (host stalls charged to
 customers, unattributed usage, stale coefficients) or that a cross-check is unavailable: the
 hour is still published, and the ERROR ones page. A duplicated segment is reported but does not
 block: the decoder kept one copy, so nothing is lost or counted twice.
@@ -1022,6 +1024,103 @@ def _drift(
     )
 
 
+# --- clock and silence -----------------------------------------------------------------------
+
+
+def check_clock(hour: datetime, pool: Pool, clock_jumps: pl.DataFrame) -> list[CheckResult]:
+    """Per replica, the wall-clock jumps (`clock_jumps` rows, as `pipeline.ingest` records
+    them) of segments whose first step was placed in the hour. The steps were placed by the
+    monotonic clock, so the money is exact; the finding says the host's clock needs fixing."""
+    start_ns, end_ns = hour_bounds_ns(hour)
+    in_hour = clock_jumps.filter(
+        pl.col("first_start_utc_ns").is_between(start_ns, end_ns, closed="left")
+    )
+    results = []
+    for replica in pool.replicas:
+        mine = in_hour.filter(pl.col("replica") == replica.id).sort("first_seq")
+        findings = [
+            _Finding(
+                "clock_jump",
+                "WARN",
+                False,
+                f"{path}: the wall clock stepped {jump_ns / NS_PER_S:+.3f} s against the "
+                f"monotonic clock since segment {previous}; its steps from seq {first_seq} are "
+                "placed by the monotonic clock (fix the host's time source)",
+            )
+            for path, first_seq, previous, jump_ns in mine.select(
+                "path", "first_seq", "previous_segment_id", "jump_ns"
+            ).iter_rows()
+        ]
+        results.append(
+            _result(
+                hour,
+                pool.name,
+                replica.id,
+                "clock",
+                "segment wall-clock anchors agree with the monotonic clock",
+                f"{mine.height} wall-clock jump(s)",
+                findings,
+                passed_detail="no wall-clock jump",
+                severity="WARN",
+                blocking=False,
+            )
+        )
+    return results
+
+
+def check_silence(
+    hour: datetime, pool: Pool, steps: pl.DataFrame, dcgm: pl.DataFrame, settings: Settings
+) -> list[CheckResult]:
+    """Per replica: no step logged in the hour while DCGM shows its GPUs busy is missing step
+    logs, not idle time. Billing the hour would turn the replica's work into idle cost, so it
+    holds the hour back (ERROR, blocking). Busy: mean GR_ENGINE_ACTIVE above
+    `settings.dcgm_tolerance`, the band within which an idle GPU's readings fall."""
+    start_ns, end_ns = hour_bounds_ns(hour)
+    logged = set(_steps_of_hour(steps, hour, pool)["replica"].unique().to_list())
+    activity = dict(
+        dcgm.filter(pl.col("timestamp_ns").is_between(start_ns, end_ns, closed="left"))
+        .group_by("uuid")
+        .agg(pl.col("value").mean())
+        .iter_rows()
+    )
+    band = settings.dcgm_tolerance
+    results = []
+    for replica in pool.replicas:
+        seen = [activity[uuid] for uuid in replica.gpu_uuids if uuid in activity]
+        active = sum(seen) / len(seen) if seen else None
+        findings = []
+        if replica.id not in logged and active is not None and active > band:
+            findings.append(
+                _Finding(
+                    "silent_replica",
+                    "ERROR",
+                    True,
+                    f"no step log from replica {replica.id} (host {replica.hostname}) in hour "
+                    f"{hour_key(hour)} while DCGM shows its GPUs {active:.1%} busy (idle band "
+                    f"±{band:.0%}): its segments are missing, and billing the hour would charge "
+                    "its work as idle",
+                )
+            )
+        observed = f"{'steps logged' if replica.id in logged else 'no steps'}; " + (
+            f"DCGM mean {active:.3f}" if active is not None else "no DCGM samples"
+        )
+        results.append(
+            _result(
+                hour,
+                pool.name,
+                replica.id,
+                "silence",
+                f"steps logged whenever DCGM activity exceeds {band:.2f}",
+                observed,
+                findings,
+                passed_detail=observed,
+                severity="ERROR",
+                blocking=True,
+            )
+        )
+    return results
+
+
 # --- one pool-hour, from the lake, the warehouse and the DCGM scrapes ----------------------
 
 
@@ -1034,6 +1133,8 @@ CHECKS = (
     "unattributed",
     "calibration",
     "calibration_drift",
+    "clock",
+    "silence",
 )
 
 
@@ -1139,6 +1240,7 @@ def reconcile_hour(
     )
     at_hour = [to_warehouse(hour), pool.name]
     invoices = query_frame(con, "SELECT * FROM invoices WHERE hour = ? AND pool = ?", at_hour)
+    dcgm = read_dcgm_hour(dcgm_dir, hour)
     lines = query_frame(con, "SELECT * FROM ledger_lines WHERE hour = ? AND pool = ?", at_hour)
     results = [
         *check_sequence(
@@ -1152,7 +1254,9 @@ def reconcile_hour(
         ),
         *check_time(hour, pool, steps, settings),
         *check_money(hour, pool, invoices, lines),
-        *check_plausibility(hour, pool, steps, read_dcgm_hour(dcgm_dir, hour), settings),
+        *check_plausibility(hour, pool, steps, dcgm, settings),
+        *check_silence(hour, pool, steps, dcgm, settings),
+        *check_clock(hour, pool, _pool_rows(con, "clock_jumps", pool)),
         *check_unattributed(hour, pool, lines),
         *check_calibration_of_hour(con, pool, hour, data, settings, store),
     ]

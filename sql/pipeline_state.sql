@@ -83,6 +83,44 @@ CREATE TABLE IF NOT EXISTS drops (
     batch_id  VARCHAR NOT NULL
 );
 
+-- Segments whose wall-clock anchor stepped away from the monotonic clock of the replica's
+-- previous segment (same boot: earlier sequence numbers, earlier monotonic anchor). Their steps
+-- are placed by the previous segment's clock shift (placed_shift_ns, UTC = monotonic + shift);
+-- jump_ns is how far the header's wall clock was off. first_start_utc_ns: the placed UTC start
+-- of the segment's first step (the hour the finding belongs to).
+CREATE TABLE IF NOT EXISTS clock_jumps (
+    segment_id          VARCHAR NOT NULL PRIMARY KEY,
+    path                VARCHAR NOT NULL,
+    pool                VARCHAR NOT NULL,
+    replica             VARCHAR NOT NULL,
+    first_seq           BIGINT  NOT NULL,
+    previous_segment_id VARCHAR NOT NULL,
+    placed_shift_ns     BIGINT  NOT NULL,
+    jump_ns             BIGINT  NOT NULL,
+    first_start_utc_ns  BIGINT  NOT NULL,
+    batch_id            VARCHAR NOT NULL
+);
+
+-- Every lake file ingest wrote (path relative to the lake) and its content hash: attribution
+-- refuses a file whose bytes differ from what was written.
+CREATE TABLE IF NOT EXISTS lake_files (
+    path     VARCHAR NOT NULL PRIMARY KEY,
+    sha256   VARCHAR NOT NULL,
+    batch_id VARCHAR NOT NULL
+);
+
+-- Pages owed to on-call (pipeline.alerts): recorded before any delivery is tried, retried with
+-- backoff until the sink accepts each one, once per dedup_key. delivered_at NULL: still owed.
+CREATE TABLE IF NOT EXISTS alert_outbox (
+    dedup_key       VARCHAR   NOT NULL PRIMARY KEY,
+    alert           VARCHAR   NOT NULL,
+    enqueued_at     TIMESTAMP NOT NULL,
+    attempts        BIGINT    NOT NULL,
+    next_attempt_at TIMESTAMP NOT NULL,
+    last_error      VARCHAR,
+    delivered_at    TIMESTAMP
+);
+
 -- Sequence ranges missing between consecutive ingested segments of a replica.
 CREATE OR REPLACE VIEW sequence_gaps AS
 SELECT pool, replica, first_missing_seq, last_missing_seq,

@@ -7,7 +7,7 @@ import json
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 
 import click
@@ -15,21 +15,24 @@ import dagster as dg
 
 from assets.definitions import build_definitions
 from assets.partitions import partition_key
+from assets.resources import warehouse_path
+from assets.runner import QUIET_RUN_CONFIG, pool_hour_outcome
+from pipeline import alerts
 from pipeline.datadir import hours_in_data, pools_file
 from pipeline.hours import hour_key, parse_hour_key
+from pipeline.reconcile import failed_checks
+from pipeline.warehouse import connect
 from schemas.config import load_pools
-
-# Dagster's console logger prints every step event; the CLI shows a progress bar instead.
-QUIET_RUN_CONFIG = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
 
 
 @dataclass(frozen=True)
 class PoolHourRun:
     hour: datetime
     pool: str
-    success: bool
+    success: bool  # the Dagster run succeeded: no step failed and no check failed with ERROR
+    held_back: bool  # a blocking check failed: the finance views leave the hour out
     failed_checks: list[str]  # "name: detail" of every failed check
-    error: str | None  # the first step failure, when a step raised
+    error: str | None  # the root cause of the first step failure that is not a failed check
 
 
 def run_pool_hours(
@@ -39,11 +42,16 @@ def run_pool_hours(
     warehouse: Path | None = None,
     on_done: Callable[[PoolHourRun], None] | None = None,
 ) -> list[PoolHourRun]:
-    """Materialize every (hour, pool) in order, in-process, on one ephemeral Dagster instance."""
+    """Materialize every (hour, pool) in order, in-process, on one ephemeral Dagster instance.
+
+    A failed pool-hour owes on-call the same pages as under the daemon (`pipeline.alerts`:
+    recorded in the outbox, delivered now if the sink accepts, else by the delivery sensor or
+    the next run)."""
     warnings.filterwarnings("ignore", module="dagster")
     pools = load_pools(pools_file(data_dir))
     defs = build_definitions(pools, data_dir.resolve(), warehouse.resolve() if warehouse else None)
     job = defs.resolve_job_def("pool_hour_job")
+    state_file = warehouse.resolve() if warehouse else warehouse_path(data_dir.resolve())
     runs = []
     with dg.DagsterInstance.ephemeral() as instance:
         for hour in hours:
@@ -54,28 +62,23 @@ def run_pool_hours(
                     run_config=QUIET_RUN_CONFIG,
                     raise_on_error=False,
                 )
-                # A failed blocking check also fails its step; only other failures are errors.
-                failures = [
-                    error
-                    for e in result.get_step_failure_events()
-                    if (error := e.step_failure_data.error) is not None
-                    and error.cls_name != "DagsterAssetCheckFailedError"
-                ]
-                run = PoolHourRun(
-                    hour=hour,
-                    pool=pool.name,
-                    success=result.success,
-                    failed_checks=[
-                        f"{e.check_name}: {e.metadata['detail'].value}"
-                        for e in result.get_asset_check_evaluations()
-                        if not e.passed
-                    ],
-                    error=failures[0].message.strip() if failures else None,
-                )
+                run = PoolHourRun(hour=hour, pool=pool.name, **pool_hour_outcome(result))
                 runs.append(run)
+                _page(state_file, run, result.run_id)
                 if on_done:
                     on_done(run)
     return runs
+
+
+def _page(state_file: Path, run: PoolHourRun, run_id: str) -> None:
+    now = datetime.now(UTC)
+    with connect(state_file) as con:
+        if not run.success:
+            findings = failed_checks(con, run.pool, run.hour)
+            alerts.enqueue(
+                con, alerts.hour_alerts(findings, run.pool, run.hour, run_id, run.error, now)
+            )
+        alerts.deliver_due(con, alerts.sink_from_env(), now)
 
 
 def run_with_progress(
@@ -95,11 +98,7 @@ def run_with_progress(
             progress.advance(task)
             if quiet:
                 return
-            status = (
-                "[green]published[/green]"
-                if run.success and not run.error
-                else "[red]held back[/red]"
-            )
+            status = "[red]held back[/red]" if run.held_back else "[green]published[/green]"
             if run.error:
                 status = f"[red]failed[/red]: {run.error.splitlines()[0]}"
             console.print(f"{hour_key(run.hour)} {run.pool}: {status}")
@@ -131,7 +130,7 @@ def run_with_progress(
     "--warehouse",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help="the DuckDB file (default: DATA/warehouse.duckdb)",
+    help="the pipeline's state file (default: DATA/pipeline.duckdb)",
 )
 @click.option(
     "--json", "as_json", is_flag=True, help="print one JSON object per pool-hour run, as an array"

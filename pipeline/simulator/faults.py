@@ -28,6 +28,13 @@ clock-skew[=SECONDS]         The replica's wall clock runs slow by SECONDS per h
                              36, i.e. 1%). Every segment re-reads the wall clock when it opens,
                              so consecutive segments' UTC ranges overlap and drift off the
                              true hour.
+clock-jump[=SECONDS]         Halfway through the span the replica's wall clock steps by SECONDS
+                             (default 7200; negative steps it back), as a bad NTP source or a
+                             hand-set clock does. The recorder opens a segment there, anchored
+                             on the stepped wall clock; the monotonic clock runs on.
+silent-replica               The replica's segments are never delivered (a recorder whose outbox
+                             is not shipped), while DCGM shows its GPUs busy and the gateway
+                             its requests.
 missing-context[=FRACTION]   FRACTION of requests (default 0.05) have no gateway line.
 idle-replica                 One replica receives no traffic; it still reports DCGM samples.
 host-stall[=FRACTION]        Every step of the replica waits on the host for FRACTION of its GPU
@@ -65,6 +72,8 @@ FAULTS: dict[str, tuple[float | None, str | None, str]] = {
         "a directory, FIFO, dangling symlink, symlink loop and unreadable file named like segments",
     ),
     "clock-skew": (36.0, "SECONDS", "a replica's wall clock runs slow by SECONDS per hour"),
+    "clock-jump": (7200.0, "SECONDS", "a replica's wall clock steps by SECONDS halfway through"),
+    "silent-replica": (None, None, "a replica's segments are never delivered"),
     "missing-context": (0.05, "FRACTION", "FRACTION of requests have no gateway line"),
     "idle-replica": (None, None, "one replica gets no traffic"),
     "host-stall": (0.5, "FRACTION", "steps wait on the host for FRACTION of their GPU time"),
@@ -112,6 +121,10 @@ def validate_fault(name: str, value: float | None) -> float | None:
         raise FaultError(f"fault {name!r}: fraction {value} must be positive")
     if name == "clock-skew" and not 0.0 < value < 3600.0:
         raise FaultError(f"fault {name!r}: {value} seconds per hour must be in (0, 3600)")
+    if name == "clock-jump" and not 60.0 <= abs(value) <= 86_400.0:
+        raise FaultError(
+            f"fault {name!r}: a step of {value} seconds must be 60 to 86400 either way"
+        )
     return value
 
 
@@ -121,6 +134,8 @@ class ReplicaFaults:
 
     drop_window_ns: tuple[int, int] | None = None  # steps starting in [a, b) are dropped
     wall_rate: float = 1.0  # wall-clock seconds per true second
+    # (from ns into the span, step ns): the wall clock steps once
+    wall_jump: tuple[int, int] | None = None
     host_stall_fraction: float = 0.0
     engine_version: str = ENGINE_VERSION
 
@@ -145,6 +160,17 @@ def damage_segments(
     """Apply the file faults to `replica`'s delivered `segments`; what was done, by fault."""
     notes: dict[str, str] = {}
     wanted = [name for name in FILE_FAULTS if name in faults]
+    if "silent-replica" in faults:
+        if wanted:
+            raise FaultError(
+                f"fault 'silent-replica' leaves no segment for {wanted[0]!r} to damage"
+            )
+        for segment in segments:
+            segment.unlink()
+        return {
+            "silent-replica": f"{replica}: none of its {len(segments)} segment(s) delivered; "
+            "DCGM and the gateway still show its work"
+        }
     if not wanted:
         return notes
     if not segments:

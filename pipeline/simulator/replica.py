@@ -149,7 +149,7 @@ def simulate_replica(
         gpus_per_replica=pool.gpus_per_replica,
         kv_block_size=pool.kv_block_size,
     )
-    log = _Log(outbox, header, start_wall_ns, faults.wall_rate)
+    log = _Log(outbox, header, start_wall_ns, faults.wall_rate, faults.wall_jump)
     arrivals = engine.arrival_ns
     total_blocks = engine_settings.total_kv_blocks
     busy_start: list[np.ndarray] = []
@@ -255,27 +255,37 @@ class _Log:
     """Feeds steps to one StepRecorder per rotation window, continuing sequence numbers."""
 
     def __init__(
-        self, outbox: Path, header: SegmentHeader, start_wall_ns: int, wall_rate: float
+        self,
+        outbox: Path,
+        header: SegmentHeader,
+        start_wall_ns: int,
+        wall_rate: float,
+        wall_jump: tuple[int, int] | None = None,
     ) -> None:
         self.outbox = outbox
         self.header = header
         self.start_wall_ns = start_wall_ns
         self.wall_rate = wall_rate
+        self.wall_jump = wall_jump
         self.recorder: StepRecorder | None = None
-        self.window = -1
+        self.window: tuple[int, bool] = (-1, False)
         self.next_seq = 0
         self.dropped = 0
         self.segments: list[Path] = []
 
     def _recorder_for(self, start_ns: int) -> StepRecorder:
-        window = start_ns // ROTATE_NS
+        jumped = self.wall_jump is not None and start_ns >= self.wall_jump[0]
+        window = (start_ns // ROTATE_NS, jumped)
         if window != self.window:
             self.close()
-            opened = window * ROTATE_NS
+            opened = window[0] * ROTATE_NS
+            wall_ns = self.start_wall_ns + round(opened * self.wall_rate)
+            if jumped and self.wall_jump is not None:
+                # The recorder rotates where the clock stepped, so the new segment is anchored on it.
+                opened = max(opened, self.wall_jump[0])
+                wall_ns = self.start_wall_ns + round(opened * self.wall_rate) + self.wall_jump[1]
             # A skewed wall clock is read, like the real one, when the segment opens.
-            clock = _FrozenClock(
-                BOOT_AGE_NS + opened, self.start_wall_ns + round(opened * self.wall_rate)
-            )
+            clock = _FrozenClock(BOOT_AGE_NS + opened, wall_ns)
             self.recorder = StepRecorder(
                 self.outbox,
                 self.header,

@@ -115,6 +115,13 @@ def _replica_faults(
         notes["clock-skew"] = (
             f"{replica}: wall clock runs slow by {faults['clock-skew']:g} s per hour"
         )
+    wall_jump = None
+    if "clock-jump" in faults:
+        jump_s = faults["clock-jump"] or 0.0
+        wall_jump = (span_ns // 2, round(jump_s * 1e9))
+        notes["clock-jump"] = (
+            f"{replica}: wall clock steps by {jump_s:+g} s at {span_ns / 2e9:.0f} s into the span"
+        )
     stall = faults.get("host-stall") or 0.0
     if "host-stall" in faults:
         notes["host-stall"] = (
@@ -127,6 +134,7 @@ def _replica_faults(
     return ReplicaFaults(
         drop_window_ns=drop_window,
         wall_rate=wall_rate,
+        wall_jump=wall_jump,
         host_stall_fraction=stall,
         engine_version=version,
     )

@@ -5,17 +5,18 @@ import shutil
 from pathlib import Path
 
 import dagster as dg
+import duckdb
 import pytest
 
 from assets.definitions import build_definitions
 from assets.partitions import partition_key
+from assets.runner import QUIET_RUN_CONFIG as QUIET
 from assets.runner import pool_hour_outcome
 from pipeline import finance
 from pipeline.ingest import segment_files
+from pipeline.warehouse import STATE_FILE
 from tests.helpers.fleets import small_pools
 from tests.helpers.hours import SIMULATED_HOUR
-
-QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
 
 
 def test_a_failed_blocking_check_holds_the_hour_back_and_pages_once(
@@ -73,4 +74,8 @@ def test_a_failed_blocking_check_holds_the_hour_back_and_pages_once(
         ("chat-8b", "chat-8b-r1", "2026-11-30T00")
     ]
     assert len(paged) == len({a["dedup_key"] for a in paged})
-    assert (data / "alerts_sent.keys").read_text().split() == [a["dedup_key"] for a in paged]
+    with duckdb.connect(str(data / STATE_FILE), read_only=True) as con:
+        delivered = con.execute(
+            "SELECT dedup_key FROM alert_outbox WHERE delivered_at IS NOT NULL ORDER BY enqueued_at"
+        ).fetchall()
+    assert [key for (key,) in delivered] == [a["dedup_key"] for a in paged]

@@ -13,6 +13,7 @@ import yaml
 from assets.cli.demo import calibrate_from_segments
 from assets.definitions import build_definitions
 from assets.partitions import partition_key
+from assets.runner import QUIET_RUN_CONFIG as QUIET
 from assets.runner import pool_hour_outcome
 from pipeline import finance
 from pipeline.simulator import simulate
@@ -20,8 +21,6 @@ from pipeline.simulator.faults import DRIVER_VERSION, ENGINE_VERSION, UNCALIBRAT
 from schemas.config import PoolsFile
 from tests.helpers.fleets import SIMULATED_HOURS, small_pools
 from tests.helpers.hours import SIMULATED_HOUR
-
-QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
 
 
 def run_hour(data: Path, pools: PoolsFile) -> dg.ExecuteInProcessResult:

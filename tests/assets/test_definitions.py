@@ -138,4 +138,6 @@ def test_checks_are_per_pool_hour_described_and_only_those_holding_an_hour_back_
         "unattributed": " The hour is published either way",
         "calibration": " The hour is published either way",
         "calibration_drift": " The hour is published either way",
+        "clock": " The hour is published either way",
+        "silence": " A failure holds the hour back",
     }

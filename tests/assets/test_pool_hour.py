@@ -9,14 +9,13 @@ import pytest
 from assets.definitions import build_definitions
 from assets.partitions import partition_key
 from assets.resources import StepledgerData
+from assets.runner import QUIET_RUN_CONFIG as QUIET
 from pipeline import finance
 from pipeline.ingest import segment_files
 from pipeline.reconcile import CHECKS
 from pipeline.warehouse import STATE_FILE, connect
 from tests.helpers.fleets import small_pools
 from tests.helpers.hours import SIMULATED_HOUR
-
-QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
 
 
 def run_hour(data: Path, instance: dg.DagsterInstance) -> dg.ExecuteInProcessResult:

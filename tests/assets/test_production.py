@@ -229,9 +229,11 @@ def test_two_pool_hours_run_through_the_queue_on_postgres(
         (
             "calibration",
             "calibration_drift",
+            "clock",
             "money",
             "plausibility",
             "sequence",
+            "silence",
             "time",
             "unattributed",
         )

@@ -15,7 +15,7 @@ import pytest
 from pipeline.simulator.faults import damage_segments
 from pipeline.warehouse import connect_read_only
 from schemas.config import PoolsFile
-from tests.helpers.fleets import bill, rerecord, simulate_small, small_pools
+from tests.helpers.fleets import bill, costs, rerecord, simulate_small, small_pools
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -32,17 +32,6 @@ def fleet(tmp_path_factory) -> tuple[PoolsFile, Path]:
     rerecord(data, rotate_bytes=SEGMENT_BYTES)
     assert len(list((data / "outbox" / REPLICA).glob("*.seg"))) >= 3
     return pools, data
-
-
-def costs(data: Path) -> dict:
-    """What finance sees: published money by tenant, feature and line kind; the held-back hours."""
-    with connect_read_only(data / "warehouse.duckdb") as con:
-        published = con.execute(
-            "SELECT tenant, feature, line_kind, sum(amount_nano)::BIGINT FROM published_ledger_lines "
-            "GROUP BY ALL ORDER BY ALL"
-        ).fetchall()
-        held = con.execute("SELECT pool, reason FROM held_back_hours").fetchall()
-    return {"published": published, "held_back": held}
 
 
 def billed(data: Path, pools: PoolsFile) -> bool:

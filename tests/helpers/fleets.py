@@ -7,6 +7,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from assets.runner import QUIET_RUN_CONFIG as QUIET
 from schemas.config import PoolsFile, load_pools
 from tests.helpers.hours import SIMULATED_HOUR
 
@@ -15,7 +16,6 @@ if TYPE_CHECKING:
 
 # Three simulated minutes: enough traffic for every kind of ledger line.
 SIMULATED_HOURS = 0.05
-QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
 
 
 def small_pools(
@@ -76,6 +76,19 @@ def bill(
         )
         for pool in pools.pools
     ]
+
+
+def costs(data: Path) -> dict:
+    """What finance sees: published money by tenant, feature and line kind; the held-back hours."""
+    from pipeline.warehouse import STATE_FILE, connect_read_only
+
+    with connect_read_only(data / STATE_FILE) as con:
+        published = con.execute(
+            "SELECT tenant, feature, line_kind, sum(amount_nano)::BIGINT FROM published_ledger_lines "
+            "GROUP BY ALL ORDER BY ALL"
+        ).fetchall()
+        held = con.execute("SELECT pool, reason FROM held_back_hours").fetchall()
+    return {"published": published, "held_back": held}
 
 
 def rerecord(
@@ -160,4 +173,6 @@ BLOCKING_CHECKS = {
     "unattributed": False,
     "calibration": False,
     "calibration_drift": False,
+    "clock": False,
+    "silence": True,
 }

@@ -1,0 +1,211 @@
+"""Every measured step is billed once, or its hour is held back and paged: a simulated fleet
+whose replica's wall clock jumps, or whose replica's segments never arrive, billed through the
+pool-hour job against the same fleet without the fault."""
+
+from __future__ import annotations
+
+import json
+import threading
+from datetime import UTC, datetime, timedelta
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+from typing import ClassVar
+
+import dagster as dg
+import duckdb
+import polars as pl
+import pytest
+
+from assets.cli.run import run_pool_hours
+from pipeline import alerts
+from pipeline.warehouse import STATE_FILE, connect, connect_read_only
+from schemas.config import PoolsFile
+from tests.helpers.fleets import bill, costs, simulate_small, small_pools
+from tests.helpers.hours import SIMULATED_HOUR
+
+pytestmark = pytest.mark.timeout(600)
+
+REPLICA = "chat-8b-r0"
+
+
+def failed_findings(data: Path) -> list[tuple]:
+    with connect_read_only(data / STATE_FILE) as con:
+        return con.execute(
+            "SELECT check_name, replica, severity, blocking, finding, detail FROM reconciliation "
+            "WHERE NOT passed ORDER BY ALL"
+        ).fetchall()
+
+
+def billed(data: Path, pools: PoolsFile) -> bool:
+    with dg.DagsterInstance.ephemeral() as instance:
+        (result,) = bill(data, pools, instance)
+    return result.success
+
+
+@pytest.fixture(scope="module")
+def pools() -> PoolsFile:
+    return small_pools()
+
+
+@pytest.fixture(scope="module")
+def unfaulted(pools, tmp_path_factory) -> dict:
+    data = simulate_small(tmp_path_factory.mktemp("unfaulted") / "fleet", pools)
+    assert billed(data, pools)
+    money = costs(data)
+    assert money["published"] and money["held_back"] == []
+    return {**money, "findings": failed_findings(data)}
+
+
+def new_findings(data: Path, unfaulted: dict) -> list[tuple]:
+    """The failed results the fault added to those of the fleet without it."""
+    return [f for f in failed_findings(data) if f not in unfaulted["findings"]]
+
+
+@pytest.mark.parametrize("jump_s", [7200.0, -7200.0, 90.0])
+def test_a_wall_clock_jump_is_placed_by_the_monotonic_clock_and_reported(
+    pools, unfaulted, tmp_path: Path, jump_s: float
+) -> None:
+    data = simulate_small(tmp_path / "fleet", pools, faults={"clock-jump": jump_s})
+    assert billed(data, pools)
+    assert {**costs(data), "findings": unfaulted["findings"]} == unfaulted
+    ((check, replica, severity, blocking, finding, detail),) = new_findings(data, unfaulted)
+    assert (check, replica, severity, blocking, finding) == (
+        "clock",
+        REPLICA,
+        "WARN",
+        False,
+        "clock_jump",
+    )
+    assert f"the wall clock stepped {jump_s:+.3f} s against the monotonic clock" in detail
+    with duckdb.connect(str(data / STATE_FILE), read_only=True) as con:
+        ((jump_ns, path),) = con.execute("SELECT jump_ns, path FROM clock_jumps").fetchall()
+    assert jump_ns == round(jump_s * 1e9)
+    assert detail.startswith(f"{path}: ")
+
+
+def test_a_clock_step_within_the_tolerance_is_left_to_the_time_check(
+    pools, unfaulted, tmp_path: Path
+) -> None:
+    """A minute is within what the jump detection tolerates: the steps stay where the wall
+    clock put them, and the time check reports the skew."""
+    data = simulate_small(tmp_path / "fleet", pools, faults={"clock-jump": 60.0})
+    assert not billed(data, pools)
+    assert costs(data)["held_back"] == [("chat-8b", "failed blocking checks: time")]
+    assert [f[:5] for f in new_findings(data, unfaulted)] == [
+        ("time", REPLICA, "ERROR", True, "clock_skew")
+    ]
+
+
+def test_a_silent_replica_whose_gpus_are_busy_holds_the_hour_back(
+    pools, unfaulted, tmp_path: Path
+) -> None:
+    data = simulate_small(tmp_path / "fleet", pools, faults={"silent-replica": None})
+    assert not list((data / "outbox" / REPLICA).glob("*.seg"))
+    assert not billed(data, pools)
+    money = costs(data)
+    assert money["published"] == []
+    assert money["held_back"] == [("chat-8b", "failed blocking checks: silence")]
+    silence = [f for f in new_findings(data, unfaulted) if f[0] == "silence"]
+    ((_, replica, severity, blocking, finding, detail),) = silence
+    assert (replica, severity, blocking, finding) == (REPLICA, "ERROR", True, "silent_replica")
+    assert detail.startswith(f"no step log from replica {REPLICA} (host ")
+    assert "billing the hour would charge its work as idle" in detail
+
+
+class _Sink(BaseHTTPRequestHandler):
+    """A webhook that answers HTTP 500 while `down`, else 200; it keeps what it accepted."""
+
+    down = True
+    accepted: ClassVar[list[dict]] = []
+    refused = 0
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if type(self).down:
+            type(self).refused += 1
+            self.send_response(500)
+        else:
+            type(self).accepted.append(body)
+            self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def webhook(monkeypatch: pytest.MonkeyPatch):
+    _Sink.down, _Sink.accepted, _Sink.refused = True, [], 0
+    server = HTTPServer(("127.0.0.1", 0), _Sink)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    monkeypatch.setenv(
+        "STEPLEDGER_ALERT_WEBHOOK_URL", f"http://127.0.0.1:{server.server_port}/hook"
+    )
+    monkeypatch.setenv("STEPLEDGER_ALERT_FORMAT", "slack")
+    monkeypatch.delenv("STEPLEDGER_PAGERDUTY_ROUTING_KEY", raising=False)
+    yield _Sink
+    server.shutdown()
+
+
+def outbox(data: Path) -> list[tuple]:
+    with duckdb.connect(str(data / STATE_FILE), read_only=True) as con:
+        return con.execute(
+            "SELECT alert::JSON->>'kind', attempts, last_error, delivered_at IS NOT NULL "
+            "FROM alert_outbox ORDER BY ALL"
+        ).fetchall()
+
+
+def test_a_page_the_sink_refuses_is_owed_until_it_accepts_then_delivered_once(
+    pools, tmp_path: Path, webhook
+) -> None:
+    data = simulate_small(tmp_path / "fleet", pools, faults={"silent-replica": None})
+    (run,) = run_pool_hours(data, [SIMULATED_HOUR])
+    assert not run.success
+    # The sink answered 500: the page is owed, not lost.
+    assert webhook.refused == 1 and webhook.accepted == []
+    ((kind, attempts, error, delivered),) = outbox(data)
+    assert (kind, attempts, delivered) == ("silence", 1, False)
+    assert "HTTP 500" in error and "/hook" not in error
+    with connect(data / STATE_FILE) as con:
+        now = datetime.now(UTC)
+        # Not due yet: the first retry waits a minute.
+        assert alerts.deliver_due(con, alerts.sink_from_env(), now) == []
+        assert webhook.refused == 1
+        # Owed past the dead-man delay, it is a finding of its own.
+        late = now + timedelta(minutes=pools.settings.deadman_minutes, seconds=1)
+        (overdue,) = alerts.undelivered(con, late, pools.settings)
+        assert (overdue.check_name, overdue.finding) == ("alert_delivery", "undelivered")
+        webhook.down = False
+        (sent,) = alerts.deliver_due(con, alerts.sink_from_env(), now + alerts.FIRST_RETRY)
+        assert sent.kind == "silence" and alerts.undelivered(con, late, pools.settings) == []
+    # Running the hour again finds the same finding: it is not paged a second time.
+    (again,) = run_pool_hours(data, [SIMULATED_HOUR])
+    assert not again.success
+    assert len(webhook.accepted) == 1
+    assert webhook.accepted[0]["text"].startswith("[ERROR] stepledger silence failed for chat-8b/")
+    assert outbox(data)[0][1:] == (2, None, True)
+
+
+def test_a_lake_file_rewritten_after_ingest_fails_the_hour_and_keeps_the_money(
+    pools, unfaulted, tmp_path: Path
+) -> None:
+    data = simulate_small(tmp_path / "fleet", pools)
+    assert billed(data, pools)
+    (steps_file, *_) = sorted((data / "lake" / "steps").glob(f"pool=chat-8b/*/{REPLICA}.*.parquet"))
+    steps = pl.read_parquet(steps_file)
+    # A reader with write access doubles every step's duration: more usage, less idle.
+    steps.with_columns(pl.col("end_ns") + (pl.col("end_ns") - pl.col("start_ns"))).write_parquet(
+        steps_file
+    )
+    with dg.DagsterInstance.ephemeral() as instance:
+        (result,) = bill(data, pools, instance)
+    assert not result.success
+    (failure,) = result.get_step_failure_events()
+    message = failure.event_specific_data.error.cause.message
+    assert message.startswith(f"pipeline.lake.LakeFileChanged: {steps_file}: sha256 ")
+    assert "was changed after ingest" in message
+    assert costs(data) == {k: v for k, v in unfaulted.items() if k != "findings"}
+    # `stepledger run` shows the root cause, not Dagster's "Error occurred while executing".
+    (run,) = run_pool_hours(data, [SIMULATED_HOUR])
+    assert run.error == message.strip()
