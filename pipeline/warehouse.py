@@ -96,7 +96,11 @@ def attach_warehouse(
 ) -> None:
     """Attach the DuckLake in `directory` as `ledger`: read-only, or for writing (created if
     missing); `as_of` a snapshot id or a time (the last snapshot at or before it)."""
-    options = ["READ_ONLY"] if read_only else [f"DATA_PATH {_quoted(directory / DATA_FILES_DIR)}"]
+    # The catalog stores the data path it was created with; a data directory moved or restored
+    # elsewhere must still find its files, so the path is always given and overrides it.
+    options = [f"DATA_PATH {_quoted(directory / DATA_FILES_DIR)}", "OVERRIDE_DATA_PATH true"]
+    if read_only:
+        options.append("READ_ONLY")
     if isinstance(as_of, datetime):
         if as_of.tzinfo is None:
             raise WarehouseError(f"as of {as_of.isoformat()}: give a time zone (e.g. +00:00)")

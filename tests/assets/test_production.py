@@ -18,10 +18,10 @@ from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 
-import duckdb
 import pytest
 import yaml
 
+from pipeline import finance
 from schemas.config import PoolsFile
 from tests.helpers.dagster_processes import (
     descendants,
@@ -242,7 +242,7 @@ def test_two_pool_hours_run_through_the_queue_on_postgres(
         [name, f"{HOUR_KEY}|{pool}"] for name in check_names for pool in ("chat-8b", "chat-8b-eu")
     )
 
-    with duckdb.connect(str(two_pool_data / "warehouse.duckdb"), read_only=True) as con:
+    with finance.connect(two_pool_data) as con:
         invoices = con.execute(
             "SELECT pool, hour, amount_nano FROM invoices ORDER BY pool"
         ).fetchall()
