@@ -71,6 +71,8 @@ REQUEST_COST_SCHEMA = {
     "cached_tokens": pl.Int64,
     "prompt_tokens": pl.Int64,
     "output_tokens": pl.Int64,
+    # The ledger line the request's charge is on: usage, unattributed or platform_retry.
+    "line_kind": pl.String,
 }
 REPLICA_FACTS_SCHEMA = {
     "replica": pl.String,
