@@ -152,7 +152,10 @@ def _explain_hour(
         inputs = load_inputs(lake, pool.name, hour)
     except FileNotFoundError as err:
         raise ExplainError(str(err)) from err
-    weights = weight_source(pool, inputs.engine, data_dir / CALIBRATION_FILE)
+    try:
+        weights = weight_source(pool, inputs.engine, data_dir / CALIBRATION_FILE)
+    except ValueError as err:  # the fitted weights' calibration is gone
+        raise ExplainError(f"{hour_key(hour)} {pool.name}: {err}") from err
     data = load_hour(lake, pool.name, hour, inputs.batches)
     hour_steps, _ = _hour_steps(hour_start_ns(hour), pool, data.steps)
     price = pool.gpus_per_replica * pool.nano_per_gpu_hour

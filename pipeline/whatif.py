@@ -104,7 +104,10 @@ def what_if(data_dir: Path, start: datetime, end: datetime, settings: dict[str, 
                 inputs = load_inputs(lake, pool.name, hour)
             except FileNotFoundError as err:
                 raise WhatIfError(str(err)) from err
-            weights = weight_source(pool, inputs.engine, data_dir / CALIBRATION_FILE)
+            try:
+                weights = weight_source(pool, inputs.engine, data_dir / CALIBRATION_FILE)
+            except ValueError as err:  # no calibration for the fitted weights
+                raise WhatIfError(f"{hour_key(hour)} {pool_name}: {err}") from err
             ledger = attribute_pool_hour(lake, pool, inputs, weights)
             before = con.execute(_LINES, [stored, pool_name]).pl()
             after = ledger.ledger_lines.group_by("tenant", "feature").agg(

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 import pyarrow as pa
@@ -20,6 +21,9 @@ import pyarrow.parquet as pq
 from pipeline import finance
 from pipeline.hours import parse_range_bound, to_warehouse
 from pipeline.warehouse import WarehouseError
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 # --by name -> the columns it groups by, in the order they are listed. A feature belongs to a
 # tenant, so grouping by feature keeps the tenant.
@@ -59,7 +63,8 @@ class CostFilter:
     def where(self, *, held_back: bool = False) -> tuple[str, list[object]]:
         """The SQL condition and its parameters (`held_back`: for held_back_hours, which has
         hours and pools only)."""
-        conditions, params = ["TRUE"], []
+        conditions: list[str] = ["TRUE"]
+        params: list[object] = []
         if self.start is not None:
             conditions.append("hour >= ?")
             params.append(to_warehouse(self.start))
@@ -192,9 +197,19 @@ HEADINGS = {
 _NAME_COLUMNS = ("day", "hour", "pool", "tenant", "feature", "line_kind")
 
 
-def print_report(report: dict[str, list[dict[str, object]]], title: str) -> None:
+def print_wide(table: Table) -> None:
+    """Print a table without cutting a name or a number: wider than the terminal rather than
+    wrapped."""
     from rich.console import Console
     from rich.measure import Measurement
+
+    wide = Console(width=1 << 12)
+    needed = Measurement.get(wide, wide.options, table).maximum
+    Console(width=max(Console().width, needed)).print(table)
+
+
+def print_report(report: dict[str, list[dict[str, object]]], title: str) -> None:
+    from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
@@ -213,10 +228,7 @@ def print_report(report: dict[str, list[dict[str, object]]], title: str) -> None
         for row in report["costs"]:
             # Text, not markup: a tenant may be named "[bold]x[/]".
             table.add_row(*(Text(_cell(c, row[c])) for c in columns))
-        # Never cut a name or a number: print wider than the terminal rather than wrap.
-        wide = Console(width=1 << 12)
-        needed = Measurement.get(wide, wide.options, table).maximum
-        Console(width=max(console.width, needed)).print(table)
+        print_wide(table)
     if report["held_back"]:
         held = Table(title="held back from the finance views")
         for column in ("hour", "pool", "amount_nano", "reason"):

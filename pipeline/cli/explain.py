@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from pipeline.cli.costs import print_wide
 from pipeline.warehouse import WarehouseError
 
 
@@ -96,7 +97,7 @@ def print_explanation(explanation: object) -> None:
                 f"{step['step_kv_blocks']:.1f}",
                 f"{step['kv_block_seconds']:.4f}",
             )
-        console.print(table)
+        print_wide(table)
 
 
 @click.command("explain")

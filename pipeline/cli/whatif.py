@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from pipeline.cli.costs import parse_range
+from pipeline.cli.costs import parse_range, print_wide
 from pipeline.warehouse import WarehouseError
 
 
@@ -95,7 +95,7 @@ def whatif_command(
             f"{row['change_nano']:+,}",
             _percent(row["change_pct"]),
         )
-    console.print(table)
+    print_wide(table)
     hours = result.hours
     console.print(
         f"{hours.height} pool-hour(s), invoices {int(hours['invoice_nano'].sum()):,} nano-dollars: "

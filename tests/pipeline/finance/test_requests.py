@@ -118,7 +118,7 @@ def test_whatif_changes_costs_without_publishing(billed: Path) -> None:
             "--set",
             "idle=capacity_owner",
             "--set",
-            "alpha=1",
+            "alpha=0.5",
             "--json",
         ],
     )
@@ -126,15 +126,36 @@ def test_whatif_changes_costs_without_publishing(billed: Path) -> None:
     scenario = json.loads(result.stdout)
     assert scenario["balanced"] is True
     (hour,) = scenario["hours"]
-    assert hour["before_nano"] == hour["after_nano"] == hour["invoice_nano"]
-    changes = {(r["tenant"], r["feature"]): r for r in scenario["changes"]}
-    assert sum(r["change_nano"] for r in changes.values()) == 0
-    # All idle goes to the capacity owner instead of being spread and held as headroom.
-    assert changes[("platform-inference", "(idle)")]["change_nano"] > 0
-    assert changes[("platform-inference", "(idle)")]["before_nano"] == 0
+    assert hour["before_nano"] == hour["after_nano"] == hour["invoice_nano"] == 7_200_000_000
+    changes = [
+        (r["tenant"], r["feature"], r["before_nano"], r["after_nano"], r["change_nano"])
+        for r in scenario["changes"]
+    ]
+    # All idle goes to the capacity owner instead of being spread and held as headroom; with
+    # alpha 0.5 instead of 1 (the hour never waited on KV blocks) KV memory weighs half.
+    assert changes == [
+        ("platform-inference", "(idle)", 0, 6_843_539_209, 6_843_539_209),
+        ("platform-inference", "(prefix-cache)", -1_342_858, -671_320, 671_538),
+        ("platform-inference", "(platform-retry)", 352_322, 291_704, -60_618),
+        ("acme-support", "ticket-summary", 169_408_260, 26_205_190, -143_203_070),
+        ("initech-docs", "long-context-qa", 265_862_417, 56_481_360, -209_381_057),
+        ("globex-search", "query-rewrite", 262_050_082, 23_461_661, -238_588_421),
+        ("acme-support", "support-bot", 753_735_341, 89_662_447, -664_072_894),
+        ("umbrella-labs", "batch-extract", 1_066_395_227, 161_029_749, -905_365_478),
+        ("support-bot", "(headroom)", 4_683_539_209, 0, -4_683_539_209),
+    ]
+    assert scenario["changes"][-1]["change_pct"] == -100.0
+    assert scenario["changes"][0]["change_pct"] is None  # nothing before: no percentage
     with finance.connect(billed) as con:
         assert con.execute("SELECT * FROM ledger_lines ORDER BY ALL").fetchall() == before
     bad = CliRunner().invoke(
         main, ["whatif", "--data", str(billed), "--hour", HOUR, "--set", "idle=x"]
     )
     assert bad.exit_code == 1 and "--set on pool 'chat-8b': idle" in bad.output
+    fitted = CliRunner().invoke(
+        main, ["whatif", "--data", str(billed), "--hour", HOUR, "--set", "weights=fitted"]
+    )
+    assert fitted.exit_code == 1
+    assert (
+        "2026-11-30T00 chat-8b: no calibration for model 'llama-3.1-8b-instruct'" in fitted.output
+    )
