@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import calendar
 import csv
 import io
 import json
@@ -11,8 +12,11 @@ from pathlib import Path
 import polars as pl
 import pytest
 from click.testing import CliRunner
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pipeline.cli.costs import costs_command
+from pipeline.hours import parse_range_bound
 from pipeline.warehouse import connect
 from tests.pipeline.warehouse.test_warehouse import publish
 
@@ -172,3 +176,17 @@ def test_bad_options_name_themselves(data: Path) -> None:
     assert backwards.exit_code == 2 and "is before --from" in backwards.output
     no_file = runner.invoke(costs_command, ["--data", str(data), "--format", "parquet"])
     assert no_file.exit_code == 2 and "give --out FILE" in no_file.output
+
+
+@given(st.datetimes(min_value=datetime(2000, 1, 1), max_value=datetime(2099, 12, 31, 23)))
+def test_a_period_read_as_both_bounds_covers_exactly_its_hours(moment: datetime) -> None:
+    hour = moment.replace(minute=0, second=0, microsecond=0, tzinfo=UTC)
+    for text, hours in (
+        (f"{hour:%Y-%m-%dT%H}", 1),
+        (f"{hour:%Y-%m-%d-%H:00}", 1),
+        (f"{hour:%Y-%m-%d}", 24),
+        (f"{hour:%Y-%m}", calendar.monthrange(hour.year, hour.month)[1] * 24),
+    ):
+        start, end = parse_range_bound(text, end=False), parse_range_bound(text, end=True)
+        assert start <= hour < end
+        assert end - start == timedelta(hours=hours)
