@@ -97,6 +97,8 @@ def command_line(commands: Mapping[str, str]) -> click.Group:
         \b
         Understand a number:
           stepledger price --model M --gpu G --tp N --decode B --context L
+          stepledger explain REQUEST_ID          why a billed request cost what it cost, step by step
+          stepledger whatif --hour H --set idle=capacity_owner   past hours under other policies
           stepledger explain-step STEP.json      how one step was split, and why
         """
 
