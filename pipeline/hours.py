@@ -68,3 +68,26 @@ def from_warehouse(stored: datetime) -> datetime:
     if stored.tzinfo is not None:
         raise ValueError(f"{stored.isoformat()} is aware; warehouse hours are naive UTC")
     return utc_hour(stored.replace(tzinfo=UTC))
+
+
+def parse_range_bound(text: str, *, end: bool) -> datetime:
+    """One bound of an inclusive UTC range: a month 'YYYY-MM', a day 'YYYY-MM-DD' or an hour
+    (a key, as `parse_hour_key` reads). `end`: the hour after the period (the range is read
+    as [start, end)), so `--to 2026-11-30` covers the whole day."""
+    for fmt, step in (("%Y-%m", None), ("%Y-%m-%d", timedelta(days=1))):
+        try:
+            start = datetime.strptime(text, fmt).replace(tzinfo=UTC)
+        except ValueError:
+            continue
+        if not end:
+            return start
+        if step is None:  # the first hour of the next month
+            return (start + timedelta(days=32)).replace(day=1)
+        return start + step
+    try:
+        hour = parse_hour_key(text)
+    except ValueError:
+        raise ValueError(
+            f"{text!r} is no month (YYYY-MM), day (YYYY-MM-DD) or hour (YYYY-MM-DDTHH)"
+        ) from None
+    return hour + timedelta(hours=1) if end else hour

@@ -170,6 +170,7 @@ WAREHOUSE_TABLES: dict[str, pa.Schema] = {
         ("cached_tokens", _I64, False),
         ("prompt_tokens", _I64, False),
         ("output_tokens", _I64, False),
+        ("line_kind", _STR, True),
     ),
     "reconciliation": _table(
         ("hour", _TS, False),

@@ -54,8 +54,13 @@ CREATE TABLE IF NOT EXISTS request_costs (
     new_tokens    BIGINT    NOT NULL,
     cached_tokens BIGINT    NOT NULL,
     prompt_tokens BIGINT    NOT NULL,
-    output_tokens BIGINT    NOT NULL
+    output_tokens BIGINT    NOT NULL,
+    -- The ledger line the request's charge is on: usage, unattributed or platform_retry
+    -- (the capacity owner pays a platform-caused retry). Null in hours billed before the
+    -- column existed; re-running such an hour fills it.
+    line_kind     VARCHAR
 );
+ALTER TABLE request_costs ADD COLUMN IF NOT EXISTS line_kind VARCHAR;
 
 -- One row per reconciliation check of an hour (per replica where the check is per replica).
 -- A failed blocking check holds the hour back from the finance views. severity is ERROR or

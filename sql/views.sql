@@ -37,18 +37,21 @@ CREATE OR REPLACE TEMP MACRO usd_per(nano, units) AS nano_to_usd(nano) / nullif(
 
 -- Totals per tenant (and feature), computed once for every breakdown the views offer.
 -- `tokens` are the tokens the GPUs computed (new_tokens); prefix-cache hits are reported
--- apart as cached_tokens. Unit costs divide the totals.
+-- apart as cached_tokens. Unit costs divide the totals. A request is counted once: the cache
+-- credit line counts the requests that read the cache, which their usage lines count already.
 CREATE OR REPLACE TEMP VIEW cost_rollup AS
 SELECT hour, pool, day, tenant, feature,
        GROUPING(hour, pool, day, tenant, feature) AS breakdown,
        CAST(sum(amount_nano) AS BIGINT) AS amount_nano,
        nano_to_usd(sum(amount_nano)) AS amount_usd,
-       CAST(sum(requests) AS BIGINT) AS requests,
+       CAST(coalesce(sum(charged_requests), 0) AS BIGINT) AS requests,
        CAST(sum(new_tokens) AS BIGINT) AS tokens,
        CAST(sum(cached_tokens) AS BIGINT) AS cached_tokens,
-       usd_per(sum(amount_nano), sum(requests)) AS usd_per_request,
+       usd_per(sum(amount_nano), sum(charged_requests)) AS usd_per_request,
        usd_per(sum(amount_nano) * 1000, sum(new_tokens)) AS usd_per_1k_tokens
-FROM (SELECT *, CAST(date_trunc('day', hour) AS DATE) AS day FROM published_ledger_lines)
+FROM (SELECT *, CAST(date_trunc('day', hour) AS DATE) AS day,
+             CASE WHEN line_kind = 'cache_credit' THEN 0 ELSE requests END AS charged_requests
+      FROM published_ledger_lines)
 GROUP BY GROUPING SETS ((hour, pool, tenant), (day, tenant), (day, tenant, feature), (tenant), (tenant, feature));
 
 -- GROUPING() sets one bit per column left out, hour being the highest of the five.
@@ -82,14 +85,33 @@ CREATE OR REPLACE TEMP VIEW feature_costs AS
 SELECT * EXCLUDE (hour, pool, day, breakdown)
 FROM cost_rollup WHERE breakdown = 28;  -- 0b11100
 
+-- What each request of a published hour cost, and who pays it. `tenant` and `feature` are
+-- the request's own (null without gateway context); `paid_by` is 'platform' for a retry the
+-- platform caused and pays (policy platform_pays_platform_retries), else 'tenant';
+-- `billed_tenant` and `billed_feature` name the ledger line its charge is on (the capacity
+-- owner's '(platform-retry)' line, '(unattributed)' without context), so per hour, pool and
+-- billed tenant the requests sum to that tenant's usage, unattributed and platform_retry
+-- lines. Null in hours billed before request_costs kept the line kind.
 CREATE OR REPLACE TEMP VIEW cost_per_request AS
 SELECT c.hour, c.pool, c.request_id, c.tenant, c.feature, c.api_key_id,
+       CASE c.line_kind WHEN 'platform_retry' THEN 'platform'
+                        WHEN 'usage' THEN 'tenant'
+                        WHEN 'unattributed' THEN 'tenant' END AS paid_by,
+       c.line_kind,
+       CASE c.line_kind WHEN 'platform_retry' THEN r.tenant
+                        WHEN 'unattributed' THEN '(unattributed)'
+                        WHEN 'usage' THEN c.tenant END AS billed_tenant,
+       CASE c.line_kind WHEN 'platform_retry' THEN r.feature
+                        WHEN 'unattributed' THEN '(unattributed)'
+                        WHEN 'usage' THEN coalesce(c.feature, '(unattributed)') END AS billed_feature,
        c.amount_nano, nano_to_usd(c.amount_nano) AS amount_usd,
        c.compute_nano, c.kv_nano, c.steps,
        c.prompt_tokens, c.output_tokens, c.new_tokens, c.cached_tokens,
        usd_per(c.amount_nano * 1000, c.new_tokens) AS usd_per_1k_tokens
 FROM request_costs c
-JOIN published_hours p ON p.hour = c.hour AND p.pool = c.pool;
+JOIN published_hours p ON p.hour = c.hour AND p.pool = c.pool
+LEFT JOIN (SELECT hour, pool, tenant, feature FROM ledger_lines WHERE line_kind = 'platform_retry') r
+       ON r.hour = c.hour AND r.pool = c.pool;
 
 -- The ledger as a FOCUS 1.2 cost and usage dataset: all mandatory columns, the conditional
 -- ones that apply to an internal chargeback (sub account = feature, resource = pool, consumed

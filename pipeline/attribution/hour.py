@@ -75,6 +75,8 @@ REQUEST_COST_SCHEMA = pl.Schema(
         "cached_tokens": pl.Int64(),
         "prompt_tokens": pl.Int64(),
         "output_tokens": pl.Int64(),
+        # The ledger line the request's charge is on: usage, unattributed or platform_retry.
+        "line_kind": pl.String(),
     }
 )
 REPLICA_FACTS_SCHEMA = pl.Schema(

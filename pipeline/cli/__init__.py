@@ -25,6 +25,8 @@ COMMANDS: dict[str, str] = {
     "inspect": "pipeline.cli.inspect:inspect_command",
     "price": "pipeline.cli.price:price_command",
     "calibrate": "pipeline.cli.calibrate:calibrate_command",
+    "explain": "pipeline.cli.explain:explain_command",
+    "whatif": "pipeline.cli.whatif:whatif_command",
     "explain-step": "pipeline.cli.explain_step:explain_step_command",
 }
 
@@ -95,6 +97,8 @@ def command_line(commands: Mapping[str, str]) -> click.Group:
         \b
         Understand a number:
           stepledger price --model M --gpu G --tp N --decode B --context L
+          stepledger explain REQUEST_ID          why a billed request cost what it cost, step by step
+          stepledger whatif --hour H --set idle=capacity_owner   past hours under other policies
           stepledger explain-step STEP.json      how one step was split, and why
         """
 

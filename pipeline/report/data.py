@@ -87,6 +87,19 @@ class BottleneckSweep:
 
 
 @dataclass(frozen=True)
+class MonthToDate:
+    """The UTC month of the report's last published hour: per tenant what its published hours
+    cost from the month's start through that hour, and a projection to the month's end at
+    the rate of the hours published so far (amount + amount x hours left // hours published)."""
+
+    month: datetime
+    through: datetime  # the end of the last published hour
+    published_hours: int  # distinct published hours of the month so far
+    hours_left: int  # from `through` to the month's end
+    tenants: pl.DataFrame  # tenant, amount_nano, projected_nano
+
+
+@dataclass(frozen=True)
 class ReportData:
     warehouse: Path
     scope: Scope
@@ -102,6 +115,9 @@ class ReportData:
     checks: pl.DataFrame  # reconciliation rows of the scope
     alerts: pl.DataFrame
     sweeps: list[BottleneckSweep]
+    # Each invoiced pool's target utilization, from the pools file.
+    targets: dict[str, float] = field(default_factory=dict)
+    month: MonthToDate | None = None
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -142,6 +158,12 @@ SELECT raised_at, severity, kind, hour, pool, replica, detail
 FROM alerts WHERE hour >= ? AND hour < ?
 ORDER BY hour, pool, kind, replica NULLS FIRST
 """
+_MONTH_TO_DATE = """
+SELECT tenant, CAST(sum(amount_nano) AS BIGINT) AS amount_nano
+FROM published_ledger_lines WHERE hour >= ? AND hour < ?
+GROUP BY tenant ORDER BY amount_nano DESC, tenant
+"""
+_MONTH_HOURS = "SELECT count(DISTINCT hour) FROM published_hours WHERE hour >= ? AND hour < ?"
 _REQUEST_COSTS = f"""
 SELECT request_id, coalesce(tenant, '{UNATTRIBUTED}') AS tenant, compute_nano, kv_nano
 FROM request_costs WHERE hour = ? AND pool = ?
@@ -170,6 +192,7 @@ def load_report(
         checks = query_frame(con, _CHECKS, scope.params())
         alerts = query_frame(con, _ALERTS, scope.params())
         resources, decode_contexts = _resource_breakdown(con, pools, lake, invoices, notes)
+        month = _month_to_date(con, invoices)
     sweeps = [
         _sweep(pool, decode_contexts.get(pool.name))
         for pool in pools.pools
@@ -186,8 +209,29 @@ def load_report(
         checks=checks,
         alerts=alerts,
         sweeps=sweeps,
+        targets={p.name: p.target_utilization for p in pools.pools},
+        month=month,
         notes=notes,
     )
+
+
+def _month_to_date(con: duckdb.DuckDBPyConnection, invoices: pl.DataFrame) -> MonthToDate | None:
+    published = invoices.filter(pl.col("published"))
+    if published.is_empty():
+        return None
+    through = from_warehouse(published["hour"].max()) + timedelta(hours=1)  # type: ignore[arg-type]
+    last = through - timedelta(hours=1)
+    month = last.replace(day=1, hour=0)
+    month_end = (month + timedelta(days=32)).replace(day=1)
+    bounds: list[object] = [to_warehouse(month), to_warehouse(through)]
+    hours = int(con.execute(_MONTH_HOURS, bounds).fetchall()[0][0])
+    hours_left = (month_end - through) // timedelta(hours=1)
+    tenants = query_frame(con, _MONTH_TO_DATE, bounds).with_columns(
+        (pl.col("amount_nano") + pl.col("amount_nano") * hours_left // hours).alias(
+            "projected_nano"
+        )
+    )
+    return MonthToDate(month, through, hours, hours_left, tenants)
 
 
 def _resource_breakdown(

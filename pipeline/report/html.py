@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+import base64
+import csv
+import io
+from datetime import datetime, timedelta
+from decimal import Decimal
 from html import escape
 
 import numpy as np
@@ -83,6 +87,185 @@ def _hour_label(hour: datetime) -> str:
 
 def _hour_text(hour: datetime) -> str:
     return hour.strftime("%Y-%m-%dT%H")
+
+
+def _exact_usd(nano: int) -> str:
+    return f"{Decimal(int(nano)).scaleb(-9):f}"
+
+
+def _download(filename: str, frame: pl.DataFrame) -> str:
+    """A link that saves `frame` as a CSV file (the data is in the link: the page stays
+    self-contained). Columns ending in _nano get an exact dollar column beside them."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    columns = []
+    for column in frame.columns:
+        columns.append(column)
+        if column.endswith("_nano"):
+            columns.append(column.removesuffix("_nano") + "_usd")
+    writer.writerow(columns)
+    for row in frame.iter_rows(named=True):
+        cells: list[object] = []
+        for column, value in row.items():
+            cells.append(_hour_text(value) if isinstance(value, datetime) else value)
+            if column.endswith("_nano"):
+                cells.append(_exact_usd(value))
+        writer.writerow(cells)
+    encoded = base64.b64encode(out.getvalue().encode()).decode()
+    return (
+        f'<p class="download"><a download="{escape(filename)}" '
+        f'href="data:text/csv;base64,{encoded}">Download {escape(filename)}</a></p>'
+    )
+
+
+def tenant_colours(names: list[str]) -> dict[str, str]:
+    """A colour per tenant that tells tenants apart and stays the same across the charts:
+    tenants in sorted order take the palette, labels in parentheses (idle and the like) greys."""
+    labels = sorted(n for n in names if n.startswith("("))
+    tenants = sorted(n for n in names if not n.startswith("("))
+    colours = {n: charts.GREYS[i % len(charts.GREYS)] for i, n in enumerate(labels)}
+    return colours | {n: charts.PALETTE[i % len(charts.PALETTE)] for i, n in enumerate(tenants)}
+
+
+def _trend(data: ReportData) -> str:
+    """Cost per tenant over the report's range: per hour within one day, else per day."""
+    published = data.published_lines
+    heading = "<h2>Trend per tenant</h2>"
+    if published.is_empty():
+        return heading + "<p>No published hours in this period.</p>"
+    hours = published["hour"]
+    first, last = hours.min(), hours.max()
+    assert isinstance(first, datetime) and isinstance(last, datetime)
+    by_day = (last - first) >= timedelta(days=1) or first.date() != last.date()
+    period = pl.col("hour").dt.truncate("1d") if by_day else pl.col("hour")
+    trend = (
+        published.with_columns(period.alias("period"))
+        .group_by("period", "tenant")
+        .agg(pl.col("amount_nano").sum())
+        .sort("period", "amount_nano", "tenant", descending=[False, True, False])
+    )
+    periods = sorted(set(trend["period"].to_list()))
+    index = {p: i for i, p in enumerate(periods)}
+    totals = trend.group_by("tenant").agg(pl.col("amount_nano").sum())
+    tenants = totals.sort("amount_nano", "tenant", descending=[True, False])["tenant"].to_list()
+    series = {}
+    for tenant in tenants:
+        values = np.zeros(len(periods))
+        for when, amount in (
+            trend.filter(pl.col("tenant") == tenant).select("period", "amount_nano").iter_rows()
+        ):
+            values[index[when]] = amount / 1e9
+        series[tenant] = values
+    label = (lambda p: p.strftime("%Y-%m-%d")) if by_day else _hour_label
+    chart = charts.stacked_bars(
+        [label(p) for p in periods],
+        series,
+        ylabel=f"USD per {'day' if by_day else 'hour'} (published)",
+        colours=tenant_colours(tenants),
+    )
+    rows = [
+        f"<tr><td>{label(r['period'])}</td><td>{escape(r['tenant'])}</td>{_money_cell(r['amount_nano'])}</tr>"
+        for r in trend.iter_rows(named=True)
+    ]
+    csv_frame = trend.with_columns(
+        pl.col("period").dt.strftime("%Y-%m-%d" if by_day else "%Y-%m-%dT%H")
+    ).rename({"period": "day" if by_day else "hour"})
+    return (
+        heading
+        + f'<p class="intro">What each tenant\'s published hours cost per UTC {"day" if by_day else "hour"}, '
+        f"{label(periods[0])} to {label(periods[-1])}. Negative amounts (a prefix-cache credit) are drawn below "
+        "zero.</p>"
+        + chart
+        + _table(["period", "tenant", "amount"], rows, numeric_from=2)
+        + _download("trend_per_tenant.csv", csv_frame)
+    )
+
+
+def _month_to_date(data: ReportData) -> str:
+    month = data.month
+    heading = "<h2>Month to date and projection</h2>"
+    if month is None:
+        return heading + "<p>No published hour in this period.</p>"
+    frame = month.tenants
+    rows = [
+        f"<tr><td>{escape(r['tenant'])}</td>{_money_cell(r['amount_nano'])}{_money_cell(r['projected_nano'])}</tr>"
+        for r in frame.iter_rows(named=True)
+    ]
+    total = frame.select(pl.col("amount_nano").sum(), pl.col("projected_nano").sum()).row(0)
+    rows.append(
+        f'<tr class="total"><td>total</td>{_money_cell(total[0])}{_money_cell(total[1])}</tr>'
+    )
+    return (
+        heading + f'<p class="intro">{month.month:%B %Y} (UTC) to the end of hour '
+        f"{_hour_text(month.through - timedelta(hours=1))}: "
+        f"{month.published_hours} published hour(s) so far, {month.hours_left} hour(s) left. The projection "
+        "adds the hours left at each tenant's average cost per published hour.</p>"
+        + _table(["tenant", "month to date", "projected month"], rows)
+        + _download(f"month_to_date_{month.month:%Y-%m}.csv", frame)
+    )
+
+
+def _utilisation(data: ReportData) -> str:
+    """Per pool: how much of the GPU time it paid for was used, against its target, and the
+    GPU-hours the work would need at the target."""
+    published = data.invoices.filter(pl.col("published"))
+    heading = "<h2>Utilisation and idle per pool</h2>"
+    if published.is_empty():
+        return heading + "<p>No published hours in this period.</p>"
+    lines = data.published_lines
+    idle = (
+        lines.filter(pl.col("line_kind").is_in(["idle", "headroom"]))
+        .group_by("pool")
+        .agg(pl.col("amount_nano").sum().alias("idle_nano"))
+    )
+    pools = (
+        published.group_by("pool")
+        .agg(
+            pl.col("amount_nano").sum().alias("invoice_nano"),
+            pl.col("gpus").sum().alias("gpu_hours"),
+        )
+        .join(idle, on="pool", how="left")
+        .with_columns(pl.col("idle_nano").fill_null(0))
+        .with_columns(
+            (1 - pl.col("idle_nano") / pl.col("invoice_nano")).alias("utilisation"),
+            pl.col("pool").replace_strict(data.targets, default=None).alias("target"),
+        )
+        .with_columns((pl.col("gpu_hours") * pl.col("utilisation")).alias("busy_gpu_hours"))
+        .with_columns((pl.col("busy_gpu_hours") / pl.col("target")).alias("gpu_hours_at_target"))
+        .sort("pool")
+    )
+    rows = []
+    for r in pools.iter_rows(named=True):
+        below = r["target"] is not None and r["utilisation"] < r["target"]
+        target = "-" if r["target"] is None else f"{r['target']:.0%}"
+        at_target = "-" if r["gpu_hours_at_target"] is None else f"{r['gpu_hours_at_target']:,.2f}"
+        rows.append(
+            f"<tr><td>{escape(r['pool'])}</td>{_num(r['gpu_hours'])}{_money_cell(r['invoice_nano'])}"
+            f"{_money_cell(r['idle_nano'])}"
+            f'<td class="num {"warn" if below else "pass"}">{r["utilisation"]:.1%}</td>'
+            f'<td class="num">{target}</td><td class="num">{r["busy_gpu_hours"]:,.2f}</td>'
+            f'<td class="num">{at_target}</td></tr>'
+        )
+    return (
+        heading
+        + '<p class="intro">Of the GPU-hours each pool paid for in its published hours, the share its requests '
+        "used (1 &minus; idle and headroom over the invoice), against the pool's target utilization; the last "
+        "column is the GPU-hours the same work needs at the target.</p>"
+        + _table(
+            [
+                "pool",
+                "GPU-hours",
+                "invoice",
+                "idle + headroom",
+                "utilisation",
+                "target",
+                "busy GPU-hours",
+                "GPU-hours at target",
+            ],
+            rows,
+        )
+        + _download("utilisation_per_pool.csv", pools)
+    )
 
 
 def _summary(data: ReportData) -> str:
@@ -230,12 +413,14 @@ def _costs(data: ReportData) -> str:
         "included); prefix-cache hits are counted apart. Unit costs divide the totals, so idle spread to a tenant "
         "raises its cost per request. A request running across an hour boundary counts once in each hour.</p>"
         + _table(["tenant", *headers_tail], tenant_rows)
+        + _download("cost_per_tenant.csv", by_tenant)
         + "<h3>By tenant and feature (published hours)</h3>"
         + _table(
             ["tenant", "feature", *headers_tail],
             _unit_cost_rows(by_feature, ["tenant", "feature"]),
             numeric_from=2,
         )
+        + _download("cost_per_feature.csv", by_feature)
     )
 
 
@@ -271,6 +456,7 @@ def _line_kinds(data: ReportData) -> str:
         + chart
         + f"<ul>{legend}</ul>"
         + _table(["hour", "pool", "invoice", *LINE_KINDS, "lines"], rows, numeric_from=2)
+        + _download("line_kinds_per_hour.csv", wide.sort("hour", "pool", "line_kind"))
     )
 
 
@@ -308,13 +494,14 @@ def _top_requests(data: ReportData) -> str:
             rows,
             numeric_from=5,
         )
+        + _download("top_requests.csv", data.requests)
     )
 
 
 def _resources(data: ReportData) -> str:
     frame = data.resources
     heading = (
-        "<h2>What each tenant used: SM, HBM, NVLink, NIC, host</h2>"
+        "<h3>What each tenant used: SM, HBM, NVLink, NIC, host</h3>"
         '<p class="intro">Each request\'s compute charge split over the five resources in proportion to the '
         "pricing kernel's work for its slots (its own part plus its share of each step's fixed part, under "
         "the pool's fixed-cost policy), recomputed from the hour's slots in the Parquet lake. KV memory-time "
@@ -352,6 +539,7 @@ def _resources(data: ReportData) -> str:
             ],
             rows,
         )
+        + _download("resources_per_tenant.csv", frame)
         + (
             '<p class="note">The last five columns are the kernel\'s estimated busy seconds of each resource for the '
             "tenant's slots (NoOverlap: resources summed, not overlapped).</p>"
@@ -432,6 +620,7 @@ def _reconciliation(data: ReportData) -> str:
         "is held back from the finance views. Plausibility (engine busy time against DCGM) and the unattributed "
         "share warn and page without holding the hour back.</p>"
         + _table(header, rows, numeric_from=99)
+        + _download("reconciliation.csv", data.checks)
         + failed_html
         + alerts_html
     )
@@ -439,7 +628,7 @@ def _reconciliation(data: ReportData) -> str:
 
 def _bottlenecks(data: ReportData) -> str:
     parts = [
-        "<h2>Pricing kernel: bottleneck by batch size</h2>"
+        "<h3>Bottleneck by batch size</h3>"
         '<p class="intro">Each pool\'s deployment priced by the kernel for decode batches of 1 to 256 requests '
         "at a typical context: time on each resource per step (left) and the two step estimates (right): "
         "NoOverlap sums the resources, Overlap takes the slowest. Attribution splits each measured step in "
@@ -453,7 +642,7 @@ def _bottlenecks(data: ReportData) -> str:
             for r, a, b in sweep.bottleneck_ranges
         )
         parts.append(
-            f"<h3>{escape(sweep.title)}</h3>"
+            f"<h4>{escape(sweep.title)}</h4>"
             f'<p class="note">Decode at {sweep.context_tokens:,} context tokens ({escape(sweep.context_source)}). '
             f"Bottleneck: {escape(ranges)}.</p>"
             + charts.bottleneck_chart(
@@ -478,11 +667,17 @@ def render_html(data: ReportData) -> str:
         f"{data.generated_at:%Y-%m-%d %H:%M} UTC. Amounts are exact sums of integer nano-dollars, shown to the "
         "micro-dollar (hover a number for its nano-dollars).</p>"
         + _summary(data)
+        + _trend(data)
+        + _month_to_date(data)
         + _costs(data)
         + _line_kinds(data)
+        + _utilisation(data)
         + _top_requests(data)
-        + _resources(data)
         + _reconciliation(data)
+        + '<h2 id="engineering">Engineering: the pricing kernel</h2>'
+        '<p class="intro">For the people who tune the kernel and the pools: how each tenant\'s compute '
+        "charge divides over the GPU's resources, and what bounds each pool's steps.</p>"
+        + _resources(data)
         + _bottlenecks(data)
         + notes_html
     )

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import base64
 import re
 import subprocess
 from datetime import UTC
@@ -41,7 +42,8 @@ def _row(page: str, first_cell: str) -> str:
 
 
 def test_tenant_costs_are_the_exact_dollars_of_the_published_hour(report: tuple[Path, str]) -> None:
-    _, page = report
+    _, whole = report
+    page = whole[whole.index("<h3>By tenant (published hours)</h3>") :]
     # Hour 05 only: each request paid half of 1 800 one-second steps at $0.001 each.
     assert re.findall(r">(\$[\d.,]+)<", _row(page, "acme-support")) == [
         "$0.900000",
@@ -124,14 +126,13 @@ def test_page_is_self_contained(report: tuple[Path, str]) -> None:
     assert not re.search(r"""(?:src|href)\s*=\s*["']?\s*https?://""", page, re.I)
     assert "<script" not in page.lower() and "@import" not in page
     assert not re.search(r"url\((?!#)", page)  # only references to the page's own clip paths
-    assert page.count("<svg") == 4  # two stacked bars, the resource shares, one bottleneck chart
+    # The tenant trend, two stacked bars, the resource shares, one bottleneck chart.
+    assert page.count("<svg") == 5
 
 
-@pytest.mark.skipif(not CHROMIUM.exists(), reason="headless Chromium is not installed")
-def test_renders_in_headless_chromium(report: tuple[Path, str], tmp_path: Path) -> None:
-    out, _ = report
-    png = tmp_path / "report.png"
-    subprocess.run(
+def _chromium(page: Path, *args: str) -> str:
+    """Run headless Chromium on the page with `args`; its standard output."""
+    return subprocess.run(
         [
             str(CHROMIUM),
             "--headless",
@@ -141,20 +142,41 @@ def test_renders_in_headless_chromium(report: tuple[Path, str], tmp_path: Path) 
             "--disable-component-update",
             "--disable-sync",
             "--no-first-run",
-            f"--screenshot={png}",
-            "--window-size=1400,3000",
-            out.resolve().as_uri(),
+            *args,
+            page.resolve().as_uri(),
         ],
         check=True,
         capture_output=True,
+        text=True,
         timeout=120,
-    )
+    ).stdout
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="headless Chromium is not installed")
+def test_renders_in_headless_chromium(report: tuple[Path, str], tmp_path: Path) -> None:
+    out, _ = report
+    png = tmp_path / "report.png"
+    _chromium(out, f"--screenshot={png}", "--window-size=1400,3000")
     from PIL import Image
 
     with Image.open(png) as image:
         assert image.size == (1400, 3000)
         # A blank or failed page is one colour; the report has text and charts.
         assert len(image.convert("RGB").getcolors(maxcolors=1 << 20)) > 50
+    # The page as Chromium built it: the sections in their order, a CSV under every table.
+    dom = _chromium(out, "--dump-dom")
+    headings = re.findall(r"<h2[^>]*>(.*?)</h2>", dom)
+    assert headings == [
+        "Trend per tenant",
+        "Month to date and projection",
+        "Cost per tenant and feature",
+        "Where each hour's invoice went",
+        "Utilisation and idle per pool",
+        "Top 2 requests",
+        "Reconciliation",
+        "Engineering: the pricing kernel",
+    ]
+    assert dom.count('download="') == 9  # a CSV download under every table
 
 
 @pytest.mark.parametrize(
@@ -280,3 +302,36 @@ def test_the_attribution_examples_in_the_docs_still_hold(
     ):
         assert line in printed
     assert printed.count("invoice                                         3600000000") == 11
+
+
+def test_trend_month_to_date_and_utilisation(report: tuple[Path, str]) -> None:
+    _, page = report
+    # One published hour (05): the trend is per hour, each tenant its exact dollars.
+    assert (
+        "<tr><td>11-30 05h</td><td>platform-inference</td>"
+        '<td class="num" title="1800000000 nano-USD">$1.800000</td></tr>'
+    ) in page
+    # November 2026 to the end of hour 05 of the 30th: one published hour, 18 left, so each
+    # tenant's hour is projected 19 times.
+    assert "1 published hour(s) so far, 18 hour(s) left" in page
+    page = page[page.index("<h2>Month to date and projection</h2>") :]
+    assert re.findall(r">(\$[\d.,]+)<", _row(page, "platform-inference")) == [
+        "$1.800000",
+        "$34.200000",
+    ]
+    month = re.search(
+        r'download="month_to_date_2026-11.csv" href="data:text/csv;base64,([^"]+)"', page
+    )
+    assert month
+    assert base64.b64decode(month.group(1)).decode().splitlines() == [
+        "tenant,amount_nano,amount_usd,projected_nano,projected_usd",
+        "platform-inference,1800000000,1.800000000,34200000000,34.200000000",
+        "acme-support,900000000,0.900000000,17100000000,17.100000000",
+        "globex-search,900000000,0.900000000,17100000000,17.100000000",
+    ]
+    # Half of the published GPU-hour was idle against a 70 % target: 0.5 busy GPU-hours need
+    # 0.5 / 0.7 GPU-hours at the target.
+    assert (
+        '<td class="num warn">50.0%</td><td class="num">70%</td><td class="num">0.50</td>'
+        '<td class="num">0.71</td>'
+    ) in _row(page, "chat-test")

@@ -1,0 +1,192 @@
+"""`stepledger costs`: filters, breakdowns and formats on a hand-built warehouse of known lines."""
+
+from __future__ import annotations
+
+import calendar
+import csv
+import io
+import json
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import polars as pl
+import pytest
+from click.testing import CliRunner
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pipeline.cli.costs import costs_command
+from pipeline.hours import parse_range_bound
+from pipeline.warehouse import connect
+from tests.pipeline.warehouse.test_warehouse import publish
+
+DAY_ONE = datetime(2026, 11, 30, 22, tzinfo=UTC)
+DAY_TWO = DAY_ONE + timedelta(hours=3)  # 2026-12-01T01
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two hours on two days: pool chat with usage, a platform retry, a cache credit that
+    counts requests its usage lines count already, and idle; pool batch with headroom and
+    unattributed usage. One more hour is held back (a failed blocking check)."""
+    directory = tmp_path_factory.mktemp("costs")
+    with connect(directory / "pipeline.duckdb") as con:
+        publish(
+            con,
+            "chat",
+            [
+                ("acme", "bot", "usage", 600, 3, 30),
+                ("acme", "search", "usage", 150, 1, 10),
+                ("globex", "qa", "usage", 200, 2, 20),
+                ("platform", "(platform-retry)", "platform_retry", 40, 1, 4),
+                ("platform", "(prefix-cache)", "cache_credit", -30, 2, 0),
+                ("platform", "(idle)", "idle", 40, 0, 0),
+            ],
+            1000,
+            hour=DAY_ONE,
+        )
+        publish(
+            con,
+            "batch",
+            [
+                ("globex", "qa", "usage", 300, 5, 50),
+                ("(unattributed)", "(unattributed)", "unattributed", 20, 1, 2),
+                ("sre", "(headroom)", "headroom", 180, 0, 0),
+            ],
+            500,
+            hour=DAY_TWO,
+        )
+        publish(
+            con,
+            "chat",
+            [("acme", "bot", "usage", 999, 9, 99)],
+            999,
+            hour=DAY_TWO,
+            passed=False,
+        )
+    return directory
+
+
+def costs(data: Path, *args: str) -> dict:
+    result = CliRunner().invoke(costs_command, ["--data", str(data), "--format", "json", *args])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def rows(report: dict, *columns: str) -> list[tuple]:
+    return [tuple(row[c] for c in columns) for row in report["costs"]]
+
+
+def test_by_tenant_counts_each_request_once(data: Path) -> None:
+    report = costs(data)
+    # platform: retry 40 + credit -30 + idle 40; its cache-credit requests are not counted.
+    assert rows(report, "tenant", "amount_nano", "requests", "tokens") == [
+        ("acme", 750, 4, 40),
+        ("globex", 500, 7, 70),
+        ("sre", 180, 0, 0),
+        ("platform", 50, 1, 4),
+        ("(unattributed)", 20, 1, 2),
+    ]
+    assert report["costs"][0]["amount_usd"] == "0.000000750"
+    assert report["costs"][0]["usd_per_request"] == 1.875e-07
+    assert [(r["hour"], r["pool"]) for r in report["held_back"]] == [
+        ("2026-12-01T01:00:00", "chat")
+    ]
+
+
+def test_line_kinds_are_rows_of_their_own(data: Path) -> None:
+    report = costs(data, "--by", "line-kind")
+    assert rows(report, "line_kind", "amount_nano", "requests") == [
+        ("usage", 1250, 11),
+        ("headroom", 180, 0),
+        ("idle", 40, 0),
+        ("platform_retry", 40, 1),
+        ("unattributed", 20, 1),
+        ("cache_credit", -30, 0),
+    ]
+    assert sum(r["amount_nano"] for r in report["costs"]) == 1500
+
+
+def test_range_of_a_day_or_an_hour_and_several_breakdowns(data: Path) -> None:
+    day_one = costs(
+        data, "--from", "2026-11-30", "--to", "2026-11-30", "--by", "day", "--by", "pool"
+    )
+    assert rows(day_one, "day", "pool", "amount_nano") == [("2026-11-30", "chat", 1000)]
+    # The Dagster partition key names the same hour.
+    hour = costs(data, "--from", "2026-12-01-01:00", "--to", "2026-12-01T01", "--by", "hour")
+    assert rows(hour, "hour", "amount_nano") == [("2026-12-01T01:00:00", 500)]
+    assert [r["pool"] for r in hour["held_back"]] == ["chat"]
+    month = costs(
+        data, "--from", "2026-12", "--to", "2026-12", "--by", "tenant", "--by", "line-kind"
+    )
+    assert rows(month, "tenant", "line_kind", "amount_nano") == [
+        ("globex", "usage", 300),
+        ("sre", "headroom", 180),
+        ("(unattributed)", "unattributed", 20),
+    ]
+
+
+def test_tenant_pool_and_feature_filters(data: Path) -> None:
+    acme = costs(data, "--tenant", "acme", "--by", "feature")
+    assert rows(acme, "tenant", "feature", "amount_nano", "requests") == [
+        ("acme", "bot", 600, 3),
+        ("acme", "search", 150, 1),
+    ]
+    qa_batch = costs(data, "--feature", "qa", "--pool", "batch", "--by", "pool")
+    assert rows(qa_batch, "pool", "amount_nano") == [("batch", 300)]
+    # The held-back hour is of pool chat: filtering on batch leaves it out.
+    assert qa_batch["held_back"] == []
+
+
+def test_csv_and_parquet_files(data: Path, tmp_path: Path) -> None:
+    out = tmp_path / "costs.csv"
+    runner = CliRunner()
+    result = runner.invoke(
+        costs_command,
+        ["--data", str(data), "--by", "pool", "--format", "csv", "--out", str(out)],
+    )
+    assert result.exit_code == 0, result.output
+    table = list(csv.DictReader(io.StringIO(out.read_text())))
+    assert [(r["pool"], r["amount_nano"], r["amount_usd"]) for r in table] == [
+        ("chat", "1000", "0.000001000"),
+        ("batch", "500", "0.000000500"),
+    ]
+    parquet = tmp_path / "costs.parquet"
+    result = runner.invoke(
+        costs_command,
+        ["--data", str(data), "--by", "day", "--format", "parquet", "--out", str(parquet)],
+    )
+    assert result.exit_code == 0, result.output
+    frame = pl.read_parquet(parquet)
+    assert frame.select("day", "amount_nano").rows() == [
+        (datetime(2026, 11, 30).date(), 1000),
+        (datetime(2026, 12, 1).date(), 500),
+    ]
+    assert frame.schema["amount_nano"] == pl.Int64
+
+
+def test_bad_options_name_themselves(data: Path) -> None:
+    runner = CliRunner()
+    bad_day = runner.invoke(costs_command, ["--data", str(data), "--from", "2026-13-01"])
+    assert bad_day.exit_code == 2 and "--from" in bad_day.output
+    assert "no month (YYYY-MM), day (YYYY-MM-DD) or hour" in bad_day.output
+    backwards = runner.invoke(
+        costs_command, ["--data", str(data), "--from", "2026-12-01", "--to", "2026-11-30"]
+    )
+    assert backwards.exit_code == 2 and "is before --from" in backwards.output
+    no_file = runner.invoke(costs_command, ["--data", str(data), "--format", "parquet"])
+    assert no_file.exit_code == 2 and "give --out FILE" in no_file.output
+
+
+@given(st.datetimes(min_value=datetime(2000, 1, 1), max_value=datetime(2099, 12, 31, 23)))
+def test_a_period_read_as_both_bounds_covers_exactly_its_hours(moment: datetime) -> None:
+    hour = moment.replace(minute=0, second=0, microsecond=0, tzinfo=UTC)
+    for text, hours in (
+        (f"{hour:%Y-%m-%dT%H}", 1),
+        (f"{hour:%Y-%m-%d-%H:00}", 1),
+        (f"{hour:%Y-%m-%d}", 24),
+        (f"{hour:%Y-%m}", calendar.monthrange(hour.year, hour.month)[1] * 24),
+    ):
+        start, end = parse_range_bound(text, end=False), parse_range_bound(text, end=True)
+        assert start <= hour < end
+        assert end - start == timedelta(hours=hours)
