@@ -131,7 +131,7 @@ def record_alerts(con: duckdb.DuckDBPyConnection, results: Iterable[CheckResult]
             key = dedup_key(r.check_name, r.hour, r.pool, r.replica, r.finding)
             con.execute(
                 "INSERT INTO alerts SELECT ?, ?, ?, ?, ?, ?, ?, ? "
-                "WHERE NOT EXISTS (SELECT 1 FROM alerts WHERE dedupe_key = ?)",
+                "WHERE NOT EXISTS (SELECT 1 FROM alerts WHERE dedup_key = ?)",
                 [
                     raised_at,
                     r.severity,

@@ -201,6 +201,8 @@ def connect(path: str | Path) -> Iterator[duckdb.DuckDBPyConnection]:
 
 
 # The tables of the previous layout that belong to the warehouse; the rest are bookkeeping.
+# Columns of the previous layout that have another name now: (table, old name) -> new name.
+RENAMED_COLUMNS = {("alerts", "dedupe_key"): "dedup_key"}
 LEDGER_TABLES = ("invoices", "ledger_lines", "request_costs", "reconciliation", "alerts")
 
 
@@ -249,8 +251,11 @@ def migrate_previous_layout(data_dir: str | Path) -> dict[str, int]:
                         if (table in LEDGER_TABLES) != ledger:
                             continue
                         listed = ", ".join(f'"{c}"' for c in columns)
+                        renamed = ", ".join(
+                            f'"{RENAMED_COLUMNS.get((table, c), c)}"' for c in columns
+                        )
                         con.execute(
-                            f"INSERT INTO {_identifier(target)}.main.{table} ({listed}) "
+                            f"INSERT INTO {_identifier(target)}.main.{table} ({renamed}) "
                             f"SELECT {listed} FROM previous.main.{table}"
                         )
                         moved[table] = _check_copied(con, table, target, columns)

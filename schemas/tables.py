@@ -194,7 +194,7 @@ WAREHOUSE_TABLES: dict[str, pa.Schema] = {
         ("pool", _STR, True),
         ("replica", _STR, True),
         ("detail", _STR, False),
-        ("dedupe_key", _STR, True),
+        ("dedup_key", _STR, True),
     ),
     "reruns": _table(
         ("rerun_at", _TSTZ, False),

@@ -91,7 +91,7 @@ CREATE TABLE IF NOT EXISTS alerts (
     replica    VARCHAR,
     detail     VARCHAR   NOT NULL,
     -- pipeline.alerts.dedup_key(kind, hour, pool, replica, finding): one row per finding and hour.
-    dedupe_key VARCHAR
+    dedup_key VARCHAR
 );
 
 -- Every re-billing of an hour that had been billed before: per tenant, what the hour cost
