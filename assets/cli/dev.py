@@ -29,6 +29,7 @@ from pipeline.cli.dagster_instance import (
     instance_dir,
     prepare_instance,
 )
+from pipeline.cli.options import data_dir_option
 
 # `dagster dev` stops its webserver, daemon and code server within a few seconds of SIGTERM.
 STOP_GRACE_SECONDS = 20.0
@@ -73,14 +74,7 @@ def stop_group(process: subprocess.Popen[bytes], grace_seconds: float) -> int:
 
 
 @click.command("dev")
-@click.option(
-    "--data",
-    "data_dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=Path("demo-run"),
-    show_default=True,
-    help="data directory the schedule and sensors work on",
-)
+@data_dir_option(help="data directory the schedule and sensors work on")
 @click.option(
     "--host",
     default="127.0.0.1",

@@ -8,19 +8,13 @@ from pathlib import Path
 
 import click
 
+from pipeline.cli.options import data_dir_option
 from pipeline.finance import close_month
 from pipeline.warehouse import WarehouseError
 
 
 @click.command("close")
-@click.option(
-    "--data",
-    "data_dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=Path("demo-run"),
-    show_default=True,
-    help="data directory whose warehouse (DATA/warehouse/) holds the month",
-)
+@data_dir_option(help="data directory whose warehouse (DATA/warehouse/) holds the month")
 @click.option(
     "--month", type=click.DateTime(["%Y-%m"]), required=True, help="the UTC month, YYYY-MM"
 )

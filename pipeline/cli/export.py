@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from pipeline.cli.options import data_dir_option
 from pipeline.focus import FORMATS, focus_table, write_focus
 from pipeline.warehouse import WarehouseError
 
@@ -25,14 +26,7 @@ def _day(value: datetime | None, default: datetime) -> datetime:
 
 
 @export_group.command("focus")
-@click.option(
-    "--data",
-    "data_dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=Path("demo-run"),
-    show_default=True,
-    help="data directory whose warehouse (DATA/warehouse/) to export",
-)
+@data_dir_option(help="data directory whose warehouse (DATA/warehouse/) to export")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True)
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="parquet", show_default=True)
 @click.option(

@@ -14,6 +14,7 @@ import duckdb
 
 from pipeline import finance
 from pipeline.cli.costs import _plain, parse_as_of
+from pipeline.cli.options import data_dir_option
 from pipeline.warehouse import WarehouseError
 
 FORMATS = ("table", "csv", "json")
@@ -54,14 +55,7 @@ def statements(lines: Iterable[str]) -> Iterator[str]:
 
 
 @click.command("sql")
-@click.option(
-    "--data",
-    "data_dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=Path("demo-run"),
-    show_default=True,
-    help="data directory whose warehouse (DATA/warehouse/) to read",
-)
+@data_dir_option(help="data directory whose warehouse (DATA/warehouse/) to read")
 @click.option("-c", "--command", "query", default=None, help="run this one query and exit")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True)
 @click.option(
