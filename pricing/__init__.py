@@ -6,7 +6,7 @@ are pure functions in `pricing.laws`; `Kernel` composes them for one deployment.
 
 from __future__ import annotations
 
-from pricing.deployment import GRAPH_MODES, CudagraphMode, Deployment, deployment_for_pool
+from pricing.deployment import GRAPH_MODES, CudagraphMode, Deployment
 from pricing.kernel import RESOURCES, Kernel, SlotWork, StepPrice, StepPrices
 from pricing.spec import PricingError, chip_names, load_chip, load_model, model_names
 
@@ -21,7 +21,6 @@ __all__ = [
     "StepPrice",
     "StepPrices",
     "chip_names",
-    "deployment_for_pool",
     "load_chip",
     "load_model",
     "model_names",

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
-
-from pricing.spec import load_chip
-
-if TYPE_CHECKING:
-    from schemas.config import Pool
 
 
 def _upper(value: object) -> object:
@@ -81,28 +76,3 @@ class Deployment(BaseModel):
     def moe_group(self) -> int:
         """Ranks the routed experts span: every TP rank of every attention DP replica."""
         return self.tp * self.data_parallel
-
-
-def deployment_for_pool(pool: Pool) -> Deployment:
-    """The deployment a pools-file pool serves: chip = gpu_type, TP = gpus_per_replica over its
-    attention data-parallel replicas."""
-    chip = load_chip(pool.gpu_type)
-    tp = pool.gpus_per_replica // pool.data_parallel
-    engine = pool.engine
-    return Deployment(
-        model=pool.model,
-        chip=pool.gpu_type,
-        dtype=pool.dtype,
-        cache_dtype=pool.kv_cache_dtype,
-        tp=tp,
-        nodes=-(-tp // chip.gpus_per_node),
-        data_parallel=pool.data_parallel,
-        expert_parallel=pool.expert_parallel,
-        eplb_redundant_experts=pool.eplb_redundant_experts,
-        all2all_backend=pool.all2all_backend,
-        decode_context_parallel=pool.decode_context_parallel,
-        cudagraph_mode=engine.cudagraph_mode,
-        max_num_seqs=engine.max_num_seqs,
-        decode_threshold=engine.decode_threshold,
-        num_spec_tokens=engine.num_spec_tokens,
-    )

@@ -16,7 +16,13 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pricing.deployment import All2AllBackend, CudagraphMode
+from pricing.deployment import All2AllBackend, CudagraphMode, Deployment
+from pricing.spec import load_chip
+
+# The largest price per replica-hour the allocator bills exactly: its clock
+# (pipeline.attribution.clock) multiplies a price by an instant of the hour (< 2**42 ns) split
+# at bit 20, so every product stays below 2**63 (halved for the sum of two products).
+MAX_PRICE_PER_HOUR_NANO = (1 << 63) // ((3_600 * 1_000_000_000) >> 20) // 2
 
 
 class ConfigError(ValueError):
@@ -190,19 +196,17 @@ class Pool(_Strict):
         """The allocator bills in whole nano-dollars, exactly, up to a price per replica-hour
         its int64 arithmetic can hold: a price it could only bill rounded, as nothing, or
         wrapped around is refused here rather than billed wrong."""
-        from pipeline.attribution.clock import _MAX_PRICE_PER_HOUR_NANO
-
         price = self.usd_per_gpu_hour
         exact = Decimal(repr(price)) * 1_000_000_000 if math.isfinite(price) else None
         if exact is None:
             why = "is not a finite number"
         elif exact.to_integral_value() == 0:
             why = "rounds to 0 nano-dollars per GPU-hour"
-        elif exact * self.gpus_per_replica > _MAX_PRICE_PER_HOUR_NANO:
+        elif exact * self.gpus_per_replica > MAX_PRICE_PER_HOUR_NANO:
             why = (
                 f"makes {price * self.gpus_per_replica:g} USD per replica-hour "
                 f"({self.gpus_per_replica} GPUs), above the "
-                f"{Decimal(_MAX_PRICE_PER_HOUR_NANO).scaleb(-9)} USD the allocator bills exactly"
+                f"{Decimal(MAX_PRICE_PER_HOUR_NANO).scaleb(-9)} USD the allocator bills exactly"
             )
         elif exact != exact.to_integral_value():
             why = f"is not a whole number of nano-dollars ({exact.normalize():f})"
@@ -214,6 +218,30 @@ class Pool(_Strict):
     def nano_per_gpu_hour(self) -> int:
         """The GPU-hour price in integer nano-dollars (rounded once, here)."""
         return round(self.usd_per_gpu_hour * 1_000_000_000)
+
+    def deployment(self) -> Deployment:
+        """The deployment this pool serves: chip = gpu_type, TP = gpus_per_replica over its
+        attention data-parallel replicas."""
+        chip = load_chip(self.gpu_type)
+        tp = self.gpus_per_replica // self.data_parallel
+        engine = self.engine
+        return Deployment(
+            model=self.model,
+            chip=self.gpu_type,
+            dtype=self.dtype,
+            cache_dtype=self.kv_cache_dtype,
+            tp=tp,
+            nodes=-(-tp // chip.gpus_per_node),
+            data_parallel=self.data_parallel,
+            expert_parallel=self.expert_parallel,
+            eplb_redundant_experts=self.eplb_redundant_experts,
+            all2all_backend=self.all2all_backend,
+            decode_context_parallel=self.decode_context_parallel,
+            cudagraph_mode=engine.cudagraph_mode,
+            max_num_seqs=engine.max_num_seqs,
+            decode_threshold=engine.decode_threshold,
+            num_spec_tokens=engine.num_spec_tokens,
+        )
 
 
 class Settings(_Strict):

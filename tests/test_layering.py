@@ -1,4 +1,5 @@
-"""Dependencies point one way: assets/ over pipeline/ over pricing/ and schemas/."""
+"""Dependencies point one way: assets/ over pipeline/ over schemas/ over pricing/ (the pools
+file names the kernel's deployments; the kernel knows no pools file)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FORBIDDEN = {
     "pipeline": {"assets"},
     "pricing": {"pipeline", "assets", "schemas"},
-    "schemas": {"pipeline", "assets", "pricing"},
+    "schemas": {"pipeline", "assets"},
 }
 
 

@@ -16,17 +16,18 @@ from __future__ import annotations
 import numpy as np
 
 from pipeline.hours import HOUR_NS
+from schemas.config import MAX_PRICE_PER_HOUR_NANO
 
 # t < 2**42 within an hour; splitting t = high * 2**20 + low keeps every product below 2**63.
 _LOW_BITS = 20
-_MAX_PRICE_PER_HOUR_NANO = (1 << 63) // (HOUR_NS >> _LOW_BITS) // 2
+assert MAX_PRICE_PER_HOUR_NANO == (1 << 63) // (HOUR_NS >> _LOW_BITS) // 2
 
 
 def cumulative_nano(offset_ns: np.ndarray, price_per_hour_nano: int) -> np.ndarray:
     """floor(offset x price / HOUR_NS), exact in int64 for offsets in [0, HOUR_NS]."""
-    if not 0 < price_per_hour_nano <= _MAX_PRICE_PER_HOUR_NANO:
+    if not 0 < price_per_hour_nano <= MAX_PRICE_PER_HOUR_NANO:
         raise ValueError(
-            f"price per replica-hour {price_per_hour_nano} nano-dollars is outside 1..{_MAX_PRICE_PER_HOUR_NANO}"
+            f"price per replica-hour {price_per_hour_nano} nano-dollars is outside 1..{MAX_PRICE_PER_HOUR_NANO}"
         )
     offset = np.asarray(offset_ns, dtype=np.int64)
     if offset.size and (offset.min() < 0 or offset.max() > HOUR_NS):

@@ -21,7 +21,7 @@ import numba
 import numpy as np
 
 from pipeline.attribution.allocator import GroupedRows
-from pricing import Kernel, deployment_for_pool
+from pricing import Kernel
 
 if TYPE_CHECKING:
     from schemas.config import Pool
@@ -223,7 +223,7 @@ class KernelWeights:
 
     @classmethod
     def for_pool(cls, pool: Pool) -> KernelWeights:
-        return cls.from_deployment(deployment_for_pool(pool))
+        return cls.from_deployment(pool.deployment())
 
     def compute_work(self, batch: SlotBatch, policy: FixedCostPolicy) -> np.ndarray:
         fixed_us, slot_us = self.kernel.slot_work_many(

@@ -23,7 +23,6 @@ from pipeline.lake import load_ledger
 from pipeline.ledger import RESOURCES
 from pipeline.warehouse import connect_read_only, query_frame
 from pipeline.weights import kernel_weights
-from pricing import deployment_for_pool
 from schemas.config import Pool, PoolsFile
 
 UNATTRIBUTED = "(unattributed)"
@@ -361,7 +360,7 @@ def _sweep(pool: Pool, median_context: int | None) -> BottleneckSweep:
         (RESOURCES[bottleneck[first]], int(SWEEP_BATCHES[first]), int(SWEEP_BATCHES[end - 1]))
         for first, end in zip(np.r_[0, changes], np.r_[changes, SWEEP_BATCHES.size], strict=True)
     ]
-    d = deployment_for_pool(pool)
+    d = pool.deployment()
     return BottleneckSweep(
         pool=pool.name,
         title=(

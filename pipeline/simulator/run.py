@@ -33,7 +33,7 @@ from pipeline.simulator.faults import (
 from pipeline.simulator.replica import ReplicaRun, simulate_replica
 from pipeline.simulator.telemetry import GpuActivity, gpu_model_name, write_dcgm, write_gateway
 from pipeline.simulator.workload import PoolTraffic, generate_pool_traffic
-from pricing import Kernel, deployment_for_pool
+from pricing import Kernel
 from schemas.config import Pool, PoolsFile, Replica
 
 DEFAULT_START = datetime(2026, 11, 30, tzinfo=UTC)
@@ -145,7 +145,7 @@ def _rng(seed: int, *keys: int) -> np.random.Generator:
 
 
 def _simulate_in_worker(pool: Pool, replica: Replica, job: dict[str, Any]) -> ReplicaRun:
-    return simulate_replica(pool, replica, Kernel.build(deployment_for_pool(pool)), **job)
+    return simulate_replica(pool, replica, Kernel.build(pool.deployment()), **job)
 
 
 def simulate(
@@ -233,7 +233,7 @@ def simulate(
             )
 
     if workers == 1:
-        kernels = {pool.name: Kernel.build(deployment_for_pool(pool)) for pool in pools.pools}
+        kernels = {pool.name: Kernel.build(pool.deployment()) for pool in pools.pools}
         replica_runs = [
             simulate_replica(pool, replica, kernels[pool.name], progress=advance, **job)
             for pool, replica, job in jobs

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pricing import Deployment, Kernel, PricingError, deployment_for_pool, spec
+from pricing import Deployment, Kernel, PricingError, spec
 from pricing.spec import ChipSpec, ModelSpec, _load, chip_names, load_chip
 from schemas.config import load_pools
 
@@ -277,9 +277,9 @@ def test_kv_bytes_per_token_whole_replica():
     )
 
 
-def test_deployment_for_pool_uses_the_pool_and_engine_settings():
+def test_a_pools_deployment_uses_the_pool_and_engine_settings():
     pools = load_pools()
-    chat = deployment_for_pool(pools.pool("chat-8b"))
+    chat = pools.pool("chat-8b").deployment()
     assert chat == Deployment(
         model="llama-3.1-8b-instruct",
         chip="h100",
@@ -292,7 +292,7 @@ def test_deployment_for_pool_uses_the_pool_and_engine_settings():
         decode_threshold=1,
         num_spec_tokens=0,
     )
-    reason = deployment_for_pool(pools.pool("reason-dsv3"))
+    reason = pools.pool("reason-dsv3").deployment()
     assert (
         reason.chip,
         reason.tp,
@@ -310,7 +310,7 @@ def test_deployment_for_pool_uses_the_pool_and_engine_settings():
             "decode_context_parallel": 2,
         }
     )
-    expert = deployment_for_pool(wide)
+    expert = wide.deployment()
     assert expert.decode_context_parallel == 2
     assert (expert.tp, expert.nodes, expert.data_parallel, expert.moe_group) == (4, 1, 4, 16)
     assert (expert.expert_parallel, expert.eplb_redundant_experts) == (True, 32)
@@ -327,7 +327,7 @@ def test_a_pools_file_cudagraph_mode_is_read_in_any_case():
     raw = load_pools().pool("chat-8b").model_dump()
     raw["engine"]["cudagraph_mode"] = "piecewise"
     pool = type(load_pools().pool("chat-8b")).model_validate(raw)
-    assert deployment_for_pool(pool).cudagraph_mode == "PIECEWISE"
+    assert pool.deployment().cudagraph_mode == "PIECEWISE"
 
 
 # ------------------------------------------------------------------ errors
