@@ -153,13 +153,15 @@ class ScheduledStep:
 
     def columns(self, spec_accepted: list[int]) -> StepColumns:
         """The step's record_step columns after the time span, in order."""
-        holder_blocks = self.blocks.held(self.holder_ids)
+        held = self.blocks.held(self.request_ids + self.holder_ids)
+        slots = len(self.request_ids)
+        holder_blocks = held[slots:]
         holding = np.flatnonzero(holder_blocks > 0)
         return (
             self.request_ids,
             self.new_tokens,
             self.context_tokens,
-            self.blocks.held(self.request_ids),
+            held[:slots],
             self.prompt_tokens,
             self.prefix_hit_tokens,
             self.spec_drafted,
