@@ -33,15 +33,15 @@ def _timed(function: Any, durations: list[int]) -> Any:
     return timed
 
 
-def figures(quick: bool) -> list[Figure]:
+def hook_cost(adapter: Any, steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """Nanoseconds per recorded step spent in `adapter`'s hook on the engine thread, and per
+    engine step (schedule + update_from_output, hook included)."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
-    import pipeline.vllm_adapter as adapter
     from pipeline.steplog import StepRecorder
     from schemas.config import load_pools
     from tests.pipeline.vllm_engine import Engine, build_scheduler, request_factory, vllm_config
 
-    steps = 100 if quick else 3000
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(scratch)
         config = vllm_config(
@@ -74,7 +74,9 @@ def figures(quick: bool) -> list[Figure]:
         adapter.scheduled_step = _timed(adapter.scheduled_step, hook)
         adapter.accepted_tokens = _timed(adapter.accepted_tokens, hook)
         recorder = scheduler.step_recorder
+        # The hook queues its step through one of the two; the other is never called.
         recorder.record_step = _timed(recorder.record_step, hook)
+        recorder.record_step_later = _timed(recorder.record_step_later, hook)
         engine_steps = []
         try:
             for _ in range(steps):
@@ -89,9 +91,15 @@ def figures(quick: bool) -> list[Figure]:
         if recorder.dropped_steps or recorder.rejected_steps:
             raise RuntimeError(f"the recorder dropped or rejected steps: {recorder.dropped_steps}")
 
-    # Three timed calls per recorded step: scheduled_step, accepted_tokens, record_step.
+    # Three timed calls per recorded step: scheduled_step, accepted_tokens, queueing the step.
     per_step = np.asarray(hook[: len(hook) // 3 * 3], np.int64).reshape(-1, 3).sum(axis=1)
-    with_hook = np.asarray(engine_steps, np.int64)
+    return per_step, np.asarray(engine_steps, np.int64)
+
+
+def figures(quick: bool) -> list[Figure]:
+    import pipeline.vllm_adapter as adapter
+
+    per_step, with_hook = hook_cost(adapter, 100 if quick else 3000)
     return [
         Figure("vllm_hook_step_us_median", float(np.median(per_step)) / 1e3, "us", 20, "max"),
         Figure("vllm_hook_step_us_p99", float(np.percentile(per_step, 99)) / 1e3, "us", 100, "max"),

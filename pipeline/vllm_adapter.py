@@ -24,7 +24,8 @@ import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from itertools import repeat
+from functools import partial
+from itertools import chain, repeat
 from operator import attrgetter
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.steplog import SegmentHeader, StepRecorder
+from pipeline.steplog.recorder import StepColumns
 from schemas.config import DEFAULT_POOLS_PATH, ConfigError, Pool, load_pools
 
 log = logging.getLogger(__name__)
@@ -92,85 +94,85 @@ def prefix_hit_tokens(request: Any) -> int:
 
 
 @dataclass
+class BlockSnapshot:
+    """Every request's KV block lists as they were when a step was scheduled, per KV-cache
+    group: copies, because vLLM appends to the live lists, redirects a partial prefix hit to
+    a private copy in place (`_apply_cow`) and nulls blocks that left a sliding window. Copying
+    is all the engine thread does; the shares are counted later, on the recorder's thread."""
+
+    null_block: Any
+    owners: list[str]
+    blocks: list[list[Any]]
+
+    def held(self, request_ids: list[str]) -> np.ndarray:
+        """KV blocks held by each of `request_ids`, a block held by k requests counting 1/k
+        (the null block, a placeholder for blocks a window dropped, counting 0)."""
+        lengths = np.fromiter(map(len, self.blocks), np.int64, len(self.blocks))
+        identities = np.fromiter(
+            map(id, chain.from_iterable(self.blocks)), np.int64, int(lengths.sum())
+        )
+        _, holders, counts = np.unique(identities, return_inverse=True, return_counts=True)
+        weights = 1.0 / counts[holders]
+        weights[identities == id(self.null_block)] = 0.0
+        owner_rows = {owner: row for row, owner in enumerate(dict.fromkeys(self.owners))}
+        owner_of_list = np.fromiter(map(owner_rows.__getitem__, self.owners), np.int64)
+        per_owner = np.bincount(
+            np.repeat(owner_of_list, lengths), weights=weights, minlength=len(owner_rows)
+        )
+        rows = np.fromiter(map(owner_rows.get, request_ids, repeat(-1)), np.int64)
+        return np.where(rows >= 0, per_owner[rows], 0.0)
+
+
+def block_snapshot(kv_cache_manager: Any) -> BlockSnapshot:
+    """The block lists of every request in every KV-cache group, as they are now
+    (`coordinator.single_type_managers[g].req_to_blocks`, in 0.33 and 0.34)."""
+    owners: list[str] = []
+    blocks: list[list[Any]] = []
+    for manager in kv_cache_manager.coordinator.single_type_managers:
+        owners.extend(manager.req_to_blocks)
+        blocks.extend(map(list.copy, manager.req_to_blocks.values()))
+    return BlockSnapshot(kv_cache_manager.block_pool.null_block, owners, blocks)
+
+
+@dataclass
 class ScheduledStep:
-    """record_step arguments of one step, captured when it was scheduled."""
+    """record_step arguments of one step, captured when it was scheduled; the KV-block
+    shares are left as a snapshot, to be counted off the engine thread by columns()."""
 
     request_ids: list[str]
     new_tokens: list[int]
     context_tokens: list[int]
-    kv_blocks: np.ndarray
+    blocks: BlockSnapshot
     prompt_tokens: list[int]
     prefix_hit_tokens: list[int]
     spec_drafted: list[int]
     holder_ids: list[str] = field(default_factory=list)
-    holder_blocks: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    holder_states: list[str] = field(default_factory=list)
     admission_blocked: bool = False
     free_blocks: int = 0
     total_blocks: int = 0
 
-
-def block_lists(kv_cache_manager: Any) -> list[Mapping[str, list[Any]]]:
-    """Per KV-cache group, request id -> its KVCacheBlock objects: the managers' own lists
-    (`coordinator.single_type_managers[g].req_to_blocks`, in 0.33 and 0.34), read in place
-    rather than copied into block ids by `get_block_ids`."""
-    return [manager.req_to_blocks for manager in kv_cache_manager.coordinator.single_type_managers]
-
-
-class _BlockShares:
-    """KV blocks held per request in one step, a block shared by k requests counting 1/k.
-
-    Prefix caching shares whole prefixes: a cached block's hash chains its predecessor's, so
-    along a request's block list ref counts never rise and the shared blocks form a prefix
-    that determines everything before it. The boundary is found by bisection and the sum over
-    the shared prefix is memoised per block, so a step's cost on the engine thread grows with
-    its distinct shared blocks, not with every block of every request.
-    """
-
-    def __init__(self, kv_cache_manager: Any) -> None:
-        self.groups = block_lists(kv_cache_manager)
-        # id(block) -> sum of 1/ref_cnt over the shared prefix ending with that block.
-        self.prefix_share: dict[int, float] = {}
-
-    def held(self, request_ids: list[str]) -> np.ndarray:
-        held = np.zeros(len(request_ids), np.float64)
-        for group in self.groups:
-            lists = map(group.get, request_ids)
-            held += np.fromiter(map(self._group, lists), np.float64, len(request_ids))
-        return held
-
-    def _group(self, blocks: list[Any] | None) -> float:
-        if not blocks:
-            return 0.0
-        if blocks[0].ref_cnt <= 1 and not blocks[0].is_null:
-            return float(len(blocks))
-        # Sliding-window groups replace blocks that left the window with the null block.
-        first = 0
-        while first < len(blocks) and blocks[first].is_null:
-            first += 1
-        low, high = first, len(blocks)
-        while low < high:
-            middle = (low + high) // 2
-            if blocks[middle].ref_cnt > 1:
-                low = middle + 1
-            else:
-                high = middle
-        if first:
-            # A window-trimmed list starts mid-prefix, so its sums are not the memoised ones.
-            shared = float(sum(1.0 / b.ref_cnt for b in blocks[first:low]))
-        else:
-            shared = self._shared(blocks, low)
-        return shared + (len(blocks) - low)
-
-    def _shared(self, blocks: list[Any], end: int) -> float:
-        position = end - 1
-        while position >= 0 and id(blocks[position]) not in self.prefix_share:
-            position -= 1
-        total = self.prefix_share[id(blocks[position])] if position >= 0 else 0.0
-        for block in blocks[position + 1 : end]:
-            total += 1.0 / block.ref_cnt
-            self.prefix_share[id(block)] = total
-        return total
+    def columns(self, spec_accepted: list[int]) -> StepColumns:
+        """The step's record_step columns after the time span, in order."""
+        held = self.blocks.held(self.request_ids + self.holder_ids)
+        slots = len(self.request_ids)
+        holder_blocks = held[slots:]
+        holding = np.flatnonzero(holder_blocks > 0)
+        return (
+            self.request_ids,
+            self.new_tokens,
+            self.context_tokens,
+            held[:slots],
+            self.prompt_tokens,
+            self.prefix_hit_tokens,
+            self.spec_drafted,
+            spec_accepted,
+            [self.holder_ids[i] for i in holding],
+            holder_blocks[holding],
+            ["waiting"] * len(holding),
+            self.admission_blocked,
+            self.free_blocks,
+            self.total_blocks,
+        )
 
 
 def scheduled_step(scheduler: Any, output: Any) -> ScheduledStep:
@@ -211,9 +213,6 @@ def scheduled_step(scheduler: Any, output: Any) -> ScheduledStep:
         else []
     )
     holder_ids.extend(r.request_id for r in scheduler.kv_holding_waiting)
-    shares = _BlockShares(scheduler.kv_cache_manager)
-    holder_blocks = shares.held(holder_ids)
-    holding = np.flatnonzero(holder_blocks > 0)
 
     block_pool = scheduler.kv_cache_manager.block_pool
     admissible_waiting = len(scheduler.waiting) + len(scheduler.kv_holding_waiting) > len(
@@ -230,7 +229,7 @@ def scheduled_step(scheduler: Any, output: Any) -> ScheduledStep:
         request_ids=request_ids,
         new_tokens=list(scheduled.values()),
         context_tokens=list(map(computed.__getitem__, request_ids)),
-        kv_blocks=shares.held(request_ids),
+        blocks=block_snapshot(scheduler.kv_cache_manager),
         prompt_tokens=list(map(_PROMPT_TOKENS, map(requests.__getitem__, request_ids))),
         prefix_hit_tokens=(
             list(map(first_hits.get, request_ids, repeat(0))) if first_hits else [0] * slots
@@ -238,9 +237,7 @@ def scheduled_step(scheduler: Any, output: Any) -> ScheduledStep:
         spec_drafted=(
             list(map(len, map(drafts.get, request_ids, repeat(())))) if drafts else [0] * slots
         ),
-        holder_ids=[holder_ids[i] for i in holding],
-        holder_blocks=holder_blocks[holding],
-        holder_states=["waiting"] * len(holding),
+        holder_ids=holder_ids,
         admission_blocked=bool((admissible_waiting and under_limits) or output.preempted_req_ids),
         free_blocks=block_pool.get_num_free_blocks(),
         total_blocks=block_pool.num_gpu_blocks,
@@ -354,23 +351,9 @@ def recording_scheduler_class(
             outstanding = self._outstanding.pop(id(scheduler_output), None)
             if outstanding is not None:
                 start_ns, step = outstanding
-                self.step_recorder.record_step(
-                    start_ns,
-                    end_ns,
-                    step.request_ids,
-                    step.new_tokens,
-                    step.context_tokens,
-                    step.kv_blocks,
-                    step.prompt_tokens,
-                    step.prefix_hit_tokens,
-                    step.spec_drafted,
-                    accepted_tokens(step, model_runner_output),
-                    holder_ids=step.holder_ids,
-                    holder_blocks=step.holder_blocks,
-                    holder_states=step.holder_states,
-                    admission_blocked=step.admission_blocked,
-                    free_blocks=step.free_blocks,
-                    total_blocks=step.total_blocks,
+                accepted = accepted_tokens(step, model_runner_output)
+                self.step_recorder.record_step_later(
+                    start_ns, end_ns, partial(step.columns, accepted)
                 )
             return super().update_from_output(scheduler_output, model_runner_output)
 

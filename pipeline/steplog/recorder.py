@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 # A step's per-slot values: a list from the engine, or a column of a simulated batch.
 IntColumn: TypeAlias = "Sequence[int] | np.ndarray"
 FloatColumn: TypeAlias = "Sequence[float] | np.ndarray"
+# record_step's arguments after end_ns, in order, keywords included.
+StepColumns: TypeAlias = tuple[Any, ...]
 
 log = logging.getLogger(__name__)
 
@@ -222,23 +224,10 @@ class StepRecorder:
         Values are checked on the writer thread; a step that cannot be recorded faithfully
         is logged, counted in `rejected_steps` and written as a drop.
         """
-        if self._closed:
-            raise RecorderError("record_step called after close()")
-        seq = self._next_seq
-        self._next_seq = seq + 1
-        queue = self._queue
-        if len(queue) >= self._capacity:
-            if not self._block:
-                self._drops_pending += 1
-                self._dropped_total += 1
-                return False
-            self._wait_for_room()
-        queue.append(
+        return self._queue_step(
+            start_ns,
+            end_ns,
             (
-                seq,
-                self._drops_pending,
-                start_ns,
-                end_ns,
                 request_ids,
                 new_tokens,
                 context_tokens,
@@ -253,8 +242,33 @@ class StepRecorder:
                 admission_blocked,
                 free_blocks,
                 total_blocks,
-            )
+            ),
         )
+
+    def record_step_later(
+        self, start_ns: int, end_ns: int, columns: Callable[[], StepColumns]
+    ) -> bool:
+        """record_step, with the columns built by `columns()` on the writer thread: for an
+        engine whose state is cheap to capture but costly to turn into columns. columns()
+        must read only what the caller no longer mutates; if it raises, the step is rejected
+        like one whose values cannot be recorded."""
+        return self._queue_step(start_ns, end_ns, columns)
+
+    def _queue_step(
+        self, start_ns: int, end_ns: int, columns: StepColumns | Callable[[], StepColumns]
+    ) -> bool:
+        if self._closed:
+            raise RecorderError("record_step called after close()")
+        seq = self._next_seq
+        self._next_seq = seq + 1
+        queue = self._queue
+        if len(queue) >= self._capacity:
+            if not self._block:
+                self._drops_pending += 1
+                self._dropped_total += 1
+                return False
+            self._wait_for_room()
+        queue.append((seq, self._drops_pending, start_ns, end_ns, columns))
         self._drops_pending = 0
         return True
 
@@ -346,8 +360,19 @@ class StepRecorder:
             if self._block:
                 with self._room:
                     self._room.notify()
-            frames = fmt.step_frames([item[:1] + item[2:] for item in batch])
-            for item, data in zip(batch, frames, strict=False):
+            rows, unbuilt = [], {}
+            for item in batch:
+                seq, columns = item[0], item[4]
+                if callable(columns):
+                    try:
+                        columns = columns()
+                    except Exception as err:
+                        unbuilt[seq] = err
+                        continue
+                rows.append((seq, item[2], item[3], *columns))
+            encoded = iter(fmt.step_frames(rows))
+            for item in batch:
+                data = unbuilt[item[0]] if item[0] in unbuilt else next(encoded)
                 seq, drops_before = item[0], item[1]
                 if drops_before:
                     self._write_drop(seq - drops_before, seq - 1)

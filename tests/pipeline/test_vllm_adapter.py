@@ -4,8 +4,10 @@ on vLLM's real scheduler in test_vllm_conformance.py."""
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
@@ -19,6 +21,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 
 import pipeline.vllm_adapter as adapter
+from pipeline.steplog import StepRecorder, read_segments
 from schemas.config import ConfigError, load_pools
 from tests.pipeline.vllm_engine import HAS_REQ_ID_TO_INDEX
 
@@ -31,6 +34,7 @@ class KVCacheManager:
     held: dict[str, tuple[list[int], ...]]
     num_gpu_blocks: int = 64
     coordinator: SimpleNamespace = field(init=False)
+    block_pool: SimpleNamespace = field(init=False)
 
     def __post_init__(self) -> None:
         ref_counts: dict[int, int] = {}
@@ -41,6 +45,7 @@ class KVCacheManager:
             SimpleNamespace(block_id=i, ref_cnt=ref_counts.get(i, 0), is_null=i == 0)
             for i in range(self.num_gpu_blocks)
         ]
+        self.block_pool = SimpleNamespace(null_block=blocks[0])
         groups = max(len(g) for g in self.held.values())
         self.coordinator = SimpleNamespace(
             single_type_managers=[
@@ -66,7 +71,7 @@ def test_block_shares_split_shared_prefixes_and_skip_null_blocks():
             "window-twin": ([0, 7, 9],),
         }
     )
-    shares = adapter._BlockShares(kv)
+    shares = adapter.block_snapshot(kv)
     # Block 1 is held by three requests, block 2 by two, block 7 by two.
     assert shares.held(["a", "b", "c", "window", "window-twin", "none"]).tolist() == [
         1 / 3 + 1 / 2 + 2,
@@ -89,7 +94,7 @@ def test_block_shares_of_all_holders_sum_to_the_blocks_held(requests):
         )
         next_private += private
     kv = KVCacheManager(held=held, num_gpu_blocks=200)
-    shares = adapter._BlockShares(kv).held(list(held))
+    shares = adapter.block_snapshot(kv).held(list(held))
     distinct = {block for groups in held.values() for block in groups[0]}
     assert math.isclose(shares.sum(), len(distinct), rel_tol=1e-12)
     expected = [
@@ -97,6 +102,18 @@ def test_block_shares_of_all_holders_sum_to_the_blocks_held(requests):
         for groups in held.values()
     ]
     assert np.allclose(shares, expected, rtol=1e-12, atol=0)
+
+
+def test_block_snapshot_keeps_the_shares_of_the_moment_it_was_taken():
+    kv = KVCacheManager(held={"a": ([1, 2, 3],), "b": ([1, 2],), "c": ([1, 4],)})
+    snapshot = adapter.block_snapshot(kv)
+    lists = kv.coordinator.single_type_managers[0].req_to_blocks
+    # What vLLM does to the live lists after schedule() returns: a new block appended, a
+    # shared block replaced in place by a private copy, a request's list freed.
+    lists["a"].append(SimpleNamespace(block_id=5))
+    lists["b"][1] = SimpleNamespace(block_id=6)
+    del lists["c"]
+    assert snapshot.held(["a", "b", "c"]).tolist() == [1 / 3 + 1 / 2 + 1, 1 / 3 + 1 / 2, 1 / 3 + 1]
 
 
 def test_header_checks_the_pools_file():
@@ -170,7 +187,7 @@ def test_sampled_index_from_req_ids_as_in_0_34():
         request_ids=["z", "y", "x"],
         new_tokens=[1, 3, 1],
         context_tokens=[5, 5, 5],
-        kv_blocks=np.ones(3),
+        blocks=adapter.block_snapshot(KVCacheManager(held={"x": ([1],)})),
         prompt_tokens=[4, 4, 4],
         prefix_hit_tokens=[0, 0, 0],
         spec_drafted=[0, 2, 0],
@@ -195,3 +212,40 @@ def test_gpus_per_replica_is_pipeline_tensor_and_prefill_context_parallel(pp, tp
         pipeline_parallel_size=pp, tensor_parallel_size=tp, prefill_context_parallel_size=pcp
     )
     assert adapter.gpus_per_replica(parallel) == gpus == parallel.world_size
+
+
+def test_a_step_whose_columns_fail_to_build_is_rejected_and_left_as_a_drop(
+    tmp_path, header, caplog
+):
+    outbox = tmp_path / "outbox"
+    step = adapter.ScheduledStep(
+        request_ids=["x"],
+        new_tokens=[1],
+        context_tokens=[5],
+        blocks=adapter.block_snapshot(KVCacheManager(held={"x": ([1, 2],), "h": ([1],)})),
+        prompt_tokens=[4],
+        prefix_hit_tokens=[0],
+        spec_drafted=[0],
+        holder_ids=["h"],
+    )
+
+    def unbuildable() -> adapter.StepColumns:
+        raise KeyError("cmpl-9")
+
+    with caplog.at_level(logging.ERROR), StepRecorder(outbox, header) as recorder:
+        recorder.record_step_later(10, 20, partial(step.columns, [0]))
+        recorder.record_step_later(20, 30, unbuildable)
+    assert recorder.rejected_steps == 1
+    decoded = read_segments(outbox.glob("*.seg"))
+    assert decoded.steps.column("seq").to_pylist() == [0]
+    assert decoded.slots.select(["request_id", "kv_blocks"]).to_pylist() == [
+        {"request_id": "x", "kv_blocks": 1.5}
+    ]
+    assert decoded.holders.select(["request_id", "kv_blocks"]).to_pylist() == [
+        {"request_id": "h", "kv_blocks": 0.5}
+    ]
+    assert [(d["first_seq"], d["last_seq"]) for d in decoded.drops.to_pylist()] == [(1, 1)]
+    assert any(
+        "step 1 not recorded" in r.getMessage() and "cmpl-9" in r.getMessage()
+        for r in caplog.records
+    )
