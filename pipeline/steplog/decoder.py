@@ -385,11 +385,15 @@ def _read_frame(decoded: _File, buf: memoryview, pos: int, kind: int, end: int) 
         return end
     if kind == FrameKind.DROP:
         first, last = DROP_STRUCT.unpack_from(buf, payload)
-        if first <= last:
+        if 0 <= first <= last:
             decoded.drops.append((first, last))
             decoded.seq_marks.append((pos, first, last))
             return end
-        why = f"drop frame whose first_seq {first} exceeds its last_seq {last}"
+        why = (
+            f"drop frame whose first_seq {first} exceeds its last_seq {last}"
+            if first > last
+            else f"drop frame with a negative first_seq {first}"
+        )
     else:
         why = "a second segment header frame"
     decoded.damage.append(_Damage("corrupt_frame", pos, end - pos, why))

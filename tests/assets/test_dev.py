@@ -119,6 +119,7 @@ def test_dev_serves_the_data_directory_history_on_loopback_and_stops_every_proce
         "new_segments": "RUNNING",
         "deadman": "RUNNING",
         "page_on_call": "RUNNING",
+        "deliver_alerts": "RUNNING",
     }
     ledger = history["assetNodeOrError"]
     assert ledger["partitionStats"] == {"numMaterialized": 1, "numFailed": 0}

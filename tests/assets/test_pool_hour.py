@@ -80,7 +80,7 @@ def test_a_simulated_hour_end_to_end(data: Path) -> None:
     expected = 2 * small_pools().pool("chat-8b").nano_per_gpu_hour
     assert invoice == [(2, expected)]
     assert lines_total == published == focus[0] == expected
-    assert focus[1] == SIMULATED_HOUR.replace(tzinfo=None)
+    assert focus[1] == SIMULATED_HOUR  # FOCUS timestamps carry their zone
     assert {"usage", "idle"} <= kinds
     assert 0 < charged == requests_total < expected
 

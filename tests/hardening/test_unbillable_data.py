@@ -13,7 +13,7 @@ import dagster as dg
 import pytest
 
 from pipeline.simulator.faults import damage_segments
-from pipeline.warehouse import STATE_FILE, connect_read_only
+from pipeline.warehouse import STATE_FILE, connect
 from schemas.config import PoolsFile
 from tests.helpers.fleets import bill, costs, rerecord, simulate_small, small_pools
 
@@ -61,7 +61,7 @@ def damaged(fleet, tmp_path: Path, *faults: str) -> tuple[Path, list[Path], dict
 
 
 def sequence_detail(data: Path) -> str:
-    with connect_read_only(data / STATE_FILE) as con:
+    with connect(data / STATE_FILE) as con:
         return "\n".join(
             row[0]
             for row in con.execute(
@@ -71,7 +71,7 @@ def sequence_detail(data: Path) -> str:
 
 
 def damage_rows(data: Path) -> list[tuple]:
-    with connect_read_only(data / STATE_FILE) as con:
+    with connect(data / STATE_FILE) as con:
         return con.execute("SELECT path, kind, detail FROM damage ORDER BY path").fetchall()
 
 
@@ -135,11 +135,11 @@ def test_a_moved_data_directory_bills_its_hours_again_unchanged(
     assert billed(before, pools)
     restored = tmp_path / "restored"
     shutil.move(before, restored)
-    with connect_read_only(restored / STATE_FILE) as con:
+    with connect(restored / STATE_FILE) as con:
         files = con.execute("SELECT count(*) FROM segment_files").fetchone()
     assert billed(restored, pools)
     assert costs(restored) == undamaged
-    with connect_read_only(restored / STATE_FILE) as con:
+    with connect(restored / STATE_FILE) as con:
         assert con.execute("SELECT count(*) FROM segment_files").fetchone() == files
 
 
