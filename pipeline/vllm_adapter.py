@@ -22,11 +22,11 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from functools import partial
 from itertools import chain, repeat
-from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,6 @@ SUPPORTED_RANGE = ">=0.33.0,<0.35.0"
 # With async scheduling one step is scheduled while the previous one runs; more outstanding
 # steps than this means update_from_output will never come for the oldest.
 _MAX_OUTSTANDING_STEPS = 8
-_PROMPT_TOKENS = attrgetter("num_prompt_tokens")
 
 
 class UnsupportedVllmVersion(ConfigError):
@@ -65,13 +64,23 @@ def check_vllm_version(version: str) -> None:
 # --- one shim per attribute that differs between supported releases -----------------------
 
 
-def sampled_index(model_runner_output: Any) -> Mapping[str, int]:
-    """Request id -> row of `sampled_token_ids`: 0.33 sends `req_id_to_index`; 0.34 removed
-    it, the rows following `req_ids`."""
+def sampled_counts(model_runner_output: Any) -> dict[str, int]:
+    """Request id -> tokens sampled for it: 0.33 indexes the rows of `sampled_token_ids` by
+    `req_id_to_index`; 0.34 removed it, the rows following `req_ids`."""
+    sampled = model_runner_output.sampled_token_ids
+    if not sampled:
+        return {}
     index = getattr(model_runner_output, "req_id_to_index", None)
     if index is not None:
-        return index  # type: ignore[no-any-return]
-    return {request_id: row for row, request_id in enumerate(model_runner_output.req_ids)}
+        return dict(zip(index, map(len, map(sampled.__getitem__, index.values())), strict=True))
+    return dict(zip(model_runner_output.req_ids, map(len, sampled), strict=True))
+
+
+def resumed_request_ids(cached_requests: Any) -> Collection[str]:
+    """Preempted requests scheduled again among the cached requests, their whole block lists
+    in `new_block_ids`: 0.33 (with the V1 model runner) names them in `resumed_req_ids`;
+    0.34 removed it and sends them as new requests."""
+    return getattr(cached_requests, "resumed_req_ids", ())  # type: ignore[no-any-return]
 
 
 def gpus_per_replica(parallel_config: Any) -> int:
@@ -93,169 +102,252 @@ def prefix_hit_tokens(request: Any) -> int:
     return int(stats.num_cached_tokens) if stats is not None else 0
 
 
-@dataclass
-class BlockSnapshot:
-    """Every request's KV block lists as they were when a step was scheduled, per KV-cache
-    group: copies, because vLLM appends to the live lists, redirects a partial prefix hit to
-    a private copy in place (`_apply_cow`) and nulls blocks that left a sliding window. Copying
-    is all the engine thread does; the shares are counted later, on the recorder's thread."""
+def mirrored_groups(kv_cache_manager: Any) -> tuple[int, ...]:
+    """KV-cache groups whose block lists change only as the SchedulerOutputs say: those of
+    `FullAttentionManager` itself. Its subclasses (sinks, ring buffers, sparse attention) and
+    the sliding-window, chunked-local and Mamba managers free or replace blocks in place
+    (`remove_skipped_blocks`), which no SchedulerOutput reports."""
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
-    null_block: Any
-    owners: list[str]
-    blocks: list[list[Any]]
-
-    def held(self, request_ids: list[str]) -> np.ndarray:
-        """KV blocks held by each of `request_ids`, a block held by k requests counting 1/k
-        (the null block, a placeholder for blocks a window dropped, counting 0)."""
-        lengths = np.fromiter(map(len, self.blocks), np.int64, len(self.blocks))
-        identities = np.fromiter(
-            map(id, chain.from_iterable(self.blocks)), np.int64, int(lengths.sum())
-        )
-        _, holders, counts = np.unique(identities, return_inverse=True, return_counts=True)
-        weights = 1.0 / counts[holders]
-        weights[identities == id(self.null_block)] = 0.0
-        owner_rows = {owner: row for row, owner in enumerate(dict.fromkeys(self.owners))}
-        owner_of_list = np.fromiter(map(owner_rows.__getitem__, self.owners), np.int64)
-        per_owner = np.bincount(
-            np.repeat(owner_of_list, lengths), weights=weights, minlength=len(owner_rows)
-        )
-        rows = np.fromiter(map(owner_rows.get, request_ids, repeat(-1)), np.int64)
-        return np.where(rows >= 0, per_owner[rows], 0.0)
+    managers = kv_cache_manager.coordinator.single_type_managers
+    return tuple(g for g, m in enumerate(managers) if type(m) is FullAttentionManager)
 
 
-def block_snapshot(kv_cache_manager: Any) -> BlockSnapshot:
-    """The block lists of every request in every KV-cache group, as they are now
-    (`coordinator.single_type_managers[g].req_to_blocks`, in 0.33 and 0.34)."""
-    owners: list[str] = []
-    blocks: list[list[Any]] = []
-    for manager in kv_cache_manager.coordinator.single_type_managers:
-        owners.extend(manager.req_to_blocks)
-        blocks.extend(map(list.copy, manager.req_to_blocks.values()))
-    return BlockSnapshot(kv_cache_manager.block_pool.null_block, owners, blocks)
+def _group_blocks(block_ids: tuple[list[int], ...], groups: tuple[int, ...]) -> list[int]:
+    """The block ids of `groups`, one list: a request's share does not depend on the group."""
+    return list(chain.from_iterable(map(block_ids.__getitem__, groups)))
 
 
-@dataclass
+@dataclass(slots=True)
+class NewRequest:
+    """A request sent to the workers whole (first schedule, a streaming session's next input,
+    a preempted request resumed): its blocks copied, because vLLM's V1 model runner keeps the
+    SchedulerOutput's lists as its block table and extends them in place on later steps."""
+
+    request_id: str
+    context_tokens: int
+    prompt_tokens: int
+    prefix_hit_tokens: int
+    blocks: list[int]
+
+
+@dataclass(slots=True)
 class ScheduledStep:
-    """record_step arguments of one step, captured when it was scheduled; the KV-block
-    shares are left as a snapshot, to be counted off the engine thread by columns()."""
+    """What the engine thread keeps of one schedule(): the SchedulerOutput (a new object each
+    step, which the scheduler does not touch once schedule() returns) and copies of the little
+    in it or around it that may change before the writer thread reads it."""
 
-    request_ids: list[str]
-    new_tokens: list[int]
-    context_tokens: list[int]
-    blocks: BlockSnapshot
-    prompt_tokens: list[int]
-    prefix_hit_tokens: list[int]
-    spec_drafted: list[int]
-    holder_ids: list[str] = field(default_factory=list)
-    admission_blocked: bool = False
-    free_blocks: int = 0
-    total_blocks: int = 0
-
-    def columns(self, spec_accepted: list[int]) -> StepColumns:
-        """The step's record_step columns after the time span, in order."""
-        held = self.blocks.held(self.request_ids + self.holder_ids)
-        slots = len(self.request_ids)
-        holder_blocks = held[slots:]
-        holding = np.flatnonzero(holder_blocks > 0)
-        return (
-            self.request_ids,
-            self.new_tokens,
-            self.context_tokens,
-            held[:slots],
-            self.prompt_tokens,
-            self.prefix_hit_tokens,
-            self.spec_drafted,
-            spec_accepted,
-            [self.holder_ids[i] for i in holding],
-            holder_blocks[holding],
-            ["waiting"] * len(holding),
-            self.admission_blocked,
-            self.free_blocks,
-            self.total_blocks,
-        )
+    index: int
+    output: Any
+    # The in-process GPU n-gram drafter trims both dicts of drafts it rejects.
+    scheduled: dict[str, int]
+    drafts: dict[str, list[int]]
+    new_requests: list[NewRequest]
+    resumed_blocks: dict[str, list[int]]
+    # Waiting requests that hold blocks (streaming sessions between inputs, requests waiting
+    # for remote KV, whose blocks no SchedulerOutput has shown yet), copied.
+    waiting_holders: dict[str, list[int]]
+    # Groups outside the mirror: every request's KVCacheBlock list, copied.
+    unmirrored_owners: list[str]
+    unmirrored_blocks: list[list[Any]]
+    admission_blocked: bool
+    free_blocks: int
 
 
-def scheduled_step(scheduler: Any, output: Any) -> ScheduledStep:
-    """Map a vLLM scheduler and the SchedulerOutput it just produced onto one step's slots.
+def scheduled_step(
+    scheduler: Any, output: Any, index: int, groups: tuple[int, ...], unmirrored: tuple[int, ...]
+) -> ScheduledStep:
+    """The engine thread's part of a step: only what the writer thread could not read later.
 
-    - new_tokens: `num_scheduled_tokens` (includes speculative drafts); spec_drafted: the
-      length of `scheduled_spec_decode_tokens[req]`.
-    - context_tokens: `num_computed_tokens` as sent to the workers (before this step).
-    - prefix_hit_tokens: `prefix_hit_tokens(request)`, on the request's first schedule only.
-    - holders: running requests not scheduled this step, and waiting requests that keep their
-      KV blocks (`kv_holding_waiting`: streaming sessions between inputs, requests waiting for
-      remote KV), all in state "waiting". A preempted request frees its blocks in vLLM
-      (`_preempt_request`), so it holds nothing and is not a holder.
-    - admission_blocked: the step preempted a request, or admissible requests were left
-      waiting although neither `max_num_active_reqs` (streaming sessions included) nor the
-      token budget was reached, so free KV blocks stopped them (vLLM's other admission limits,
-      such as LoRA slots, are counted here too).
+    Per request it touches only the requests sent whole (new or resumed) and the waiting
+    requests that hold blocks, none in a step of running requests decoding. admission_blocked:
+    the step preempted a request, or admissible requests were left waiting although neither
+    `max_num_active_reqs` (streaming sessions included) nor the token budget was reached, so
+    free KV blocks stopped them (vLLM's other admission limits, such as LoRA slots, are
+    counted here too).
     """
     requests = scheduler.requests
-    scheduled = output.num_scheduled_tokens
-    request_ids = list(scheduled)
+    new_requests = []
+    for new in output.scheduled_new_reqs:
+        request = requests[new.req_id]
+        new_requests.append(
+            NewRequest(
+                new.req_id,
+                new.num_computed_tokens,
+                request.num_prompt_tokens,
+                prefix_hit_tokens(request) if request.num_preemptions == 0 else 0,
+                _group_blocks(new.block_ids, groups),
+            )
+        )
     cached = output.scheduled_cached_reqs
-    computed = {new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs}
-    computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
-    first_hits = {
-        new.req_id: prefix_hit_tokens(requests[new.req_id])
-        for new in output.scheduled_new_reqs
-        if requests[new.req_id].num_preemptions == 0
-    }
-    drafts = output.scheduled_spec_decode_tokens
+    resumed = resumed_request_ids(cached)
+    manager = scheduler.kv_cache_manager
+    waiting = scheduler.kv_holding_waiting
+    unmirrored_owners: list[str] = []
+    unmirrored_blocks: list[list[Any]] = []
+    for group in unmirrored:
+        lists = manager.coordinator.single_type_managers[group].req_to_blocks
+        unmirrored_owners.extend(lists)
+        unmirrored_blocks.extend(map(list.copy, lists.values()))
 
-    # Everything scheduled is in `running` once schedule() returns, so equal lengths mean
-    # no running request was left out.
-    running = scheduler.running
-    holder_ids = (
-        [r.request_id for r in running if r.request_id not in scheduled]
-        if len(running) > len(scheduled)
-        else []
-    )
-    holder_ids.extend(r.request_id for r in scheduler.kv_holding_waiting)
-
-    block_pool = scheduler.kv_cache_manager.block_pool
-    admissible_waiting = len(scheduler.waiting) + len(scheduler.kv_holding_waiting) > len(
-        scheduler.deferred_waiting
-    )
-    active = len(running) + scheduler.num_waiting_for_streaming_input
+    running = len(scheduler.running)
+    admissible_waiting = len(scheduler.waiting) + len(waiting) > len(scheduler.deferred_waiting)
     under_limits = (
-        active < scheduler.max_num_active_reqs
+        running + scheduler.num_waiting_for_streaming_input < scheduler.max_num_active_reqs
         and output.total_num_scheduled_tokens < scheduler.max_num_scheduled_tokens
     )
-    # The slot columns come from map() over C-level getters, outside the interpreter loop.
-    slots = len(request_ids)
+    drafts = output.scheduled_spec_decode_tokens
     return ScheduledStep(
-        request_ids=request_ids,
-        new_tokens=list(scheduled.values()),
-        context_tokens=list(map(computed.__getitem__, request_ids)),
-        blocks=block_snapshot(scheduler.kv_cache_manager),
-        prompt_tokens=list(map(_PROMPT_TOKENS, map(requests.__getitem__, request_ids))),
-        prefix_hit_tokens=(
-            list(map(first_hits.get, request_ids, repeat(0))) if first_hits else [0] * slots
+        index=index,
+        output=output,
+        scheduled=dict(output.num_scheduled_tokens),
+        drafts=dict(drafts) if drafts else {},
+        new_requests=new_requests,
+        resumed_blocks=(
+            {
+                request_id: _group_blocks(blocks, groups)
+                for request_id, blocks in zip(cached.req_ids, cached.new_block_ids, strict=True)
+                if request_id in resumed
+            }
+            if resumed
+            else {}
         ),
-        spec_drafted=(
-            list(map(len, map(drafts.get, request_ids, repeat(())))) if drafts else [0] * slots
+        waiting_holders=(
+            {
+                r.request_id: _group_blocks(manager.get_block_ids(r.request_id), groups)
+                for r in waiting
+            }
+            if waiting
+            else {}
         ),
-        holder_ids=holder_ids,
+        unmirrored_owners=unmirrored_owners,
+        unmirrored_blocks=unmirrored_blocks,
         admission_blocked=bool((admissible_waiting and under_limits) or output.preempted_req_ids),
-        free_blocks=block_pool.get_num_free_blocks(),
-        total_blocks=block_pool.num_gpu_blocks,
+        free_blocks=manager.block_pool.get_num_free_blocks(),
     )
 
 
-def accepted_tokens(step: ScheduledStep, model_runner_output: Any) -> list[int]:
-    """Draft tokens accepted per slot: vLLM samples accepted drafts plus one bonus token."""
-    sampled = model_runner_output.sampled_token_ids
-    if not sampled or not any(step.spec_drafted):
-        return [0] * len(step.request_ids)
-    index = sampled_index(model_runner_output)
-    accepted = []
-    for request_id, drafted in zip(step.request_ids, step.spec_drafted, strict=False):
-        row = index.get(request_id)
-        tokens = len(sampled[row]) if drafted and row is not None else 0
-        accepted.append(min(max(tokens - 1, 0), drafted))
-    return accepted
+def kv_shares(
+    owners: list[str], blocks: list[list[int]], null_block: int, request_ids: list[str]
+) -> np.ndarray:
+    """KV blocks held by each of `request_ids`, given every block list held (`blocks[i]` by
+    `owners[i]`; an owner may have several lists): a block held by k requests counts 1/k to
+    each, the null block (a placeholder for blocks a window dropped) 0."""
+    lengths = np.fromiter(map(len, blocks), np.int64, len(blocks))
+    ids = np.fromiter(chain.from_iterable(blocks), np.int64, int(lengths.sum()))
+    _, holders, counts = np.unique(ids, return_inverse=True, return_counts=True)
+    weights = 1.0 / counts[holders]
+    weights[ids == null_block] = 0.0
+    owner_rows = {owner: row for row, owner in enumerate(dict.fromkeys(owners))}
+    owner_of_list = np.fromiter(map(owner_rows.__getitem__, owners), np.int64, len(owners))
+    per_owner = np.bincount(
+        np.repeat(owner_of_list, lengths), weights=weights, minlength=len(owner_rows)
+    )
+    rows = np.fromiter(map(owner_rows.get, request_ids, repeat(-1)), np.int64, len(request_ids))
+    return np.where(rows >= 0, per_owner[rows], 0.0)
+
+
+class RequestMirror:
+    """The writer thread's view of every live request, built from the SchedulerOutputs in the
+    order they were scheduled, the way vLLM's model runner builds its block table: block ids
+    (mirrored groups) from new requests, appended from cached requests' `new_block_ids`,
+    forgotten when a request is preempted or finished; prompt lengths until it finishes.
+
+    Steps left unrecorded (dropped, or scheduling no tokens but freeing requests) are applied
+    all the same, by the next step built.
+    """
+
+    def __init__(self, groups: tuple[int, ...], null_block: int, total_blocks: int) -> None:
+        self.groups = groups
+        self.null_block = null_block
+        self.total_blocks = total_blocks
+        # Engine thread appends, writer thread pops (deque operations are atomic).
+        self._pending: deque[ScheduledStep] = deque()
+        self._applied = 0
+        self._blocks: dict[str, list[int]] = {}
+        self._prompt_tokens: dict[str, int] = {}
+
+    def follow(self, step: ScheduledStep) -> None:
+        """Engine thread: queue a step's changes, in schedule order."""
+        self._pending.append(step)
+
+    def _apply(self, step: ScheduledStep) -> None:
+        output, blocks = step.output, self._blocks
+        for request_id in output.finished_req_ids:
+            blocks.pop(request_id, None)
+            self._prompt_tokens.pop(request_id, None)
+        for request_id in output.preempted_req_ids or ():
+            blocks.pop(request_id, None)
+        for new in step.new_requests:
+            blocks[new.request_id] = new.blocks
+            self._prompt_tokens[new.request_id] = new.prompt_tokens
+        cached, resumed = output.scheduled_cached_reqs, step.resumed_blocks
+        for request_id, new_blocks in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            if request_id in resumed:
+                blocks[request_id] = resumed[request_id]
+            elif new_blocks is not None:
+                held = blocks.get(request_id)
+                if held is None:
+                    raise ValueError(
+                        f"request {request_id!r} got KV blocks in step {step.index} but was "
+                        "never scheduled as a new request"
+                    )
+                held.extend(_group_blocks(new_blocks, self.groups))
+        self._applied = step.index
+
+    def columns(self, step: ScheduledStep, sampled: Mapping[str, int]) -> StepColumns:
+        """Writer thread: the step's record_step columns after the time span, in order."""
+        pending = self._pending
+        while pending and pending[0].index <= step.index:
+            self._apply(pending.popleft())
+        if self._applied != step.index:
+            raise ValueError(
+                f"step {step.index} completed after step {self._applied}: vLLM returned "
+                "results out of schedule order, the KV shares of that moment are gone"
+            )
+        scheduled = step.scheduled
+        request_ids = list(scheduled)
+        live = {**self._blocks, **step.waiting_holders} if step.waiting_holders else self._blocks
+        holder_ids = [request_id for request_id in live if request_id not in scheduled]
+        owners = [*live, *step.unmirrored_owners]
+        block_lists = [*live.values()]
+        block_lists.extend([block.block_id for block in b] for b in step.unmirrored_blocks)
+        held = kv_shares(owners, block_lists, self.null_block, request_ids + holder_ids)
+        slots = len(request_ids)
+        holder_blocks = held[slots:]
+        holding = np.flatnonzero(holder_blocks > 0)
+
+        cached = step.output.scheduled_cached_reqs
+        computed = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        hits = {}
+        for new in step.new_requests:
+            computed[new.request_id] = new.context_tokens
+            hits[new.request_id] = new.prefix_hit_tokens
+        drafted = (
+            list(map(len, map(step.drafts.get, request_ids, repeat(()))))
+            if step.drafts
+            else [0] * slots
+        )
+        accepted = [
+            min(max(sampled.get(request_id, 0) - 1, 0), drafts)
+            for request_id, drafts in zip(request_ids, drafted, strict=True)
+        ]
+        return (
+            request_ids,
+            list(scheduled.values()),
+            list(map(computed.__getitem__, request_ids)),
+            held[:slots],
+            list(map(self._prompt_tokens.__getitem__, request_ids)),
+            list(map(hits.get, request_ids, repeat(0))),
+            drafted,
+            accepted,
+            [holder_ids[i] for i in holding],
+            holder_blocks[holding],
+            ["waiting"] * len(holding),
+            step.admission_blocked,
+            step.free_blocks,
+            self.total_blocks,
+        )
 
 
 def driver_version() -> str:
@@ -333,17 +425,37 @@ def recording_scheduler_class(
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.step_recorder = recorder_factory(self)
+            manager = self.kv_cache_manager
+            groups = mirrored_groups(manager)
+            self._unmirrored = tuple(
+                g
+                for g in range(len(manager.coordinator.single_type_managers))
+                if g not in groups
+            )
+            block_pool = manager.block_pool
+            self._mirror = RequestMirror(
+                groups, block_pool.null_block.block_id, block_pool.num_gpu_blocks
+            )
+            self._schedules = 0
             # id(SchedulerOutput) -> (start ns, step): update_from_output receives the same
             # object schedule() returned, so pairing is exact under async scheduling too.
             self._outstanding: dict[int, tuple[int, ScheduledStep]] = {}
 
         def schedule(self, *args: Any, **kwargs: Any) -> Any:
             output = super().schedule(*args, **kwargs)
-            if output.total_num_scheduled_tokens:
-                if len(self._outstanding) >= _MAX_OUTSTANDING_STEPS:
-                    del self._outstanding[next(iter(self._outstanding))]
-                    self.step_recorder.drop_step()
-                self._outstanding[id(output)] = (time.monotonic_ns(), scheduled_step(self, output))
+            start_ns = time.monotonic_ns()
+            recorded = output.total_num_scheduled_tokens > 0
+            if recorded or output.finished_req_ids or output.preempted_req_ids:
+                self._schedules += 1
+                step = scheduled_step(
+                    self, output, self._schedules, self._mirror.groups, self._unmirrored
+                )
+                self._mirror.follow(step)
+                if recorded:
+                    if len(self._outstanding) >= _MAX_OUTSTANDING_STEPS:
+                        del self._outstanding[next(iter(self._outstanding))]
+                        self.step_recorder.drop_step()
+                    self._outstanding[id(output)] = (start_ns, step)
             return output
 
         def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
@@ -351,9 +463,10 @@ def recording_scheduler_class(
             outstanding = self._outstanding.pop(id(scheduler_output), None)
             if outstanding is not None:
                 start_ns, step = outstanding
-                accepted = accepted_tokens(step, model_runner_output)
+                # Counted now: update_from_output trims the sampled lists at a stop token.
+                sampled = sampled_counts(model_runner_output) if step.drafts else {}
                 self.step_recorder.record_step_later(
-                    start_ns, end_ns, partial(step.columns, accepted)
+                    start_ns, end_ns, partial(self._mirror.columns, step, sampled)
                 )
             return super().update_from_output(scheduler_output, model_runner_output)
 

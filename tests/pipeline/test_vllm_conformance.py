@@ -13,10 +13,11 @@ import vllm
 from vllm.v1.request import RequestStatus
 
 import pipeline.vllm_adapter as adapter
-from pipeline.steplog import read_segments
+from pipeline.steplog import read_segments, recorder
 from schemas.config import load_pools
 from tests.pipeline.vllm_engine import (
     BLOCK_SIZE,
+    HAS_RESUMED_REQ_IDS,
     Engine,
     build_scheduler,
     request_factory,
@@ -94,6 +95,7 @@ def expected_step(scheduler: Any, output: Any) -> dict[str, Any]:
         "free_blocks": manager.block_pool.get_num_free_blocks(),
         "total_blocks": NUM_GPU_BLOCKS,
         "preempted": sorted(output.preempted_req_ids or ()),
+        "resumed": sorted(adapter.resumed_request_ids(output.scheduled_cached_reqs)),
         "waiting_sessions": sorted(
             r.request_id
             for r in scheduler.kv_holding_waiting
@@ -136,6 +138,10 @@ def run_scenario(scheduler: Any, async_scheduling: bool, make_request: Any) -> l
 
 @pytest.fixture
 def environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The recorder's environment, its writer thread idle until the recorder closes: every
+    step is built after the whole scenario ran, so nothing it reads may have changed since
+    its step was scheduled."""
+    monkeypatch.setattr(recorder, "_POLL_SECONDS", 600.0)
     outbox = tmp_path / "outbox"
     monkeypatch.setenv("STEPLEDGER_OUTBOX", str(outbox))
     monkeypatch.setenv("STEPLEDGER_REPLICA", REPLICA)
@@ -145,12 +151,23 @@ def environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @pytest.mark.parametrize(
-    ("class_name", "async_scheduling"),
-    [("AsyncRecordingScheduler", True), ("RecordingScheduler", False)],
+    ("class_name", "async_scheduling", "v2_model_runner"),
+    [
+        ("AsyncRecordingScheduler", True, True),
+        ("RecordingScheduler", False, True),
+        # vLLM 0.33 sends a resumed request among the cached ones for the V1 model runner.
+        ("RecordingScheduler", False, False),
+    ],
 )
 def test_recorded_steps_match_the_real_scheduler(
-    class_name: str, async_scheduling: bool, environment: Path, tmp_path_factory: Any
+    class_name: str,
+    async_scheduling: bool,
+    v2_model_runner: bool,
+    environment: Path,
+    tmp_path_factory: Any,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", str(int(v2_model_runner)))
     config = vllm_config(
         tmp_path_factory.getbasetemp() / "tiny-llama",
         num_gpu_blocks=NUM_GPU_BLOCKS,
@@ -204,6 +221,8 @@ def test_recorded_steps_match_the_real_scheduler(
     assert sum(s["prefix_hit_tokens"] for s in slots) == 64
     assert any(s["spec_drafted"] == 2 and s["spec_accepted"] == 1 for s in slots)
     assert any(want["preempted"] for want in expected)
+    resumed_among_cached = HAS_RESUMED_REQ_IDS and not v2_model_runner
+    assert any(want["resumed"] for want in expected) == resumed_among_cached
     assert any(want["admission_blocked"] and not want["preempted"] for want in expected)
     session_waits = [
         (seq, want)

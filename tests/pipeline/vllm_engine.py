@@ -22,6 +22,7 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.sched.output import CachedRequestData
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
@@ -47,6 +48,8 @@ TINY_LLAMA = {
 }
 # vLLM 0.34 removed ModelRunnerOutput.req_id_to_index.
 HAS_REQ_ID_TO_INDEX = "req_id_to_index" in {f.name for f in fields(ModelRunnerOutput)}
+# vLLM 0.34 removed CachedRequestData.resumed_req_ids (resumed requests are sent as new).
+HAS_RESUMED_REQ_IDS = "resumed_req_ids" in {f.name for f in fields(CachedRequestData)}
 SAMPLED_TOKEN = 7
 DRAFT_TOKENS = [5, 6]
 
@@ -147,16 +150,37 @@ class Engine:
 
     The synthetic model samples one token for every request that is not a non-final prefill
     chunk (vLLM's `is_prefill_chunk`), and accepts the first draft of each request that had
-    drafts. `on_schedule` sees each
-    SchedulerOutput right after schedule() returned it, before anything else changes.
+    drafts. Before that it keeps block tables as vLLM's V1 model runner does in the
+    scheduler's process (uniprocess executor), which writes into the SchedulerOutput's lists.
+    `on_schedule` sees each SchedulerOutput right after schedule() returned it, before
+    anything else changes.
     """
 
     scheduler: Any
     async_scheduling: bool
     on_schedule: Callable[[Any, Any], None] = lambda scheduler, output: None
     batch_queue: deque[tuple[Any, ModelRunnerOutput]] = field(default_factory=deque)
+    block_tables: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
+
+    def update_block_tables(self, output: Any) -> None:
+        """The block-id bookkeeping of `GPUModelRunner._update_states`
+        (vllm/v1/worker/gpu_model_runner.py): a new request's lists are kept as they are sent
+        and later extended in place; a resumed request's lists replace its old ones."""
+        for request_id in output.finished_req_ids:
+            self.block_tables.pop(request_id, None)
+        for new in output.scheduled_new_reqs:
+            self.block_tables[new.req_id] = new.block_ids
+        cached = output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", ())
+        for request_id, new_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            if request_id in resumed:
+                self.block_tables[request_id] = new_ids
+            elif new_ids is not None:
+                for held, added in zip(self.block_tables[request_id], new_ids, strict=True):
+                    held.extend(added)
 
     def model_output(self, output: Any) -> ModelRunnerOutput:
+        self.update_block_tables(output)
         request_ids = list(output.num_scheduled_tokens)
         sampled = []
         for request_id in request_ids:
