@@ -23,11 +23,12 @@ import os
 import re
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from itertools import chain, repeat
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -80,7 +81,16 @@ def resumed_request_ids(cached_requests: Any) -> Collection[str]:
     """Preempted requests scheduled again among the cached requests, their whole block lists
     in `new_block_ids`: 0.33 (with the V1 model runner) names them in `resumed_req_ids`;
     0.34 removed it and sends them as new requests."""
-    return getattr(cached_requests, "resumed_req_ids", ())  # type: ignore[no-any-return]
+    return getattr(cached_requests, "resumed_req_ids", ())
+
+
+def drafts_trimmed_in_place(vllm_config: Any) -> bool:
+    """Whether the model runner may trim rejected drafts from the SchedulerOutput itself
+    (`num_scheduled_tokens`, `scheduled_spec_decode_tokens`), which it shares with the
+    scheduler under a uniprocess executor: 0.33's V1 runner does with the GPU n-gram drafter
+    (`update_scheduler_for_invalid_drafts`); 0.34's runners never do."""
+    speculative = vllm_config.speculative_config
+    return speculative is not None and speculative.method == "ngram_gpu"
 
 
 def gpus_per_replica(parallel_config: Any) -> int:
@@ -139,33 +149,26 @@ class ScheduledStep:
 
     index: int
     output: Any
-    # The in-process GPU n-gram drafter trims both dicts of drafts it rejects.
+    # The output's own dicts, or copies where the model runner may trim them.
     scheduled: dict[str, int]
     drafts: dict[str, list[int]]
-    new_requests: list[NewRequest]
-    resumed_blocks: dict[str, list[int]]
+    new_requests: Sequence[NewRequest]
+    resumed_blocks: Mapping[str, list[int]]
     # Waiting requests that hold blocks (streaming sessions between inputs, requests waiting
     # for remote KV, whose blocks no SchedulerOutput has shown yet), copied.
-    waiting_holders: dict[str, list[int]]
+    waiting_holders: Mapping[str, list[int]]
     # Groups outside the mirror: every request's KVCacheBlock list, copied.
-    unmirrored_owners: list[str]
-    unmirrored_blocks: list[list[Any]]
+    unmirrored_owners: Sequence[str]
+    unmirrored_blocks: Sequence[list[Any]]
     admission_blocked: bool
     free_blocks: int
 
 
-def scheduled_step(
-    scheduler: Any, output: Any, index: int, groups: tuple[int, ...], unmirrored: tuple[int, ...]
-) -> ScheduledStep:
-    """The engine thread's part of a step: only what the writer thread could not read later.
+# Shared by the steps that have none: each allocation on the engine thread counts.
+_NOTHING: Mapping[str, list[int]] = MappingProxyType({})
 
-    Per request it touches only the requests sent whole (new or resumed) and the waiting
-    requests that hold blocks, none in a step of running requests decoding. admission_blocked:
-    the step preempted a request, or admissible requests were left waiting although neither
-    `max_num_active_reqs` (streaming sessions included) nor the token budget was reached, so
-    free KV blocks stopped them (vLLM's other admission limits, such as LoRA slots, are
-    counted here too).
-    """
+
+def _new_requests(scheduler: Any, output: Any, groups: tuple[int, ...]) -> list[NewRequest]:
     requests = scheduler.requests
     new_requests = []
     for new in output.scheduled_new_reqs:
@@ -179,64 +182,91 @@ def scheduled_step(
                 _group_blocks(new.block_ids, groups),
             )
         )
-    cached = output.scheduled_cached_reqs
+    return new_requests
+
+
+def _resumed_blocks(cached: Any, groups: tuple[int, ...]) -> Mapping[str, list[int]]:
     resumed = resumed_request_ids(cached)
+    if not resumed:
+        return _NOTHING
+    return {
+        request_id: _group_blocks(blocks, groups)
+        for request_id, blocks in zip(cached.req_ids, cached.new_block_ids, strict=True)
+        if request_id in resumed
+    }
+
+
+def _unmirrored_lists(
+    kv_cache_manager: Any, unmirrored: tuple[int, ...]
+) -> tuple[list[str], list[list[Any]]]:
+    owners: list[str] = []
+    blocks: list[list[Any]] = []
+    for group in unmirrored:
+        lists = kv_cache_manager.coordinator.single_type_managers[group].req_to_blocks
+        owners.extend(lists)
+        blocks.extend(map(list.copy, lists.values()))
+    return owners, blocks
+
+
+def scheduled_step(
+    scheduler: Any,
+    output: Any,
+    index: int,
+    groups: tuple[int, ...],
+    unmirrored: tuple[int, ...],
+    copy_drafts: bool,
+) -> ScheduledStep:
+    """The engine thread's part of a step: only what the writer thread could not read later.
+
+    Per request it touches only the requests sent whole (new or resumed), the waiting requests
+    that hold blocks and the groups outside the mirror: nothing in a step of running requests
+    decoding with full attention. admission_blocked: the step preempted a request, or
+    admissible requests were left waiting although neither `max_num_active_reqs` (streaming
+    sessions included) nor the token budget was reached, so free KV blocks stopped them
+    (vLLM's other admission limits, such as LoRA slots, are counted here too).
+    """
     manager = scheduler.kv_cache_manager
     waiting = scheduler.kv_holding_waiting
-    unmirrored_owners: list[str] = []
-    unmirrored_blocks: list[list[Any]] = []
-    for group in unmirrored:
-        lists = manager.coordinator.single_type_managers[group].req_to_blocks
-        unmirrored_owners.extend(lists)
-        unmirrored_blocks.extend(map(list.copy, lists.values()))
-
-    running = len(scheduler.running)
     admissible_waiting = len(scheduler.waiting) + len(waiting) > len(scheduler.deferred_waiting)
     under_limits = (
-        running + scheduler.num_waiting_for_streaming_input < scheduler.max_num_active_reqs
+        len(scheduler.running) + scheduler.num_waiting_for_streaming_input
+        < scheduler.max_num_active_reqs
         and output.total_num_scheduled_tokens < scheduler.max_num_scheduled_tokens
     )
-    drafts = output.scheduled_spec_decode_tokens
+    scheduled, drafts = output.num_scheduled_tokens, output.scheduled_spec_decode_tokens
+    owners, unmirrored_blocks = _unmirrored_lists(manager, unmirrored) if unmirrored else ((), ())
+    # Positional: keyword construction costs the engine thread a microsecond more.
     return ScheduledStep(
-        index=index,
-        output=output,
-        scheduled=dict(output.num_scheduled_tokens),
-        drafts=dict(drafts) if drafts else {},
-        new_requests=new_requests,
-        resumed_blocks=(
-            {
-                request_id: _group_blocks(blocks, groups)
-                for request_id, blocks in zip(cached.req_ids, cached.new_block_ids, strict=True)
-                if request_id in resumed
-            }
-            if resumed
-            else {}
-        ),
-        waiting_holders=(
-            {
-                r.request_id: _group_blocks(manager.get_block_ids(r.request_id), groups)
-                for r in waiting
-            }
-            if waiting
-            else {}
-        ),
-        unmirrored_owners=unmirrored_owners,
-        unmirrored_blocks=unmirrored_blocks,
-        admission_blocked=bool((admissible_waiting and under_limits) or output.preempted_req_ids),
-        free_blocks=manager.block_pool.get_num_free_blocks(),
+        index,
+        output,
+        dict(scheduled) if copy_drafts else scheduled,
+        dict(drafts) if copy_drafts else drafts,
+        _new_requests(scheduler, output, groups) if output.scheduled_new_reqs else (),
+        _resumed_blocks(output.scheduled_cached_reqs, groups),
+        {r.request_id: _group_blocks(manager.get_block_ids(r.request_id), groups) for r in waiting}
+        if waiting
+        else _NOTHING,
+        owners,
+        unmirrored_blocks,
+        bool((admissible_waiting and under_limits) or output.preempted_req_ids),
+        manager.block_pool.get_num_free_blocks(),
     )
 
 
 def kv_shares(
-    owners: list[str], blocks: list[list[int]], null_block: int, request_ids: list[str]
+    owners: Sequence[str],
+    blocks: Sequence[list[int]],
+    null_block: int,
+    num_blocks: int,
+    request_ids: list[str],
 ) -> np.ndarray:
     """KV blocks held by each of `request_ids`, given every block list held (`blocks[i]` by
-    `owners[i]`; an owner may have several lists): a block held by k requests counts 1/k to
-    each, the null block (a placeholder for blocks a window dropped) 0."""
+    `owners[i]`; an owner may have several lists; block ids below `num_blocks`): a block held
+    by k requests counts 1/k to each, the null block (a placeholder for blocks a window
+    dropped) 0."""
     lengths = np.fromiter(map(len, blocks), np.int64, len(blocks))
     ids = np.fromiter(chain.from_iterable(blocks), np.int64, int(lengths.sum()))
-    _, holders, counts = np.unique(ids, return_inverse=True, return_counts=True)
-    weights = 1.0 / counts[holders]
+    weights = 1.0 / np.bincount(ids, minlength=num_blocks)[ids]
     weights[ids == null_block] = 0.0
     owner_rows = {owner: row for row, owner in enumerate(dict.fromkeys(owners))}
     owner_of_list = np.fromiter(map(owner_rows.__getitem__, owners), np.int64, len(owners))
@@ -263,13 +293,12 @@ class RequestMirror:
         self.total_blocks = total_blocks
         # Engine thread appends, writer thread pops (deque operations are atomic).
         self._pending: deque[ScheduledStep] = deque()
+        # Engine thread: queue a step's changes, in schedule order (the deque's own method,
+        # no Python frame).
+        self.follow = self._pending.append
         self._applied = 0
         self._blocks: dict[str, list[int]] = {}
         self._prompt_tokens: dict[str, int] = {}
-
-    def follow(self, step: ScheduledStep) -> None:
-        """Engine thread: queue a step's changes, in schedule order."""
-        self._pending.append(step)
 
     def _apply(self, step: ScheduledStep) -> None:
         output, blocks = step.output, self._blocks
@@ -312,7 +341,9 @@ class RequestMirror:
         owners = [*live, *step.unmirrored_owners]
         block_lists = [*live.values()]
         block_lists.extend([block.block_id for block in b] for b in step.unmirrored_blocks)
-        held = kv_shares(owners, block_lists, self.null_block, request_ids + holder_ids)
+        held = kv_shares(
+            owners, block_lists, self.null_block, self.total_blocks, request_ids + holder_ids
+        )
         slots = len(request_ids)
         holder_blocks = held[slots:]
         holding = np.flatnonzero(holder_blocks > 0)
@@ -428,15 +459,14 @@ def recording_scheduler_class(
             manager = self.kv_cache_manager
             groups = mirrored_groups(manager)
             self._unmirrored = tuple(
-                g
-                for g in range(len(manager.coordinator.single_type_managers))
-                if g not in groups
+                g for g in range(len(manager.coordinator.single_type_managers)) if g not in groups
             )
             block_pool = manager.block_pool
             self._mirror = RequestMirror(
                 groups, block_pool.null_block.block_id, block_pool.num_gpu_blocks
             )
             self._schedules = 0
+            self._copy_drafts = drafts_trimmed_in_place(self.vllm_config)
             # id(SchedulerOutput) -> (start ns, step): update_from_output receives the same
             # object schedule() returned, so pairing is exact under async scheduling too.
             self._outstanding: dict[int, tuple[int, ScheduledStep]] = {}
@@ -448,7 +478,12 @@ def recording_scheduler_class(
             if recorded or output.finished_req_ids or output.preempted_req_ids:
                 self._schedules += 1
                 step = scheduled_step(
-                    self, output, self._schedules, self._mirror.groups, self._unmirrored
+                    self,
+                    output,
+                    self._schedules,
+                    self._mirror.groups,
+                    self._unmirrored,
+                    self._copy_drafts,
                 )
                 self._mirror.follow(step)
                 if recorded:

@@ -22,8 +22,8 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.utils.hashing import get_hash_fn_by_name
-from vllm.v1.core.sched.output import CachedRequestData
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.output import CachedRequestData
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import Request
