@@ -33,7 +33,7 @@ def record_simple(recorder: StepRecorder, seq_start: int, count: int) -> None:
             [1, 0],
             holder_ids=[f"wait-{step}"],
             holder_blocks=[3.0],
-            holder_states=["preempted"],
+            holder_states=["waiting"],
             admission_blocked=step % 2 == 1,
             free_blocks=100 - step % 100,
             total_blocks=100,

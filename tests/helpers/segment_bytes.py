@@ -37,7 +37,7 @@ def record_steps(recorder: StepRecorder, first: int, count: int) -> None:
             [1, 0],
             holder_ids=[f"wait-{step}"],
             holder_blocks=[3.0],
-            holder_states=["preempted" if step % 2 else "waiting"],
+            holder_states=["waiting"],
             admission_blocked=step % 3 == 0,
             free_blocks=100 - step % 100,
             total_blocks=100,
