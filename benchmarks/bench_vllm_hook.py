@@ -48,7 +48,7 @@ def hook_cost(adapter: Any, steps: int) -> tuple[np.ndarray, np.ndarray]:
     engine step (schedule + update_from_output, hook included)."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
-    from pipeline.steplog import StepRecorder
+    from pipeline.steplog import SegmentHeader, StepRecorder
     from schemas.config import load_pools
     from tests.pipeline.vllm_engine import Engine, build_scheduler, request_factory, vllm_config
 
@@ -63,8 +63,16 @@ def hook_cost(adapter: Any, steps: int) -> tuple[np.ndarray, np.ndarray]:
             num_speculative_tokens=0,
         )
         pool = load_pools().pools[0]
-        header = adapter.header_for(
-            pool, pool.replicas[0].id, "bench", "bench", pool.gpus_per_replica, 16
+        header = SegmentHeader(
+            pool=pool.name,
+            replica=pool.replicas[0].id,
+            engine_name="vllm",
+            engine_version="bench",
+            driver_version="bench",
+            model=pool.model,
+            gpu_type=pool.gpu_type,
+            gpus_per_replica=pool.gpus_per_replica,
+            kv_block_size=16,
         )
         inner: dict[str, list[int]] = {"schedule": [], "update_from_output": []}
         outer: dict[str, list[int]] = {"schedule": [], "update_from_output": []}

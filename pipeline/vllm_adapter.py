@@ -396,15 +396,73 @@ def driver_version() -> str:
     return "unknown"
 
 
+def model_names(model_config: Any) -> set[str]:
+    """Names the engine knows its model by, lower-cased: its served name (vLLM keeps the first
+    of `--served-model-name`, else the model), the model's path or repository, and the last
+    path component of each."""
+    names = {str(model_config.served_model_name), str(model_config.model)}
+    return {n.lower() for name in names for n in (name, name.rstrip("/").rpartition("/")[2])}
+
+
+def gpu_name() -> str | None:
+    """The GPU vLLM's platform reports for this engine's first device, or None where it reports
+    none (the CPU platform, or no accelerator detected)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return None
+    try:
+        return str(current_platform.get_device_name(0))
+    except NotImplementedError:
+        return None
+
+
+def _name_tokens(name: str) -> set[str]:
+    return set(re.findall(r"[a-z0-9]+", name.lower()))
+
+
 def header_for(
-    pool: Pool, replica: str, engine_version: str, driver: str, gpus: int, kv_block_size: int
+    pool: Pool,
+    replica: str,
+    vllm_config: Any,
+    device: str | None,
+    engine_version: str,
+    driver: str,
+    kv_block_size: int,
 ) -> SegmentHeader:
-    """The segment header of `replica`; the engine's parallelism must match the pools file."""
+    """The segment header of `replica`, refused unless the engine runs what its pool declares:
+    its parallelism, its model (the pool's name among the engine's `model_names`) and, where
+    the platform names it, its GPU (every word of the pool's gpu_type in the device name, as
+    "h100" in "NVIDIA H100 80GB HBM3"). Pricing, calibration and reconciliation key on the
+    pool's names, so an engine serving anything else would be billed as the wrong model or
+    chip: refused before it serves. The engine's own names go in the header beside them."""
     if replica not in {r.id for r in pool.replicas}:
         raise ConfigError(f"replica {replica!r} is not listed in pool {pool.name!r}")
+    gpus = gpus_per_replica(vllm_config.parallel_config)
     if gpus != pool.gpus_per_replica:
         raise ConfigError(
             f"replica {replica!r} runs on {gpus} GPUs but pool {pool.name!r} declares gpus_per_replica={pool.gpus_per_replica}"
+        )
+    model_config = vllm_config.model_config
+    if pool.model.lower() not in model_names(model_config):
+        raise ConfigError(
+            f"replica {replica!r} serves {model_config.served_model_name!r} "
+            f"(model {model_config.model!r}) but pool {pool.name!r} declares model "
+            f"{pool.model!r}: serve it as --served-model-name {pool.model}, or put the "
+            "replica in the pool of the model it serves"
+        )
+    if device is None:
+        log.warning(
+            "vLLM's platform names no GPU here: replica %r is recorded with gpu_type %r from "
+            "pool %r, unchecked",
+            replica,
+            pool.gpu_type,
+            pool.name,
+        )
+    elif not _name_tokens(pool.gpu_type) <= _name_tokens(device):
+        raise ConfigError(
+            f"replica {replica!r} runs on {device!r} but pool {pool.name!r} declares gpu_type "
+            f"{pool.gpu_type!r}: put the replica in the pool of its GPU"
         )
     return SegmentHeader(
         pool=pool.name,
@@ -416,6 +474,8 @@ def header_for(
         gpu_type=pool.gpu_type,
         gpus_per_replica=gpus,
         kv_block_size=kv_block_size,
+        engine_model=str(model_config.model),
+        engine_device=device,
     )
 
 
@@ -435,9 +495,14 @@ def recorder_from_environment(scheduler: Any) -> StepRecorder:
         raise ConfigError(
             f"replica {replica!r} (STEPLEDGER_REPLICA) is in no pool of the pools file"
         )
-    gpus = gpus_per_replica(scheduler.vllm_config.parallel_config)
     header = header_for(
-        pool, replica, vllm.__version__, driver_version(), gpus, scheduler.block_size
+        pool,
+        replica,
+        scheduler.vllm_config,
+        gpu_name(),
+        vllm.__version__,
+        driver_version(),
+        scheduler.block_size,
     )
     return StepRecorder(Path(os.environ["STEPLEDGER_OUTBOX"]), header)
 

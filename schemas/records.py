@@ -117,6 +117,11 @@ class SegmentHeader(BaseModel):
     gpu_type: str
     gpus_per_replica: int = Field(gt=0, le=INT32_MAX)
     kv_block_size: int = Field(gt=0, le=INT32_MAX)
+    # What the engine itself reports, beside the pool's names above (which pricing and
+    # calibration key on): the model it loaded and its GPU (None where it names none, and in
+    # segments written before these fields existed).
+    engine_model: str | None = None
+    engine_device: str | None = None
 
 
 class HeaderFrame(SegmentHeader):

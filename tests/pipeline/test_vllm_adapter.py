@@ -23,7 +23,7 @@ from vllm.v1.request import Request
 import pipeline.vllm_adapter as adapter
 from pipeline.steplog import StepRecorder, read_segments
 from schemas.config import ConfigError, load_pools
-from tests.pipeline.vllm_engine import HAS_REQ_ID_TO_INDEX, HAS_RESUMED_REQ_IDS
+from tests.pipeline.vllm_engine import HAS_REQ_ID_TO_INDEX, HAS_RESUMED_REQ_IDS, vllm_config
 
 
 def test_block_shares_split_shared_prefixes_and_skip_null_blocks():
@@ -150,20 +150,88 @@ def test_a_step_whose_columns_fail_to_build_is_rejected_and_left_as_a_drop(
     )
 
 
-def test_header_checks_the_pools_file():
+@pytest.fixture(scope="module")
+def engine_configs(tmp_path_factory):
+    """vLLM's own engine configs, models loaded from directories named as their Hugging Face
+    repositories: the pool's model on one or two GPUs, and another model."""
+    models = tmp_path_factory.mktemp("models")
+    config = partial(
+        vllm_config,
+        num_gpu_blocks=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        async_scheduling=True,
+        num_speculative_tokens=0,
+    )
+    return {
+        "pool's model": config(models / "meta-llama" / "Llama-3.1-8B-Instruct"),
+        "another model": config(models / "Qwen" / "Qwen3-32B"),
+        "tensor parallel": config(
+            models / "meta-llama" / "Llama-3.1-8B-Instruct", tensor_parallel_size=2
+        ),
+    }
+
+
+def test_the_header_keeps_the_pools_names_and_the_engines_own(engine_configs, caplog):
     pool = load_pools().pools[0]
     replica = pool.replicas[0].id
-    header = adapter.header_for(pool, replica, "0.11.0", "550.54.15", pool.gpus_per_replica, 16)
+    config = engine_configs["pool's model"]
+    header = adapter.header_for(
+        pool, replica, config, "NVIDIA H100 80GB HBM3", "0.33.0", "550.54.15", 16
+    )
     assert (header.pool, header.replica, header.model, header.gpu_type) == (
         pool.name,
         replica,
-        pool.model,
-        pool.gpu_type,
+        "llama-3.1-8b-instruct",
+        "h100",
     )
-    with pytest.raises(ConfigError, match="runs on 3 GPUs"):
-        adapter.header_for(pool, replica, "0.11.0", "550", 3, 16)
+    assert (header.engine_model, header.engine_device) == (
+        config.model_config.model,
+        "NVIDIA H100 80GB HBM3",
+    )
+    # Where the platform names no GPU (the CPU), the pool's gpu_type stands, and it is said.
+    with caplog.at_level(logging.WARNING):
+        header = adapter.header_for(pool, replica, config, None, "0.33.0", "550", 16)
+    assert (header.gpu_type, header.engine_device) == ("h100", None)
+    assert (
+        "names no GPU here: replica 'chat-8b-r0' is recorded with gpu_type 'h100' from pool "
+        "'chat-8b', unchecked" in caplog.text
+    )
+
+
+def test_an_engine_that_runs_other_than_its_pool_declares_is_refused(engine_configs):
+    pool = load_pools().pools[0]
+    replica = pool.replicas[0].id
+    with pytest.raises(ConfigError) as refused:
+        adapter.header_for(
+            pool, replica, engine_configs["another model"], None, "0.33.0", "550", 16
+        )
+    assert str(refused.value).startswith("replica 'chat-8b-r0' serves '") and str(
+        refused.value
+    ).endswith(
+        "Qwen3-32B') but pool 'chat-8b' declares model 'llama-3.1-8b-instruct': serve it as "
+        "--served-model-name llama-3.1-8b-instruct, or put the replica in the pool of the "
+        "model it serves"
+    )
+    with pytest.raises(ConfigError, match="runs on 'NVIDIA A100-SXM4-80GB' but pool 'chat-8b'"):
+        adapter.header_for(
+            pool,
+            replica,
+            engine_configs["pool's model"],
+            "NVIDIA A100-SXM4-80GB",
+            "0.33",
+            "550",
+            16,
+        )
+    with pytest.raises(ConfigError, match="runs on 2 GPUs"):
+        adapter.header_for(pool, replica, engine_configs["tensor parallel"], None, "0.33", "5", 16)
     with pytest.raises(ConfigError, match="not listed in pool"):
-        adapter.header_for(pool, "nope", "0.11.0", "550", pool.gpus_per_replica, 16)
+        adapter.header_for(pool, "nope", engine_configs["pool's model"], None, "0.33", "5", 16)
+
+
+def test_gpu_name_is_none_where_vllms_platform_names_no_gpu():
+    # This CPU-only machine: vLLM's platform has no device name.
+    assert adapter.gpu_name() is None
 
 
 def test_driver_version_from_environment(monkeypatch):

@@ -15,6 +15,8 @@ from vllm.v1.request import RequestStatus
 import pipeline.vllm_adapter as adapter
 from pipeline.steplog import read_segments, recorder
 from schemas.config import load_pools
+from schemas.records import FRAME_PREFIX, HeaderFrame
+from tests.helpers.steplog_samples import frame_spans
 from tests.pipeline.vllm_engine import (
     BLOCK_SIZE,
     HAS_RESUMED_REQ_IDS,
@@ -174,6 +176,7 @@ def test_recorded_steps_match_the_real_scheduler(
         max_num_seqs=4,
         max_num_batched_tokens=64,
         async_scheduling=async_scheduling,
+        served_model_name=load_pools().pools[0].model,
     )
     scheduler_class = getattr(adapter, class_name)
     scheduler = build_scheduler(scheduler_class, config)
@@ -189,6 +192,11 @@ def test_recorded_steps_match_the_real_scheduler(
         pool.gpu_type,
     )
     assert (header["gpus_per_replica"], header["kv_block_size"]) == (1, BLOCK_SIZE)
+    # The engine's own names are in the header frame (not in the decoded segments table).
+    data = Path(header["path"]).read_bytes()
+    start, end = frame_spans(data)[0]
+    frame = HeaderFrame.model_validate_json(data[start + FRAME_PREFIX.size : end])
+    assert (frame.engine_model, frame.engine_device) == (config.model_config.model, None)
     steps = log.steps.to_pylist()
     assert [s["seq"] for s in steps] == list(range(len(expected)))
     slots, holders = log.slots.to_pylist(), log.holders.to_pylist()

@@ -17,6 +17,7 @@ from vllm.config import (
     CacheConfig,
     DeviceConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
     VllmConfig,
@@ -62,6 +63,8 @@ def vllm_config(
     max_num_batched_tokens: int,
     async_scheduling: bool,
     num_speculative_tokens: int = 2,
+    served_model_name: str | None = None,
+    tensor_parallel_size: int = 1,
 ) -> VllmConfig:
     """An engine config as `vllm serve` would build it, for the model config in model_dir."""
     config_file = model_dir / "config.json"
@@ -69,7 +72,11 @@ def vllm_config(
         model_dir.mkdir(parents=True, exist_ok=True)
         config_file.write_text(json.dumps(TINY_LLAMA))
     model = ModelConfig(
-        model=str(model_dir), skip_tokenizer_init=True, dtype="float32", max_model_len=2048
+        model=str(model_dir),
+        served_model_name=served_model_name,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=2048,
     )
     cache = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True)
     cache.num_gpu_blocks = num_gpu_blocks
@@ -95,6 +102,7 @@ def vllm_config(
         ),
         cache_config=cache,
         device_config=DeviceConfig("cpu"),
+        parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
         speculative_config=speculative,
     )
 
