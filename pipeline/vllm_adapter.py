@@ -3,11 +3,18 @@
 Supported: vLLM 0.33.x and 0.34.x (`SUPPORTED_VLLM`), the v1 engine with synchronous or
 asynchronous scheduling. Followed there: `vllm/v1/core/sched/scheduler.py` (`Scheduler.schedule`,
 `update_from_output`, `running`, `waiting`, `kv_holding_waiting`, `max_num_active_reqs`),
-`vllm/v1/core/sched/async_scheduler.py`, `vllm/v1/core/sched/output.py` (`SchedulerOutput`),
-`vllm/v1/request.py` (`Request.prefill_stats`, `num_preemptions`), `vllm/v1/outputs.py`
-(`ModelRunnerOutput`), `vllm/v1/core/kv_cache_manager.py` (`get_block_ids`, `block_pool`) and
+`vllm/v1/core/sched/async_scheduler.py`, `vllm/v1/core/sched/output.py` (`SchedulerOutput`,
+`NewRequestData`, `CachedRequestData`), `vllm/v1/request.py` (`Request.prefill_stats`,
+`num_preemptions`), `vllm/v1/outputs.py` (`ModelRunnerOutput`),
+`vllm/v1/core/kv_cache_manager.py` and `single_type_kv_cache_manager.py` (`get_block_ids`,
+`block_pool`, which managers change block lists in place), `vllm/v1/worker/gpu_model_runner.py`
+(`_update_states`: what the V1 model runner does to the lists it is sent) and
 `vllm/config/parallel.py` (the world size). The scheduler interface is not a stable vLLM API:
 an unsupported release is refused when the class is requested, before the engine starts.
+
+The engine thread keeps each step's SchedulerOutput and copies only what may change before the
+recorder's writer thread reads it (`scheduled_step`); the writer thread mirrors every live
+request's KV blocks from the outputs and builds the step (`RequestMirror`).
 
 Use: `vllm serve ... --async-scheduling --scheduler-cls pipeline.vllm_adapter.AsyncRecordingScheduler`
 (or `RecordingScheduler` with synchronous scheduling), with STEPLEDGER_OUTBOX (directory for
@@ -166,6 +173,7 @@ class ScheduledStep:
 
 # Shared by the steps that have none: each allocation on the engine thread counts.
 _NOTHING: Mapping[str, list[int]] = MappingProxyType({})
+_NO_SAMPLES: Mapping[str, int] = MappingProxyType({})
 
 
 def _new_requests(scheduler: Any, output: Any, groups: tuple[int, ...]) -> list[NewRequest]:
@@ -532,6 +540,10 @@ def recording_scheduler_class(
             )
             self._schedules = 0
             self._copy_drafts = drafts_trimmed_in_place(self.vllm_config)
+            # Bound once: the engine thread pays for every attribute lookup, every step.
+            self._follow = self._mirror.follow
+            self._columns = self._mirror.columns
+            self._record_later = self.step_recorder.record_step_later
             # id(SchedulerOutput) -> (start ns, step): update_from_output receives the same
             # object schedule() returned, so pairing is exact under async scheduling too.
             self._outstanding: dict[int, tuple[int, ScheduledStep]] = {}
@@ -550,7 +562,7 @@ def recording_scheduler_class(
                     self._unmirrored,
                     self._copy_drafts,
                 )
-                self._mirror.follow(step)
+                self._follow(step)
                 if recorded:
                     if len(self._outstanding) >= _MAX_OUTSTANDING_STEPS:
                         del self._outstanding[next(iter(self._outstanding))]
@@ -564,10 +576,8 @@ def recording_scheduler_class(
             if outstanding is not None:
                 start_ns, step = outstanding
                 # Counted now: update_from_output trims the sampled lists at a stop token.
-                sampled = sampled_counts(model_runner_output) if step.drafts else {}
-                self.step_recorder.record_step_later(
-                    start_ns, end_ns, partial(self._mirror.columns, step, sampled)
-                )
+                sampled = sampled_counts(model_runner_output) if step.drafts else _NO_SAMPLES
+                self._record_later(start_ns, end_ns, partial(self._columns, step, sampled))
             return super().update_from_output(scheduler_output, model_runner_output)
 
         def shutdown(self) -> None:
