@@ -48,8 +48,8 @@ def hook_cost(adapter: Any, steps: int) -> tuple[np.ndarray, np.ndarray]:
     engine step (schedule + update_from_output, hook included)."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
-    from pipeline.steplog import SegmentHeader, StepRecorder
-    from schemas.config import load_pools
+    from pipeline.steplog import StepRecorder
+    from tests.helpers.steplog_samples import HEADER
     from tests.pipeline.vllm_engine import Engine, build_scheduler, request_factory, vllm_config
 
     with tempfile.TemporaryDirectory() as scratch:
@@ -62,23 +62,11 @@ def hook_cost(adapter: Any, steps: int) -> tuple[np.ndarray, np.ndarray]:
             async_scheduling=True,
             num_speculative_tokens=0,
         )
-        pool = load_pools().pools[0]
-        header = SegmentHeader(
-            pool=pool.name,
-            replica=pool.replicas[0].id,
-            engine_name="vllm",
-            engine_version="bench",
-            driver_version="bench",
-            model=pool.model,
-            gpu_type=pool.gpu_type,
-            gpus_per_replica=pool.gpus_per_replica,
-            kv_block_size=16,
-        )
         inner: dict[str, list[int]] = {"schedule": [], "update_from_output": []}
         outer: dict[str, list[int]] = {"schedule": [], "update_from_output": []}
         recording = adapter.recording_scheduler_class(
             _timed_scheduler(AsyncScheduler, inner),
-            lambda scheduler: StepRecorder(root / "outbox", header),
+            lambda scheduler: StepRecorder(root / "outbox", HEADER),
         )
         scheduler = build_scheduler(_timed_scheduler(recording, outer), config)
         make_request = request_factory(config)
