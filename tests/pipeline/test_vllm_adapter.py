@@ -15,7 +15,7 @@ import vllm
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from vllm import SamplingParams
-from vllm.config import ParallelConfig
+from vllm.config import ParallelConfig, SpeculativeConfig
 from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
@@ -306,6 +306,21 @@ def test_prefix_hit_tokens_from_prefill_stats():
     assert adapter.prefix_hit_tokens(request) == 32
     request.take_prefill_stats()
     assert adapter.prefix_hit_tokens(request) == 0
+
+
+@pytest.mark.parametrize(
+    ("method", "trimmed"), [(None, False), ("ngram", False), ("ngram_gpu", True)]
+)
+def test_drafts_are_copied_only_where_the_model_runner_trims_them(method, trimmed):
+    speculative = (
+        SpeculativeConfig(
+            method=method, num_speculative_tokens=2, prompt_lookup_max=3, prompt_lookup_min=2
+        )
+        if method
+        else None
+    )
+    config = SimpleNamespace(speculative_config=speculative)
+    assert adapter.drafts_trimmed_in_place(config) is trimmed
 
 
 @pytest.mark.parametrize(("pp", "tp", "pcp", "gpus"), [(1, 1, 1, 1), (2, 4, 1, 8), (2, 2, 2, 8)])

@@ -25,7 +25,12 @@ from vllm.config import (
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import CachedRequestData
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -107,24 +112,30 @@ def vllm_config(
     )
 
 
-def kv_cache_config(num_blocks: int) -> KVCacheConfig:
-    spec = FullAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float32
-    )
-    return KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)],
-    )
+def kv_cache_config(num_blocks: int, sliding_window: int | None = None) -> KVCacheConfig:
+    """One full-attention KV-cache group; with `sliding_window`, layer 1 is a second group
+    attending to that many tokens (a hybrid model, as Gemma 3 or gpt-oss)."""
+    shape = {"block_size": BLOCK_SIZE, "num_kv_heads": 2, "head_size": 16, "dtype": torch.float32}
+    groups = [KVCacheGroupSpec(["model.layers.0.self_attn.attn"], FullAttentionSpec(**shape))]
+    if sliding_window is not None:
+        groups.append(
+            KVCacheGroupSpec(
+                ["model.layers.1.self_attn.attn"],
+                SlidingWindowSpec(**shape, sliding_window=sliding_window),
+            )
+        )
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
-def build_scheduler(scheduler_class: type, config: VllmConfig) -> Any:
+def build_scheduler(
+    scheduler_class: type, config: VllmConfig, sliding_window: int | None = None
+) -> Any:
     """The scheduler vLLM's EngineCore builds from `scheduler_cls`, with the same arguments."""
     num_blocks = config.cache_config.num_gpu_blocks
     assert num_blocks is not None
     return scheduler_class(
         vllm_config=config,
-        kv_cache_config=kv_cache_config(num_blocks),
+        kv_cache_config=kv_cache_config(num_blocks, sliding_window),
         structured_output_manager=StructuredOutputManager(config),
         block_size=BLOCK_SIZE,
     )
