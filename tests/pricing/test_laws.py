@@ -90,7 +90,7 @@ def test_laws_refuse_a_zero_rate_or_an_impossible_span():
     with pytest.raises(ValueError, match="ramp"):
         laws.ramped_arithmetic_us(1.0, 1.0, 0.0, 0.5, 10.0)
     with pytest.raises(ValueError, match="top_k"):
-        laws.distinct_experts(1, 8, 9, 8)
+        laws.expert_miss_probability(8, 9)
     with pytest.raises(ValueError, match="span"):
         laws.cross_node_span(9.0, 0, 8)
     with pytest.raises(ValueError, match="compress_ratio"):
@@ -98,10 +98,12 @@ def test_laws_refuse_a_zero_rate_or_an_impossible_span():
 
 
 def test_distinct_experts():
-    assert laws.distinct_experts(1, 256, 8, 256) == pytest.approx(8.0, rel=1e-14)
-    assert laws.distinct_experts(2, 256, 8, 256) == pytest.approx(256 - 248**2 / 256, rel=1e-14)
-    assert laws.distinct_experts(0, 256, 8, 256) == 0.0
-    assert laws.distinct_experts(100_000, 256, 8, 256) == pytest.approx(256.0, rel=1e-12)
+    miss = laws.expert_miss_probability(256, 8)
+    assert miss == 248 / 256
+    assert laws.distinct_experts(1, miss, 256) == pytest.approx(8.0, rel=1e-14)
+    assert laws.distinct_experts(2, miss, 256) == pytest.approx(256 - 248**2 / 256, rel=1e-14)
+    assert laws.distinct_experts(0, miss, 256) == 0.0
+    assert laws.distinct_experts(100_000, miss, 256) == pytest.approx(256.0, rel=1e-12)
 
 
 def test_collective_fixed_cost_then_peak_rate():
@@ -150,18 +152,11 @@ def test_graph_cost_per_mode_and_host_time():
 
 def test_compose_step_by_hand():
     # one step, two layer kinds (repeat 2 and 3)
-    one = np.ones((1, 2))
     composed = laws.compose_step(
-        sm_dense=one * [10.0, 1.0],
-        prefill_attention=one * [2.0, 0.0],
-        hbm_dense=one * [5.0, 8.0],
-        nvlink=one * [3.0, 3.0],
-        nic=one * [0.0, 9.0],
-        expert_sm=one * [0.0, 4.0],
-        expert_hbm=one * [0.0, 6.0],
+        layer=np.array([[[12.0, 1.0], [5.0, 8.0], [3.0, 3.0], [0.0, 9.0]]]),  # SM, HBM, NVLink, NIC
+        expert=np.array([[[0.0, 4.0], [0.0, 6.0]]]),  # SM, HBM
         repeat=np.array([2.0, 3.0]),
-        head_sm=np.array([7.0]),
-        head_hbm=np.array([11.0]),
+        head=np.array([[7.0, 11.0]]),
         host=np.array([20.0]),
     )
     # stages: max(12, 5, 3, 0) = 12; max(1, 8, 3, 9) + 4 + 6 = 19
