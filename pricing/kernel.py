@@ -119,23 +119,44 @@ class SlotWork:
 
 @dataclass(frozen=True)
 class _Features:
+    """A batch's per-step features and the per-slot quantities they sum."""
+
     steps: np.ndarray  # (slots,) step of each slot
     tokens: np.ndarray  # (slots,) scheduled tokens
-    slot: np.ndarray  # (slots, features) each slot's own
-    step: np.ndarray  # (steps, features)
+    live: np.ndarray  # (slots,) the slot schedules tokens (a row of the step)
+    reads: np.ndarray  # (slots, read bounds) cached tokens a decode row reads per layer
+    prefill_rows: np.ndarray  # slots that are prefill rows
+    pairs: np.ndarray  # (prefill rows, key caps) query-key pairs over the ramp they run at
+    step: np.ndarray  # (features, steps)
     uniform: np.ndarray  # (steps,) a uniform decode (or empty) step: the decode graph mode
+
+    def own(self, coefficients: np.ndarray, reads_at: int, pairs_at: int) -> np.ndarray:
+        """Each slot's own features times `coefficients` (features, m): the flags stay zero."""
+        rows = self.prefill_rows
+        own = (
+            self.tokens[:, None] * coefficients[TOKENS]
+            + self.live[:, None] * coefficients[ROWS]
+            + self.reads @ coefficients[reads_at:pairs_at]
+        )
+        own[rows] += (
+            self.tokens[rows, None] * coefficients[PREFILL_TOKENS]
+            + self.pairs @ coefficients[pairs_at:]
+        )
+        return own
 
 
 @dataclass(frozen=True)
 class _Composed:
-    totals: np.ndarray  # (steps, 5)
+    """Steps on the last axis (`laws.compose_step`)."""
+
+    totals: np.ndarray  # (5, steps)
     overlap: np.ndarray
     nooverlap: np.ndarray
     bottleneck: np.ndarray
-    stage: np.ndarray  # (steps, kinds)
-    layer: np.ndarray  # (steps, 4, kinds) SM, HBM, NVLink, NIC of one layer, experts apart
-    expert: np.ndarray  # (steps, 2, kinds) the routed experts' SM and HBM
-    head: np.ndarray  # (steps, 2)
+    stage: np.ndarray  # (kinds, steps)
+    layer: np.ndarray  # (4, kinds, steps) SM, HBM, NVLink, NIC of one layer, experts apart
+    expert: np.ndarray  # (2, kinds, steps) the routed experts' SM and HBM
+    head: np.ndarray  # (2, steps)
 
 
 def _as_counts(name: str, values: ArrayLike) -> np.ndarray:
@@ -228,7 +249,8 @@ class Kernel:
         head[TOKENS, 0] = gemm_us(plan.head_flops_per_token)
         head[ACTIVE, 0] = gemm_us(plan.head_flops_per_token) * m_half
         head[ACTIVE, 1] = read_us(plan.head_weight_bytes)
-        self._linear = np.concatenate([coef.reshape(len(coef), 4 * kinds), head], axis=1)
+        # (outputs, features): the per-kind terms in (block, kind) order, then the head's two
+        self._linear = np.concatenate([coef.reshape(len(coef), 4 * kinds), head], axis=1).T
         # A slot's own SM and HBM work over the whole model (its expert reads and collectives
         # are split apart).
         self._own = np.stack(
@@ -263,6 +285,7 @@ class Kernel:
             for collective in layer.collectives:
                 launches[distinct.index(collective), FABRIC[collective.resource], k] += 1.0
         self._launches = launches
+        self._fabric_launches = launches.transpose(1, 2, 0).reshape(2 * kinds, len(distinct))
 
         self._kv_memory(deployment, attentions)
         # Whole replica: one state per request on every layer with a recurrent mixer, each rank
@@ -411,11 +434,28 @@ class Kernel:
         tokens = s.astype(np.float64)
         prefill = s > self.deployment.decode_threshold
         decode = (s > 0) & ~prefill
-        slot = np.zeros((len(s), self._features_count))
-        slot[:, TOKENS] = tokens
-        slot[:, ROWS] = s > 0
-        slot[:, PREFILL_TOKENS] = np.where(prefill, tokens, 0.0)
+        rows = np.flatnonzero(prefill)
+
+        def per_step(values: np.ndarray, where: np.ndarray | slice = slice(None)) -> np.ndarray:
+            if n_steps == 1:
+                return values.sum(axis=0, keepdims=True)
+            return np.bincount(steps[where], weights=values, minlength=n_steps)
+
+        def any_per_step(flags: np.ndarray) -> np.ndarray:
+            if n_steps == 1:
+                return np.array([flags.any()])
+            marked = np.zeros(n_steps, dtype=bool)
+            marked[steps[flags]] = True
+            return marked
+
+        live = s > 0
+        step = np.zeros((self._features_count, n_steps))
+        step[TOKENS] = per_step(tokens)
+        step[ROWS] = per_step(live.astype(np.float64))
+        step[PREFILL_TOKENS] = per_step(tokens[rows], rows)
         context = (c + s).astype(np.float64)
+        # column-major: each bound's reads are written and summed as one contiguous column
+        reads = np.empty((len(s), len(self.read_bounds)), order="F")
         for j, bound in enumerate(self.read_bounds):
             read = laws.decode_read_tokens(
                 context,
@@ -426,48 +466,33 @@ class Kernel:
             )
             if bound.context_ranks > 1:
                 read = laws.context_shard(read, bound.context_ranks)
-            slot[:, self._reads_at + j] = np.where(decode, read, 0.0)
-
-        def per_step(values: np.ndarray) -> np.ndarray:
-            if n_steps == 1:
-                return values.sum(axis=0, keepdims=True)
-            if values.ndim == 1:
-                return np.bincount(steps, weights=values, minlength=n_steps)
-            return np.stack(
-                [np.bincount(steps, weights=column, minlength=n_steps) for column in values.T],
-                axis=1,
-            )
-
-        def any_per_step(flags: np.ndarray) -> np.ndarray:
-            if n_steps == 1:
-                return np.array([flags.any()])
-            marked = np.zeros(n_steps, dtype=bool)
-            marked[steps[flags]] = True
-            return marked
-
+            reads[:, j] = np.where(decode, read, 0.0)
+            step[self._reads_at + j] = per_step(reads[:, j])
         # Prefill attention work in query-key pairs over the ramp it runs at: each request's own
         # (physics), or the step's single one (go). Only the few prefill rows are computed.
-        rows = np.flatnonzero(prefill)
+        pairs = np.empty((len(rows), len(self.keys_caps)))
         if len(rows):
             ramp = self.plan.prefill_attention.ramp
             if self.plan.per_request_attention_ramp:
                 scale = 1.0 / laws.ramp_efficiency(tokens[rows], ramp.eps_max, ramp.m_half)
             else:
-                step_ramp = laws.ramp_efficiency(per_step(tokens), ramp.eps_max, ramp.m_half)
+                step_ramp = laws.ramp_efficiency(step[TOKENS], ramp.eps_max, ramp.m_half)
                 scale = 1.0 / step_ramp[steps[rows]]
             for j, cap in enumerate(self.keys_caps):
-                pairs = laws.prefill_pairs(tokens[rows], c[rows], cap)
-                slot[rows, self._pairs_at + j] = pairs * scale
-        step = per_step(slot)
+                pairs[:, j] = laws.prefill_pairs(tokens[rows], c[rows], cap) * scale
+                step[self._pairs_at + j] = per_step(pairs[:, j], rows)
         has_decode, has_prefill = any_per_step(decode), any_per_step(prefill)
-        step[:, ACTIVE] = step[:, TOKENS] > 0
-        step[:, DECODING] = has_decode
-        step[:, PREFILLING] = has_prefill
-        step[:, MIXED] = has_decode & has_prefill
+        step[ACTIVE] = step[TOKENS] > 0
+        step[DECODING] = has_decode
+        step[PREFILLING] = has_prefill
+        step[MIXED] = has_decode & has_prefill
         return _Features(
             steps=steps,
             tokens=tokens,
-            slot=slot,
+            live=live,
+            reads=reads,
+            prefill_rows=rows,
+            pairs=pairs,
             step=step,
             uniform=~any_per_step(s != self.plan.host.uniform_decode_tokens),
         )
@@ -481,7 +506,7 @@ class Kernel:
         return laws.host_us(
             captured,
             host.graph_us["none"],
-            features.step[:, TOKENS],
+            features.step[TOKENS],
             host.capture_ceiling,
             host.kernels,
             host.dispatch_per_kernel_us,
@@ -489,30 +514,30 @@ class Kernel:
 
     def _compose(self, features: _Features) -> _Composed:
         step = features.step
-        n, kinds = len(step), len(self.kind_names)
-        tokens = step[:, TOKENS]
-        linear = step @ self._linear
-        terms = linear[:, : 4 * kinds].reshape(n, 4, kinds)
-        layer = np.zeros((n, 4, kinds))
-        layer[:, SM] = terms[:, GEMM] + terms[:, ATTENTION]
-        layer[:, HBM] = terms[:, READ]
+        kinds, n = len(self.kind_names), step.shape[1]
+        tokens = step[TOKENS]
+        linear = self._linear @ step
+        terms = linear[: 4 * kinds].reshape(4, kinds, n)
+        layer = np.zeros((4, kinds, n))
+        layer[SM] = terms[GEMM] + terms[ATTENTION]
+        layer[HBM] = terms[READ]
         if len(self._collective_bytes):
             launch_us = laws.collective_us(
-                tokens[:, None] * self._collective_bytes,
-                self._collective_t0,
-                self._collective_r_t,
-                self._collective_r_peak,
+                self._collective_bytes[:, None] * tokens,
+                self._collective_t0[:, None],
+                self._collective_r_t[:, None],
+                self._collective_r_peak[:, None],
             )
-            fabric = (launch_us * step[:, ACTIVE, None]) @ self._launches.reshape(-1, 2 * kinds)
-            layer[:, NVLINK:] = fabric.reshape(n, 2, kinds)
-        expert = np.zeros((n, 2, kinds))
-        expert[:, 0] = terms[:, EXPERT]
+            fabric = self._fabric_launches @ (launch_us * step[ACTIVE])
+            layer[NVLINK:] = fabric.reshape(2, kinds, n)
+        expert = np.zeros((2, kinds, n))
+        expert[0] = terms[EXPERT]
         if self._has_experts:
             touched = laws.distinct_experts(
-                tokens[:, None] * self._routed, self._miss, self._local_experts
+                self._routed[:, None] * tokens, self._miss[:, None], self._local_experts[:, None]
             )
-            expert[:, 1] = touched * self._expert_us
-        head = linear[:, 4 * kinds :]
+            expert[1] = touched * self._expert_us[:, None]
+        head = linear[4 * kinds :]
         composed = laws.compose_step(layer, expert, self.repeat, head, self._host_us(features))
         return _Composed(
             totals=composed.totals,
@@ -534,8 +559,8 @@ class Kernel:
             np.zeros(n, dtype=np.int64), scheduled, computed, prompt_len, 1
         )
         composed = self._compose(self._features(steps, s, c, 1))
-        totals = composed.totals[0]
-        layer, expert = composed.layer[0], composed.expert[0]
+        totals = composed.totals[:, 0]
+        layer, expert = composed.layer[..., 0], composed.expert[..., 0]
         per_kind = {
             name: {
                 "repeat": int(self.repeat[k]),
@@ -545,14 +570,14 @@ class Kernel:
                 "nic_us": float(layer[NIC, k]),
                 "expert_sm_us": float(expert[0, k]),
                 "expert_hbm_us": float(expert[1, k]),
-                "stage_us": float(composed.stage[0, k]),
+                "stage_us": float(composed.stage[k, 0]),
             }
             for k, name in enumerate(self.kind_names)
         }
         per_kind["head"] = {
             "repeat": 1,
             "sm_us": float(composed.head[0, 0]),
-            "hbm_us": float(composed.head[0, 1]),
+            "hbm_us": float(composed.head[1, 0]),
         }
         return StepPrice(
             sm_us=float(totals[SM]),
@@ -580,11 +605,11 @@ class Kernel:
         composed = self._compose(self._features(steps, s, c, n_steps))
         totals = composed.totals
         return StepPrices(
-            sm_us=totals[:, SM],
-            hbm_us=totals[:, HBM],
-            nvlink_us=totals[:, NVLINK],
-            nic_us=totals[:, NIC],
-            host_us=totals[:, HOST],
+            sm_us=totals[SM],
+            hbm_us=totals[HBM],
+            nvlink_us=totals[NVLINK],
+            nic_us=totals[NIC],
+            host_us=totals[HOST],
             overlap_us=composed.overlap,
             nooverlap_us=composed.nooverlap,
             bottleneck=composed.bottleneck.astype(np.int8),
@@ -615,10 +640,10 @@ class Kernel:
         steps, s, c = self._validate(step_index, scheduled, computed, prompt_len, n_steps)
         features = self._features(steps, s, c, n_steps)
         composed = self._compose(features)
-        tokens, step_tokens = features.tokens, features.step[:, TOKENS]
+        tokens, step_tokens = features.tokens, features.step[TOKENS]
         slot = np.zeros((len(tokens), 5))
-        slot[:, :2] = features.slot @ self._own
-        expert_share = (composed.expert[:, 1] @ self.repeat) / np.maximum(step_tokens, 1.0)
+        slot[:, :2] = features.own(self._own, self._reads_at, self._pairs_at)
+        expert_share = (self.repeat @ composed.expert[1]) / np.maximum(step_tokens, 1.0)
         slot[:, HBM] += tokens * expert_share[steps]
         if len(self._collective_bytes):
             rate = laws.collective_rate_in_force(
@@ -633,7 +658,7 @@ class Kernel:
             [np.bincount(steps, weights=slot[:, r], minlength=n_steps) for r in range(5)], axis=1
         )
         # Where nothing is fixed (a collective at its peak rate) the difference is rounding.
-        return np.maximum(composed.totals - caused, 0.0), slot
+        return np.maximum(composed.totals.T - caused, 0.0), slot
 
     def slot_work(
         self, scheduled: ArrayLike, computed: ArrayLike, prompt_len: ArrayLike

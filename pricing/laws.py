@@ -304,19 +304,20 @@ def host_us(
 
 @dataclass(frozen=True)
 class ComposedStep:
-    totals: np.ndarray  # (steps, 5) in the kernel's RESOURCES order
+    totals: np.ndarray  # (5, steps) in the kernel's RESOURCES order
     overlap: np.ndarray
     nooverlap: np.ndarray
-    stage: np.ndarray  # (steps, kinds) one layer's time with its resources overlapped
+    stage: np.ndarray  # (kinds, steps) one layer's time with its resources overlapped
     bottleneck: np.ndarray
 
 
 def compose_step(
     layer: np.ndarray, expert: np.ndarray, repeat: np.ndarray, head: np.ndarray, host: np.ndarray
 ) -> ComposedStep:
-    """Compose steps from one layer's times per kind: `layer` (steps, 4, kinds) on SM, HBM,
-    NVLink and NIC without the routed experts, `expert` (steps, 2, kinds) the experts' SM and
-    HBM; `head` (steps, 2) the head's SM and HBM, `host` (steps,).
+    """Compose steps from one layer's times per kind: `layer` (4, kinds, steps) on SM, HBM,
+    NVLink and NIC without the routed experts, `expert` (2, kinds, steps) the experts' SM and
+    HBM; `head` (2, steps) the head's SM and HBM, `host` (steps,). Steps are the last axis so
+    every per-resource operation runs over contiguous memory.
 
     Within a layer the resources overlap (the busiest one sets its time) except the routed
     experts, whose arithmetic and reads are added: against NVIDIA's expert-GEMM measurements
@@ -326,19 +327,18 @@ def compose_step(
     totals. Overlap is clamped to NoOverlap; the bottleneck is the largest total (first in
     RESOURCES order on a tie).
     """
-    stage = layer.max(axis=1) + expert.sum(axis=1)
-    work = layer.copy()
-    work[:, :2] += expert
-    totals = np.empty((len(host), 5))
-    totals[:, :4] = work @ repeat
-    totals[:, :2] += head
-    totals[:, 4] = host
-    nooverlap = totals.sum(axis=1)
-    overlap = np.minimum(stage @ repeat + head.max(axis=1) + host, nooverlap)
+    busiest = np.maximum(np.maximum(layer[0], layer[1]), np.maximum(layer[2], layer[3]))
+    stage = busiest + expert[0] + expert[1]
+    totals = np.empty((5, len(host)))
+    totals[:4] = repeat @ layer
+    totals[:2] += repeat @ expert + head
+    totals[4] = host
+    nooverlap = totals.sum(axis=0)
+    overlap = np.minimum(repeat @ stage + np.maximum(head[0], head[1]) + host, nooverlap)
     return ComposedStep(
         totals=totals,
         overlap=overlap,
         nooverlap=nooverlap,
         stage=stage,
-        bottleneck=np.argmax(totals, axis=1),
+        bottleneck=np.argmax(totals, axis=0),
     )

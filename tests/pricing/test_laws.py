@@ -153,17 +153,18 @@ def test_graph_cost_per_mode_and_host_time():
 def test_compose_step_by_hand():
     # one step, two layer kinds (repeat 2 and 3)
     composed = laws.compose_step(
-        layer=np.array([[[12.0, 1.0], [5.0, 8.0], [3.0, 3.0], [0.0, 9.0]]]),  # SM, HBM, NVLink, NIC
-        expert=np.array([[[0.0, 4.0], [0.0, 6.0]]]),  # SM, HBM
+        # (resource, kind, step): SM, HBM, NVLink, NIC; the experts' SM, HBM; the head's
+        layer=np.array([[12.0, 1.0], [5.0, 8.0], [3.0, 3.0], [0.0, 9.0]])[:, :, None],
+        expert=np.array([[0.0, 4.0], [0.0, 6.0]])[:, :, None],
         repeat=np.array([2.0, 3.0]),
-        head=np.array([[7.0, 11.0]]),
+        head=np.array([[7.0], [11.0]]),
         host=np.array([20.0]),
     )
     # stages: max(12, 5, 3, 0) = 12; max(1, 8, 3, 9) + 4 + 6 = 19
-    np.testing.assert_allclose(composed.stage, [[12.0, 19.0]])
+    np.testing.assert_allclose(composed.stage, [[12.0], [19.0]])
     sm = 2 * 12 + 3 * (1 + 4) + 7
     hbm = 2 * 5 + 3 * (8 + 6) + 11
-    np.testing.assert_allclose(composed.totals, [[sm, hbm, 15.0, 27.0, 20.0]])
+    np.testing.assert_allclose(composed.totals, [[sm], [hbm], [15.0], [27.0], [20.0]])
     assert composed.nooverlap[0] == sm + hbm + 15 + 27 + 20
     assert composed.overlap[0] == 2 * 12 + 3 * 19 + 11 + 20
     assert composed.bottleneck[0] == 1  # hbm
