@@ -163,11 +163,12 @@ def _as_counts(name: str, values: ArrayLike) -> np.ndarray:
     array = np.asarray(values)
     if array.ndim != 1:
         raise PricingError(f"{name} must be one-dimensional, got shape {array.shape}")
+    kind = array.dtype.kind  # integers "i"/"u", floats "f"
     if (
         array.size
-        and not np.issubdtype(array.dtype, np.integer)
+        and kind not in "iu"
         and (
-            not np.issubdtype(array.dtype, np.floating)
+            kind != "f"
             or not np.all(np.isfinite(array))
             or not np.array_equal(array, np.round(array))
         )

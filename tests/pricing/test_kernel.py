@@ -386,6 +386,12 @@ def test_bad_data_files_name_file_and_field(tmp_path: Path):
     )
     with pytest.raises(PricingError, match=r"x1.yaml: field gemm.hbm_derate"):
         _load(tmp_path, "x1", "chip", ChipSpec)
+    # a collective's rates are checked here, once, not by the law on every step
+    (tmp_path / "x2.yaml").write_text(
+        good.replace("name: h100", "name: x2").replace("2: [4.18, 128000,", "2: [4.18, 0,")
+    )
+    with pytest.raises(PricingError, match=r"x2.yaml: field collectives.all_reduce.2.1"):
+        _load(tmp_path, "x2", "chip", ChipSpec)
     model = (
         Path(__file__).resolve().parents[2] / "pricing" / "models" / "llama-3.1-8b-instruct.yaml"
     ).read_text()

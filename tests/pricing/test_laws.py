@@ -85,8 +85,6 @@ def test_laws_refuse_a_zero_rate_or_an_impossible_span():
         laws.memory_time_us(1.0, 0.0, 0.8)
     with pytest.raises(ValueError, match="read rate"):
         laws.decode_attention_us(1.0, 0.0, 576, 0.0)
-    with pytest.raises(ValueError, match="positive rates"):
-        laws.collective_us(1.0, 1.0, 0.0, 1.0)
     with pytest.raises(ValueError, match="ramp"):
         laws.ramped_arithmetic_us(1.0, 1.0, 0.0, 0.5, 10.0)
     with pytest.raises(ValueError, match="top_k"):
