@@ -48,6 +48,7 @@ DEPLOYMENTS = [
         expert_parallel=True,
         all2all_backend="deepep_high_throughput",
     ),
+    Deployment(model="qwen3-next-80b-a3b", chip="h200", tp=2, decode_threshold=4),
 ]
 
 

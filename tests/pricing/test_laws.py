@@ -166,3 +166,32 @@ def test_compose_step_by_hand():
     assert composed.nooverlap[0] == sm + hbm + 15 + 27 + 20
     assert composed.overlap[0] == 2 * 12 + 3 * 19 + 11 + 20
     assert composed.bottleneck[0] == 1  # hbm
+
+
+def test_recurrent_state_is_one_matrix_per_value_head_plus_the_convolutions_window():
+    # Qwen3-Next's gated delta-net: 32 value heads of 128 x 128 bf16, and 3 past inputs over
+    # q, k (16 x 128 each) and v (32 x 128)
+    assert laws.recurrent_state_bytes(16, 32, 128, 128, 4, 2) == 32 * 128 * 128 * 2 + 8192 * 3 * 2
+    assert laws.recurrent_state_bytes(16, 32, 128, 128, 4, 2) == 1_097_728
+    # a Mamba2 layer: 8 groups of B and C with state 128, 128 heads of 64, fp32 state
+    assert laws.recurrent_state_bytes(8, 128, 128, 64, 4, 4) == (
+        128 * 128 * 64 + (2 * 8 * 128 + 128 * 64) * 3
+    ) * 4
+
+
+def test_chunked_scan_flops_are_linear_in_tokens_with_the_chunk_bounding_the_quadratic_part():
+    # Mamba2 with 256-token chunks: C B^T per group, its product with x per head, the state
+    # written and read per head, the 4-tap convolution over 10,240 channels
+    assert laws.chunked_scan_flops(8, 128, 128, 64, 256, 4) == 2 * (
+        8 * 256 * 128 + 128 * 256 * 64 + 2 * 128 * 128 * 64 + 4 * 10240
+    )
+    assert laws.chunked_scan_flops(8, 128, 128, 64, 256, 4) == 8_994_816
+    # the delta net's 64-token chunks
+    assert laws.chunked_scan_flops(16, 32, 128, 128, 64, 4) == 2_949_120
+    # at prefill attention's work_scale of the bf16 eps_max rate, no ramp in the step's tokens
+    assert laws.scan_us(1000, 2_949_120, 989.5e6, 0.992, 0.4) == pytest.approx(
+        1000 * 2_949_120 / (989.5e6 * 0.992 * 0.4), rel=1e-15
+    )
+    assert laws.scan_us(0, 2_949_120, 989.5e6, 0.992, 0.4) == 0.0
+    with pytest.raises(ValueError, match="positive rate"):
+        laws.scan_us(1, 1, 989.5e6, 0.992, 0.0)
