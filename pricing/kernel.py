@@ -133,7 +133,7 @@ class _Features:
     def own(self, coefficients: np.ndarray, reads_at: int, pairs_at: int) -> np.ndarray:
         """Each slot's own features times `coefficients` (features, m): the flags stay zero."""
         rows = self.prefill_rows
-        own = (
+        own: np.ndarray = (
             self.tokens[:, None] * coefficients[TOKENS]
             + self.live[:, None] * coefficients[ROWS]
             + self.reads @ coefficients[reads_at:pairs_at]
@@ -359,9 +359,7 @@ class Kernel:
             self.plan.prefill_work_scale,
         )
 
-    def _kv_memory(
-        self, deployment: Deployment, attentions: list[PlannedAttention | None]
-    ) -> None:
+    def _kv_memory(self, deployment: Deployment, attentions: list[PlannedAttention | None]) -> None:
         """Whole replica: every rank holds its shard (or, for latent caches and an indexer's, a
         full copy); under decode context parallelism each token is held by one rank of its
         group. Windowed layers hold at most their window per request, so they are not a
@@ -429,9 +427,7 @@ class Kernel:
             raise PricingError(f"step_index {int(steps.max())} is outside 0..{n_steps - 1}")
         return steps, s, c
 
-    def _features(
-        self, steps: np.ndarray, s: np.ndarray, c: np.ndarray, n_steps: int
-    ) -> _Features:
+    def _features(self, steps: np.ndarray, s: np.ndarray, c: np.ndarray, n_steps: int) -> _Features:
         tokens = s.astype(np.float64)
         prefill = s > self.deployment.decode_threshold
         decode = (s > 0) & ~prefill
@@ -439,7 +435,7 @@ class Kernel:
 
         def per_step(values: np.ndarray, where: np.ndarray | slice = slice(None)) -> np.ndarray:
             if n_steps == 1:
-                return values.sum(axis=0, keepdims=True)
+                return np.asarray(values.sum(axis=0, keepdims=True))
             return np.bincount(steps[where], weights=values, minlength=n_steps)
 
         def any_per_step(flags: np.ndarray) -> np.ndarray:

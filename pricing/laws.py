@@ -185,9 +185,7 @@ def recurrent_state_bytes(
     queries and values: 2 * key_heads * key_dim + value_heads * value_dim). Fixed whatever the
     context: vLLM allocates it per request, apart from the paged KV cache."""
     channels = 2 * key_heads * key_dim + value_heads * value_dim
-    return float(
-        (value_heads * key_dim * value_dim + channels * (conv_kernel - 1)) * element_bytes
-    )
+    return float((value_heads * key_dim * value_dim + channels * (conv_kernel - 1)) * element_bytes)
 
 
 def chunked_scan_flops(
@@ -220,7 +218,9 @@ def scan_us(
     whole chunks, so no ramp in the step's tokens."""
     rate = peak_flops_per_us * eps_max * work_scale
     if rate <= 0:
-        raise ValueError(f"a scan needs a positive rate, got {peak_flops_per_us} x {eps_max} x {work_scale}")
+        raise ValueError(
+            f"a scan needs a positive rate, got {peak_flops_per_us} x {eps_max} x {work_scale}"
+        )
     return _floats(tokens) * _floats(flops_per_token) / rate
 
 

@@ -174,9 +174,10 @@ def test_recurrent_state_is_one_matrix_per_value_head_plus_the_convolutions_wind
     assert laws.recurrent_state_bytes(16, 32, 128, 128, 4, 2) == 32 * 128 * 128 * 2 + 8192 * 3 * 2
     assert laws.recurrent_state_bytes(16, 32, 128, 128, 4, 2) == 1_097_728
     # a Mamba2 layer: 8 groups of B and C with state 128, 128 heads of 64, fp32 state
-    assert laws.recurrent_state_bytes(8, 128, 128, 64, 4, 4) == (
-        128 * 128 * 64 + (2 * 8 * 128 + 128 * 64) * 3
-    ) * 4
+    assert (
+        laws.recurrent_state_bytes(8, 128, 128, 64, 4, 4)
+        == (128 * 128 * 64 + (2 * 8 * 128 + 128 * 64) * 3) * 4
+    )
 
 
 def test_chunked_scan_flops_are_linear_in_tokens_with_the_chunk_bounding_the_quadratic_part():
