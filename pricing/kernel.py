@@ -149,11 +149,7 @@ class _Features:
 class _Composed:
     """Steps on the last axis (`laws.compose_step`)."""
 
-    totals: np.ndarray  # (5, steps)
-    overlap: np.ndarray
-    nooverlap: np.ndarray
-    bottleneck: np.ndarray
-    stage: np.ndarray  # (kinds, steps)
+    step: laws.ComposedStep
     layer: np.ndarray  # (4, kinds, steps) SM, HBM, NVLink, NIC of one layer, experts apart
     expert: np.ndarray  # (2, kinds, steps) the routed experts' SM and HBM
     head: np.ndarray  # (2, steps)
@@ -404,18 +400,15 @@ class Kernel:
         return np.asarray(ctx * self.kv_bytes_per_token + windowed)
 
     # ------------------------------------------------------------------ features
-    def _validate(
-        self,
-        step_index: ArrayLike,
-        scheduled: ArrayLike,
-        computed: ArrayLike,
-        prompt_len: ArrayLike,
-        n_steps: int,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        steps = _as_counts("step_index", step_index)
-        s = _as_counts("scheduled", scheduled)
-        c = _as_counts("computed", computed)
-        prompt = _as_counts("prompt_len", prompt_len)
+    def _features(self, slots: tuple[ArrayLike, ...], n_steps: int) -> _Features:
+        """Checks a batch's per-slot arrays (step_index, scheduled, computed, prompt_len) and
+        derives its features."""
+        steps, s, c, prompt = (
+            _as_counts(name, values)
+            for name, values in zip(
+                ("step_index", "scheduled", "computed", "prompt_len"), slots, strict=True
+            )
+        )
         if not (len(steps) == len(s) == len(c) == len(prompt)):
             raise PricingError(
                 f"per-slot arrays differ in length: step_index {len(steps)}, scheduled {len(s)}, "
@@ -425,9 +418,6 @@ class Kernel:
             raise PricingError(f"n_steps is negative ({n_steps})")
         if len(steps) and steps.max() >= n_steps:
             raise PricingError(f"step_index {int(steps.max())} is outside 0..{n_steps - 1}")
-        return steps, s, c
-
-    def _features(self, steps: np.ndarray, s: np.ndarray, c: np.ndarray, n_steps: int) -> _Features:
         tokens = s.astype(np.float64)
         prefill = s > self.deployment.decode_threshold
         decode = (s > 0) & ~prefill
@@ -536,27 +526,16 @@ class Kernel:
             expert[1] = touched * self._expert_us[:, None]
         head = linear[4 * kinds :]
         composed = laws.compose_step(layer, expert, self.repeat, head, self._host_us(features))
-        return _Composed(
-            totals=composed.totals,
-            overlap=composed.overlap,
-            nooverlap=composed.nooverlap,
-            bottleneck=composed.bottleneck,
-            stage=composed.stage,
-            layer=layer,
-            expert=expert,
-            head=head,
-        )
+        return _Composed(step=composed, layer=layer, expert=expert, head=head)
 
     def price(self, scheduled: ArrayLike, computed: ArrayLike, prompt_len: ArrayLike) -> StepPrice:
         """Price one step; one entry per request in each array. A request is a prefill when it
         schedules more than the decode threshold, as the engine classes it; prompt_len is
         validated but does not change the price."""
         n = len(np.asarray(scheduled))
-        steps, s, c = self._validate(
-            np.zeros(n, dtype=np.int64), scheduled, computed, prompt_len, 1
-        )
-        composed = self._compose(self._features(steps, s, c, 1))
-        totals = composed.totals[:, 0]
+        slots = (np.zeros(n, dtype=np.int64), scheduled, computed, prompt_len)
+        composed = self._compose(self._features(slots, 1))
+        totals = composed.step.totals[:, 0]
         layer, expert = composed.layer[..., 0], composed.expert[..., 0]
         per_kind = {
             name: {
@@ -567,7 +546,7 @@ class Kernel:
                 "nic_us": float(layer[NIC, k]),
                 "expert_sm_us": float(expert[0, k]),
                 "expert_hbm_us": float(expert[1, k]),
-                "stage_us": float(composed.stage[k, 0]),
+                "stage_us": float(composed.step.stage[k, 0]),
             }
             for k, name in enumerate(self.kind_names)
         }
@@ -582,9 +561,9 @@ class Kernel:
             nvlink_us=float(totals[NVLINK]),
             nic_us=float(totals[NIC]),
             host_us=float(totals[HOST]),
-            overlap_us=float(composed.overlap[0]),
-            nooverlap_us=float(composed.nooverlap[0]),
-            bottleneck=RESOURCES[int(composed.bottleneck[0])],
+            overlap_us=float(composed.step.overlap[0]),
+            nooverlap_us=float(composed.step.nooverlap[0]),
+            bottleneck=RESOURCES[int(composed.step.bottleneck[0])],
             per_kind=per_kind,
         )
 
@@ -598,18 +577,18 @@ class Kernel:
     ) -> StepPrices:
         """Price many steps at once; per-slot arrays with `step_index` in 0..n_steps-1.
         A step with no slot costs its host time only."""
-        steps, s, c = self._validate(step_index, scheduled, computed, prompt_len, n_steps)
-        composed = self._compose(self._features(steps, s, c, n_steps))
-        totals = composed.totals
+        slots = (step_index, scheduled, computed, prompt_len)
+        composed = self._compose(self._features(slots, n_steps))
+        totals = composed.step.totals
         return StepPrices(
             sm_us=totals[SM],
             hbm_us=totals[HBM],
             nvlink_us=totals[NVLINK],
             nic_us=totals[NIC],
             host_us=totals[HOST],
-            overlap_us=composed.overlap,
-            nooverlap_us=composed.nooverlap,
-            bottleneck=composed.bottleneck.astype(np.int8),
+            overlap_us=composed.step.overlap,
+            nooverlap_us=composed.step.nooverlap,
+            bottleneck=composed.step.bottleneck.astype(np.int8),
         )
 
     # ------------------------------------------------------------------ work per slot
@@ -634,8 +613,8 @@ class Kernel:
         once, attention and recurrent floors, host, collective t0s and the ramp overheads. Per
         step, fixed + slots == NoOverlap.
         """
-        steps, s, c = self._validate(step_index, scheduled, computed, prompt_len, n_steps)
-        features = self._features(steps, s, c, n_steps)
+        features = self._features((step_index, scheduled, computed, prompt_len), n_steps)
+        steps = features.steps
         composed = self._compose(features)
         tokens, step_tokens = features.tokens, features.step[TOKENS]
         slot = np.zeros((len(tokens), 5))
@@ -655,7 +634,7 @@ class Kernel:
             [np.bincount(steps, weights=slot[:, r], minlength=n_steps) for r in range(5)], axis=1
         )
         # Where nothing is fixed (a collective at its peak rate) the difference is rounding.
-        return np.maximum(composed.totals.T - caused, 0.0), slot
+        return np.maximum(composed.step.totals.T - caused, 0.0), slot
 
     def slot_work(
         self, scheduled: ArrayLike, computed: ArrayLike, prompt_len: ArrayLike

@@ -13,16 +13,10 @@ from hypothesis import strategies as st
 from pricing import Deployment, Kernel, PricingError, spec
 from pricing.spec import ChipSpec, ModelSpec, _load, chip_names, load_chip
 from schemas.config import load_pools
+from tests.pricing.shared_reference import GOLDEN
 
 DEPLOYMENTS = [
-    Deployment(
-        model="deepseek-v3",
-        chip="h200",
-        dtype="fp8",
-        cache_dtype="fp8",
-        tp=8,
-        cudagraph_mode="PIECEWISE",
-    ),
+    GOLDEN,  # priced in both modes below
     Deployment(model="gpt-oss-120b", chip="h100", tp=4, cache_dtype="fp8"),
     Deployment(model="gpt-oss-120b", chip="b200", tp=2, cudagraph_mode="FULL_DECODE_ONLY"),
     Deployment(model="llama-3.1-8b-instruct", chip="h100", max_num_seqs=16, decode_threshold=4),
@@ -281,18 +275,10 @@ def test_kv_bytes_per_token_whole_replica():
 def test_a_pools_deployment_uses_the_pool_and_engine_settings():
     pools = load_pools()
     chat = pools.pool("chat-8b").deployment()
-    assert chat == Deployment(
-        model="llama-3.1-8b-instruct",
-        chip="h100",
-        dtype="bf16",
-        cache_dtype="bf16",
-        tp=1,
-        nodes=1,
-        cudagraph_mode="FULL_AND_PIECEWISE",
-        max_num_seqs=256,
-        decode_threshold=1,
-        num_spec_tokens=0,
-    )
+    # every field the pool states; the rest at the deployment's defaults
+    stated = dict(model="llama-3.1-8b-instruct", chip="h100", dtype="bf16", cache_dtype="bf16")
+    engine = dict(cudagraph_mode="FULL_AND_PIECEWISE", max_num_seqs=256, decode_threshold=1)
+    assert chat == Deployment(**stated, **engine, tp=1, nodes=1, num_spec_tokens=0)
     reason = pools.pool("reason-dsv3").deployment()
     assert (
         reason.chip,
