@@ -7,7 +7,8 @@ step logs is priced in a few numpy passes.
 
 These behaviours differ from the Go kernel by default ("physics"); `compat="go"` restores them:
 routed-expert arithmetic is divided across the TP group (the Go kernel's own per-step
-measurements favour this: per-step error 27.5% -> 23.0%), a sliding-window layer's decode
+measurements favour this: per-step error 27.5% -> 23.0%) and, under expert parallelism, shared
+over EPLB's physical experts (Go: the logical ones), a sliding-window layer's decode
 reads at most its window (the step-pricing spec says so; the swa rate was fitted on
 window-bounded reads), four-bit weights without a four-bit peak compute at the bf16 rate
 (`compute_lane`), a latent layer's prefill attention is priced at its expanded head widths, and
@@ -579,13 +580,13 @@ class Kernel:
         A step with no slot costs its host time only."""
         slots = (step_index, scheduled, computed, prompt_len)
         composed = self._compose(self._features(slots, n_steps))
-        totals = composed.step.totals
+        sm, hbm, nvlink, nic, host = composed.step.totals
         return StepPrices(
-            sm_us=totals[SM],
-            hbm_us=totals[HBM],
-            nvlink_us=totals[NVLINK],
-            nic_us=totals[NIC],
-            host_us=totals[HOST],
+            sm_us=sm,
+            hbm_us=hbm,
+            nvlink_us=nvlink,
+            nic_us=nic,
+            host_us=host,
             overlap_us=composed.step.overlap,
             nooverlap_us=composed.step.nooverlap,
             bottleneck=composed.step.bottleneck.astype(np.int8),

@@ -400,8 +400,11 @@ class _Planner:
             # share of the routed work.
             physical = node.experts + deployment.eplb_redundant_experts
             local = float(-(-physical // group))
+            # The Go kernel divides by the logical experts (share_local = L / E), charging the
+            # busiest rank physical / E times its balanced share of the routing.
+            routed = physical if self.physics else node.experts
             return PlannedExperts(
-                flops_per_token=node.top_k * expert_flops * local / physical,
+                flops_per_token=node.top_k * expert_flops * local / routed,
                 bytes_per_expert=expert_bytes,
                 local_experts=local,
                 experts=node.experts,

@@ -40,6 +40,17 @@ def test_expert_parallel_with_eplb_prices_the_busiest_rank_by_hand():
     )
 
 
+def test_expert_parallel_under_go_compat_shares_the_routing_over_the_logical_experts():
+    deployment = Deployment(**DSV3, expert_parallel=True, eplb_redundant_experts=32, compat="go")
+    moe = _decode(Kernel.build(deployment), 1).per_kind["attn_moe"]
+    # KERNEL_NOTES: FLOPs_r = T_r * top_k * share_local * F_e * imbalance, share_local = L / E
+    # with L = ceil((256 + 32) / 8) = 36 experts on the busiest rank and E = 256
+    flops = 1 * 8 * (36 / 256) * EXPERT_FLOPS * 0.999
+    assert moe["expert_sm_us"] == pytest.approx(flops * (1 + 113) / (H200_FP8 * 0.736), rel=1e-12)
+    # Bytes_r = W_e * L * (1 - ((E - k) / E)^T_r), whole experts (one shard under EP)
+    assert moe["expert_hbm_us"] == pytest.approx(36 * (8 / 256) * EXPERT_BYTES / H200_READ)
+
+
 def test_a_point_to_point_dispatch_moves_each_token_to_its_top_k():
     gathered = Kernel.build(Deployment(**DSV3, expert_parallel=True))
     direct = Kernel.build(
