@@ -542,8 +542,8 @@ class _Planner:
         """The registry has no recurrent sweep (the Go kernel's f_rec and rate_rec have no values
         in it), so the mixer is priced from its shapes. Heads shard across TP like KV heads.
         Assumed, for want of a measurement: a decode row's update is a read and a write of its
-        state (about 2 FLOP per 4 state bytes moved, far below any part's ridge point, so
-        memory-bound) at the derated HBM bandwidth; the per-layer floors are the part's
+        state at the derated HBM bandwidth (a few FLOP per state element against 4 bytes moved
+        in bf16, two orders of magnitude below any part's ridge point, so memory-bound); the per-layer floors are the part's
         full-attention decode floor and its prefill-attention floor (a fused single-pass kernel
         per layer, as attention is); and the prefill scan reaches prefill attention's measured
         fraction of the bf16 GEMM rate (its chunks are attention-like masked tiles). The scan

@@ -320,7 +320,7 @@ class LayerKind(_Strict):
     nodes: list[Node] = Field(min_length=1)
 
     @model_validator(mode="after")
-    def _one_attention_one_expert_group(self) -> LayerKind:
+    def _one_mixer_of_each_kind_one_expert_group(self) -> LayerKind:
         for cls in (AttentionNode, RecurrentNode, GroupedGemmNode):
             if sum(isinstance(n, cls) for n in self.nodes) > 1:
                 raise ValueError(f"layer kind {self.name!r} has more than one {cls.__name__}")

@@ -290,3 +290,31 @@ def test_a_hybrid_splits_its_piecewise_graph_at_every_mixer():
     assert kernel.price([1, 64], [100, 0], [101, 64]).host_us == pytest.approx(
         7.0 * 49 + 674 * 3.2, rel=1e-12
     )
+
+
+def test_a_mamba2_hybrid_by_hand():
+    kernel = Kernel.build(Deployment(model="nemotron-h-8b", chip="h100"))
+    # one request's Mamba2 state in a layer: 128 heads of 64 x 128 bf16, and the convolution's
+    # last 3 inputs over x, B and C (8,192 + 2 x 8 x 128 = 10,240 channels)
+    state = (128 * 64 * 128 + 10240 * 3) * 2
+    assert state == 2_158_592
+    assert kernel.state_bytes_per_request == 24 * state
+    assert kernel.kv_bytes_per_token == 4 * 2 * 8 * 128 * 2
+    price = kernel.price([1] * 64, [2047] * 64, [2048] * 64)
+    weights = (18560 * 4096 + 4096 * 8192) * 2
+    # weights, two norms' traffic per token (16,384 + 49,152 B), each row's state read and
+    # written back, H100's full-attention decode floor
+    assert price.per_kind["mamba2"]["hbm_us"] == pytest.approx(
+        (weights + 64 * 65536 + 64 * 2 * state) / (3.35e6 * 0.8) + 14.5, rel=1e-12
+    )
+    # an MLP layer has no mixer: no floor, no state
+    assert price.per_kind["mlp"]["hbm_us"] == pytest.approx(
+        (2 * 21504 * 4096 * 2 + 64 * 16384) / (3.35e6 * 0.8), rel=1e-12
+    )
+    # a piecewise graph splits at the 28 mixers, not at all 52 layers: 29 replays; kernels:
+    # 24 x (2 norms, 2 GEMMs, the update's 2) + 4 x (norm, 2 GEMMs, attention's 2)
+    # + 24 x (norm, 2 GEMMs) + the head's 2
+    assert kernel.plan.host.kernels == 24 * 6 + 4 * 5 + 24 * 3 + 2 == 238
+    assert kernel.price([1, 64], [100, 0], [101, 64]).host_us == pytest.approx(
+        7.0 * 29 + 238 * 3.2, rel=1e-12
+    )

@@ -43,6 +43,7 @@ DEPLOYMENTS = [
         all2all_backend="deepep_high_throughput",
     ),
     Deployment(model="qwen3-next-80b-a3b", chip="h200", tp=2, decode_threshold=4),
+    Deployment(model="nemotron-h-8b", chip="h100", tp=2, cudagraph_mode="PIECEWISE"),
 ]
 
 
@@ -392,6 +393,17 @@ def test_bad_data_files_name_file_and_field(tmp_path: Path):
         match=r"m.yaml: .*kv_bytes_per_token_tp1\[bf16\] states 131072 but the attention nodes give 65536",
     ):
         _load(tmp_path, "m", "model", ModelSpec)
+    hybrid = (
+        Path(__file__).resolve().parents[2] / "pricing" / "models" / "nemotron-h-8b.yaml"
+    ).read_text()
+    (tmp_path / "h.yaml").write_text(
+        hybrid.replace("name: nemotron-h-8b", "name: h").replace("key_heads: 8,", "key_heads: 3,")
+    )
+    with pytest.raises(
+        PricingError,
+        match=r"h.yaml: field layer_kinds.0.nodes.2.recurrent: .*key_heads 3 must divide",
+    ):
+        _load(tmp_path, "h", "model", ModelSpec)
 
 
 def test_go_compat_keeps_the_single_step_ramp_on_prefill_attention():
