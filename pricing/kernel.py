@@ -63,6 +63,7 @@ from pricing.spec import (
 LAWS_REVISION = 5
 RESOURCES = ("sm", "hbm", "nvlink", "nic", "host")
 SM, HBM, NVLINK, NIC, HOST = range(5)
+# A collective's fabric: its row in a kind's (NVLink, NIC) launch counts.
 FABRIC = {"nvlink": 0, "nic": 1}
 # The features the linear terms are priced on, per step and per slot: whether the step runs
 # tokens, its tokens, whether it holds decode rows, prefill rows, both; its rows, its prefill
