@@ -18,6 +18,7 @@ from pipeline.simulator import SimulationSummary, simulate
 from pipeline.simulator.faults import UNCALIBRATED_ENGINE_VERSION, FaultError, parse_fault
 from pipeline.simulator.telemetry import busy_between
 from pipeline.steplog import read_segments
+from pricing import Kernel
 from schemas.config import PoolsFile, load_pools
 
 START = datetime(2026, 11, 30, 5, tzinfo=UTC)
@@ -418,3 +419,46 @@ def test_cli_simulates_and_reports(tmp_path):
         ],
     )
     assert late.exit_code != 0 and "is not on the hour" in late.output
+
+
+def test_a_hybrid_models_pool_is_served_and_each_step_lasts_its_kernel_price(tmp_path):
+    """A pool of Qwen3-Next (gated delta-net and attention layers) is simulated like any other:
+    with no step noise each recorded step lasts exactly the kernel's NoOverlap for its slots."""
+    pools = load_pools()
+    chat = pools.pools[0]
+    hybrid = chat.model_copy(
+        update={
+            "name": "hybrid-next",
+            "model": "qwen3-next-80b-a3b",
+            "gpu_type": "h200",
+            "gpus_per_replica": 2,
+            "replicas": [
+                chat.replicas[0].model_copy(
+                    update={"id": "hybrid-next-r0", "gpu_uuids": chat.replicas[0].gpu_uuids * 2}
+                )
+            ],
+            "workload": chat.workload.model_copy(update={"step_noise": 0.0}),
+        }
+    )
+    fleet = PoolsFile.model_validate(
+        {"settings": pools.settings.model_dump(), "pools": [hybrid.model_dump()]}
+    )
+    summary = simulate(tmp_path / "run", fleet, hours=0.005, seed=3, start=START)
+    assert summary.steps > 100
+    log = decode(tmp_path / "run")
+    steps = pl.from_arrow(log.steps).sort("seq")
+    slots = pl.from_arrow(log.slots).join(
+        steps.select("seq", pl.int_range(pl.len()).alias("i")), on="seq"
+    )
+    prices = Kernel.build(hybrid.deployment()).price_many(
+        slots["i"].to_numpy(),
+        slots["new_tokens"].to_numpy(),
+        slots["context_tokens"].to_numpy(),
+        slots["prompt_tokens"].to_numpy(),
+        steps.height,
+    )
+    np.testing.assert_array_equal(
+        (steps["end_utc_ns"] - steps["start_utc_ns"]).to_numpy(),
+        np.rint(prices.nooverlap_us * 1000.0).astype(np.int64),
+    )
+    assert (slots["new_tokens"] > 1).any() and (slots["new_tokens"] == 1).any()
