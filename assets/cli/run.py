@@ -18,6 +18,7 @@ from assets.partitions import partition_key
 from assets.resources import warehouse_path
 from assets.runner import QUIET_RUN_CONFIG, pool_hour_outcome
 from pipeline import alerts
+from pipeline.cli.options import data_dir_option, file_option
 from pipeline.datadir import hours_in_data, pools_file
 from pipeline.hours import hour_key, parse_hour_key
 from pipeline.reconcile import failed_checks
@@ -112,12 +113,9 @@ def run_with_progress(
 
 
 @click.command("run")
-@click.option(
-    "--data",
-    "data_dir",
-    required=True,
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
+@data_dir_option(
     help="directory with outbox/, gateway/, dcgm/ and pools.yaml (as `stepledger simulate` writes)",
+    existing=True,
 )
 @click.option(
     "--hour",
@@ -126,12 +124,7 @@ def run_with_progress(
     metavar="YYYY-MM-DDTHH",
     help="an hour to (re)run; repeatable (default: every hour with a gateway file)",
 )
-@click.option(
-    "--warehouse",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="the pipeline's state file (default: DATA/pipeline.duckdb)",
-)
+@file_option("--warehouse", help="the pipeline's state file (default: DATA/pipeline.duckdb)")
 @click.option(
     "--json", "as_json", is_flag=True, help="print one JSON object per pool-hour run, as an array"
 )
