@@ -21,7 +21,7 @@ from pipeline import finance
 from pipeline.attribution import SlotBatch
 from pipeline.attribution.allocator import blend_and_allocate, largest_remainder, split_compute_kv
 from pipeline.attribution.clock import step_costs_in_hour
-from pipeline.attribution.hour import _hour_steps
+from pipeline.attribution.hour import steps_in_hour
 from pipeline.attribution.kv import alpha_for_period, first_writer_blocks, holder_blocks
 from pipeline.datadir import CALIBRATION_FILE, pools_file
 from pipeline.hours import from_warehouse, hour_key, hour_start_ns
@@ -157,7 +157,7 @@ def _explain_hour(
     except ValueError as err:  # the fitted weights' calibration is gone
         raise ExplainError(f"{hour_key(hour)} {pool.name}: {err}") from err
     data = load_hour(lake, pool.name, hour, inputs.batches)
-    hour_steps, _ = _hour_steps(hour_start_ns(hour), pool, data.steps)
+    hour_steps, _ = steps_in_hour(hour_start_ns(hour), pool, data.steps)
     price = pool.gpus_per_replica * pool.nano_per_gpu_hour
     cost, busy = step_costs_in_hour(
         hour_steps["start_utc_ns"].to_numpy(),

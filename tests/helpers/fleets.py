@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from assets.runner import QUIET_RUN_CONFIG as QUIET
 from schemas.config import PoolsFile, load_pools
+from schemas.records import SLOT_COLUMNS
 from tests.helpers.hours import SIMULATED_HOUR
 
 if TYPE_CHECKING:
@@ -134,18 +135,7 @@ def rerecord(
                     step["start_ns"],
                     step["end_ns"],
                     [rename(r) for r in slots["request_id"][s]],
-                    *(
-                        slots[name][s]
-                        for name in (
-                            "new_tokens",
-                            "context_tokens",
-                            "kv_blocks",
-                            "prompt_tokens",
-                            "prefix_hit_tokens",
-                            "spec_drafted",
-                            "spec_accepted",
-                        )
-                    ),
+                    *(slots[name][s] for name in SLOT_COLUMNS),
                     holder_ids=[rename(r) for r in holders["request_id"][h]],
                     holder_blocks=holders["kv_blocks"][h],
                     holder_states=holders["state"][h],
