@@ -275,13 +275,7 @@ def _attribute_rows(
         holder_columns = gather(holders, ["kv_blocks", "state"], holder_rows)
         slot_step = slot_layout.step[slot_rows] - first
         slot_request = slot_layout.request[slot_rows]
-        batch = SlotBatch(
-            step_index=slot_step,
-            n_steps=end - first,
-            new_tokens=slot_columns["new_tokens"].astype(np.int64),
-            context_tokens=slot_columns["context_tokens"].astype(np.int64),
-            prompt_tokens=slot_columns["prompt_tokens"].astype(np.int64),
-        )
+        batch = SlotBatch.of_slots(slot_step, end - first, slot_columns)
         n_slots = slot_step.shape[0]
         compute_work = np.concatenate(
             [

@@ -86,7 +86,7 @@ B_RELEASED = 7  # step at which each feature's prefix lost its last holder
 
 
 @njit(cache=True)
-def _free_request(r: int, blocks: tuple, scalars: np.ndarray, step: int) -> None:
+def _free_request(r: int, blocks: tuple[np.ndarray, ...], scalars: np.ndarray, step: int) -> None:
     """Release every block request `r` holds; returns nothing, updates the block counters."""
     prefix_blocks = blocks[B_PREFIX]
     private_blocks = blocks[B_PRIVATE]
@@ -109,7 +109,7 @@ def _free_request(r: int, blocks: tuple, scalars: np.ndarray, step: int) -> None
 
 
 @njit(cache=True)
-def _held_blocks(r: int, blocks: tuple) -> float:
+def _held_blocks(r: int, blocks: tuple[np.ndarray, ...]) -> float:
     held = float(blocks[B_PRIVATE][r])
     if blocks[B_SHARES][r]:
         f = blocks[B_FEATURE][r]
@@ -119,7 +119,12 @@ def _held_blocks(r: int, blocks: tuple) -> float:
 
 @njit(cache=True)
 def _take_blocks(
-    r: int, needed: int, needed_private: int, blocks: tuple, scalars: np.ndarray, total_blocks: int
+    r: int,
+    needed: int,
+    needed_private: int,
+    blocks: tuple[np.ndarray, ...],
+    scalars: np.ndarray,
+    total_blocks: int,
 ) -> None:
     """Give request `r` `needed` more blocks (`needed_private` of its own in all), first evicting
     unreferenced cached prefixes (least recently released first) until they are truly free."""
