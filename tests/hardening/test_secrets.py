@@ -22,10 +22,11 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
+from assets.definitions import build_definitions
 from pipeline.alerts import AlertConfigError
 from pipeline.cli import main
 from pipeline.warehouse import STATE_FILE, connect, connect_read_only
-from tests.helpers.fleets import bill, simulate_small, small_pools
+from tests.helpers.fleets import bill, page_on_call, simulate_small, small_pools
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -83,7 +84,7 @@ def billed_run(tmp_path_factory):
             with instance:
                 (result,) = bill(data, pools, instance, run_config=DEBUG_RUN)
                 assert not result.success
-                page_on_call(data, pools, instance, result)
+                page_on_call(build_definitions(pools, data), instance, result)
             runner = CliRunner()
             costs = runner.invoke(
                 main, ["costs", "--data", str(data), "--json"], catch_exceptions=False
@@ -97,21 +98,6 @@ def billed_run(tmp_path_factory):
             handler.close()
             server.shutdown()
     return pools, root, data, url
-
-
-def page_on_call(data: Path, pools, instance: dg.DagsterInstance, result) -> None:
-    """Evaluate the run-failure sensor for a failed run, as the daemon would."""
-    from assets.definitions import build_definitions
-
-    defs = build_definitions(pools, data)
-    context = dg.build_run_status_sensor_context(
-        sensor_name="page_on_call",
-        dagster_instance=instance,
-        dagster_run=result.dagster_run,
-        dagster_event=result.get_run_failure_event(),
-        resources=defs.resources,
-    ).for_run_failure()
-    defs.resolve_sensor_def("page_on_call")(context)
 
 
 def every_file(root: Path) -> list[Path]:

@@ -79,6 +79,22 @@ def bill(
     ]
 
 
+def page_on_call(
+    defs: dg.Definitions, instance: dg.DagsterInstance, result: dg.ExecuteInProcessResult
+) -> None:
+    """Evaluate the run-failure sensor for a failed run, as the daemon would."""
+    import dagster as dg
+
+    context = dg.build_run_status_sensor_context(
+        sensor_name="page_on_call",
+        dagster_instance=instance,
+        dagster_run=result.dagster_run,
+        dagster_event=result.get_run_failure_event(),
+        resources=defs.resources,
+    ).for_run_failure()
+    defs.resolve_sensor_def("page_on_call")(context)
+
+
 def costs(data: Path) -> dict:
     """What finance sees: published money by tenant, feature and line kind; the held-back hours."""
     from pipeline.warehouse import STATE_FILE, connect_read_only
