@@ -464,27 +464,15 @@ def hour_alerts(
 def _overdue(
     check_name: str,
     finding: str,
-    hour: datetime,
-    pool: str,
-    replica: str | None,
+    where: tuple[datetime, str, str | None],
     expected: str,
     observed: str,
     detail: str,
 ) -> CheckResult:
-    """The failed result of a deadline the dead-man checks watch: an ERROR for on-call that
-    never blocks the hour's publication."""
+    """The failed result of a deadline the dead-man checks watch, at `where` (hour, pool,
+    replica): an ERROR for on-call that never blocks the hour's publication."""
     return CheckResult(
-        hour=hour,
-        pool=pool,
-        replica=replica,
-        check_name=check_name,
-        passed=False,
-        expected=expected,
-        observed=observed,
-        detail=detail,
-        severity="ERROR",
-        blocking=False,
-        finding=finding,
+        *where, check_name, False, expected, observed, detail, "ERROR", False, finding
     )
 
 
@@ -506,9 +494,7 @@ def undelivered(
             _overdue(
                 "alert_delivery",
                 "undelivered",
-                alert.hour,
-                alert.pool,
-                alert.replica,
+                (alert.hour, alert.pool, alert.replica),
                 f"every alert delivered within {settings.deadman_minutes} min",
                 f"{attempts} failed attempt(s) since {enqueued_at.isoformat()} UTC",
                 f"the {alert.kind} alert for {alert.pool} hour {hour_key(alert.hour)} "
@@ -549,9 +535,7 @@ def deadman(
             _overdue(
                 "deadman",
                 "not_reconciled",
-                oldest,
-                pool,
-                None,
+                (oldest, pool, None),
                 f"every hour reconciled within {settings.deadman_minutes} min of its end",
                 f"last reconciled hour {hour_key(last_utc)}",
                 f"pool {pool}: {overdue} hour(s) not reconciled within {settings.deadman_minutes} min "
