@@ -189,7 +189,7 @@ def test_a_failed_delivery_names_neither_url_nor_key(billed_run, tmp_path, monke
     with dg.DagsterInstance.ephemeral() as instance, caplog.at_level(logging.WARNING):
         (result,) = bill(copy, pools, instance)
         gc.collect()
-        page_on_call(copy, pools, instance, result)
+        page_on_call(build_definitions(pools, copy), instance, result)
     with connect(copy / STATE_FILE) as con:
         errors = [
             error
@@ -277,7 +277,7 @@ def test_a_webhook_url_that_does_not_parse_appears_in_no_message(billed_run, tmp
                 patch.setenv("STEPLEDGER_ALERT_WEBHOOK_URL", url)
                 patch.setenv("STEPLEDGER_ALERT_FORMAT", "slack")
                 with pytest.raises(AlertConfigError, match="^the webhook URL ") as raised:
-                    page_on_call(copy, pools, instance, result)
+                    page_on_call(build_definitions(pools, copy), instance, result)
             told = "".join(traceback.format_exception(raised.value))
             assert WEBHOOK_PATH not in told and WEBHOOK_PATH[1:] not in told, url
 
