@@ -74,7 +74,7 @@ def _seed(seed: int) -> None:
 
 
 # Indices into the `blocks` tuple: the per-request and per-feature KV block state that the
-# block helpers below read and update (one tuple, as `scalars` is one vector).
+# helpers freeing and taking blocks read and update (one tuple, as `scalars` is one vector).
 B_FEATURE = 0  # each request's feature
 B_PREFIX = 1  # each feature's shared prefix, in blocks
 B_PRIVATE = 2  # blocks each request holds on its own
@@ -108,12 +108,21 @@ def _free_request(r: int, blocks: tuple[np.ndarray, ...], scalars: np.ndarray, s
                 blocks[B_RELEASED][f] = step
 
 
+# Called for every slot and holder, so it takes its arrays: reading them out of the `blocks`
+# tuple made the whole step loop 1.7 times slower.
 @njit(cache=True)
-def _held_blocks(r: int, blocks: tuple[np.ndarray, ...]) -> float:
-    held = float(blocks[B_PRIVATE][r])
-    if blocks[B_SHARES][r]:
-        f = blocks[B_FEATURE][r]
-        held += blocks[B_PREFIX][f] / blocks[B_REF][f]
+def _held_blocks(
+    r: int,
+    feature: np.ndarray,
+    prefix_blocks: np.ndarray,
+    private_blocks: np.ndarray,
+    shares_prefix: np.ndarray,
+    feature_ref: np.ndarray,
+) -> float:
+    held = float(private_blocks[r])
+    if shares_prefix[r]:
+        f = feature[r]
+        held += prefix_blocks[f] / feature_ref[f]
     return held
 
 
@@ -330,12 +339,16 @@ def _run_steps(
 
         # Blocks held while the step runs: a shared prefix counts 1/k to each of its k holders.
         for s in range(first_slot, n_slots_total):
-            slot_kv[s] = _held_blocks(slot_request[s], blocks)
+            slot_kv[s] = _held_blocks(
+                slot_request[s], feature, prefix_blocks, private_blocks, shares_prefix, feature_ref
+            )
         first_holder = n_holders_total
         for j in range(first_unscheduled_running, last_unscheduled_running):
             r = running[j]
             holder_request[n_holders_total] = r
-            holder_kv[n_holders_total] = _held_blocks(r, blocks)
+            holder_kv[n_holders_total] = _held_blocks(
+                r, feature, prefix_blocks, private_blocks, shares_prefix, feature_ref
+            )
             n_holders_total += 1
 
         # Predicted duration, so the caller can end the chunk when the next request arrives.
