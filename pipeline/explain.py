@@ -27,7 +27,7 @@ from pipeline.datadir import pools_file
 from pipeline.hours import from_warehouse, hour_key, hour_start_ns
 from pipeline.lake import load_hour, load_ledger
 from pipeline.ledger import RESOURCES
-from pipeline.weights import saved_inputs
+from pipeline.weights import SavedInputsMissing, saved_inputs
 from schemas.config import Pool, load_pools
 
 _STEP_KEY = ["replica", "seq"]
@@ -150,7 +150,7 @@ def _explain_hour(
     lake = data_dir / "lake"
     try:
         inputs, weights = saved_inputs(data_dir, pool, hour)
-    except ValueError as err:
+    except SavedInputsMissing as err:
         raise ExplainError(str(err)) from err
     data = load_hour(lake, pool.name, hour, inputs.batches)
     hour_steps, _ = steps_in_hour(hour_start_ns(hour), pool, data.steps)

@@ -43,17 +43,22 @@ def weight_source(
     return FittedWeights(store.require(pool.model, pool.gpu_type, *engine))
 
 
+class SavedInputsMissing(LookupError):
+    """A pool-hour's saved attribution inputs, or the calibration its weights need, are gone;
+    the message names which."""
+
+
 def saved_inputs(
     data_dir: Path, pool: Pool, hour: datetime
 ) -> tuple[AttributionInputs, WeightSource]:
     """What the pool-hour is attributed again from: the inputs its attribution saved to the
-    data directory's lake, and the pool's weights for them. A ValueError names what is missing."""
+    data directory's lake, and the pool's weights for them."""
     try:
         inputs = load_inputs(data_dir / "lake", pool.name, hour)
     except FileNotFoundError as err:
-        raise ValueError(str(err)) from err
+        raise SavedInputsMissing(str(err)) from err
     try:
         weights = weight_source(pool, inputs.engine, data_dir / CALIBRATION_FILE)
     except ValueError as err:  # the fitted weights' calibration is gone
-        raise ValueError(f"{hour_key(hour)} {pool.name}: {err}") from err
+        raise SavedInputsMissing(f"{hour_key(hour)} {pool.name}: {err}") from err
     return inputs, weights

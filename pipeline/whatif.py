@@ -16,7 +16,7 @@ from pipeline import finance
 from pipeline.attribute import attribute_pool_hour
 from pipeline.datadir import pools_file
 from pipeline.hours import from_warehouse, hour_key, to_warehouse
-from pipeline.weights import saved_inputs
+from pipeline.weights import SavedInputsMissing, saved_inputs
 from schemas.config import Policies, Pool, load_pools
 
 # The policies --set may change (names as in the pools file).
@@ -101,7 +101,7 @@ def what_if(data_dir: Path, start: datetime, end: datetime, settings: dict[str, 
             pool = with_policies(pools[pool_name], settings)
             try:
                 inputs, weights = saved_inputs(data_dir, pool, hour)
-            except ValueError as err:
+            except SavedInputsMissing as err:
                 raise WhatIfError(str(err)) from err
             ledger = attribute_pool_hour(lake, pool, inputs, weights)
             before = con.execute(_LINES, [stored, pool_name]).pl()
