@@ -10,7 +10,7 @@ import numpy as np
 import polars as pl
 import pytest
 import yaml
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 
 from pipeline.cli import main
 from pipeline.dcgm import parse_dcgm
@@ -343,45 +343,19 @@ def test_busy_between_counts_partial_intervals():
 def test_cli_simulates_and_reports(tmp_path):
     pools_path = tmp_path / "pools.yaml"
     pools_path.write_text(yaml.safe_dump(small_two_pool_fleet().model_dump(mode="json")))
-    result = CliRunner().invoke(
-        main,
-        [
-            "simulate",
-            "--out",
-            str(tmp_path / "run"),
-            "--hours",
-            "0.005",
-            "--seed",
-            "2",
-            "--pools",
-            str(pools_path),
-            "--start",
-            "2026-12-01T03:00Z",
-            "--fault",
-            "new-engine-version",
-        ],
-    )
+
+    def simulate(out: str, *options: str) -> Result:
+        return CliRunner().invoke(main, ["simulate", "--out", str(tmp_path / out), *options])
+
+    # A few seconds of the small fleet from 03:00.
+    pools = str(pools_path)
+    small = ["--hours", "0.005", "--seed", "2", "--pools", pools, "--start", "2026-12-01T03:00Z"]
+    result = simulate("run", *small, "--fault", "new-engine-version")
     assert result.exit_code == 0, result.output
     assert "chat-8b-r0" in result.output and "reason-dsv3-r0" in result.output
     assert "fault new-engine-version: chat-8b-r0: reports engine version 0.12.0rc2" in result.output
     assert (tmp_path / "run" / "gateway" / "2026-12-01T03.jsonl").exists()
-    as_json = CliRunner().invoke(
-        main,
-        [
-            "simulate",
-            "--out",
-            str(tmp_path / "run2"),
-            "--hours",
-            "0.005",
-            "--seed",
-            "2",
-            "--pools",
-            str(pools_path),
-            "--start",
-            "2026-12-01T03:00Z",
-            "--json",
-        ],
-    )
+    as_json = simulate("run2", *small, "--json")
     assert as_json.exit_code == 0, as_json.output
     summary = json.loads(as_json.stdout)
     assert (summary["seed"], summary["start"]) == (2, "2026-12-01 03:00:00+00:00")
@@ -389,35 +363,9 @@ def test_cli_simulates_and_reports(tmp_path):
         r.id for p in small_two_pool_fleet().pools for r in p.replicas
     ]
     assert summary["steps"] == sum(r["steps"] for r in summary["replicas"])
-    bad = CliRunner().invoke(
-        main,
-        [
-            "simulate",
-            "--out",
-            str(tmp_path / "x"),
-            "--hours",
-            "1",
-            "--seed",
-            "1",
-            "--fault",
-            "host-stall=-1",
-        ],
-    )
+    bad = simulate("x", "--hours", "1", "--seed", "1", "--fault", "host-stall=-1")
     assert bad.exit_code != 0 and "fault 'host-stall': fraction -1.0 must be positive" in bad.output
-    late = CliRunner().invoke(
-        main,
-        [
-            "simulate",
-            "--out",
-            str(tmp_path / "y"),
-            "--hours",
-            "1",
-            "--seed",
-            "1",
-            "--start",
-            "2026-12-01T03:30Z",
-        ],
-    )
+    late = simulate("y", "--hours", "1", "--seed", "1", "--start", "2026-12-01T03:30Z")
     assert late.exit_code != 0 and "is not on the hour" in late.output
 
 
