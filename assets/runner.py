@@ -16,6 +16,7 @@ import argparse
 import json
 import warnings
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -64,23 +65,33 @@ def pool_hour_outcome(result: dg.ExecuteInProcessResult) -> dict[str, Any]:
     }
 
 
-def materialize(
-    data_dir: Path, hour_keys: list[str], warehouse: Path | None
-) -> Iterator[dict[str, Any]]:
+def execute_pool_hours(
+    data_dir: Path, hours: list[datetime], warehouse: Path | None, instance: dg.DagsterInstance
+) -> Iterator[tuple[datetime, str, dg.ExecuteInProcessResult]]:
+    """Run the pool-hour job of every pool for each of `hours` in turn, in-process on
+    `instance` and quietly; yields each run's hour, pool and result."""
     warnings.filterwarnings("ignore", module="dagster")
     pools = load_pools(pools_file(data_dir))
     defs = build_definitions(pools, data_dir.resolve(), warehouse.resolve() if warehouse else None)
     job = defs.resolve_job_def("pool_hour_job")
+    for hour in hours:
+        for pool in pools.pools:
+            result = job.execute_in_process(
+                partition_key=partition_key(hour, pool.name),
+                instance=instance,
+                run_config=QUIET_RUN_CONFIG,
+                raise_on_error=False,
+            )
+            yield hour, pool.name, result
+
+
+def materialize(
+    data_dir: Path, hour_keys: list[str], warehouse: Path | None
+) -> Iterator[dict[str, Any]]:
+    hours = sorted({parse_hour_key(k) for k in hour_keys})
     with dg.DagsterInstance.get() as instance:
-        for hour in sorted({parse_hour_key(k) for k in hour_keys}):
-            for pool in pools.pools:
-                result = job.execute_in_process(
-                    partition_key=partition_key(hour, pool.name),
-                    instance=instance,
-                    run_config=QUIET_RUN_CONFIG,
-                    raise_on_error=False,
-                )
-                yield {"hour": hour_key(hour), "pool": pool.name, **pool_hour_outcome(result)}
+        for hour, pool, result in execute_pool_hours(data_dir, hours, warehouse, instance):
+            yield {"hour": hour_key(hour), "pool": pool, **pool_hour_outcome(result)}
 
 
 def main(argv: list[str] | None = None) -> None:

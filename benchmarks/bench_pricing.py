@@ -17,21 +17,15 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.figure import Figure
-from pricing import Deployment, Kernel
+from pricing import Kernel
 from pricing.shape import load_sweeps, shape_error
+from tests.pricing.shared_reference import GOLDEN
 
 MEASURED_TPOT = Path("reference/pricing/measured/inferencex_tpot_subset.csv")
 SHAPE_MAE_TARGET_PCT = 8.0
 
-DEPLOYMENT = Deployment(
-    model="deepseek-v3",
-    chip="h200",
-    dtype="fp8",
-    cache_dtype="fp8",
-    tp=8,
-    cudagraph_mode="PIECEWISE",
-    max_num_seqs=256,
-)
+# The golden figure's setup, priced by the default kernel at vLLM's decode threshold.
+DEPLOYMENT = GOLDEN.model_copy(update={"compat": "physics", "decode_threshold": 1})
 
 
 def _batch(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

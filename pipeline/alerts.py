@@ -461,6 +461,21 @@ def hour_alerts(
     ]
 
 
+def _overdue(
+    check_name: str,
+    finding: str,
+    where: tuple[datetime, str, str | None],
+    expected: str,
+    observed: str,
+    detail: str,
+) -> CheckResult:
+    """The failed result of a deadline the dead-man checks watch, at `where` (hour, pool,
+    replica): an ERROR for on-call that never blocks the hour's publication."""
+    return CheckResult(
+        *where, check_name, False, expected, observed, detail, "ERROR", False, finding
+    )
+
+
 def undelivered(
     con: duckdb.DuckDBPyConnection, now: datetime, settings: Settings
 ) -> list[CheckResult]:
@@ -476,19 +491,14 @@ def undelivered(
     for text, attempts, last_error, enqueued_at in rows:
         alert = _alert_from_json(text)
         results.append(
-            CheckResult(
-                hour=alert.hour,
-                pool=alert.pool,
-                replica=alert.replica,
-                check_name="alert_delivery",
-                passed=False,
-                expected=f"every alert delivered within {settings.deadman_minutes} min",
-                observed=f"{attempts} failed attempt(s) since {enqueued_at.isoformat()} UTC",
-                detail=f"the {alert.kind} alert for {alert.pool} hour {hour_key(alert.hour)} "
+            _overdue(
+                "alert_delivery",
+                "undelivered",
+                (alert.hour, alert.pool, alert.replica),
+                f"every alert delivered within {settings.deadman_minutes} min",
+                f"{attempts} failed attempt(s) since {enqueued_at.isoformat()} UTC",
+                f"the {alert.kind} alert for {alert.pool} hour {hour_key(alert.hour)} "
                 f"({alert.dedup_key}) is still undelivered: {last_error}",
-                severity="ERROR",
-                blocking=False,
-                finding="undelivered",
             )
         )
     return results
@@ -522,19 +532,14 @@ def deadman(
         overdue = (newest_due - oldest) // hour + 1
         span = hour_key(oldest) if overdue == 1 else f"{hour_key(oldest)} to {hour_key(newest_due)}"
         results.append(
-            CheckResult(
-                hour=oldest,
-                pool=pool,
-                replica=None,
-                check_name="deadman",
-                passed=False,
-                expected=f"every hour reconciled within {settings.deadman_minutes} min of its end",
-                observed=f"last reconciled hour {hour_key(last_utc)}",
-                detail=f"pool {pool}: {overdue} hour(s) not reconciled within {settings.deadman_minutes} min "
+            _overdue(
+                "deadman",
+                "not_reconciled",
+                (oldest, pool, None),
+                f"every hour reconciled within {settings.deadman_minutes} min of its end",
+                f"last reconciled hour {hour_key(last_utc)}",
+                f"pool {pool}: {overdue} hour(s) not reconciled within {settings.deadman_minutes} min "
                 f"of their end ({span}): the scheduler, its daemon or the hourly run is not running",
-                severity="ERROR",
-                blocking=False,
-                finding="not_reconciled",
             )
         )
     return results

@@ -105,13 +105,7 @@ def resource_parts(pool: Pool, data: HourInput) -> tuple[pl.DataFrame, pl.DataFr
         "replica", "seq", pl.col("step").cast(pl.Int64)
     )
     slots = data.slots.join(steps, on=["replica", "seq"], how="inner").sort("step", "slot_index")
-    batch = SlotBatch(
-        step_index=slots["step"].to_numpy(),
-        n_steps=steps.height,
-        new_tokens=slots["new_tokens"].to_numpy().astype(np.int64),
-        context_tokens=slots["context_tokens"].to_numpy().astype(np.int64),
-        prompt_tokens=slots["prompt_tokens"].to_numpy().astype(np.int64),
-    )
+    batch = SlotBatch.of_slots(slots["step"].to_numpy(), steps.height, slots)
     fixed_us, slot_us = kernel_weights(pool).kernel.slot_work_many(
         batch.step_index, batch.new_tokens, batch.context_tokens, batch.prompt_tokens, batch.n_steps
     )

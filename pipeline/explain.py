@@ -21,13 +21,13 @@ from pipeline import finance
 from pipeline.attribution import SlotBatch
 from pipeline.attribution.allocator import blend_and_allocate, largest_remainder, split_compute_kv
 from pipeline.attribution.clock import step_costs_in_hour
-from pipeline.attribution.hour import _hour_steps
+from pipeline.attribution.hour import steps_in_hour
 from pipeline.attribution.kv import alpha_for_period, first_writer_blocks, holder_blocks
-from pipeline.datadir import CALIBRATION_FILE, pools_file
+from pipeline.datadir import pools_file
 from pipeline.hours import from_warehouse, hour_key, hour_start_ns
-from pipeline.lake import load_hour, load_inputs, load_ledger
+from pipeline.lake import load_hour, load_ledger
 from pipeline.ledger import RESOURCES
-from pipeline.weights import weight_source
+from pipeline.weights import SavedInputsMissing, saved_inputs
 from schemas.config import Pool, load_pools
 
 _STEP_KEY = ["replica", "seq"]
@@ -149,15 +149,11 @@ def _explain_hour(
     hour = from_warehouse(stored_hour)
     lake = data_dir / "lake"
     try:
-        inputs = load_inputs(lake, pool.name, hour)
-    except FileNotFoundError as err:
+        inputs, weights = saved_inputs(data_dir, pool, hour)
+    except SavedInputsMissing as err:
         raise ExplainError(str(err)) from err
-    try:
-        weights = weight_source(pool, inputs.engine, data_dir / CALIBRATION_FILE)
-    except ValueError as err:  # the fitted weights' calibration is gone
-        raise ExplainError(f"{hour_key(hour)} {pool.name}: {err}") from err
     data = load_hour(lake, pool.name, hour, inputs.batches)
-    hour_steps, _ = _hour_steps(hour_start_ns(hour), pool, data.steps)
+    hour_steps, _ = steps_in_hour(hour_start_ns(hour), pool, data.steps)
     price = pool.gpus_per_replica * pool.nano_per_gpu_hour
     cost, busy = step_costs_in_hour(
         hour_steps["start_utc_ns"].to_numpy(),
@@ -191,13 +187,7 @@ def _explain_hour(
     hits = slots.group_by("request_id").agg(pl.col("prefix_hit_tokens").max().alias("hits"))
     step_slots = slots.join(mine, on="step").join(hits, on="request_id").sort("step", "slot_index")
     step_holders = holders.join(mine, on="step").sort("step", "holder_index")
-    batch = SlotBatch(
-        step_index=step_slots["local"].to_numpy(),
-        n_steps=mine.height,
-        new_tokens=step_slots["new_tokens"].to_numpy().astype(np.int64),
-        context_tokens=step_slots["context_tokens"].to_numpy().astype(np.int64),
-        prompt_tokens=step_slots["prompt_tokens"].to_numpy().astype(np.int64),
-    )
+    batch = SlotBatch.of_slots(step_slots["local"].to_numpy(), mine.height, step_slots)
     slot_blocks = step_slots["kv_blocks"].to_numpy().astype(np.float64)
     if pool.policies.prefix_cache == "first_writer":
         slot_blocks = first_writer_blocks(

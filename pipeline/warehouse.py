@@ -297,18 +297,7 @@ def read_connection(
             else "run `stepledger demo` or `stepledger run` first"
         )
         raise WarehouseError(f"{directory / CATALOG_FILE}: no warehouse ({how})")
-    con = duckdb.connect()
-    try:
-        attach_warehouse(con, directory, read_only=True, as_of=as_of)
-        _check_version(con, directory)
-        # The warehouse is the default catalog, so a write of any kind is refused as
-        # read-only rather than landing in the connection's scratch memory.
-        con.execute(f"USE {LEDGER}")
-        _define_views(con)
-    except BaseException:
-        con.close()
-        raise
-    return con
+    return _warehouse_connection(directory, read_only=True, as_of=as_of)
 
 
 def ledger_writer(directory: str | Path) -> duckdb.DuckDBPyConnection:
@@ -318,9 +307,18 @@ def ledger_writer(directory: str | Path) -> duckdb.DuckDBPyConnection:
     directory = Path(directory)
     if not (directory / CATALOG_FILE).is_file():
         raise WarehouseError(f"{directory / CATALOG_FILE}: no warehouse")
+    return _warehouse_connection(directory, read_only=False)
+
+
+def _warehouse_connection(
+    directory: Path, *, read_only: bool, as_of: datetime | int | None = None
+) -> duckdb.DuckDBPyConnection:
+    """A connection whose default catalog is the warehouse in `directory`, with the finance
+    views. Being the default catalog, a write through a read-only connection is refused
+    rather than landing in the connection's scratch memory."""
     con = duckdb.connect()
     try:
-        attach_warehouse(con, directory, read_only=False)
+        attach_warehouse(con, directory, read_only=read_only, as_of=as_of)
         _check_version(con, directory)
         con.execute(f"USE {LEDGER}")
         _define_views(con)

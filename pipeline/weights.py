@@ -5,9 +5,13 @@ steps. The one place a pool's kernel is built."""
 from __future__ import annotations
 
 import functools
+from datetime import datetime
 from pathlib import Path
 
 from pipeline.attribution import CalibrationStore, FittedWeights, KernelWeights, WeightSource
+from pipeline.datadir import CALIBRATION_FILE
+from pipeline.hours import hour_key
+from pipeline.lake import AttributionInputs, load_inputs
 from schemas.config import Pool
 
 
@@ -37,3 +41,24 @@ def weight_source(
         )
     store = CalibrationStore.load(calibration_file)
     return FittedWeights(store.require(pool.model, pool.gpu_type, *engine))
+
+
+class SavedInputsMissing(LookupError):
+    """A pool-hour's saved attribution inputs, or the calibration its weights need, are gone;
+    the message names which."""
+
+
+def saved_inputs(
+    data_dir: Path, pool: Pool, hour: datetime
+) -> tuple[AttributionInputs, WeightSource]:
+    """What the pool-hour is attributed again from: the inputs its attribution saved to the
+    data directory's lake, and the pool's weights for them."""
+    try:
+        inputs = load_inputs(data_dir / "lake", pool.name, hour)
+    except FileNotFoundError as err:
+        raise SavedInputsMissing(str(err)) from err
+    try:
+        weights = weight_source(pool, inputs.engine, data_dir / CALIBRATION_FILE)
+    except ValueError as err:  # the fitted weights' calibration is gone
+        raise SavedInputsMissing(f"{hour_key(hour)} {pool.name}: {err}") from err
+    return inputs, weights

@@ -14,10 +14,9 @@ from pydantic import ValidationError
 
 from pipeline import finance
 from pipeline.attribute import attribute_pool_hour
-from pipeline.datadir import CALIBRATION_FILE, pools_file
+from pipeline.datadir import pools_file
 from pipeline.hours import from_warehouse, hour_key, to_warehouse
-from pipeline.lake import load_inputs
-from pipeline.weights import weight_source
+from pipeline.weights import SavedInputsMissing, saved_inputs
 from schemas.config import Policies, Pool, load_pools
 
 # The policies --set may change (names as in the pools file).
@@ -101,13 +100,9 @@ def what_if(data_dir: Path, start: datetime, end: datetime, settings: dict[str, 
                 )
             pool = with_policies(pools[pool_name], settings)
             try:
-                inputs = load_inputs(lake, pool.name, hour)
-            except FileNotFoundError as err:
+                inputs, weights = saved_inputs(data_dir, pool, hour)
+            except SavedInputsMissing as err:
                 raise WhatIfError(str(err)) from err
-            try:
-                weights = weight_source(pool, inputs.engine, data_dir / CALIBRATION_FILE)
-            except ValueError as err:  # no calibration for the fitted weights
-                raise WhatIfError(f"{hour_key(hour)} {pool_name}: {err}") from err
             ledger = attribute_pool_hour(lake, pool, inputs, weights)
             before = con.execute(_LINES, [stored, pool_name]).pl()
             after = ledger.ledger_lines.group_by("tenant", "feature").agg(

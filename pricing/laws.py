@@ -156,26 +156,80 @@ def prefill_attention_us(
     return _floats(floor_us) + prefill_attention_flops(pairs, q_heads, qk_dim, v_dim, tp) / rate
 
 
-def distinct_experts(
-    tokens: ArrayLike, experts: ArrayLike, top_k: ArrayLike, local_experts: ArrayLike
-) -> np.ndarray:
-    """Expected distinct experts of a rank's `local_experts` a step touches:
-    local * (1 - ((E - k) / E)^T), uniform routing, each token choosing k of E; median measured
-    routing imbalance is within 0.4% of 1 on Hopper (moe_perf)."""
+def expert_miss_probability(experts: ArrayLike, top_k: ArrayLike) -> np.ndarray:
+    """Chance one token's routing leaves a given expert out: (E - k) / E, each token choosing k
+    of E uniformly."""
     e, k = _floats(experts), _floats(top_k)
     if np.any(e < 1) or np.any(k < 0) or np.any(k > e):
         raise ValueError("distinct experts needs experts >= 1 and 0 <= top_k <= experts")
-    t = _floats(tokens)
-    return _floats(local_experts) * (1.0 - np.power((e - k) / e, t))
+    return (e - k) / e
+
+
+def distinct_experts(tokens: ArrayLike, miss: ArrayLike, local_experts: ArrayLike) -> np.ndarray:
+    """Expected distinct experts of a rank's `local_experts` a step touches:
+    local * (1 - miss^T), `miss` from `expert_miss_probability`; median measured routing
+    imbalance is within 0.4% of 1 on Hopper (moe_perf)."""
+    return _floats(local_experts) * (1.0 - np.power(_floats(miss), _floats(tokens)))
+
+
+def recurrent_state_bytes(
+    key_heads: int,
+    value_heads: int,
+    key_dim: int,
+    value_dim: int,
+    conv_kernel: int,
+    element_bytes: float,
+) -> float:
+    """One request's recurrent state in one layer: a key_dim x value_dim matrix per value head,
+    plus the causal convolution's last conv_kernel - 1 inputs over its channels (the keys,
+    queries and values: 2 * key_heads * key_dim + value_heads * value_dim). Fixed whatever the
+    context: vLLM allocates it per request, apart from the paged KV cache."""
+    channels = 2 * key_heads * key_dim + value_heads * value_dim
+    return float((value_heads * key_dim * value_dim + channels * (conv_kernel - 1)) * element_bytes)
+
+
+def chunked_scan_flops(
+    key_heads: int, value_heads: int, key_dim: int, value_dim: int, chunk: int, conv_kernel: int
+) -> float:
+    """Prefill FLOPs per token of a chunked linear-attention scan (Mamba2's SSD, the chunked
+    gated delta rule), 2 per multiply-add: within a chunk the causal scores Q K^T (chunk x
+    key_dim per key head) and their product with the values (chunk x value_dim per value head);
+    across chunks the state written from and read into each token (key_dim x value_dim per value
+    head, twice); and the convolution (conv_kernel taps per channel). Linear in tokens: the
+    chunk length, not the context, bounds the quadratic part."""
+    channels = 2 * key_heads * key_dim + value_heads * value_dim
+    return 2.0 * (
+        key_heads * chunk * key_dim
+        + value_heads * chunk * value_dim
+        + 2 * value_heads * key_dim * value_dim
+        + conv_kernel * channels
+    )
+
+
+def scan_us(
+    tokens: ArrayLike,
+    flops_per_token: ArrayLike,
+    peak_flops_per_us: float,
+    eps_max: float,
+    work_scale: float,
+) -> np.ndarray:
+    """A chunked scan's time: its FLOPs at the fraction eps_max * work_scale of the peak that
+    the fused attention kernels reach (prefill attention's measured work_scale); its tiles are
+    whole chunks, so no ramp in the step's tokens."""
+    rate = peak_flops_per_us * eps_max * work_scale
+    if rate <= 0:
+        raise ValueError(
+            f"a scan needs a positive rate, got {peak_flops_per_us} x {eps_max} x {work_scale}"
+        )
+    return _floats(tokens) * _floats(flops_per_token) / rate
 
 
 def collective_us(
     message_bytes: ArrayLike, t0_us: ArrayLike, r_t: ArrayLike, r_peak: ArrayLike
 ) -> np.ndarray:
     """max(t0 + b / r_t, b / r_peak): nccl_perf and custom_allreduce_perf sweeps show a fixed
-    launch cost and a slower rate over step-sized messages, and the peak rate on large ones."""
-    if np.any(np.asarray(r_t) <= 0) or np.any(np.asarray(r_peak) <= 0):
-        raise ValueError("a collective needs positive rates")
+    launch cost and a slower rate over step-sized messages, and the peak rate on large ones.
+    The rates are positive by the chip file's schema (CollectiveTriple), checked once on load."""
     b, t0, rt, rp = _floats(message_bytes), _floats(t0_us), _floats(r_t), _floats(r_peak)
     return np.maximum(t0 + b / rt, b / rp)
 
@@ -249,27 +303,20 @@ def host_us(
 
 @dataclass(frozen=True)
 class ComposedStep:
-    totals: np.ndarray  # (steps, 5) in the kernel's RESOURCES order
+    totals: np.ndarray  # (5, steps) in the kernel's RESOURCES order
     overlap: np.ndarray
     nooverlap: np.ndarray
-    stage: np.ndarray  # (steps, kinds) one layer's time with its resources overlapped
+    stage: np.ndarray  # (kinds, steps) one layer's time with its resources overlapped
     bottleneck: np.ndarray
 
 
 def compose_step(
-    sm_dense: np.ndarray,
-    prefill_attention: np.ndarray,
-    hbm_dense: np.ndarray,
-    nvlink: np.ndarray,
-    nic: np.ndarray,
-    expert_sm: np.ndarray,
-    expert_hbm: np.ndarray,
-    repeat: np.ndarray,
-    head_sm: np.ndarray,
-    head_hbm: np.ndarray,
-    host: np.ndarray,
+    layer: np.ndarray, expert: np.ndarray, repeat: np.ndarray, head: np.ndarray, host: np.ndarray
 ) -> ComposedStep:
-    """Compose steps from per-layer-kind times, arrays (steps, kinds); head and host (steps,).
+    """Compose steps from one layer's times per kind: `layer` (4, kinds, steps) on SM, HBM,
+    NVLink and NIC without the routed experts, `expert` (2, kinds, steps) the experts' SM and
+    HBM; `head` (2, steps) the head's SM and HBM, `host` (steps,). Steps are the last axis so
+    every per-resource operation runs over contiguous memory.
 
     Within a layer the resources overlap (the busiest one sets its time) except the routed
     experts, whose arithmetic and reads are added: against NVIDIA's expert-GEMM measurements
@@ -279,28 +326,18 @@ def compose_step(
     totals. Overlap is clamped to NoOverlap; the bottleneck is the largest total (first in
     RESOURCES order on a tie).
     """
-    sm_layer = sm_dense + prefill_attention
-    stage = (
-        np.maximum(np.maximum(sm_layer, hbm_dense), np.maximum(nvlink, nic))
-        + expert_sm
-        + expert_hbm
-    )
-    totals = np.stack(
-        [
-            (sm_layer + expert_sm) @ repeat + head_sm,
-            (hbm_dense + expert_hbm) @ repeat + head_hbm,
-            nvlink @ repeat,
-            nic @ repeat,
-            host,
-        ],
-        axis=1,
-    )
-    nooverlap = totals.sum(axis=1)
-    overlap = np.minimum(stage @ repeat + np.maximum(head_sm, head_hbm) + host, nooverlap)
+    busiest = np.maximum(np.maximum(layer[0], layer[1]), np.maximum(layer[2], layer[3]))
+    stage = busiest + expert[0] + expert[1]
+    totals = np.empty((5, len(host)))
+    totals[:4] = repeat @ layer
+    totals[:2] += repeat @ expert + head
+    totals[4] = host
+    nooverlap = totals.sum(axis=0)
+    overlap = np.minimum(repeat @ stage + np.maximum(head[0], head[1]) + host, nooverlap)
     return ComposedStep(
         totals=totals,
         overlap=overlap,
         nooverlap=nooverlap,
         stage=stage,
-        bottleneck=np.argmax(totals, axis=1),
+        bottleneck=np.argmax(totals, axis=0),
     )

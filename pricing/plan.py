@@ -28,6 +28,7 @@ from pricing.spec import (
     ModelSpec,
     PricingError,
     Ramp,
+    RecurrentNode,
     kv_bytes_per_token_layer,
 )
 
@@ -37,6 +38,7 @@ KERNELS_PER_NODE = {
     "gemm": 1,
     "grouped_gemm": 4,
     "attention": 2,
+    "recurrent": 2,
     "elementwise": 1,
     "all_reduce": 1,
     "all_gather": 1,
@@ -117,6 +119,19 @@ class PlannedAttention:
 
 
 @dataclass(frozen=True)
+class PlannedRecurrent:
+    """A recurrent mixer on one rank. Each row of a step reads its request's state and writes it
+    back once; a prefill row also runs the chunked scan over its tokens."""
+
+    state_bytes: float  # one request, this layer, one rank
+    scan_flops_per_token: float  # one rank
+    decode_floor_us: float
+    prefill_floor_us: float
+    scan: Compute
+    scan_work_scale: float
+
+
+@dataclass(frozen=True)
 class PlannedExperts:
     flops_per_token: float  # routed, all top_k experts of one token, on the busiest rank
     bytes_per_expert: float  # what the busiest rank reads of one touched expert
@@ -145,6 +160,7 @@ class PlannedLayer:
     weight_bytes: float  # per rank, read once per step
     activation_bytes_per_token: float  # per rank
     attention: PlannedAttention | None
+    recurrent: PlannedRecurrent | None
     experts: PlannedExperts | None
     collectives: tuple[PlannedCollective, ...]
     kernels: int
@@ -272,15 +288,22 @@ class _Planner:
         layers = tuple(self._layer(kind) for kind in model.layer_kinds)
         head_bytes_per_element = WEIGHT_BYTES[model.head.weight_dtype or self.served]
         host = chip.host
-        # vLLM splits a piecewise graph at each layer's attention and at a sparse layer's indexer
-        indexers = sum(
-            layer.repeat for layer in layers if layer.attention and layer.attention.indexer
+        # vLLM splits a piecewise graph at each attention or recurrent mixer (both are in its
+        # splitting ops) and at a sparse layer's indexer
+        splits = sum(
+            layer.repeat
+            * (
+                (layer.attention is not None)
+                + (layer.recurrent is not None)
+                + (layer.attention is not None and layer.attention.indexer is not None)
+            )
+            for layer in layers
         )
         graph_us = {
             mode: laws.graph_host_us(
                 mode,
                 model.layers,
-                model.layers + indexers,
+                splits,
                 host.replay_graph_us,
                 host.eager_launch_per_layer_us,
             )
@@ -320,6 +343,7 @@ class _Planner:
         tp, served, hidden = self.deployment.tp, self.served, self.model.hidden_size
         dense_flops = weight_bytes = activation_bytes = 0.0
         attention: PlannedAttention | None = None
+        recurrent: PlannedRecurrent | None = None
         experts: PlannedExperts | None = None
         collectives: list[PlannedCollective] = []
         kernels = 0
@@ -342,6 +366,8 @@ class _Planner:
                     kernels += KERNELS_PER_NODE["all_gather"] + KERNELS_PER_NODE["reduce_scatter"]
                 if attention.indexer is not None:
                     kernels += KERNELS_PER_NODE["attention"]  # the indexer is an attention op
+            elif isinstance(node, RecurrentNode):
+                recurrent = self._recurrent(node)
             elif isinstance(node, ElementwiseNode):
                 # unstated: a read and a write of the hidden state
                 activation_bytes += (node.bytes_per_token or 2 * hidden * ACTIVATION_BYTES) / tp
@@ -357,6 +383,7 @@ class _Planner:
             weight_bytes=weight_bytes,
             activation_bytes_per_token=activation_bytes,
             attention=attention,
+            recurrent=recurrent,
             experts=experts,
             collectives=tuple(collectives),
             kernels=kernels,
@@ -373,8 +400,11 @@ class _Planner:
             # share of the routed work.
             physical = node.experts + deployment.eplb_redundant_experts
             local = float(-(-physical // group))
+            # The Go kernel divides by the logical experts (share_local = L / E), charging the
+            # busiest rank physical / E times its balanced share of the routing.
+            routed = physical if self.physics else node.experts
             return PlannedExperts(
-                flops_per_token=node.top_k * expert_flops * local / physical,
+                flops_per_token=node.top_k * expert_flops * local / routed,
                 bytes_per_expert=expert_bytes,
                 local_experts=local,
                 experts=node.experts,
@@ -506,6 +536,40 @@ class _Planner:
             # which runs the decode and prefill rows as separate kernels, each with its floor.
             one_kernel_floor=not node.latent and not chip.blackwell,
             indexer=self._indexer(node),
+        )
+
+    def _recurrent(self, node: RecurrentNode) -> PlannedRecurrent:
+        """The registry has no recurrent sweep (the Go kernel's f_rec and rate_rec have no values
+        in it), so the mixer is priced from its shapes. Heads shard across TP like KV heads.
+        Assumed, for want of a measurement: a decode row's update is a read and a write of its
+        state at the derated HBM bandwidth (a few FLOP per state element against 4 bytes moved
+        in bf16, two orders of magnitude below any part's ridge point, so memory-bound); the per-layer floors are the part's
+        full-attention decode floor and its prefill-attention floor (a fused single-pass kernel
+        per layer, as attention is); and the prefill scan reaches prefill attention's measured
+        fraction of the bf16 GEMM rate (its chunks are attention-like masked tiles). The scan
+        computes in bf16 whatever the weights' format."""
+        chip, tp = self.chip, self.deployment.tp
+        prefill = chip.attention.prefill
+        assert prefill is not None  # checked in __init__
+        decode = chip.attention.decode.get("full")
+        key_heads = -(-node.key_heads // tp)
+        value_heads = -(-node.value_heads // tp)
+        return PlannedRecurrent(
+            state_bytes=laws.recurrent_state_bytes(
+                key_heads,
+                value_heads,
+                node.key_dim,
+                node.value_dim,
+                node.conv_kernel,
+                WEIGHT_BYTES[node.state_dtype],
+            ),
+            scan_flops_per_token=laws.chunked_scan_flops(
+                key_heads, value_heads, node.key_dim, node.value_dim, node.chunk, node.conv_kernel
+            ),
+            decode_floor_us=0.0 if decode is None else decode.floor_us,
+            prefill_floor_us=prefill.floor_us,
+            scan=self._compute("bf16", "a recurrent scan"),
+            scan_work_scale=prefill.work_scale,
         )
 
     def _indexer(self, node: AttentionNode) -> PlannedIndexer | None:

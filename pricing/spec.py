@@ -274,6 +274,30 @@ class AttentionNode(_Node):
         return self.kind in ("mla", "sparse_mla")
 
 
+class RecurrentNode(_Node):
+    """A recurrent mixer: a Mamba2 (SSD) layer or a gated delta-net linear attention. Both are a
+    chunked linear attention carrying, per request, one key_dim x value_dim state per value head
+    (Mamba2: B and C are the keys and queries, x the values) plus a short causal convolution's
+    last conv_kernel - 1 inputs, instead of a KV cache."""
+
+    op: Literal["recurrent"]
+    key_heads: int = Field(gt=0)  # Mamba2 n_groups; delta-net linear_num_key_heads
+    value_heads: int = Field(gt=0)  # Mamba2 num_heads; delta-net linear_num_value_heads
+    key_dim: int = Field(gt=0)  # Mamba2 ssm_state_size; delta-net linear_key_head_dim
+    value_dim: int = Field(gt=0)  # Mamba2 head_dim; delta-net linear_value_head_dim
+    conv_kernel: int = Field(gt=1)
+    chunk: int = Field(gt=0)  # tokens per chunk of the prefill scan
+    state_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+
+    @model_validator(mode="after")
+    def _heads_group(self) -> RecurrentNode:
+        if self.value_heads % self.key_heads:
+            raise ValueError(
+                f"key_heads {self.key_heads} must divide value_heads {self.value_heads}"
+            )
+        return self
+
+
 class ElementwiseNode(_Node):
     op: Literal["elementwise"]
     bytes_per_token: int | None = Field(default=None, gt=0)
@@ -285,7 +309,7 @@ class CollectiveNode(_Node):
 
 
 Node = Annotated[
-    GemmNode | GroupedGemmNode | AttentionNode | ElementwiseNode | CollectiveNode,
+    GemmNode | GroupedGemmNode | AttentionNode | RecurrentNode | ElementwiseNode | CollectiveNode,
     Field(discriminator="op"),
 ]
 
@@ -296,8 +320,8 @@ class LayerKind(_Strict):
     nodes: list[Node] = Field(min_length=1)
 
     @model_validator(mode="after")
-    def _one_attention_one_expert_group(self) -> LayerKind:
-        for cls in (AttentionNode, GroupedGemmNode):
+    def _one_mixer_of_each_kind_one_expert_group(self) -> LayerKind:
+        for cls in (AttentionNode, RecurrentNode, GroupedGemmNode):
             if sum(isinstance(n, cls) for n in self.nodes) > 1:
                 raise ValueError(f"layer kind {self.name!r} has more than one {cls.__name__}")
         return self
@@ -305,6 +329,10 @@ class LayerKind(_Strict):
     @property
     def attention(self) -> AttentionNode | None:
         return next((n for n in self.nodes if isinstance(n, AttentionNode)), None)
+
+    @property
+    def recurrent(self) -> RecurrentNode | None:
+        return next((n for n in self.nodes if isinstance(n, RecurrentNode)), None)
 
     @property
     def experts(self) -> GroupedGemmNode | None:

@@ -66,6 +66,17 @@ HOLDER_FIELDS: Layout = (
     ("state", "B"),
     ("kv_blocks", "d"),
 )
+# A slot's measured numbers by name, in the order the hook passes them to
+# `StepRecorder.record_step` (after the request id) and the lake's slot table holds them.
+SLOT_COLUMNS = (
+    "new_tokens",
+    "context_tokens",
+    "kv_blocks",
+    "prompt_tokens",
+    "prefix_hit_tokens",
+    "spec_drafted",
+    "spec_accepted",
+)
 DROP_FIELDS: Layout = (
     ("first_seq", "q"),
     ("last_seq", "q"),

@@ -17,6 +17,7 @@ import click
 
 from pipeline.cli.costs import cost_report, print_report
 from pipeline.cli.dagster_instance import instance_dir, materialize_pool_hours, prepare_instance
+from pipeline.cli.options import DEMO_DIR, directory_option, workers_option
 from pipeline.datadir import CALIBRATION_FILE, hours_in_data
 from pipeline.warehouse import STATE_FILE
 
@@ -108,11 +109,9 @@ def bill_through_dagster(
 
 
 @click.command("demo")
-@click.option(
+@directory_option(
     "--out",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=Path("demo-run"),
-    show_default=True,
+    default=DEMO_DIR,
     help="directory for the simulated data, the Parquet lake, the warehouse and report.html",
 )
 @click.option(
@@ -130,13 +129,7 @@ def bill_through_dagster(
     metavar="NAME[=VALUE]",
     help="inject a fault into the simulation (repeatable), e.g. drop-records=0.01",
 )
-@click.option(
-    "--workers",
-    type=click.IntRange(min=1),
-    default=2,
-    show_default=True,
-    help="processes simulating replicas in parallel (one per core)",
-)
+@workers_option(2, help="processes simulating replicas in parallel (one per core)")
 @click.option(
     "--json",
     "as_json",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -13,11 +12,10 @@ from pathlib import Path
 import click
 import dagster as dg
 
-from assets.definitions import build_definitions
-from assets.partitions import partition_key
 from assets.resources import warehouse_path
-from assets.runner import QUIET_RUN_CONFIG, pool_hour_outcome
+from assets.runner import execute_pool_hours, pool_hour_outcome
 from pipeline import alerts
+from pipeline.cli.options import data_dir_option, file_option
 from pipeline.datadir import hours_in_data, pools_file
 from pipeline.hours import hour_key, parse_hour_key
 from pipeline.reconcile import failed_checks
@@ -47,26 +45,15 @@ def run_pool_hours(
     A failed pool-hour owes on-call the same pages as under the daemon (`pipeline.alerts`:
     recorded in the outbox, delivered now if the sink accepts, else by the delivery sensor or
     the next run)."""
-    warnings.filterwarnings("ignore", module="dagster")
-    pools = load_pools(pools_file(data_dir))
-    defs = build_definitions(pools, data_dir.resolve(), warehouse.resolve() if warehouse else None)
-    job = defs.resolve_job_def("pool_hour_job")
     state_file = warehouse.resolve() if warehouse else warehouse_path(data_dir.resolve())
     runs = []
     with dg.DagsterInstance.ephemeral() as instance:
-        for hour in hours:
-            for pool in pools.pools:
-                result = job.execute_in_process(
-                    partition_key=partition_key(hour, pool.name),
-                    instance=instance,
-                    run_config=QUIET_RUN_CONFIG,
-                    raise_on_error=False,
-                )
-                run = PoolHourRun(hour=hour, pool=pool.name, **pool_hour_outcome(result))
-                runs.append(run)
-                _page(state_file, run, result.run_id)
-                if on_done:
-                    on_done(run)
+        for hour, pool, result in execute_pool_hours(data_dir, hours, warehouse, instance):
+            run = PoolHourRun(hour=hour, pool=pool, **pool_hour_outcome(result))
+            runs.append(run)
+            _page(state_file, run, result.run_id)
+            if on_done:
+                on_done(run)
     return runs
 
 
@@ -112,12 +99,9 @@ def run_with_progress(
 
 
 @click.command("run")
-@click.option(
-    "--data",
-    "data_dir",
-    required=True,
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
+@data_dir_option(
     help="directory with outbox/, gateway/, dcgm/ and pools.yaml (as `stepledger simulate` writes)",
+    existing=True,
 )
 @click.option(
     "--hour",
@@ -126,12 +110,7 @@ def run_with_progress(
     metavar="YYYY-MM-DDTHH",
     help="an hour to (re)run; repeatable (default: every hour with a gateway file)",
 )
-@click.option(
-    "--warehouse",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="the pipeline's state file (default: DATA/pipeline.duckdb)",
-)
+@file_option("--warehouse", help="the pipeline's state file (default: DATA/pipeline.duckdb)")
 @click.option(
     "--json", "as_json", is_flag=True, help="print one JSON object per pool-hour run, as an array"
 )

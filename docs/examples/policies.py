@@ -13,6 +13,7 @@ import polars as pl
 
 from pipeline.attribution import Coefficients, FittedWeights, KernelWeights, attribute_hour
 from schemas.config import AlphaFromEvidence, Policies, Pool, Replica
+from schemas.records import SLOT_COLUMNS
 
 HOUR = datetime(2026, 11, 30, 5, tzinfo=UTC)
 T0 = int(HOUR.timestamp()) * 1_000_000_000
@@ -76,16 +77,7 @@ def log(
             "admission_blocked": list(blocked),
         }
     )
-    names = (
-        "request_id",
-        "new_tokens",
-        "context_tokens",
-        "kv_blocks",
-        "prompt_tokens",
-        "prefix_hit_tokens",
-        "spec_drafted",
-        "spec_accepted",
-    )
+    names = ("request_id", *SLOT_COLUMNS)
     rows = [(0, i, *slot) for i, slot in enumerate(STEP0)] + [
         (1, i, *slot) for i, slot in enumerate(STEP1)
     ]

@@ -405,12 +405,19 @@ def _unpermute(
 def largest_remainder(
     totals_nano: np.ndarray, groups: np.ndarray | GroupedRows, weights: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Split `totals_nano[g]` among the rows of group g in proportion to `weights`.
+    """Split each group's integer total `totals_nano[g]` among its rows by `weights`, exactly.
 
-    `groups` is each row's group index, or the `GroupedRows` layout of rows already in group
-    order. Returns (integer shares, exact real shares), one per row. Within a group, ties go
-    to the row that comes first in the input. Rows of a group need not be adjacent, but groups
-    laid out one after another in non-decreasing order (steps in order) skip a sort.
+    `groups` gives each row's group: an index per row (rows of a group need not be adjacent;
+    indices already in non-decreasing order skip a sort), or the `GroupedRows` layout of rows in
+    group order. A row's exact share is total x weight / its group's weight sum; it gets the
+    floor, and the units left over go to the largest remainders, to the row that comes first
+    in the input on equal ones. Returns (integer shares, exact shares), one per row in input
+    order: a group's shares sum to its total, each within one unit of its exact share, and a
+    zero total gives zeros whatever the weights. An `AllocationError` for a negative total, a
+    negative or non-finite weight, or a positive total whose rows all weigh nothing.
+
+    Steps are split by `blend_and_allocate`, which blends compute and KV weights first; this
+    split takes the weights as given (idle spread by usage, a compute charge over resources).
     """
     totals = np.ascontiguousarray(totals_nano, dtype=np.int64)
     row_weights = np.ascontiguousarray(weights, dtype=np.float64)
@@ -568,7 +575,7 @@ def allocate_step(
     Same arguments and results as the method's published per-step allocator, with two
     guards it lacks: a step whose slots hold no KV blocks is split on compute alone (instead
     of losing (1 - alpha) of the step), and an empty step is an error. This is the scalar
-    explanation path; `largest_remainder` is the production one and gives the same shares.
+    explanation path; `blend_and_allocate` is the production one and gives the same shares.
     """
     if not slots:
         raise AllocationError("a step needs at least one slot")

@@ -37,6 +37,7 @@ from pipeline.attribution.rollup import RequestTotals, largest_per_request
 from pipeline.attribution.workmodel import SlotBatch, WeightSource
 from pipeline.hours import HOUR_NS, hour_start_ns
 from schemas.config import Pool
+from schemas.records import SLOT_COLUMNS
 
 UNATTRIBUTED = "(unattributed)"
 PLATFORM_RETRY_FEATURE = "(platform-retry)"
@@ -93,15 +94,6 @@ REPLICA_FACTS_SCHEMA = pl.Schema(
 )
 CONTEXT_COLUMNS = ("request_id", "tenant", "feature", "api_key_id", "retry_of", "retry_cause")
 STEP_COLUMNS = ("pool", "replica", "seq", "start_utc_ns", "end_utc_ns", "admission_blocked")
-SLOT_COLUMNS = (
-    "new_tokens",
-    "context_tokens",
-    "kv_blocks",
-    "prompt_tokens",
-    "prefix_hit_tokens",
-    "spec_drafted",
-    "spec_accepted",
-)
 # Slot and holder rows allocated at a time: bounds the working memory (the pricing kernel's
 # per-slot terms are a few hundred bytes a row) while keeping per-batch overhead negligible.
 ROWS_PER_BATCH = 1 << 20
@@ -154,7 +146,7 @@ def _require_columns(frame: pl.DataFrame, name: str, columns: tuple[str, ...]) -
         raise AttributionError(f"{name} table lacks column(s) {missing}; it has {frame.columns}")
 
 
-def _hour_steps(
+def steps_in_hour(
     hour_start_utc_ns: int, pool: Pool, steps: pl.DataFrame
 ) -> tuple[pl.DataFrame, StepKeys]:
     """The steps overlapping the hour, validated and ordered (replica, start, seq), with the
@@ -283,13 +275,7 @@ def _attribute_rows(
         holder_columns = gather(holders, ["kv_blocks", "state"], holder_rows)
         slot_step = slot_layout.step[slot_rows] - first
         slot_request = slot_layout.request[slot_rows]
-        batch = SlotBatch(
-            step_index=slot_step,
-            n_steps=end - first,
-            new_tokens=slot_columns["new_tokens"].astype(np.int64),
-            context_tokens=slot_columns["context_tokens"].astype(np.int64),
-            prompt_tokens=slot_columns["prompt_tokens"].astype(np.int64),
-        )
+        batch = SlotBatch.of_slots(slot_step, end - first, slot_columns)
         n_slots = slot_step.shape[0]
         compute_work = np.concatenate(
             [
@@ -485,7 +471,7 @@ def attribute_hour(
     invoice_nano = replica_price * len(pool.replicas)
     policy_version = pool.policies.version()
 
-    hour_steps, keys = _hour_steps(start_ns, pool, steps)
+    hour_steps, keys = steps_in_hour(start_ns, pool, steps)
     cost, busy = step_costs_in_hour(
         hour_steps["start_utc_ns"].to_numpy(),
         hour_steps["end_utc_ns"].to_numpy(),

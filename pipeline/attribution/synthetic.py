@@ -21,10 +21,20 @@ HOUR = datetime(2026, 11, 30, 5, tzinfo=UTC)
 HOUR_START_NS = hour_start_ns(HOUR)
 
 
-def synthetic_pool(replicas: int = 2, gpus_per_replica: int = 1, **policies: Any) -> Pool:
-    """Pool "chat" (Llama 3.1 8B on H100 at $3.60/GPU-h, replicas r0, r1, ...) with the given policies."""
+def synthetic_pool(
+    replicas: int = 2,
+    gpus_per_replica: int = 1,
+    *,
+    name: str = "chat",
+    replica_id: str = "r{i}",
+    hostname: str = "node",
+    gpu_uuid: str = "GPU-{i}-{g}",
+    **policies: Any,
+) -> Pool:
+    """Pool `name` (Llama 3.1 8B on H100 at $3.60/GPU-h) with the given policies. Replica `i`'s
+    id, host and GPU `g`'s UUID are the templates formatted with `name`, `i` and `g`."""
     return Pool(
-        name="chat",
+        name=name,
         model="llama-3.1-8b-instruct",
         gpu_type="h100",
         gpus_per_replica=gpus_per_replica,
@@ -34,9 +44,9 @@ def synthetic_pool(replicas: int = 2, gpus_per_replica: int = 1, **policies: Any
         target_utilization=0.7,
         replicas=[
             Replica(
-                id=f"r{i}",
-                hostname="node",
-                gpu_uuids=[f"GPU-{i}-{g}" for g in range(gpus_per_replica)],
+                id=replica_id.format(name=name, i=i),
+                hostname=hostname.format(i=i),
+                gpu_uuids=[gpu_uuid.format(i=i, g=g) for g in range(gpus_per_replica)],
             )
             for i in range(replicas)
         ],

@@ -24,6 +24,10 @@ from pipeline.attribution.allocator import GroupedRows
 from pricing import Kernel
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    import polars as pl
+
     from schemas.config import Pool
 
 FixedCostPolicy = Literal["per_slot", "per_token"]
@@ -50,6 +54,10 @@ class Coefficients:
             )
 
 
+# A slot's columns a work model reads.
+_TOKEN_COLUMNS = ("new_tokens", "context_tokens", "prompt_tokens")
+
+
 @dataclass(frozen=True)
 class SlotBatch:
     """Slots of many steps, step by step: `step_index` is non-decreasing in 0..n_steps-1.
@@ -67,7 +75,7 @@ class SlotBatch:
 
     def __post_init__(self) -> None:
         n = self.step_index.shape[0]
-        for name in ("new_tokens", "context_tokens", "prompt_tokens"):
+        for name in _TOKEN_COLUMNS:
             if getattr(self, name).shape[0] != n:
                 raise ValueError(
                     f"{name} has {getattr(self, name).shape[0]} rows, step_index has {n}"
@@ -77,6 +85,20 @@ class SlotBatch:
         except ValueError:
             raise ValueError("step_index must be non-decreasing within 0..n_steps-1") from None
         object.__setattr__(self, "steps", steps)
+
+    @classmethod
+    def of_slots(
+        cls,
+        step_index: np.ndarray,
+        n_steps: int,
+        slots: pl.DataFrame | Mapping[str, np.ndarray],
+    ) -> SlotBatch:
+        """The batch of slot rows whose token columns are `slots`' (a frame or arrays by name)."""
+        return cls(
+            step_index=step_index,
+            n_steps=n_steps,
+            **{name: np.asarray(slots[name], dtype=np.int64) for name in _TOKEN_COLUMNS},
+        )
 
     @property
     def slots_per_step(self) -> np.ndarray:

@@ -7,23 +7,20 @@ from pathlib import Path
 
 import click
 
+from pipeline.cli.options import data_dir_option, file_option
+
 DEFAULT_STORE = Path("calibration.yaml")
 
 
 @click.command("calibrate")
-@click.option(
-    "--data",
-    "data_dir",
-    required=True,
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
+@data_dir_option(
     help="directory holding the calibration run's step-log segments (*.seg, searched recursively)",
+    existing=True,
 )
-@click.option(
+@file_option(
     "--store",
     "store_path",
     default=DEFAULT_STORE,
-    show_default=True,
-    type=click.Path(dir_okay=False, path_type=Path),
     help="calibration store to update (.yaml/.yml or .json)",
 )
 @click.option(

@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline import finance
+from pipeline.cli.options import data_dir_option, file_option
 from pipeline.hours import parse_range_bound, to_warehouse
 from pipeline.warehouse import WarehouseError
 
@@ -258,14 +259,7 @@ def costs_json(report: dict[str, list[dict[str, object]]]) -> str:
 
 
 @click.command("costs")
-@click.option(
-    "--data",
-    "data_dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=Path("demo-run"),
-    show_default=True,
-    help="data directory whose warehouse (DATA/warehouse/) to read",
-)
+@data_dir_option(help="data directory whose warehouse (DATA/warehouse/) to read")
 @click.option(
     "--by",
     "by",
@@ -288,11 +282,7 @@ def costs_json(report: dict[str, list[dict[str, object]]]) -> str:
 )
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="same as --format json")
-@click.option(
-    "--out",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="write to this file instead of printing (required for parquet)",
-)
+@file_option("--out", help="write to this file instead of printing (required for parquet)")
 def costs_command(
     data_dir: Path,
     by: tuple[str, ...],

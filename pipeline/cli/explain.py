@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from pipeline.cli.costs import print_wide
+from pipeline.cli.options import data_dir_option
 from pipeline.warehouse import WarehouseError
 
 
@@ -102,14 +103,7 @@ def print_explanation(explanation: object) -> None:
 
 @click.command("explain")
 @click.argument("request_id")
-@click.option(
-    "--data",
-    "data_dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=Path("demo-run"),
-    show_default=True,
-    help="data directory whose warehouse and lake to read",
-)
+@data_dir_option(help="data directory whose warehouse and lake to read")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of tables")
 def explain_command(request_id: str, data_dir: Path, as_json: bool) -> None:
     """Why REQUEST_ID cost what it cost: its steps from the lake, its share of each with the

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from pipeline.cli.options import data_dir_option
+from pipeline.cli.options import data_dir_option, file_option
 from pipeline.focus import FORMATS, focus_table, write_focus
 from pipeline.warehouse import WarehouseError
 
@@ -27,7 +27,7 @@ def _day(value: datetime | None, default: datetime) -> datetime:
 
 @export_group.command("focus")
 @data_dir_option(help="data directory whose warehouse (DATA/warehouse/) to export")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True)
+@file_option("--out", required=True)
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="parquet", show_default=True)
 @click.option(
     "--from",

@@ -10,6 +10,7 @@ import click
 import numpy as np
 from pydantic import ValidationError
 
+from pipeline.cli.options import file_option
 from pricing import GRAPH_MODES, RESOURCES, Deployment, Kernel, PricingError, StepPrice
 
 SWEEP_BATCHES = np.arange(1, 257)
@@ -195,12 +196,7 @@ def _sweep(
 @click.option(
     "--sweep", is_flag=True, help="price decode batches 1..256 and write the figure to --out"
 )
-@click.option(
-    "--out",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="PNG path for --sweep",
-)
+@file_option("--out", help="PNG path for --sweep")
 def price_command(
     model: str,
     chip: str,

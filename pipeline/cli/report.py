@@ -6,29 +6,19 @@ from pathlib import Path
 
 import click
 
+from pipeline.cli.options import directory_option, file_option
+
 
 @click.command("report")
-@click.option(
+@directory_option(
     "--data",
     "data_dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
     help="data directory holding lake/ and pools.yaml [default: the warehouse's directory, else demo-run]",
 )
-@click.option(
-    "--warehouse",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="the DuckDB file [default: DATA/warehouse.duckdb]",
-)
+@file_option("--warehouse", help="the DuckDB file [default: DATA/warehouse.duckdb]")
 @click.option("--hour", "hour", metavar="YYYY-MM-DDTHH", default=None, help="report one UTC hour")
 @click.option("--day", "day", metavar="YYYY-MM-DD", default=None, help="report one UTC day")
-@click.option(
-    "--out",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="HTML file to write [default: DATA/report-<period>.html]",
-)
+@file_option("--out", help="HTML file to write [default: DATA/report-<period>.html]")
 def report_command(
     data_dir: Path | None,
     warehouse: Path | None,

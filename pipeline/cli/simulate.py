@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from pipeline.cli.options import directory_option, file_option, workers_option
 from pipeline.simulator.faults import FAULTS, FaultError, parse_fault
 from schemas.config import DEFAULT_POOLS_PATH, ConfigError, load_pools
 
@@ -36,12 +37,8 @@ def _parse_start(ctx: click.Context, param: click.Parameter, value: str) -> date
 
 
 @click.command("simulate")
-@click.option(
-    "--out",
-    "out_dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    required=True,
-    help="Run directory to create (must not already hold a run).",
+@directory_option(
+    "--out", "out_dir", required=True, help="Run directory to create (must not already hold a run)."
 )
 @click.option(
     "--hours",
@@ -52,12 +49,10 @@ def _parse_start(ctx: click.Context, param: click.Parameter, value: str) -> date
 @click.option(
     "--seed", type=int, required=True, help="Random seed: the same seed gives the same data."
 )
-@click.option(
+@file_option(
     "--pools",
     "pools_path",
-    type=click.Path(dir_okay=False, path_type=Path),
     default=DEFAULT_POOLS_PATH,
-    show_default=True,
     help="Pools file describing pools, replicas and workloads.",
 )
 @click.option(
@@ -67,12 +62,8 @@ def _parse_start(ctx: click.Context, param: click.Parameter, value: str) -> date
     callback=_parse_start,
     help="UTC start of the span, on the hour.",
 )
-@click.option(
-    "--workers",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="Processes simulating replicas side by side (the data does not depend on it).",
+@workers_option(
+    1, help="Processes simulating replicas side by side (the data does not depend on it)."
 )
 @click.option("--fault", "fault_texts", multiple=True, metavar="NAME[=VALUE]", help=_fault_help())
 @click.option(

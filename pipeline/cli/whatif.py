@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from pipeline.cli.costs import parse_range, print_wide
+from pipeline.cli.options import data_dir_option
 from pipeline.warehouse import WarehouseError
 
 
@@ -16,14 +17,7 @@ def _percent(value: float | None) -> str:
 
 
 @click.command("whatif")
-@click.option(
-    "--data",
-    "data_dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=Path("demo-run"),
-    show_default=True,
-    help="data directory whose lake and warehouse to read (nothing is written)",
-)
+@data_dir_option(help="data directory whose lake and warehouse to read (nothing is written)")
 @click.option("--hour", metavar="HOUR", help="one hour, YYYY-MM-DDTHH (UTC)")
 @click.option("--from", "start", metavar="WHEN", help="first month, day or hour (UTC), inclusive")
 @click.option("--to", "end", metavar="WHEN", help="last month, day or hour (UTC), inclusive")

@@ -15,7 +15,7 @@ from assets.runner import pool_hour_outcome
 from pipeline import finance
 from pipeline.ingest import segment_files
 from pipeline.warehouse import STATE_FILE
-from tests.helpers.fleets import small_pools
+from tests.helpers.fleets import page_on_call, small_pools
 from tests.helpers.hours import SIMULATED_HOUR
 
 
@@ -58,16 +58,8 @@ def test_a_failed_blocking_check_holds_the_hour_back_and_pages_once(
         ]
         assert con.execute("SELECT count(*) FROM tenant_costs_hourly").fetchone() == (0,)
 
-    sensor = defs.resolve_sensor_def("page_on_call")
     for _ in range(2):
-        context = dg.build_run_status_sensor_context(
-            sensor_name="page_on_call",
-            dagster_instance=instance,
-            dagster_run=result.dagster_run,
-            dagster_event=result.get_run_failure_event(),
-            resources=defs.resources,
-        ).for_run_failure()
-        sensor(context)
+        page_on_call(defs, instance, result)
     paged = [json.loads(line) for line in alert_file.read_text().splitlines()]
     sequence = [a for a in paged if a["kind"] == "sequence"]
     assert [(a["pool"], a["replica"], a["hour"]) for a in sequence] == [

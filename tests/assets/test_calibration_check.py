@@ -45,6 +45,14 @@ def checks_of(result: dg.ExecuteInProcessResult) -> dict[str, tuple[bool, dg.Ass
     return {e.check_name: (e.passed, e.severity) for e in result.get_asset_check_evaluations()}
 
 
+def run_hour_warning_of_calibration(data: Path) -> None:
+    """Bill the hour of the small fleet, whose calibration check must fail with a WARN: the
+    hour is published and nobody is paged."""
+    result = run_hour(data, small_pools())
+    assert result.success
+    assert checks_of(result)["calibration"] == (False, dg.AssetCheckSeverity.WARN)
+
+
 def fitted(pools: PoolsFile) -> PoolsFile:
     chat = pools.pool("chat-8b")
     return pools.model_copy(
@@ -83,12 +91,7 @@ def test_without_a_sweep_the_kernels_own_release_is_the_only_one_it_vouches_for(
 ) -> None:
     data = tmp_path / "run"
     shutil.copytree(simulated, data)
-    result = run_hour(data, small_pools())
-    # A WARN: the hour is published and nobody is paged.
-    assert result.success and checks_of(result)["calibration"] == (
-        False,
-        dg.AssetCheckSeverity.WARN,
-    )
+    run_hour_warning_of_calibration(data)
     detail = (
         f"the log reports vllm {ENGINE_VERSION} / driver {DRIVER_VERSION}, the kernel's coefficients were "
         "measured on vLLM 0.25.0 and the calibration store has nothing for llama-3.1-8b-instruct on h100: "
@@ -108,11 +111,7 @@ def test_a_new_engine_version_warns_without_paging(simulated: Path, tmp_path: Pa
     calibrate_from_segments(
         sorted((simulated / "outbox").glob("*/*.seg")), data / "calibration.yaml"
     )
-    result = run_hour(data, small_pools())
-    assert result.success and checks_of(result)["calibration"] == (
-        False,
-        dg.AssetCheckSeverity.WARN,
-    )
+    run_hour_warning_of_calibration(data)
     stale = (
         f"the log reports vllm {UNCALIBRATED_ENGINE_VERSION} / driver {DRIVER_VERSION}, the kernel's coefficients "
         f"were measured on vLLM 0.25.0 and stored coefficients are for {ENGINE_VERSION} / driver "

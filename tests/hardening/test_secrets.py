@@ -22,10 +22,11 @@ import polars as pl
 import pytest
 from click.testing import CliRunner
 
+from assets.definitions import build_definitions
 from pipeline.alerts import AlertConfigError
 from pipeline.cli import main
 from pipeline.warehouse import STATE_FILE, connect, connect_read_only
-from tests.helpers.fleets import bill, simulate_small, small_pools
+from tests.helpers.fleets import bill, page_on_call, simulate_small, small_pools
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -83,7 +84,7 @@ def billed_run(tmp_path_factory):
             with instance:
                 (result,) = bill(data, pools, instance, run_config=DEBUG_RUN)
                 assert not result.success
-                page_on_call(data, pools, instance, result)
+                page_on_call(build_definitions(pools, data), instance, result)
             runner = CliRunner()
             costs = runner.invoke(
                 main, ["costs", "--data", str(data), "--json"], catch_exceptions=False
@@ -97,21 +98,6 @@ def billed_run(tmp_path_factory):
             handler.close()
             server.shutdown()
     return pools, root, data, url
-
-
-def page_on_call(data: Path, pools, instance: dg.DagsterInstance, result) -> None:
-    """Evaluate the run-failure sensor for a failed run, as the daemon would."""
-    from assets.definitions import build_definitions
-
-    defs = build_definitions(pools, data)
-    context = dg.build_run_status_sensor_context(
-        sensor_name="page_on_call",
-        dagster_instance=instance,
-        dagster_run=result.dagster_run,
-        dagster_event=result.get_run_failure_event(),
-        resources=defs.resources,
-    ).for_run_failure()
-    defs.resolve_sensor_def("page_on_call")(context)
 
 
 def every_file(root: Path) -> list[Path]:
@@ -203,7 +189,7 @@ def test_a_failed_delivery_names_neither_url_nor_key(billed_run, tmp_path, monke
     with dg.DagsterInstance.ephemeral() as instance, caplog.at_level(logging.WARNING):
         (result,) = bill(copy, pools, instance)
         gc.collect()
-        page_on_call(copy, pools, instance, result)
+        page_on_call(build_definitions(pools, copy), instance, result)
     with connect(copy / STATE_FILE) as con:
         errors = [
             error
@@ -291,7 +277,7 @@ def test_a_webhook_url_that_does_not_parse_appears_in_no_message(billed_run, tmp
                 patch.setenv("STEPLEDGER_ALERT_WEBHOOK_URL", url)
                 patch.setenv("STEPLEDGER_ALERT_FORMAT", "slack")
                 with pytest.raises(AlertConfigError, match="^the webhook URL ") as raised:
-                    page_on_call(copy, pools, instance, result)
+                    page_on_call(build_definitions(pools, copy), instance, result)
             told = "".join(traceback.format_exception(raised.value))
             assert WEBHOOK_PATH not in told and WEBHOOK_PATH[1:] not in told, url
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from assets.runner import QUIET_RUN_CONFIG as QUIET
 from schemas.config import PoolsFile, load_pools
+from schemas.records import SLOT_COLUMNS
 from tests.helpers.hours import SIMULATED_HOUR
 
 if TYPE_CHECKING:
@@ -78,6 +79,22 @@ def bill(
     ]
 
 
+def page_on_call(
+    defs: dg.Definitions, instance: dg.DagsterInstance, result: dg.ExecuteInProcessResult
+) -> None:
+    """Evaluate the run-failure sensor for a failed run, as the daemon would."""
+    import dagster as dg
+
+    context = dg.build_run_status_sensor_context(
+        sensor_name="page_on_call",
+        dagster_instance=instance,
+        dagster_run=result.dagster_run,
+        dagster_event=result.get_run_failure_event(),
+        resources=defs.resources,
+    ).for_run_failure()
+    defs.resolve_sensor_def("page_on_call")(context)
+
+
 def costs(data: Path) -> dict:
     """What finance sees: published money by tenant, feature and line kind; the held-back hours."""
     from pipeline.warehouse import STATE_FILE, connect_read_only
@@ -134,18 +151,7 @@ def rerecord(
                     step["start_ns"],
                     step["end_ns"],
                     [rename(r) for r in slots["request_id"][s]],
-                    *(
-                        slots[name][s]
-                        for name in (
-                            "new_tokens",
-                            "context_tokens",
-                            "kv_blocks",
-                            "prompt_tokens",
-                            "prefix_hit_tokens",
-                            "spec_drafted",
-                            "spec_accepted",
-                        )
-                    ),
+                    *(slots[name][s] for name in SLOT_COLUMNS),
                     holder_ids=[rename(r) for r in holders["request_id"][h]],
                     holder_blocks=holders["kv_blocks"][h],
                     holder_states=holders["state"][h],

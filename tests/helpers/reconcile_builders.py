@@ -5,8 +5,10 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
+from pipeline.attribution.synthetic import synthetic_pool
+from pipeline.dcgm import DCGM_SCHEMA
 from pipeline.hours import hour_bounds_ns
-from schemas.config import Policies, Pool, Replica
+from schemas.config import Pool
 from schemas.tables import DAMAGE, DROPS, SEGMENTS, STEPS
 from tests.helpers.hours import HOUR
 
@@ -33,23 +35,15 @@ def make_pool(
     weights: str = "kernel",
     unattributed: float = 0.02,
 ) -> Pool:
-    return Pool(
+    return synthetic_pool(
+        replicas,
+        gpus,
         name=name,
-        model="llama-3.1-8b-instruct",
-        gpu_type="h100",
-        gpus_per_replica=gpus,
-        usd_per_gpu_hour=3.6,
-        capacity_owner="platform",
-        slo_owner="support",
-        replicas=[
-            Replica(
-                id=f"{name}-r{index}",
-                hostname=f"gpu-node-{index:02d}",
-                gpu_uuids=[f"GPU-{index:04d}-{gpu:04d}" for gpu in range(gpus)],
-            )
-            for index in range(replicas)
-        ],
-        policies=Policies(weights=weights, unattributed_alert_fraction=unattributed),
+        replica_id="{name}-r{i}",
+        hostname="gpu-node-{i:02d}",
+        gpu_uuid="GPU-{i:04d}-{g:04d}",
+        weights=weights,
+        unattributed_alert_fraction=unattributed,
     )
 
 
@@ -193,14 +187,7 @@ def make_dcgm(pool: Pool, values: dict[str, list[float]]) -> pl.DataFrame:
                 )
     return pl.DataFrame(
         rows,
-        schema={
-            "uuid": pl.String,
-            "hostname": pl.String,
-            "gpu": pl.Int32,
-            "model_name": pl.String,
-            "timestamp_ns": pl.Int64,
-            "value": pl.Float64,
-        },
+        schema=DCGM_SCHEMA,
         orient="row",
     )
 

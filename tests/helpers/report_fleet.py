@@ -10,7 +10,6 @@ so the sequence check fails and the hour is held back from finance.
 
 from __future__ import annotations
 
-import json
 from datetime import timedelta
 from pathlib import Path
 
@@ -24,14 +23,13 @@ from pipeline.ingest import ingest_outbox
 from pipeline.lake import save_ledger
 from pipeline.publish import publish_hour
 from pipeline.reconcile import reconcile_hour
-from pipeline.steplog import SegmentHeader, StepRecorder
 from pipeline.warehouse import connect
 from pipeline.weights import weight_source
 from schemas.config import load_pools
 from tests.helpers.hours import HOUR
+from tests.helpers.warehouse_fleet import NS, write_gateway, write_replica_log
 
 NEXT_HOUR = HOUR + timedelta(hours=1)
-NS = 1_000_000_000
 STEPS_PER_HOUR = 1800
 POOL = {
     "name": "chat-test",
@@ -65,85 +63,37 @@ CONTEXT = [
 ]
 
 
-def _record_hour(
-    recorder: StepRecorder, clock: dict, requests: list[str], drop_at: int | None
-) -> None:
-    n = len(requests)
-    for index in range(STEPS_PER_HOUR):
-        if index == drop_at:
-            recorder.drop_step()
-        begin = clock["mono"]
-        clock["mono"] = begin + NS
-        recorder.record_step(
-            begin,
-            begin + NS,
-            list(requests),
-            [1] * n,
-            [500 + index] * n,
-            [32.0] * n,
-            [500] * n,
-            [0] * n,
-            [0] * n,
-            [0] * n,
-            free_blocks=1000,
-            total_blocks=2000,
-        )
-        clock["mono"] += NS
-
-
 def build_fleet(root: Path) -> Path:
     """Simulate, ingest, attribute, publish and reconcile both hours; returns the data directory."""
     (root / "pools.yaml").write_text(yaml.safe_dump({"pools": [POOL]}))
     pools = load_pools(root / "pools.yaml")
     pool = pools.pools[0]
     replica = pool.replicas[0].id
-    outbox = root / "outbox" / replica
-    outbox.mkdir(parents=True)
-    clock = {"mono": 10 * NS}
-    wall_offset = int(HOUR.timestamp()) * NS - clock["mono"]
-    header = SegmentHeader(
-        pool=pool.name,
-        replica=replica,
-        engine_name="vllm",
-        engine_version="0.11.0",
-        driver_version="570.86",
-        model=pool.model,
-        gpu_type=pool.gpu_type,
-        gpus_per_replica=1,
-        kv_block_size=pool.kv_block_size,
-    )
-    with StepRecorder(
-        outbox,
-        header,
-        overflow="block",
-        rotate_seconds=1200.0,
-        mono_clock=lambda: clock["mono"],
-        wall_clock=lambda: clock["mono"] + wall_offset,
-    ) as recorder:
-        _record_hour(recorder, clock, ["req-acme", "req-globex"], drop_at=None)
-        _record_hour(recorder, clock, ["req-acme-2"], drop_at=900)
-
+    # One step log over both hours: the second continues the first's sequence and clock.
+    for hour, requests, first_seq, drop_at in (
+        (HOUR, ["req-acme", "req-globex"], 0, None),
+        (NEXT_HOUR, ["req-acme-2"], STEPS_PER_HOUR, STEPS_PER_HOUR // 2),
+    ):
+        write_replica_log(
+            root / "outbox",
+            pool,
+            replica,
+            start=hour,
+            steps=STEPS_PER_HOUR,
+            step_ns=NS,
+            gap_ns=NS,
+            requests=requests,
+            rotate_seconds=1200.0,
+            first_seq=first_seq,
+            mono_start_ns=10 * NS + int((hour - HOUR).total_seconds()) * NS,
+            prompt_tokens=500,
+            kv_blocks=32.0,
+            drop_at=drop_at,
+        )
     gateway_dir = root / "gateway"
-    gateway_dir.mkdir()
     for hour in (HOUR, NEXT_HOUR):
-        received = (hour + timedelta(seconds=1)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-        (gateway_dir / f"{hour:%Y-%m-%dT%H}.jsonl").write_text(
-            "".join(
-                json.dumps(
-                    {
-                        "request_id": r,
-                        "tenant": t,
-                        "feature": f,
-                        "api_key": f"sk-{t}",
-                        "retry_of": None,
-                        "retry_cause": None,
-                        "received_at": received,
-                    }
-                )
-                + "\n"
-                for r, t, f, h in CONTEXT
-                if h == hour
-            )
+        write_gateway(
+            gateway_dir, hour, [(r, t, f, f"sk-{t}") for r, t, f, h in CONTEXT if h == hour]
         )
 
     lake = root / "lake"

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import tempfile
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 
 from pipeline.steplog import StepRecorder
 from pipeline.steplog.format import frame_crc
 from schemas.records import FRAME_CHECKED_BYTES, FRAME_PREFIX
-from tests.helpers.steplog_samples import HEADER, MONO_ANCHOR, fixed_clocks
+from tests.helpers.steplog_samples import HEADER, fixed_clocks, record_numbered_steps
 
 # Ids a hostile client could choose: quotes, SQL, control characters, non-ASCII.
 HOSTILE_IDS = (
@@ -20,28 +20,16 @@ HOSTILE_IDS = (
 )
 
 
-def record_steps(recorder: StepRecorder, first: int, count: int) -> None:
-    """`count` steps, two slots and one holder each, every value derived from the step number."""
-    for step in range(first, first + count):
-        hostile = HOSTILE_IDS[step % len(HOSTILE_IDS)]
-        recorder.record_step(
-            MONO_ANCHOR + step * 1000,
-            MONO_ANCHOR + step * 1000 + 700,
-            [f"req-{step}", f"{hostile}-{step}"],
-            [step + 1, 1],
-            [step * 10, 5],
-            [0.5, 1.25],
-            [100, 7],
-            [16, 0],
-            [1, 0],
-            [1, 0],
-            holder_ids=[f"wait-{step}"],
-            holder_blocks=[3.0],
-            holder_states=["waiting"],
-            admission_blocked=step % 3 == 0,
-            free_blocks=100 - step % 100,
-            total_blocks=100,
-        )
+def _hostile_request_ids(step: int) -> list[str]:
+    return [f"req-{step}", f"{HOSTILE_IDS[step % len(HOSTILE_IDS)]}-{step}"]
+
+
+# Numbered steps whose second request id is hostile.
+record_steps = partial(
+    record_numbered_steps,
+    request_ids=_hostile_request_ids,
+    blocked=lambda step: step % 3 == 0,
+)
 
 
 @cache

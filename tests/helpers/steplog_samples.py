@@ -3,7 +3,9 @@ the hardening tests (which also fuzz these segments)."""
 
 from __future__ import annotations
 
-from pipeline.steplog import SegmentHeader
+from collections.abc import Callable
+
+from pipeline.steplog import SegmentHeader, StepRecorder
 from schemas.records import FRAME_PREFIX, PREAMBLE
 
 HEADER = SegmentHeader(
@@ -24,6 +26,38 @@ WALL_ANCHOR = 1_796_014_800_000_000_000
 
 def fixed_clocks() -> dict:
     return {"mono_clock": lambda: MONO_ANCHOR, "wall_clock": lambda: WALL_ANCHOR}
+
+
+def record_numbered_steps(
+    recorder: StepRecorder,
+    first: int,
+    count: int,
+    *,
+    request_ids: Callable[[int], list[str]] = lambda step: [f"req-{step}-a", f"req-{step}-ü"],
+    blocked: Callable[[int], bool] = lambda step: step % 2 == 1,
+) -> None:
+    """Record `count` steps from step number `first`, two slots and one holder each, every value
+    derived from the step number; the request ids and `admission_blocked` are functions of it
+    too."""
+    for step in range(first, first + count):
+        recorder.record_step(
+            MONO_ANCHOR + step * 1000,
+            MONO_ANCHOR + step * 1000 + 700,
+            request_ids(step),
+            [step + 1, 1],
+            [step * 10, 5],
+            [0.5, 1.25],
+            [100, 7],
+            [16, 0],
+            [1, 0],
+            [1, 0],
+            holder_ids=[f"wait-{step}"],
+            holder_blocks=[3.0],
+            holder_states=["waiting"],
+            admission_blocked=blocked(step),
+            free_blocks=100 - step % 100,
+            total_blocks=100,
+        )
 
 
 def frame_spans(data: bytes) -> list[tuple[int, int]]:

@@ -24,13 +24,19 @@ def write_replica_log(
     requests: list[str],
     rotate_seconds: float = 600.0,
     first_seq: int = 0,
+    mono_start_ns: int = 10 * NS,
+    prompt_tokens: int = 100,
+    kv_blocks: float = 7.0,
+    drop_at: int | None = None,
 ) -> list[Path]:
-    """Log `steps` equal steps from `start`, numbered from `first_seq`, each batching every
-    request of `requests` (decode slots with growing context); segments rotate every
-    `rotate_seconds`."""
+    """Log `steps` equal steps from `start` (monotonic clock `mono_start_ns`: a later log of the
+    same replica continues its clock), numbered from `first_seq`, each batching every
+    request of `requests` (decode slots of `prompt_tokens`-token prompts holding `kv_blocks`
+    blocks, the context growing from `prompt_tokens` by one a step); before step `drop_at` the
+    recorder counts one dropped step; segments rotate every `rotate_seconds`."""
     directory = outbox / replica
     directory.mkdir(parents=True, exist_ok=True)
-    clock = {"mono": 10 * NS}
+    clock = {"mono": mono_start_ns}
     wall_offset = int(start.timestamp() * NS) - clock["mono"]
     header = SegmentHeader(
         pool=pool.name,
@@ -54,6 +60,8 @@ def write_replica_log(
     )
     with recorder:
         for index in range(steps):
+            if index == drop_at:
+                recorder.drop_step()
             begin = clock["mono"]
             clock["mono"] = begin + step_ns
             n = len(requests)
@@ -62,9 +70,9 @@ def write_replica_log(
                 begin + step_ns,
                 list(requests),
                 [1] * n,
-                [100 + index] * n,
-                [7.0] * n,
-                [100] * n,
+                [prompt_tokens + index] * n,
+                [kv_blocks] * n,
+                [prompt_tokens] * n,
                 [0] * n,
                 [0] * n,
                 [0] * n,

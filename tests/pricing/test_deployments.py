@@ -40,6 +40,17 @@ def test_expert_parallel_with_eplb_prices_the_busiest_rank_by_hand():
     )
 
 
+def test_expert_parallel_under_go_compat_shares_the_routing_over_the_logical_experts():
+    deployment = Deployment(**DSV3, expert_parallel=True, eplb_redundant_experts=32, compat="go")
+    moe = _decode(Kernel.build(deployment), 1).per_kind["attn_moe"]
+    # KERNEL_NOTES: FLOPs_r = T_r * top_k * share_local * F_e * imbalance, share_local = L / E
+    # with L = ceil((256 + 32) / 8) = 36 experts on the busiest rank and E = 256
+    flops = 1 * 8 * (36 / 256) * EXPERT_FLOPS * 0.999
+    assert moe["expert_sm_us"] == pytest.approx(flops * (1 + 113) / (H200_FP8 * 0.736), rel=1e-12)
+    # Bytes_r = W_e * L * (1 - ((E - k) / E)^T_r), whole experts (one shard under EP)
+    assert moe["expert_hbm_us"] == pytest.approx(36 * (8 / 256) * EXPERT_BYTES / H200_READ)
+
+
 def test_a_point_to_point_dispatch_moves_each_token_to_its_top_k():
     gathered = Kernel.build(Deployment(**DSV3, expert_parallel=True))
     direct = Kernel.build(
@@ -197,3 +208,113 @@ def test_decode_context_parallel_needs_a_latent_attention_and_a_dividing_group()
         )
     with pytest.raises(ValidationError, match="decode_context_parallel 3 does not divide tp 8"):
         Deployment(model="deepseek-v3", chip="h200", tp=8, decode_context_parallel=3)
+
+
+# Qwen3-Next-80B-A3B at TP 2 on H200: 36 gated delta-net layers, 12 full-attention layers.
+QWEN3_NEXT = dict(model="qwen3-next-80b-a3b", chip="h200", tp=2)
+H200_BF16 = 989.5e6 * 0.992  # FLOP per us at the bf16 eps_max
+# One request's delta-net state on one rank: 16 of the 32 value heads, each 128 x 128 bf16,
+# plus the convolution's last 3 inputs over its 2 x 8 x 128 + 16 x 128 = 4,096 channels.
+STATE = (16 * 128 * 128 + 4096 * 3) * 2
+# A delta-net layer's weights on one rank (bf16, halved by TP): q/k/v/z and beta/alpha in,
+# out, and the shared expert's three 512 x 2,048 matrices; 2 FLOP per weight per token.
+DELTA_NET_WEIGHTS = (12288 * 2048 + 64 * 2048 + 2048 * 4096 + 3 * 512 * 2048) * 2 // 2
+
+
+def test_a_recurrent_mixer_reads_and_writes_each_rows_state_once_per_decode():
+    kernel = Kernel.build(Deployment(**QWEN3_NEXT))
+    price = kernel.price([1] * 64, [3999] * 64, [4000] * 64)
+    assert STATE == 548_864
+    # weights once, three norms' read + write per token (2 x 8,192 + 24,576 B, halved by TP),
+    # each row's state read and written back, and the decode floor the update kernel pays
+    assert price.per_kind["delta_net_moe"]["hbm_us"] == pytest.approx(
+        (DELTA_NET_WEIGHTS + 64 * 40960 / 2 + 64 * 2 * STATE) / H200_READ + 13.5, rel=1e-12
+    )
+    # the full-attention layers read the KV cache instead: one of the 2 KV heads per rank
+    full = price.per_kind["full_attention_moe"]
+    weights = (9216 * 2048 + 2048 * 4096 + 3 * 512 * 2048) * 2 / 2
+    norms = (8192 + 16384 + 2048 + 8192) / 2
+    assert full["hbm_us"] == pytest.approx(
+        (weights + 64 * norms) / H200_READ + 13.5 + 64 * 4000 * 2 * 256 * 2 / 2_592_000,
+        rel=1e-12,
+    )
+
+
+def test_a_recurrent_mixer_prices_a_prefill_as_a_chunked_scan():
+    kernel = Kernel.build(Deployment(**QWEN3_NEXT))
+    price = kernel.price([2048], [0], [2048])
+    # per token on one rank: intra-chunk scores 8 x 64 x 128 and values 16 x 64 x 128, the
+    # state written and read 2 x 16 x 128 x 128, the 4-tap convolution over 4,096 channels
+    scan_flops = 2 * (8 * 64 * 128 + 16 * 64 * 128 + 2 * 16 * 128 * 128 + 4 * 4096)
+    assert scan_flops == 1_474_560
+    delta = price.per_kind["delta_net_moe"]
+    assert delta["sm_us"] == pytest.approx(
+        DELTA_NET_WEIGHTS * (2048 + 110) / H200_BF16  # the GEMMs at the ramp
+        + 2048 * scan_flops / (H200_BF16 * 0.40)  # the scan at prefill attention's work_scale
+        + 18.5,  # the prefill floor
+        rel=1e-12,
+    )
+    # one row: its state read and written once, whatever its length
+    assert delta["hbm_us"] == pytest.approx(
+        (DELTA_NET_WEIGHTS + 2048 * 40960 / 2 + 2 * STATE) / H200_READ, rel=1e-12
+    )
+
+
+def test_a_hybrid_holds_kv_for_its_attention_layers_and_a_fixed_state_per_request():
+    kernel = Kernel.build(Deployment(**QWEN3_NEXT))
+    # two ranks, 12 full-attention layers, one 256-wide KV head pair of bf16 on each rank
+    assert kernel.kv_bytes_per_token == 2 * 12 * 2 * 256 * 2 == 24_576
+    assert kernel.state_bytes_per_request == 2 * 36 * STATE == 39_518_208
+    assert kernel.kv_bytes([0, 1000]).tolist() == [0.0, 1000 * 24_576]
+    # A request's own work includes its state's traffic, the same at any context: the two
+    # decodes differ only by their attention reads.
+    work = kernel.slot_work([1, 1], [99, 9999], [100, 10000])
+    state = 36 * 2 * STATE
+    attention = 100 * 12 * 2 * 256 * 2 / 2_592_000
+    norms = 36 * 40960 / 2 + 12 * (8192 + 16384 + 2048 + 8192) / 2
+    # the 48 layers' routed experts: two tokens touch 512 x (1 - (502/512)^2) experts, each a
+    # half shard of 3 x 512 x 2,048 bf16; each token is charged half
+    experts = 48 * 512 * (1 - (502 / 512) ** 2) * 3 * 512 * 2048 * 2 / 2 / H200_READ / 2
+    assert work.slot_us[0, 1] == pytest.approx(
+        (state + norms) / H200_READ + attention + experts, rel=1e-12
+    )
+    assert work.slot_us[1, 1] - work.slot_us[0, 1] == pytest.approx(99 * attention, rel=1e-9)
+
+
+def test_a_hybrid_splits_its_piecewise_graph_at_every_mixer():
+    kernel = Kernel.build(Deployment(**QWEN3_NEXT))
+    # 14 kernels a layer: 3 norms, 3 GEMMs, the recurrent update (2) or 4 norms, 2 GEMMs and
+    # attention (2); two all-reduces, the grouped experts (4); plus the head's 2
+    assert kernel.plan.host.kernels == 48 * 14 + 2
+    # a step with a prefill row replays 49 pieces: split at 36 delta nets and 12 attentions
+    assert kernel.price([1, 64], [100, 0], [101, 64]).host_us == pytest.approx(
+        7.0 * 49 + 674 * 3.2, rel=1e-12
+    )
+
+
+def test_a_mamba2_hybrid_by_hand():
+    kernel = Kernel.build(Deployment(model="nemotron-h-8b", chip="h100"))
+    # one request's Mamba2 state in a layer: 128 heads of 64 x 128 bf16, and the convolution's
+    # last 3 inputs over x, B and C (8,192 + 2 x 8 x 128 = 10,240 channels)
+    state = (128 * 64 * 128 + 10240 * 3) * 2
+    assert state == 2_158_592
+    assert kernel.state_bytes_per_request == 24 * state
+    assert kernel.kv_bytes_per_token == 4 * 2 * 8 * 128 * 2
+    price = kernel.price([1] * 64, [2047] * 64, [2048] * 64)
+    weights = (18560 * 4096 + 4096 * 8192) * 2
+    # weights, two norms' traffic per token (16,384 + 49,152 B), each row's state read and
+    # written back, H100's full-attention decode floor
+    assert price.per_kind["mamba2"]["hbm_us"] == pytest.approx(
+        (weights + 64 * 65536 + 64 * 2 * state) / (3.35e6 * 0.8) + 14.5, rel=1e-12
+    )
+    # an MLP layer has no mixer: no floor, no state
+    assert price.per_kind["mlp"]["hbm_us"] == pytest.approx(
+        (2 * 21504 * 4096 * 2 + 64 * 16384) / (3.35e6 * 0.8), rel=1e-12
+    )
+    # a piecewise graph splits at the 28 mixers, not at all 52 layers: 29 replays; kernels:
+    # 24 x (2 norms, 2 GEMMs, the update's 2) + 4 x (norm, 2 GEMMs, attention's 2)
+    # + 24 x (norm, 2 GEMMs) + the head's 2
+    assert kernel.plan.host.kernels == 24 * 6 + 4 * 5 + 24 * 3 + 2 == 238
+    assert kernel.price([1, 64], [100, 0], [101, 64]).host_us == pytest.approx(
+        7.0 * 29 + 238 * 3.2, rel=1e-12
+    )

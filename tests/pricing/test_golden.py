@@ -10,19 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pricing import Deployment, Kernel
+from pricing import Kernel
+from tests.pricing.shared_reference import GOLDEN
 
-GOLDEN = Deployment(
-    model="deepseek-v3",
-    chip="h200",
-    dtype="fp8",
-    cache_dtype="fp8",
-    tp=8,
-    cudagraph_mode="PIECEWISE",
-    max_num_seqs=256,
-    decode_threshold=8,
-    compat="go",
-)
 # batch: sm, hbm, nvlink, host, overlap, nooverlap (ms), bottleneck -- figure read-back
 FIGURE = {
     1: (3.52, 2.07, 0.60, 3.54, 8.81, 9.71, "host"),

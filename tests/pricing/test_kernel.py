@@ -13,16 +13,10 @@ from hypothesis import strategies as st
 from pricing import Deployment, Kernel, PricingError, spec
 from pricing.spec import ChipSpec, ModelSpec, _load, chip_names, load_chip
 from schemas.config import load_pools
+from tests.pricing.shared_reference import GOLDEN
 
 DEPLOYMENTS = [
-    Deployment(
-        model="deepseek-v3",
-        chip="h200",
-        dtype="fp8",
-        cache_dtype="fp8",
-        tp=8,
-        cudagraph_mode="PIECEWISE",
-    ),
+    GOLDEN,  # priced in both modes below
     Deployment(model="gpt-oss-120b", chip="h100", tp=4, cache_dtype="fp8"),
     Deployment(model="gpt-oss-120b", chip="b200", tp=2, cudagraph_mode="FULL_DECODE_ONLY"),
     Deployment(model="llama-3.1-8b-instruct", chip="h100", max_num_seqs=16, decode_threshold=4),
@@ -48,6 +42,8 @@ DEPLOYMENTS = [
         expert_parallel=True,
         all2all_backend="deepep_high_throughput",
     ),
+    Deployment(model="qwen3-next-80b-a3b", chip="h200", tp=2, decode_threshold=4),
+    Deployment(model="nemotron-h-8b", chip="h100", tp=2, cudagraph_mode="PIECEWISE"),
 ]
 
 
@@ -280,18 +276,10 @@ def test_kv_bytes_per_token_whole_replica():
 def test_a_pools_deployment_uses_the_pool_and_engine_settings():
     pools = load_pools()
     chat = pools.pool("chat-8b").deployment()
-    assert chat == Deployment(
-        model="llama-3.1-8b-instruct",
-        chip="h100",
-        dtype="bf16",
-        cache_dtype="bf16",
-        tp=1,
-        nodes=1,
-        cudagraph_mode="FULL_AND_PIECEWISE",
-        max_num_seqs=256,
-        decode_threshold=1,
-        num_spec_tokens=0,
-    )
+    # every field the pool states; the rest at the deployment's defaults
+    stated = dict(model="llama-3.1-8b-instruct", chip="h100", dtype="bf16", cache_dtype="bf16")
+    engine = dict(cudagraph_mode="FULL_AND_PIECEWISE", max_num_seqs=256, decode_threshold=1)
+    assert chat == Deployment(**stated, **engine, tp=1, nodes=1, num_spec_tokens=0)
     reason = pools.pool("reason-dsv3").deployment()
     assert (
         reason.chip,
@@ -379,26 +367,45 @@ def test_bad_batches_name_the_field():
         kernel.price_many([0, 2], [1, 1], [0, 0], [0, 0], n_steps=2)
 
 
+def _refused(tmp_path: Path, source: str, edits: dict[str, str], message: str) -> None:
+    """A copy of pricing's `source` data file ("chips/h100") with `edits` applied is refused
+    with `message`, which names the copy's file and field."""
+    directory, name = source.split("/")
+    text = (Path(__file__).resolve().parents[2] / "pricing" / f"{source}.yaml").read_text()
+    for old, new in {f"name: {name}": "name: copy", **edits}.items():
+        text = text.replace(old, new)
+    (tmp_path / "copy.yaml").write_text(text)
+    spec_type = ChipSpec if directory == "chips" else ModelSpec
+    with pytest.raises(PricingError, match=message):
+        _load(tmp_path, "copy", directory.rstrip("s"), spec_type)
+
+
 def test_bad_data_files_name_file_and_field(tmp_path: Path):
-    good = (Path(__file__).resolve().parents[2] / "pricing" / "chips" / "h100.yaml").read_text()
-    (tmp_path / "x1.yaml").write_text(
-        good.replace("name: h100", "name: x1").replace("hbm_derate: 0.8", "hbm_derate: 1.8")
+    _refused(
+        tmp_path,
+        "chips/h100",
+        {"hbm_derate: 0.8": "hbm_derate: 1.8"},
+        r"copy.yaml: field gemm.hbm_derate",
     )
-    with pytest.raises(PricingError, match=r"x1.yaml: field gemm.hbm_derate"):
-        _load(tmp_path, "x1", "chip", ChipSpec)
-    model = (
-        Path(__file__).resolve().parents[2] / "pricing" / "models" / "llama-3.1-8b-instruct.yaml"
-    ).read_text()
-    (tmp_path / "m.yaml").write_text(
-        model.replace("name: llama-3.1-8b-instruct", "name: m").replace(
-            "kv_heads: 8", "kv_heads: 4"
-        )
+    # a collective's rates are checked here, once, not by the law on every step
+    _refused(
+        tmp_path,
+        "chips/h100",
+        {"2: [4.18, 128000,": "2: [4.18, 0,"},
+        r"copy.yaml: field collectives.all_reduce.2.1",
     )
-    with pytest.raises(
-        PricingError,
-        match=r"m.yaml: .*kv_bytes_per_token_tp1\[bf16\] states 131072 but the attention nodes give 65536",
-    ):
-        _load(tmp_path, "m", "model", ModelSpec)
+    _refused(
+        tmp_path,
+        "models/llama-3.1-8b-instruct",
+        {"kv_heads: 8": "kv_heads: 4"},
+        r"copy.yaml: .*kv_bytes_per_token_tp1\[bf16\] states 131072 but the attention nodes give 65536",
+    )
+    _refused(
+        tmp_path,
+        "models/nemotron-h-8b",
+        {"key_heads: 8,": "key_heads: 3,"},
+        r"copy.yaml: field layer_kinds.0.nodes.2.recurrent: .*key_heads 3 must divide",
+    )
 
 
 def test_go_compat_keeps_the_single_step_ramp_on_prefill_attention():
@@ -433,14 +440,12 @@ def test_a_chip_without_its_measured_engine_is_refused(tmp_path: Path):
     (tmp_path / "x2.yaml").write_text(without.replace("name: h100", "name: x2"))
     with pytest.raises(PricingError, match=r"x2.yaml: field measured_engine: Field required"):
         _load(tmp_path, "x2", "chip", ChipSpec)
-    (tmp_path / "x3.yaml").write_text(
-        good.replace("name: h100", "name: x3").replace('version: "0.25.0"', 'version: ""')
+    _refused(
+        tmp_path,
+        "chips/h100",
+        {'version: "0.25.0"': 'version: ""'},
+        r"copy.yaml: field measured_engine.version: String should have at least 1 character",
     )
-    with pytest.raises(
-        PricingError,
-        match=r"x3.yaml: field measured_engine.version: String should have at least 1 character",
-    ):
-        _load(tmp_path, "x3", "chip", ChipSpec)
 
 
 def test_every_coefficient_states_whether_it_was_measured_or_assumed(tmp_path: Path):
@@ -450,16 +455,12 @@ def test_every_coefficient_states_whether_it_was_measured_or_assumed(tmp_path: P
         "rate_bytes_per_us": "measured",
     }
     assert h200.host.basis["dispatch_per_kernel_us"] == "fitted"
-    good = (Path(__file__).resolve().parents[2] / "pricing" / "chips" / "h100.yaml").read_text()
-    (tmp_path / "x4.yaml").write_text(
-        good.replace("name: h100", "name: x4").replace(
-            "basis: {floor_us: measured, work_scale: measured}", "basis: {floor_us: measured}"
-        )
+    _refused(
+        tmp_path,
+        "chips/h100",
+        {"basis: {floor_us: measured, work_scale: measured}": "basis: {floor_us: measured}"},
+        r"copy.yaml: field attention.prefill: .*missing \['work_scale'\]",
     )
-    with pytest.raises(
-        PricingError, match=r"x4.yaml: field attention.prefill: .*missing \['work_scale'\]"
-    ):
-        _load(tmp_path, "x4", "chip", ChipSpec)
 
 
 def test_the_version_changes_with_the_chip_file_the_model_file_and_the_deployment(

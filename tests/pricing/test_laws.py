@@ -85,12 +85,10 @@ def test_laws_refuse_a_zero_rate_or_an_impossible_span():
         laws.memory_time_us(1.0, 0.0, 0.8)
     with pytest.raises(ValueError, match="read rate"):
         laws.decode_attention_us(1.0, 0.0, 576, 0.0)
-    with pytest.raises(ValueError, match="positive rates"):
-        laws.collective_us(1.0, 1.0, 0.0, 1.0)
     with pytest.raises(ValueError, match="ramp"):
         laws.ramped_arithmetic_us(1.0, 1.0, 0.0, 0.5, 10.0)
     with pytest.raises(ValueError, match="top_k"):
-        laws.distinct_experts(1, 8, 9, 8)
+        laws.expert_miss_probability(8, 9)
     with pytest.raises(ValueError, match="span"):
         laws.cross_node_span(9.0, 0, 8)
     with pytest.raises(ValueError, match="compress_ratio"):
@@ -98,10 +96,12 @@ def test_laws_refuse_a_zero_rate_or_an_impossible_span():
 
 
 def test_distinct_experts():
-    assert laws.distinct_experts(1, 256, 8, 256) == pytest.approx(8.0, rel=1e-14)
-    assert laws.distinct_experts(2, 256, 8, 256) == pytest.approx(256 - 248**2 / 256, rel=1e-14)
-    assert laws.distinct_experts(0, 256, 8, 256) == 0.0
-    assert laws.distinct_experts(100_000, 256, 8, 256) == pytest.approx(256.0, rel=1e-12)
+    miss = laws.expert_miss_probability(256, 8)
+    assert miss == 248 / 256
+    assert laws.distinct_experts(1, miss, 256) == pytest.approx(8.0, rel=1e-14)
+    assert laws.distinct_experts(2, miss, 256) == pytest.approx(256 - 248**2 / 256, rel=1e-14)
+    assert laws.distinct_experts(0, miss, 256) == 0.0
+    assert laws.distinct_experts(100_000, miss, 256) == pytest.approx(256.0, rel=1e-12)
 
 
 def test_collective_fixed_cost_then_peak_rate():
@@ -150,25 +150,49 @@ def test_graph_cost_per_mode_and_host_time():
 
 def test_compose_step_by_hand():
     # one step, two layer kinds (repeat 2 and 3)
-    one = np.ones((1, 2))
     composed = laws.compose_step(
-        sm_dense=one * [10.0, 1.0],
-        prefill_attention=one * [2.0, 0.0],
-        hbm_dense=one * [5.0, 8.0],
-        nvlink=one * [3.0, 3.0],
-        nic=one * [0.0, 9.0],
-        expert_sm=one * [0.0, 4.0],
-        expert_hbm=one * [0.0, 6.0],
+        # (resource, kind, step): SM, HBM, NVLink, NIC; the experts' SM, HBM; the head's
+        layer=np.array([[12.0, 1.0], [5.0, 8.0], [3.0, 3.0], [0.0, 9.0]])[:, :, None],
+        expert=np.array([[0.0, 4.0], [0.0, 6.0]])[:, :, None],
         repeat=np.array([2.0, 3.0]),
-        head_sm=np.array([7.0]),
-        head_hbm=np.array([11.0]),
+        head=np.array([[7.0], [11.0]]),
         host=np.array([20.0]),
     )
     # stages: max(12, 5, 3, 0) = 12; max(1, 8, 3, 9) + 4 + 6 = 19
-    np.testing.assert_allclose(composed.stage, [[12.0, 19.0]])
+    np.testing.assert_allclose(composed.stage, [[12.0], [19.0]])
     sm = 2 * 12 + 3 * (1 + 4) + 7
     hbm = 2 * 5 + 3 * (8 + 6) + 11
-    np.testing.assert_allclose(composed.totals, [[sm, hbm, 15.0, 27.0, 20.0]])
+    np.testing.assert_allclose(composed.totals, [[sm], [hbm], [15.0], [27.0], [20.0]])
     assert composed.nooverlap[0] == sm + hbm + 15 + 27 + 20
     assert composed.overlap[0] == 2 * 12 + 3 * 19 + 11 + 20
     assert composed.bottleneck[0] == 1  # hbm
+
+
+def test_recurrent_state_is_one_matrix_per_value_head_plus_the_convolutions_window():
+    # Qwen3-Next's gated delta-net: 32 value heads of 128 x 128 bf16, and 3 past inputs over
+    # q, k (16 x 128 each) and v (32 x 128)
+    assert laws.recurrent_state_bytes(16, 32, 128, 128, 4, 2) == 32 * 128 * 128 * 2 + 8192 * 3 * 2
+    assert laws.recurrent_state_bytes(16, 32, 128, 128, 4, 2) == 1_097_728
+    # a Mamba2 layer: 8 groups of B and C with state 128, 128 heads of 64, fp32 state
+    assert (
+        laws.recurrent_state_bytes(8, 128, 128, 64, 4, 4)
+        == (128 * 128 * 64 + (2 * 8 * 128 + 128 * 64) * 3) * 4
+    )
+
+
+def test_chunked_scan_flops_are_linear_in_tokens_with_the_chunk_bounding_the_quadratic_part():
+    # Mamba2 with 256-token chunks: C B^T per group, its product with x per head, the state
+    # written and read per head, the 4-tap convolution over 10,240 channels
+    assert laws.chunked_scan_flops(8, 128, 128, 64, 256, 4) == 2 * (
+        8 * 256 * 128 + 128 * 256 * 64 + 2 * 128 * 128 * 64 + 4 * 10240
+    )
+    assert laws.chunked_scan_flops(8, 128, 128, 64, 256, 4) == 8_994_816
+    # the delta net's 64-token chunks
+    assert laws.chunked_scan_flops(16, 32, 128, 128, 64, 4) == 2_949_120
+    # at prefill attention's work_scale of the bf16 eps_max rate, no ramp in the step's tokens
+    assert laws.scan_us(1000, 2_949_120, 989.5e6, 0.992, 0.4) == pytest.approx(
+        1000 * 2_949_120 / (989.5e6 * 0.992 * 0.4), rel=1e-15
+    )
+    assert laws.scan_us(0, 2_949_120, 989.5e6, 0.992, 0.4) == 0.0
+    with pytest.raises(ValueError, match="positive rate"):
+        laws.scan_us(1, 1, 989.5e6, 0.992, 0.0)

@@ -22,18 +22,6 @@ def test_policy_version_is_stable_and_content_addressed():
     assert Policies(alpha=0.8).version() != Policies(alpha=0.7).version()
 
 
-def test_the_former_spelling_of_an_idle_policy_is_refused_naming_the_new_one(tmp_path):
-    text = DEFAULT_POOLS_PATH.read_text().replace("idle: spread_then_headroom", "idle: both")
-    path = _write(tmp_path, text)
-    line = 1 + text.splitlines().index("      idle: both")
-    with pytest.raises(ConfigError) as err:
-        load_pools(path)
-    assert str(err.value).startswith(
-        f"{path}:{line}: field pools.0.policies.idle: Value error, idle policy 'both' is now "
-        "called 'spread_then_headroom' (same behaviour, see CHANGELOG.md): write that name instead"
-    )
-
-
 def test_renaming_the_idle_policy_kept_the_policy_version():
     # Published before the rename as the default policies' version (idle `both`).
     assert Policies(idle="spread_then_headroom").version() == "pol-e3c47d9b1d"
@@ -51,15 +39,30 @@ def _write(tmp_path: Path, text: str) -> Path:
     return path
 
 
-def test_error_names_file_line_and_field(tmp_path):
-    text = DEFAULT_POOLS_PATH.read_text().replace("usd_per_gpu_hour: 3.60", "usd_per_gpu_hour: -1")
+@pytest.mark.parametrize(
+    ("line", "edited", "message"),
+    [
+        (
+            "    usd_per_gpu_hour: 3.60",
+            "    usd_per_gpu_hour: -1",
+            "field pools.0.usd_per_gpu_hour: Input should be greater than 0",
+        ),
+        # The former spelling of an idle policy is refused, naming the new one.
+        (
+            "      idle: spread_then_headroom",
+            "      idle: both",
+            "field pools.0.policies.idle: Value error, idle policy 'both' is now called "
+            "'spread_then_headroom' (same behaviour, see CHANGELOG.md): write that name instead",
+        ),
+    ],
+)
+def test_error_names_file_line_and_field(tmp_path, line, edited, message):
+    text = DEFAULT_POOLS_PATH.read_text().replace(line.strip(), edited.strip())
     path = _write(tmp_path, text)
-    line = 1 + text.splitlines().index("    usd_per_gpu_hour: -1")
+    number = 1 + text.splitlines().index(edited)
     with pytest.raises(ConfigError) as err:
         load_pools(path)
-    assert str(err.value).startswith(
-        f"{path}:{line}: field pools.0.usd_per_gpu_hour: Input should be greater than 0"
-    )
+    assert str(err.value).startswith(f"{path}:{number}: {message}")
 
 
 def test_gpu_uuid_count_must_match_replica_width(tmp_path):

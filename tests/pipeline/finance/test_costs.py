@@ -24,6 +24,37 @@ DAY_ONE = datetime(2026, 11, 30, 22, tzinfo=UTC)
 DAY_TWO = DAY_ONE + timedelta(hours=3)  # 2026-12-01T01
 
 
+# (pool, hour, lines (tenant, feature, kind, amount, requests, tokens), invoice, checks passed)
+PUBLISHED = [
+    (
+        "chat",
+        DAY_ONE,
+        [
+            ("acme", "bot", "usage", 600, 3, 30),
+            ("acme", "search", "usage", 150, 1, 10),
+            ("globex", "qa", "usage", 200, 2, 20),
+            ("platform", "(platform-retry)", "platform_retry", 40, 1, 4),
+            ("platform", "(prefix-cache)", "cache_credit", -30, 2, 0),
+            ("platform", "(idle)", "idle", 40, 0, 0),
+        ],
+        1000,
+        True,
+    ),
+    (
+        "batch",
+        DAY_TWO,
+        [
+            ("globex", "qa", "usage", 300, 5, 50),
+            ("(unattributed)", "(unattributed)", "unattributed", 20, 1, 2),
+            ("sre", "(headroom)", "headroom", 180, 0, 0),
+        ],
+        500,
+        True,
+    ),
+    ("chat", DAY_TWO, [("acme", "bot", "usage", 999, 9, 99)], 999, False),
+]
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Two hours on two days: pool chat with usage, a platform retry, a cache credit that
@@ -31,39 +62,8 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     unattributed usage. One more hour is held back (a failed blocking check)."""
     directory = tmp_path_factory.mktemp("costs")
     with connect(directory / "pipeline.duckdb") as con:
-        publish(
-            con,
-            "chat",
-            [
-                ("acme", "bot", "usage", 600, 3, 30),
-                ("acme", "search", "usage", 150, 1, 10),
-                ("globex", "qa", "usage", 200, 2, 20),
-                ("platform", "(platform-retry)", "platform_retry", 40, 1, 4),
-                ("platform", "(prefix-cache)", "cache_credit", -30, 2, 0),
-                ("platform", "(idle)", "idle", 40, 0, 0),
-            ],
-            1000,
-            hour=DAY_ONE,
-        )
-        publish(
-            con,
-            "batch",
-            [
-                ("globex", "qa", "usage", 300, 5, 50),
-                ("(unattributed)", "(unattributed)", "unattributed", 20, 1, 2),
-                ("sre", "(headroom)", "headroom", 180, 0, 0),
-            ],
-            500,
-            hour=DAY_TWO,
-        )
-        publish(
-            con,
-            "chat",
-            [("acme", "bot", "usage", 999, 9, 99)],
-            999,
-            hour=DAY_TWO,
-            passed=False,
-        )
+        for pool, hour, lines, invoice, passed in PUBLISHED:
+            publish(con, pool, lines, invoice, hour=hour, passed=passed)
     return directory
 
 

@@ -32,49 +32,43 @@ def billed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return data
 
 
+# What the payer test reads from the finance views, by name.
+WHO_PAYS = {
+    "hours": "SELECT count(*) FROM published_hours",
+    "mismatched": """
+        WITH per_request AS (
+            SELECT hour, pool, billed_tenant AS tenant, billed_feature AS feature, line_kind,
+                   sum(amount_nano) AS amount, count(*) AS requests
+            FROM cost_per_request GROUP BY ALL),
+        per_line AS (
+            SELECT hour, pool, tenant, feature, line_kind, sum(amount_nano) AS amount,
+                   sum(requests) AS requests
+            FROM published_ledger_lines
+            WHERE line_kind IN ('usage', 'unattributed', 'platform_retry') GROUP BY ALL)
+        SELECT * FROM per_request FULL JOIN per_line USING (hour, pool, tenant, feature, line_kind)
+        WHERE per_request.amount IS DISTINCT FROM per_line.amount
+           OR per_request.requests IS DISTINCT FROM per_line.requests
+        """,
+    "payers": "SELECT paid_by, count(*), sum(amount_nano) FROM cost_per_request GROUP BY ALL ORDER BY ALL",
+    "platform": "SELECT DISTINCT billed_tenant, billed_feature, tenant IS NOT NULL "
+    "FROM cost_per_request WHERE paid_by = 'platform'",
+    "credit": "SELECT requests FROM ledger_lines WHERE line_kind = 'cache_credit'",
+    "owner": "SELECT requests FROM tenant_costs WHERE tenant = 'platform-inference'",
+    "retries": "SELECT sum(requests) FROM ledger_lines WHERE line_kind = 'platform_retry'",
+}
+
+
 def test_requests_sum_to_the_ledger_lines_of_who_pays(billed: Path) -> None:
     with finance.connect(billed) as con:
-        hours = con.execute("SELECT count(*) FROM published_hours").fetchall()
-        mismatched = con.execute(
-            """
-            WITH per_request AS (
-                SELECT hour, pool, billed_tenant AS tenant, billed_feature AS feature, line_kind,
-                       sum(amount_nano) AS amount, count(*) AS requests
-                FROM cost_per_request GROUP BY ALL),
-            per_line AS (
-                SELECT hour, pool, tenant, feature, line_kind, sum(amount_nano) AS amount,
-                       sum(requests) AS requests
-                FROM published_ledger_lines
-                WHERE line_kind IN ('usage', 'unattributed', 'platform_retry') GROUP BY ALL)
-            SELECT * FROM per_request FULL JOIN per_line USING (hour, pool, tenant, feature, line_kind)
-            WHERE per_request.amount IS DISTINCT FROM per_line.amount
-               OR per_request.requests IS DISTINCT FROM per_line.requests
-            """
-        ).fetchall()
-        payers = con.execute(
-            "SELECT paid_by, count(*), sum(amount_nano) FROM cost_per_request GROUP BY ALL ORDER BY ALL"
-        ).fetchall()
-        platform = con.execute(
-            "SELECT DISTINCT billed_tenant, billed_feature, tenant IS NOT NULL "
-            "FROM cost_per_request WHERE paid_by = 'platform'"
-        ).fetchall()
-        credit = con.execute(
-            "SELECT requests FROM ledger_lines WHERE line_kind = 'cache_credit'"
-        ).fetchall()
-        owner = con.execute(
-            "SELECT requests FROM tenant_costs WHERE tenant = 'platform-inference'"
-        ).fetchall()
-        retries = con.execute(
-            "SELECT sum(requests) FROM ledger_lines WHERE line_kind = 'platform_retry'"
-        ).fetchall()
-    assert hours == [(1,)]
-    assert mismatched == []
-    assert payers == [("platform", 2, 352_322), ("tenant", 1258, 357_451_327)]
+        got = {name: con.execute(sql).fetchall() for name, sql in WHO_PAYS.items()}
+    assert got["hours"] == [(1,)]
+    assert got["mismatched"] == []
+    assert got["payers"] == [("platform", 2, 352_322), ("tenant", 1258, 357_451_327)]
     # A platform retry keeps the tenant that sent it, and is billed to the capacity owner.
-    assert platform == [("platform-inference", "(platform-retry)", True)]
-    assert credit == [(1111,)]
+    assert got["platform"] == [("platform-inference", "(platform-retry)", True)]
+    assert got["credit"] == [(1111,)]
     # The capacity owner's requests are its retries: the cache credit's readers are not counted.
-    assert owner == retries == [(2,)]
+    assert got["owner"] == got["retries"] == [(2,)]
 
 
 def test_explain_reproduces_a_request_charge(billed: Path) -> None:

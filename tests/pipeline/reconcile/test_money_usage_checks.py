@@ -6,6 +6,7 @@ import polars as pl
 import pytest
 
 from pipeline.reconcile import (
+    CheckResult,
     check_calibration,
     check_money,
     check_plausibility,
@@ -254,32 +255,21 @@ def test_new_engine_version_with_kernel_weights_warns_naming_the_kernel_version(
 
 def test_calibration_drift_beyond_the_threshold():
     fitted = make_pool(weights="fitted")
-    stored = {"c0_ms": 4.0, "a_ms": 0.02, "b_ms": 0.001}
-    results = check_calibration(
-        HOUR,
-        fitted,
-        make_segments(fitted),
-        {KEY},
-        SETTINGS,
-        stored_fit=stored,
-        fresh_fit={"c0_ms": 4.2, "a_ms": 0.025, "b_ms": 0.001},
-    )
-    drift = results[-1]
+
+    def drift_check(fresh_fit: dict[str, float]) -> CheckResult:
+        stored = {"c0_ms": 4.0, "a_ms": 0.02, "b_ms": 0.001}
+        segments = make_segments(fitted)
+        return check_calibration(
+            HOUR, fitted, segments, {KEY}, SETTINGS, stored_fit=stored, fresh_fit=fresh_fit
+        )[-1]
+
+    drift = drift_check({"c0_ms": 4.2, "a_ms": 0.025, "b_ms": 0.001})
     assert drift.check_name == "calibration_drift" and drift.replica is None
     assert not drift.passed and drift.severity == "ERROR" and drift.finding == "drift"
     assert drift.detail.startswith(
         "a fresh fit drifted beyond 15% in a_ms: a_ms 0.02 -> 0.025 (25.0%), b_ms"
     )
-    steady = check_calibration(
-        HOUR,
-        fitted,
-        make_segments(fitted),
-        {KEY},
-        SETTINGS,
-        stored_fit=stored,
-        fresh_fit={"c0_ms": 4.4, "a_ms": 0.021, "b_ms": 0.00099},
-    )[-1]
-    assert steady.passed
+    assert drift_check({"c0_ms": 4.4, "a_ms": 0.021, "b_ms": 0.00099}).passed
 
 
 def test_naive_hour_is_refused():

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import polars as pl
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -46,6 +47,11 @@ def sequence(steps, drops=None, damage=None, **kwargs):
     )
 
 
+def time_check(steps, replica):
+    """The time check's result for `replica` of the hour's `steps`."""
+    return by_replica(check_time(HOUR, POOL, steps, SETTINGS))[replica]
+
+
 def by_replica(results):
     return {r.replica: r for r in results}
 
@@ -61,7 +67,7 @@ def test_clean_hour_passes_sequence_and_time():
         r0.observed
         == "72000 steps logged, 0 missing (0 counted drops), 0 repeated, 0 damaged frames"
     )
-    time_r0 = by_replica(check_time(HOUR, POOL, steps, SETTINGS))["chat-r0"]
+    time_r0 = time_check(steps, "chat-r0")
     assert time_r0.observed == (
         "3600.000 s GPU-time: busy 2160.000 s, gaps 1439.980 s, idle before/after 0.020 s, unaccounted 0.000 s per GPU"
     )
@@ -81,7 +87,7 @@ def test_dropped_records_fail_sequence_with_missing_ranges_and_time_with_shortfa
         "missing seq 1200-1299, 4000-4010, 10000-10999 (1111 steps) with no counted drop or damage to explain them"
     )
     # 1111 lost steps of 50 ms, plus one 20 ms gap per break that the lost steps took with them.
-    time_r0 = by_replica(check_time(HOUR, POOL, steps, SETTINGS))["chat-r0"]
+    time_r0 = time_check(steps, "chat-r0")
     assert not time_r0.passed and time_r0.finding == "shortfall"
     assert time_r0.detail == (
         "55.610 s GPU-time (1.54% of the hour) unaccounted; 3 sequence break(s) span 55.610 s: "
@@ -92,7 +98,7 @@ def test_dropped_records_fail_sequence_with_missing_ranges_and_time_with_shortfa
 def test_small_loss_fails_sequence_but_stays_within_time_tolerance():
     steps = without_seq(clean_steps(POOL), "chat-r1", 500, 509)
     assert not by_replica(sequence(steps))["chat-r1"].passed
-    time_r1 = by_replica(check_time(HOUR, POOL, steps, SETTINGS))["chat-r1"]
+    time_r1 = time_check(steps, "chat-r1")
     assert time_r1.passed
     assert time_r1.observed.endswith("unaccounted 0.520 s per GPU")
 
@@ -163,7 +169,7 @@ def test_repeated_sequence_numbers_block_the_hour():
         == "seq 100-199 logged more than once (100 sequence numbers): steps would be charged twice"
     )
     # The repeated steps add 3 s of step time beyond the hour: within the time tolerance.
-    time_r0 = by_replica(check_time(HOUR, POOL, pl.concat([steps, repeated]), SETTINGS))["chat-r0"]
+    time_r0 = time_check(pl.concat([steps, repeated]), "chat-r0")
     assert time_r0.passed and time_r0.observed.endswith("unaccounted -3.000 s per GPU")
 
 
@@ -177,38 +183,38 @@ def test_gap_at_the_start_of_the_hour_is_seen_with_the_previous_last_seq():
     assert r0.expected == "seq 450-72499 contiguous (72050 steps)"
 
 
-def test_clock_skew_forward_jump_fails_time_as_skew_not_as_drops():
-    steps = shift_utc(clean_steps(POOL), "chat-r1", 36_000, 30 * S)
+@pytest.mark.parametrize(
+    ("shift_ns", "disagreement"),
+    [
+        (
+            30 * S,
+            "UTC span differs from the monotonic span by 30.000 s; UTC-monotonic offset moved by "
+            "30.000 s within the hour",
+        ),
+        (-2 * S, "consecutive steps overlap in UTC by up to 1.980 s"),
+    ],
+)
+def test_clock_skew_fails_time_as_skew_not_as_drops(shift_ns, disagreement):
+    steps = shift_utc(clean_steps(POOL), "chat-r1", 36_000, shift_ns)
     assert all(r.passed for r in sequence(steps))
-    r1 = by_replica(check_time(HOUR, POOL, steps, SETTINGS))["chat-r1"]
+    r1 = time_check(steps, "chat-r1")
     assert not r1.passed and r1.blocking and r1.finding == "clock_skew"
     assert r1.detail == (
-        "wall-clock placement disagrees with monotonic durations (clock skew): UTC span differs from the "
-        "monotonic span by 30.000 s; UTC-monotonic offset moved by 30.000 s within the hour"
-    )
-
-
-def test_clock_skew_backward_step_overlaps_steps_in_utc():
-    steps = shift_utc(clean_steps(POOL), "chat-r1", 36_000, -2 * S)
-    r1 = by_replica(check_time(HOUR, POOL, steps, SETTINGS))["chat-r1"]
-    assert not r1.passed and r1.finding == "clock_skew"
-    assert r1.detail == (
-        "wall-clock placement disagrees with monotonic durations (clock skew): "
-        "consecutive steps overlap in UTC by up to 1.980 s"
+        f"wall-clock placement disagrees with monotonic durations (clock skew): {disagreement}"
     )
 
 
 def test_anchor_jitter_below_a_millisecond_is_not_skew():
     steps = shift_utc(clean_steps(POOL), "chat-r1", 36_000, -25 * MS)
     # A 25 ms step back overlaps the previous step by 5 ms: flagged; 0.5 ms is anchor jitter.
-    assert not by_replica(check_time(HOUR, POOL, steps, SETTINGS))["chat-r1"].passed
+    assert not time_check(steps, "chat-r1").passed
     jitter = shift_utc(clean_steps(POOL), "chat-r1", 36_000, -20 * MS - MS // 2)
-    assert by_replica(check_time(HOUR, POOL, jitter, SETTINGS))["chat-r1"].passed
+    assert time_check(jitter, "chat-r1").passed
 
 
 def test_idle_replica_without_steps_passes_time_and_sequence_visibly():
     steps = make_steps(POOL, "chat-r0")
-    r1_time = by_replica(check_time(HOUR, POOL, steps, SETTINGS))["chat-r1"]
+    r1_time = time_check(steps, "chat-r1")
     assert r1_time.passed and r1_time.observed == "no steps"
     assert r1_time.detail.startswith("no steps logged: the replica was idle all hour")
     r1_seq = by_replica(sequence(steps))["chat-r1"]
@@ -270,7 +276,7 @@ def test_sequence_reports_exactly_the_missing_steps(lost):
 def test_step_time_beyond_the_hour_fails_time_as_excess():
     steps = clean_steps(POOL)
     repeated = steps.filter((pl.col("replica") == "chat-r0") & (pl.col("seq") < 1_000))
-    r0 = by_replica(check_time(HOUR, POOL, pl.concat([steps, repeated]), SETTINGS))["chat-r0"]
+    r0 = time_check(pl.concat([steps, repeated]), "chat-r0")
     assert not r0.passed and r0.blocking and r0.finding == "excess"
     assert r0.detail == (
         "step time and gaps exceed the wall-clock hour by 30.000 s (0.83%): duplicated records or clock skew"

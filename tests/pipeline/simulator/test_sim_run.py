@@ -10,7 +10,7 @@ import numpy as np
 import polars as pl
 import pytest
 import yaml
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 
 from pipeline.cli import main
 from pipeline.dcgm import parse_dcgm
@@ -18,6 +18,7 @@ from pipeline.simulator import SimulationSummary, simulate
 from pipeline.simulator.faults import UNCALIBRATED_ENGINE_VERSION, FaultError, parse_fault
 from pipeline.simulator.telemetry import busy_between
 from pipeline.steplog import read_segments
+from pricing import Kernel
 from schemas.config import PoolsFile, load_pools
 
 START = datetime(2026, 11, 30, 5, tzinfo=UTC)
@@ -342,45 +343,19 @@ def test_busy_between_counts_partial_intervals():
 def test_cli_simulates_and_reports(tmp_path):
     pools_path = tmp_path / "pools.yaml"
     pools_path.write_text(yaml.safe_dump(small_two_pool_fleet().model_dump(mode="json")))
-    result = CliRunner().invoke(
-        main,
-        [
-            "simulate",
-            "--out",
-            str(tmp_path / "run"),
-            "--hours",
-            "0.005",
-            "--seed",
-            "2",
-            "--pools",
-            str(pools_path),
-            "--start",
-            "2026-12-01T03:00Z",
-            "--fault",
-            "new-engine-version",
-        ],
-    )
+
+    def simulate(out: str, *options: str) -> Result:
+        return CliRunner().invoke(main, ["simulate", "--out", str(tmp_path / out), *options])
+
+    # A few seconds of the small fleet from 03:00.
+    pools = str(pools_path)
+    small = ["--hours", "0.005", "--seed", "2", "--pools", pools, "--start", "2026-12-01T03:00Z"]
+    result = simulate("run", *small, "--fault", "new-engine-version")
     assert result.exit_code == 0, result.output
     assert "chat-8b-r0" in result.output and "reason-dsv3-r0" in result.output
     assert "fault new-engine-version: chat-8b-r0: reports engine version 0.12.0rc2" in result.output
     assert (tmp_path / "run" / "gateway" / "2026-12-01T03.jsonl").exists()
-    as_json = CliRunner().invoke(
-        main,
-        [
-            "simulate",
-            "--out",
-            str(tmp_path / "run2"),
-            "--hours",
-            "0.005",
-            "--seed",
-            "2",
-            "--pools",
-            str(pools_path),
-            "--start",
-            "2026-12-01T03:00Z",
-            "--json",
-        ],
-    )
+    as_json = simulate("run2", *small, "--json")
     assert as_json.exit_code == 0, as_json.output
     summary = json.loads(as_json.stdout)
     assert (summary["seed"], summary["start"]) == (2, "2026-12-01 03:00:00+00:00")
@@ -388,33 +363,50 @@ def test_cli_simulates_and_reports(tmp_path):
         r.id for p in small_two_pool_fleet().pools for r in p.replicas
     ]
     assert summary["steps"] == sum(r["steps"] for r in summary["replicas"])
-    bad = CliRunner().invoke(
-        main,
-        [
-            "simulate",
-            "--out",
-            str(tmp_path / "x"),
-            "--hours",
-            "1",
-            "--seed",
-            "1",
-            "--fault",
-            "host-stall=-1",
-        ],
-    )
+    bad = simulate("x", "--hours", "1", "--seed", "1", "--fault", "host-stall=-1")
     assert bad.exit_code != 0 and "fault 'host-stall': fraction -1.0 must be positive" in bad.output
-    late = CliRunner().invoke(
-        main,
-        [
-            "simulate",
-            "--out",
-            str(tmp_path / "y"),
-            "--hours",
-            "1",
-            "--seed",
-            "1",
-            "--start",
-            "2026-12-01T03:30Z",
-        ],
-    )
+    late = simulate("y", "--hours", "1", "--seed", "1", "--start", "2026-12-01T03:30Z")
     assert late.exit_code != 0 and "is not on the hour" in late.output
+
+
+def test_a_hybrid_models_pool_is_served_and_each_step_lasts_its_kernel_price(tmp_path):
+    """A pool of Qwen3-Next (gated delta-net and attention layers) is simulated like any other:
+    with no step noise each recorded step lasts exactly the kernel's NoOverlap for its slots."""
+    pools = load_pools()
+    chat = pools.pools[0]
+    hybrid = chat.model_copy(
+        update={
+            "name": "hybrid-next",
+            "model": "qwen3-next-80b-a3b",
+            "gpu_type": "h200",
+            "gpus_per_replica": 2,
+            "replicas": [
+                chat.replicas[0].model_copy(
+                    update={"id": "hybrid-next-r0", "gpu_uuids": chat.replicas[0].gpu_uuids * 2}
+                )
+            ],
+            "workload": chat.workload.model_copy(update={"step_noise": 0.0}),
+        }
+    )
+    fleet = PoolsFile.model_validate(
+        {"settings": pools.settings.model_dump(), "pools": [hybrid.model_dump()]}
+    )
+    summary = simulate(tmp_path / "run", fleet, hours=0.005, seed=3, start=START)
+    assert summary.steps > 100
+    log = decode(tmp_path / "run")
+    steps = pl.from_arrow(log.steps).sort("seq")
+    slots = pl.from_arrow(log.slots).join(
+        steps.select("seq", pl.int_range(pl.len()).alias("i")), on="seq"
+    )
+    prices = Kernel.build(hybrid.deployment()).price_many(
+        slots["i"].to_numpy(),
+        slots["new_tokens"].to_numpy(),
+        slots["context_tokens"].to_numpy(),
+        slots["prompt_tokens"].to_numpy(),
+        steps.height,
+    )
+    np.testing.assert_array_equal(
+        (steps["end_utc_ns"] - steps["start_utc_ns"]).to_numpy(),
+        np.rint(prices.nooverlap_us * 1000.0).astype(np.int64),
+    )
+    assert (slots["new_tokens"] > 1).any() and (slots["new_tokens"] == 1).any()

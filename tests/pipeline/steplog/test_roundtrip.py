@@ -9,6 +9,7 @@ import hypothesis.strategies as st
 from hypothesis import given, settings
 
 from pipeline.steplog import StepRecorder, read_segments
+from schemas.records import SLOT_COLUMNS
 from schemas.tables import HOLDER_STATES
 
 INT32 = 2**31 - 1
@@ -60,17 +61,6 @@ def steps(draw):
     }
 
 
-SLOT_FIELDS = (
-    "new_tokens",
-    "context_tokens",
-    "kv_blocks",
-    "prompt_tokens",
-    "prefix_hit_tokens",
-    "spec_drafted",
-    "spec_accepted",
-)
-
-
 @settings(max_examples=60, deadline=None)
 @given(
     log=st.lists(steps(), max_size=8),
@@ -93,7 +83,7 @@ def test_round_trip(header, clocks, log, first_seq, rotate_bytes, columns_as_lis
                     recorder.drop_step()
                     continue
                 columns = [
-                    [slot[name] for slot in step["slots"]] for name in ("request_id", *SLOT_FIELDS)
+                    [slot[name] for slot in step["slots"]] for name in ("request_id", *SLOT_COLUMNS)
                 ]
                 if not columns_as_lists:
                     columns = [tuple(column) for column in columns]

@@ -31,6 +31,23 @@ from tests.helpers.warehouse_fleet import NS, write_replica_log
 POOL = load_pools().pool("chat-8b")
 
 
+def write_r0_parts(outbox: Path, parts: int, *, gap_ns: int, requests: list[str]) -> None:
+    """`parts` logs of r0 from 05:00, ten minutes apart, each of 20 one-second steps numbered on
+    from the previous log's."""
+    for part in range(parts):
+        write_replica_log(
+            outbox,
+            POOL,
+            "chat-8b-r0",
+            start=HOUR + timedelta(minutes=10 * part),
+            steps=20,
+            step_ns=NS,
+            gap_ns=gap_ns,
+            requests=requests,
+            first_seq=20 * part,
+        )
+
+
 @pytest.fixture
 def outbox(tmp_path: Path) -> Path:
     root = tmp_path / "outbox"
@@ -92,18 +109,7 @@ def test_a_full_outbox_is_ingested_in_batches_of_bounded_bytes(
 ) -> None:
     outbox = tmp_path / "outbox"
     # Six segments of 20 steps each (one every 30 s), and a replica of one segment.
-    for part in range(6):
-        write_replica_log(
-            outbox,
-            POOL,
-            "chat-8b-r0",
-            start=HOUR + timedelta(minutes=10 * part),
-            steps=20,
-            step_ns=NS,
-            gap_ns=29 * NS,
-            requests=["a", "b"],
-            first_seq=20 * part,
-        )
+    write_r0_parts(outbox, 6, gap_ns=29 * NS, requests=["a", "b"])
     write_replica_log(
         outbox, POOL, "chat-8b-r1", start=HOUR, steps=10, step_ns=NS, gap_ns=NS, requests=["c"]
     )
@@ -179,18 +185,7 @@ def test_a_torn_segment_is_bounded_by_the_next_one_in_the_next_batch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     outbox = tmp_path / "outbox"
-    for part in range(2):
-        write_replica_log(
-            outbox,
-            POOL,
-            "chat-8b-r0",
-            start=HOUR + timedelta(minutes=10 * part),
-            steps=20,
-            step_ns=NS,
-            gap_ns=NS,
-            requests=["a"],
-            first_seq=20 * part,
-        )
+    write_r0_parts(outbox, 2, gap_ns=NS, requests=["a"])
     torn = segment_files(outbox)[0]
     torn.write_bytes(torn.read_bytes()[:-40])
 
