@@ -339,8 +339,8 @@ class RequestMirror:
             self._apply(pending.popleft())
         if self._applied != step.index:
             raise ValueError(
-                f"step {step.index} completed after step {self._applied}: vLLM returned "
-                "results out of schedule order, the KV shares of that moment are gone"
+                f"schedule() call {step.index} completed after call {self._applied}: vLLM "
+                "returned results out of schedule order, the KV shares of that moment are gone"
             )
         scheduled = step.scheduled
         request_ids = list(scheduled)

@@ -115,7 +115,7 @@ def test_the_mirror_applies_unrecorded_steps_before_the_next_one_it_builds():
     assert (first[0], first[3].tolist(), first[4]) == (["a", "b"], [1.5, 1.5], [20, 20])
     last = mirror.columns(steps[3], {})
     assert (last[0], last[2], last[3].tolist(), last[8]) == (["a"], [16], [3.0], [])
-    with pytest.raises(ValueError, match="step 2 completed after step 4"):
+    with pytest.raises(ValueError, match="call 2 completed after call 4"):
         mirror.columns(steps[1], {})
 
 
