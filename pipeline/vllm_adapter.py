@@ -326,7 +326,7 @@ class RequestMirror:
                 held = blocks.get(request_id)
                 if held is None:
                     raise ValueError(
-                        f"request {request_id!r} got KV blocks in step {step.index} but was "
+                        f"request {request_id!r} got KV blocks in schedule() call {step.index} but was "
                         "never scheduled as a new request"
                     )
                 held.extend(_group_blocks(new_blocks, self.groups))
