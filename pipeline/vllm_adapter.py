@@ -326,8 +326,8 @@ class RequestMirror:
                 held = blocks.get(request_id)
                 if held is None:
                     raise ValueError(
-                        f"request {request_id!r} got KV blocks in schedule() call {step.index} but was "
-                        "never scheduled as a new request"
+                        f"request {request_id!r} got KV blocks in schedule() call "
+                        f"{step.index} but was never scheduled as a new request"
                     )
                 held.extend(_group_blocks(new_blocks, self.groups))
         self._applied = step.index
