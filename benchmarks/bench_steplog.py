@@ -65,7 +65,7 @@ def _recorder_figures(quick: bool, outbox: Path) -> list[Figure]:
                 *arguments,
                 holder_ids=holder_ids,
                 holder_blocks=[3.0, 5.5],
-                holder_states=["waiting", "preempted"],
+                holder_states=["waiting", "waiting"],
                 free_blocks=100,
                 total_blocks=6000,
             )

@@ -2,10 +2,10 @@
 
 256 requests decode side by side in vLLM's AsyncScheduler (CPU, a tiny model config, synthetic
 model outputs, prefix caching on, every request sharing a 4-block system prompt). Timed per
-step: everything the recording subclass adds to schedule() and update_from_output() (mapping
-the scheduler's state onto the step, queueing it to the recorder), with the recorder's writer
-thread running. The scheduler's own schedule() + update_from_output() time is reported beside
-it for scale.
+step: everything the recording subclass adds to schedule() and update_from_output() (what it
+keeps of the step, queueing it to the recorder), as the time of each call less that of vLLM's
+own method inside it, with the recorder's writer thread running. The scheduler's own
+schedule() + update_from_output() time is reported beside it for scale.
 """
 
 from __future__ import annotations
@@ -23,23 +23,34 @@ SLOTS_PER_STEP = 256
 SHARED_PROMPT = list(range(1000, 1064))
 
 
-def _timed(function: Any, durations: list[int]) -> Any:
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        began = time.perf_counter_ns()
-        result = function(*args, **kwargs)
-        durations.append(time.perf_counter_ns() - began)
-        return result
+def _timed_scheduler(base: type, durations: dict[str, list[int]]) -> type:
+    """`base` with the wall time of each schedule() and update_from_output() call appended to
+    `durations` under the method's name."""
 
-    return timed
+    class Timed(base):  # type: ignore[misc,valid-type]
+        def schedule(self, *args: Any, **kwargs: Any) -> Any:
+            began = time.perf_counter_ns()
+            output = super().schedule(*args, **kwargs)
+            durations["schedule"].append(time.perf_counter_ns() - began)
+            return output
+
+        def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
+            began = time.perf_counter_ns()
+            result = super().update_from_output(*args, **kwargs)
+            durations["update_from_output"].append(time.perf_counter_ns() - began)
+            return result
+
+    return Timed
 
 
 def hook_cost(adapter: Any, steps: int) -> tuple[np.ndarray, np.ndarray]:
-    """Nanoseconds per recorded step spent in `adapter`'s hook on the engine thread, and per
+    """Nanoseconds per recorded step that `adapter`'s recording subclass adds on the engine
+    thread (its schedule() and update_from_output() less vLLM's own, timed inside), and per
     engine step (schedule + update_from_output, hook included)."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
     from pipeline.steplog import StepRecorder
-    from schemas.config import load_pools
+    from tests.helpers.steplog_samples import HEADER
     from tests.pipeline.vllm_engine import Engine, build_scheduler, request_factory, vllm_config
 
     with tempfile.TemporaryDirectory() as scratch:
@@ -52,15 +63,13 @@ def hook_cost(adapter: Any, steps: int) -> tuple[np.ndarray, np.ndarray]:
             async_scheduling=True,
             num_speculative_tokens=0,
         )
-        pool = load_pools().pools[0]
-        header = adapter.header_for(
-            pool, pool.replicas[0].id, "bench", "bench", pool.gpus_per_replica, 16
-        )
-        hook: list[int] = []
+        inner: dict[str, list[int]] = {"schedule": [], "update_from_output": []}
+        outer: dict[str, list[int]] = {"schedule": [], "update_from_output": []}
         recording = adapter.recording_scheduler_class(
-            AsyncScheduler, lambda scheduler: StepRecorder(root / "outbox", header)
+            _timed_scheduler(AsyncScheduler, inner),
+            lambda scheduler: StepRecorder(root / "outbox", HEADER),
         )
-        scheduler = build_scheduler(recording, config)
+        scheduler = build_scheduler(_timed_scheduler(recording, outer), config)
         make_request = request_factory(config)
         for index in range(SLOTS_PER_STEP):
             prompt = SHARED_PROMPT + [2000 + index] * (16 + index % 48)
@@ -68,31 +77,29 @@ def hook_cost(adapter: Any, steps: int) -> tuple[np.ndarray, np.ndarray]:
         engine = Engine(scheduler, async_scheduling=True)
         for _ in range(8):
             engine.step()
-
-        # What the recording subclass runs on the engine thread, timed where it runs.
-        original = (adapter.scheduled_step, adapter.accepted_tokens)
-        adapter.scheduled_step = _timed(adapter.scheduled_step, hook)
-        adapter.accepted_tokens = _timed(adapter.accepted_tokens, hook)
-        recorder = scheduler.step_recorder
-        # The hook queues its step through one of the two; the other is never called.
-        recorder.record_step = _timed(recorder.record_step, hook)
-        recorder.record_step_later = _timed(recorder.record_step_later, hook)
+        for durations in (inner, outer):
+            for calls in durations.values():
+                calls.clear()
         engine_steps = []
-        try:
-            for _ in range(steps):
-                began = time.perf_counter_ns()
-                engine.step()
-                engine_steps.append(time.perf_counter_ns() - began)
-                time.sleep(0.0005)
-        finally:
-            adapter.scheduled_step, adapter.accepted_tokens = original
+        for _ in range(steps):
+            began = time.perf_counter_ns()
+            engine.step()
+            engine_steps.append(time.perf_counter_ns() - began)
+            time.sleep(0.0005)
         engine.drain()
+        recorder = scheduler.step_recorder
         scheduler.shutdown()
         if recorder.dropped_steps or recorder.rejected_steps:
             raise RuntimeError(f"the recorder dropped or rejected steps: {recorder.dropped_steps}")
 
-    # Three timed calls per recorded step: scheduled_step, accepted_tokens, queueing the step.
-    per_step = np.asarray(hook[: len(hook) // 3 * 3], np.int64).reshape(-1, 3).sum(axis=1)
+    # Every step decodes all requests, so the n-th schedule() and update_from_output() calls
+    # belong to the same step.
+    added = {
+        name: np.asarray(outer[name], np.int64) - np.asarray(inner[name], np.int64)
+        for name in outer
+    }
+    paired = min(map(len, added.values()))
+    per_step = added["schedule"][:paired] + added["update_from_output"][:paired]
     return per_step, np.asarray(engine_steps, np.int64)
 
 

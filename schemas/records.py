@@ -15,7 +15,7 @@ from enum import IntEnum
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from schemas.tables import HOLDER_STATES
+from schemas.tables import DECODED_HOLDER_STATES
 
 FILE_MAGIC = b"STEPLOG\x00"
 FORMAT_VERSION = 1
@@ -108,8 +108,8 @@ LAYOUT = {
     "drop": [list(field) for field in DROP_FIELDS],
 }
 
-# Holder state byte -> name: the code is the position in HOLDER_STATES.
-HOLDER_STATE_CODES = {state: code for code, state in enumerate(HOLDER_STATES)}
+# Holder state name -> byte: the code is the position in DECODED_HOLDER_STATES.
+HOLDER_STATE_CODES = {state: code for code, state in enumerate(DECODED_HOLDER_STATES)}
 
 INT32_MAX = 2**31 - 1
 
@@ -128,6 +128,11 @@ class SegmentHeader(BaseModel):
     gpu_type: str
     gpus_per_replica: int = Field(gt=0, le=INT32_MAX)
     kv_block_size: int = Field(gt=0, le=INT32_MAX)
+    # What the engine itself reports, beside the pool's names above (which pricing and
+    # calibration key on): the model it loaded and its GPU (None where it names none, and in
+    # segments written before these fields existed).
+    engine_model: str | None = None
+    engine_device: str | None = None
 
 
 class HeaderFrame(SegmentHeader):

@@ -49,8 +49,12 @@ SLOTS = pa.schema(
     ]
 )
 
-# One row per (step, request holding KV blocks outside the batch).
-HOLDER_STATES = ("waiting", "preempted")
+# One row per (step, request holding KV blocks outside the batch). A holder's state is stored
+# as its code, the position in DECODED_HOLDER_STATES. A recorder writes HOLDER_STATES only:
+# vLLM frees a preempted request's blocks, so a preempted request holds nothing. "preempted"
+# (code 1) is legacy, read from segments already written and never written again.
+HOLDER_STATES = ("waiting",)
+DECODED_HOLDER_STATES = (*HOLDER_STATES, "preempted")
 HOLDERS = pa.schema(
     [
         ("pool", pa.string()),

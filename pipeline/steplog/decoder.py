@@ -40,7 +40,15 @@ from schemas.records import (
     FrameKind,
     HeaderFrame,
 )
-from schemas.tables import DAMAGE, DROPS, HOLDER_STATES, HOLDERS, SEGMENTS, SLOTS, STEPS
+from schemas.tables import (
+    DAMAGE,
+    DECODED_HOLDER_STATES,
+    DROPS,
+    HOLDERS,
+    SEGMENTS,
+    SLOTS,
+    STEPS,
+)
 
 _KINDS = frozenset(int(kind) for kind in FrameKind)
 _INT64_LIMIT = 1 << 63
@@ -48,7 +56,7 @@ _INT64_LIMIT = 1 << 63
 # this leaves a file's size again for frames that fail; hostile input (markers everywhere, each
 # declaring a frame that reaches the end of the file) would otherwise cost quadratic time.
 CRC_BYTES_PER_FILE_BYTE = 2
-_HOLDER_STATE_NAMES = pa.array(HOLDER_STATES, pa.string())
+_HOLDER_STATE_NAMES = pa.array(DECODED_HOLDER_STATES, pa.string())
 # How the recorder names a segment: `<replica>.<first seq, 12 digits>.<segment id prefix>.seg`.
 # A file without a readable header is placed in its replica's sequence by this name alone.
 _SEGMENT_NAME = re.compile(r"^(?P<replica>.+)\.(?P<first_seq>\d{12,18})\.[0-9a-f]+\.seg$")
@@ -501,7 +509,7 @@ def _inconsistent_steps(
         np.cumsum(fixed[count_field], out=row_bounds[1:])
         bad |= np.diff(offsets[row_bounds]) != fixed[bytes_field]
     holder_step = np.repeat(np.arange(len(fixed)), fixed["num_holders"].astype(np.int64))
-    bad[holder_step[holders["state"] >= len(HOLDER_STATES)]] = True
+    bad[holder_step[holders["state"] >= len(DECODED_HOLDER_STATES)]] = True
     return bad
 
 

@@ -24,11 +24,10 @@ def _hostile_request_ids(step: int) -> list[str]:
     return [f"req-{step}", f"{HOSTILE_IDS[step % len(HOSTILE_IDS)]}-{step}"]
 
 
-# Numbered steps whose second request id is hostile, with both holder states.
+# Numbered steps whose second request id is hostile.
 record_steps = partial(
     record_numbered_steps,
     request_ids=_hostile_request_ids,
-    holder_state=lambda step: "preempted" if step % 2 else "waiting",
     blocked=lambda step: step % 3 == 0,
 )
 

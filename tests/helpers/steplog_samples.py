@@ -34,12 +34,11 @@ def record_numbered_steps(
     count: int,
     *,
     request_ids: Callable[[int], list[str]] = lambda step: [f"req-{step}-a", f"req-{step}-ü"],
-    holder_state: Callable[[int], str] = lambda step: "preempted",
     blocked: Callable[[int], bool] = lambda step: step % 2 == 1,
 ) -> None:
     """Record `count` steps from step number `first`, two slots and one holder each, every value
-    derived from the step number; the request ids, the holder's state and `admission_blocked`
-    are functions of it too."""
+    derived from the step number; the request ids and `admission_blocked` are functions of it
+    too."""
     for step in range(first, first + count):
         recorder.record_step(
             MONO_ANCHOR + step * 1000,
@@ -54,7 +53,7 @@ def record_numbered_steps(
             [1, 0],
             holder_ids=[f"wait-{step}"],
             holder_blocks=[3.0],
-            holder_states=[holder_state(step)],
+            holder_states=["waiting"],
             admission_blocked=blocked(step),
             free_blocks=100 - step % 100,
             total_blocks=100,

@@ -13,10 +13,13 @@ import vllm
 from vllm.v1.request import RequestStatus
 
 import pipeline.vllm_adapter as adapter
-from pipeline.steplog import read_segments
+from pipeline.steplog import read_segments, recorder
 from schemas.config import load_pools
+from schemas.records import FRAME_PREFIX, HeaderFrame
+from tests.helpers.steplog_samples import frame_spans
 from tests.pipeline.vllm_engine import (
     BLOCK_SIZE,
+    HAS_RESUMED_REQ_IDS,
     Engine,
     build_scheduler,
     request_factory,
@@ -27,6 +30,10 @@ REPLICA = "chat-8b-r0"
 # 13 usable blocks (one is vLLM's null block): too few for the scenario's requests to decode
 # side by side, so a running request is preempted, and the last arrival waits for blocks.
 NUM_GPU_BLOCKS = 14
+# A hybrid model's second KV-cache group attends to the last 32 tokens; both groups draw on one
+# pool, and 24 blocks bring the same preemption, blocked admission and waiting session.
+SLIDING_WINDOW = 32
+HYBRID_NUM_GPU_BLOCKS = 24
 
 
 def expected_step(scheduler: Any, output: Any) -> dict[str, Any]:
@@ -92,8 +99,10 @@ def expected_step(scheduler: Any, output: Any) -> dict[str, Any]:
         "admission_blocked": bool(output.preempted_req_ids)
         or (admissible_waiting and below_limits),
         "free_blocks": manager.block_pool.get_num_free_blocks(),
-        "total_blocks": NUM_GPU_BLOCKS,
+        "total_blocks": manager.block_pool.num_gpu_blocks,
         "preempted": sorted(output.preempted_req_ids or ()),
+        "window_dropped": any(null_block in held for held in blocks.values()),
+        "resumed": sorted(adapter.resumed_request_ids(output.scheduled_cached_reqs)),
         "waiting_sessions": sorted(
             r.request_id
             for r in scheduler.kv_holding_waiting
@@ -136,6 +145,10 @@ def run_scenario(scheduler: Any, async_scheduling: bool, make_request: Any) -> l
 
 @pytest.fixture
 def environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The recorder's environment, its writer thread idle until the recorder closes: every
+    step is built after the whole scenario ran, so nothing it reads may have changed since
+    its step was scheduled."""
+    monkeypatch.setattr(recorder, "_POLL_SECONDS", 600.0)
     outbox = tmp_path / "outbox"
     monkeypatch.setenv("STEPLEDGER_OUTBOX", str(outbox))
     monkeypatch.setenv("STEPLEDGER_REPLICA", REPLICA)
@@ -145,21 +158,36 @@ def environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @pytest.mark.parametrize(
-    ("class_name", "async_scheduling"),
-    [("AsyncRecordingScheduler", True), ("RecordingScheduler", False)],
+    ("class_name", "async_scheduling", "v2_model_runner", "sliding_window"),
+    [
+        ("AsyncRecordingScheduler", True, True, None),
+        ("RecordingScheduler", False, True, None),
+        # vLLM 0.33 sends a resumed request among the cached ones for the V1 model runner.
+        ("RecordingScheduler", False, False, None),
+        # A sliding-window group frees blocks in place: copied each step, not mirrored.
+        ("AsyncRecordingScheduler", True, True, SLIDING_WINDOW),
+    ],
 )
 def test_recorded_steps_match_the_real_scheduler(
-    class_name: str, async_scheduling: bool, environment: Path, tmp_path_factory: Any
+    class_name: str,
+    async_scheduling: bool,
+    v2_model_runner: bool,
+    sliding_window: int | None,
+    environment: Path,
+    tmp_path_factory: Any,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", str(int(v2_model_runner)))
     config = vllm_config(
         tmp_path_factory.getbasetemp() / "tiny-llama",
-        num_gpu_blocks=NUM_GPU_BLOCKS,
+        num_gpu_blocks=NUM_GPU_BLOCKS if sliding_window is None else HYBRID_NUM_GPU_BLOCKS,
         max_num_seqs=4,
         max_num_batched_tokens=64,
         async_scheduling=async_scheduling,
+        served_model_name=load_pools().pools[0].model,
     )
     scheduler_class = getattr(adapter, class_name)
-    scheduler = build_scheduler(scheduler_class, config)
+    scheduler = build_scheduler(scheduler_class, config, sliding_window)
     expected = run_scenario(scheduler, async_scheduling, request_factory(config))
     scheduler.shutdown()
 
@@ -172,6 +200,11 @@ def test_recorded_steps_match_the_real_scheduler(
         pool.gpu_type,
     )
     assert (header["gpus_per_replica"], header["kv_block_size"]) == (1, BLOCK_SIZE)
+    # The engine's own names are in the header frame (not in the decoded segments table).
+    data = Path(header["path"]).read_bytes()
+    start, end = frame_spans(data)[0]
+    frame = HeaderFrame.model_validate_json(data[start + FRAME_PREFIX.size : end])
+    assert (frame.engine_model, frame.engine_device) == (config.model_config.model, None)
     steps = log.steps.to_pylist()
     assert [s["seq"] for s in steps] == list(range(len(expected)))
     slots, holders = log.slots.to_pylist(), log.holders.to_pylist()
@@ -204,6 +237,9 @@ def test_recorded_steps_match_the_real_scheduler(
     assert sum(s["prefix_hit_tokens"] for s in slots) == 64
     assert any(s["spec_drafted"] == 2 and s["spec_accepted"] == 1 for s in slots)
     assert any(want["preempted"] for want in expected)
+    assert any(want["window_dropped"] for want in expected) == (sliding_window is not None)
+    resumed_among_cached = HAS_RESUMED_REQ_IDS and not v2_model_runner
+    assert any(want["resumed"] for want in expected) == resumed_among_cached
     assert any(want["admission_blocked"] and not want["preempted"] for want in expected)
     session_waits = [
         (seq, want)

@@ -154,7 +154,7 @@ def test_a_clean_batch_is_packed_whole_to_the_same_bytes():
         0,
         5,
     )
-    empty = (2, 3, 3, [], [], [], [], [], [], [], [], ["h"], [2.0], ["preempted"], False, 1, 5)
+    empty = (2, 3, 3, [], [], [], [], [], [], [], [], ["h"], [2.0], ["waiting"], False, 1, 5)
     expected = [step_frame(*step), step_frame(*empty)]
     assert _batch_frames([step, empty]) == expected
     assert step_frames([step, empty]) == expected

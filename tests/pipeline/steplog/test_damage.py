@@ -20,6 +20,7 @@ from schemas.records import (
     FRAME_MARKER,
     FRAME_PREFIX,
     PREAMBLE,
+    SLOT_DTYPE,
     STEP_STRUCT,
     FrameKind,
 )
@@ -564,4 +565,33 @@ def test_what_is_no_readable_file_is_damage_and_nothing_blocks(tmp_path, write_s
         ("eio.seg", "unreadable", "cannot read: Input/output error"),
         ("fifo.seg", "unreadable", "a FIFO, not a segment file"),
         ("loop.seg", "unreadable", "cannot open: Too many levels of symbolic links"),
+    ]
+
+
+@pytest.mark.parametrize(("code", "state"), [(1, "preempted"), (2, None)])
+def test_a_legacy_holder_state_decodes_and_an_unknown_one_is_damage(
+    tmp_path, small_segment, code, state
+):
+    """Recorders once wrote holders in state 1 ("preempted"); none writes it now, but the
+    segments they left must still decode. Code 2 names no state at all."""
+    data = small_segment.read_bytes()
+    start, end = frame_spans(data)[1]
+    payload = bytearray(data[start + FRAME_PREFIX.size : end])
+    fixed = STEP_STRUCT.unpack_from(payload)
+    slots, request_id_bytes = fixed[5], fixed[7]
+    # The first holder record: after the fixed part, the slots and the slots' ids, past the
+    # holder's u32 id length.
+    payload[STEP_STRUCT.size + SLOT_DTYPE.itemsize * slots + request_id_bytes + 4] = code
+    checked = data[start : start + FRAME_CHECKED_BYTES]
+    crc = zlib.crc32(payload, zlib.crc32(checked)).to_bytes(4, "little")
+    decoded = decode_bytes(tmp_path, data[:start] + checked + crc + bytes(payload) + data[end:])
+    if state is None:
+        assert decoded.steps.column("seq").to_pylist() == [1, 3]
+        assert decoded.damage.column("kind").to_pylist() == ["corrupt_frame"]
+        return
+    assert decoded.damage.num_rows == 0
+    assert decoded.holders.select(["seq", "state"]).to_pylist() == [
+        {"seq": 0, "state": "preempted"},
+        {"seq": 1, "state": "waiting"},
+        {"seq": 3, "state": "waiting"},
     ]

@@ -156,7 +156,7 @@ def test_invalid_steps_are_rejected_loudly_and_leave_a_drop(tmp_path, header, re
             [],
             holder_ids=["h"],
             holder_blocks=[1.0],
-            holder_states=["evicted"],
+            holder_states=["preempted"],
         )
         recorder.record_step(30, 20, [], [], [], [], [], [], [], [])
         recorder.record_step(10, 20, [7], [1], [0], [1.0], [1], [0], [0], [0])
@@ -179,7 +179,12 @@ def test_invalid_steps_are_rejected_loudly_and_leave_a_drop(tmp_path, header, re
     assert any(
         "step 3 not recorded" in m and "spec_drafted exceeds new_tokens" in m for m in messages
     )
-    assert any("step 4 not recorded" in m and "unknown states ['evicted']" in m for m in messages)
+    # A legacy state is decoded from old segments but never written.
+    assert any(
+        "step 4 not recorded" in m
+        and "unknown states ['preempted']; expected one of ('waiting',)" in m
+        for m in messages
+    )
     assert any(
         "step 5 not recorded" in m and "end_ns 20 precedes start_ns 30" in m for m in messages
     )
