@@ -15,8 +15,6 @@ from enum import IntEnum
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from schemas.tables import DECODED_HOLDER_STATES
-
 FILE_MAGIC = b"STEPLOG\x00"
 FORMAT_VERSION = 1
 # magic, format version, 4 reserved bytes that must be zero.
@@ -107,9 +105,6 @@ LAYOUT = {
     "holder": [list(field) for field in HOLDER_FIELDS],
     "drop": [list(field) for field in DROP_FIELDS],
 }
-
-# Holder state name -> byte: the code is the position in DECODED_HOLDER_STATES.
-HOLDER_STATE_CODES = {state: code for code, state in enumerate(DECODED_HOLDER_STATES)}
 
 INT32_MAX = 2**31 - 1
 
