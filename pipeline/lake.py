@@ -74,11 +74,14 @@ def _partition_files(
     batches: Collection[str] | None,
     hashes: Mapping[str, str] | None = None,
 ) -> list[Path]:
-    directory = partition_dir(lake, table, pool, hour_key(hour))
-    files = sorted(directory.glob("*.parquet")) if directory.is_dir() else []
-    files = files if batches is None else [f for f in files if batch_of(f) in batches]
+    files = _committed_files(partition_dir(lake, table, pool, hour_key(hour)), batches)
     verify(lake, files, hashes)
     return files
+
+
+def _committed_files(directory: Path, batches: Collection[str] | None) -> list[Path]:
+    files = sorted(directory.glob("*.parquet")) if directory.is_dir() else []
+    return files if batches is None else [f for f in files if batch_of(f) in batches]
 
 
 def _replica_of(part: Path) -> str:
@@ -183,6 +186,24 @@ def last_seq_before(
     previous = _read_partition(lake, "steps", pool, utc_hour(hour) - timedelta(hours=1), batches)
     last = previous.group_by("replica").agg(pl.col("seq").max())
     return dict(zip(last["replica"].to_list(), last["seq"].to_list(), strict=True))
+
+
+def steps_of_other_hours(
+    lake: Path, pool: str, attributed: Collection[str], batches: Collection[str] | None = None
+) -> pl.DataFrame:
+    """`replica`, `seq` and `hour` (its key) of the pool's steps in every hour partition whose
+    key is not in `attributed` (of `batches`, as in `load_hour`). Once the hours are attributed
+    in order this is only the partitions of hours still to come, so it reads little."""
+    root = partition_dir(lake, "steps", pool, "").parent
+    frames = [
+        _read(files, "steps", ["replica", "seq"]).with_columns(hour=pl.lit(key))
+        for directory in sorted(root.glob("hour=*"))
+        if (key := directory.name.removeprefix("hour=")) not in attributed
+        and (files := _committed_files(directory, batches))
+    ]
+    if not frames:
+        return pl.DataFrame(schema={"replica": pl.String, "seq": pl.Int64, "hour": pl.String})
+    return pl.concat(frames)
 
 
 @dataclass(frozen=True)

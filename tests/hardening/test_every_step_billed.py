@@ -18,9 +18,11 @@ import pytest
 
 from assets.cli.run import run_pool_hours
 from pipeline import alerts
+from pipeline.hours import HOUR_NS, hour_key
+from pipeline.steplog import read_segments
 from pipeline.warehouse import STATE_FILE, connect, connect_read_only
 from schemas.config import PoolsFile
-from tests.helpers.fleets import bill, costs, simulate_small, small_pools
+from tests.helpers.fleets import bill, costs, record_again, simulate_small, small_pools
 from tests.helpers.hours import SIMULATED_HOUR
 
 pytestmark = pytest.mark.timeout(600)
@@ -53,7 +55,60 @@ def unfaulted(pools, tmp_path_factory) -> dict:
     assert billed(data, pools)
     money = costs(data)
     assert money["published"] and money["held_back"] == []
-    return {**money, "findings": failed_findings(data)}
+    return {"money": money, "findings": failed_findings(data), "conservation": conservation(data)}
+
+
+def conservation(data: Path) -> list[tuple]:
+    with connect_read_only(data / STATE_FILE) as con:
+        return con.execute(
+            "SELECT replica, passed, observed FROM reconciliation WHERE check_name = 'conservation' "
+            "ORDER BY replica"
+        ).fetchall()
+
+
+def test_every_step_of_a_clean_fleet_is_in_an_attributed_hour(pools, unfaulted) -> None:
+    assert [(replica, passed) for replica, passed, _ in unfaulted["conservation"]] == [
+        ("chat-8b-r0", True),
+        ("chat-8b-r1", True),
+    ]
+    assert all(
+        observed.endswith("; 0 steps up to it in hours not attributed")
+        for *_, observed in unfaulted["conservation"]
+    )
+
+
+def test_steps_placed_in_an_hour_never_attributed_hold_the_hour_back(
+    pools, unfaulted, tmp_path: Path
+) -> None:
+    """The replica's last segment is written after a reboot with the wall clock set two hours
+    back: nothing in the log marks its clock wrong, ingest places its steps two hours early,
+    and that hour has no gateway file, so no one attributes it. The hour they ran in would
+    publish with them as idle; the conservation check holds it back instead."""
+    data = simulate_small(tmp_path / "fleet", pools)
+    (segment,) = (data / "outbox" / REPLICA).glob("*.seg")
+    record_again(segment, rotate_bytes=segment.stat().st_size // 3)
+    last = sorted((data / "outbox" / REPLICA).glob("*.seg"))[-1]
+    moved = read_segments([last]).steps["seq"].to_pylist()
+    record_again(last, reboot_wall_shift_ns=-2 * HOUR_NS)
+    assert not billed(data, pools)
+    money = costs(data)
+    assert money["published"] == []
+    assert money["held_back"] == [("chat-8b", "failed blocking checks: conservation")]
+    blocking = [f for f in new_findings(data, unfaulted) if f[3]]
+    ((check, replica, severity, _, finding, detail),) = blocking
+    assert (check, replica, severity, finding) == (
+        "conservation",
+        REPLICA,
+        "ERROR",
+        "unbilled_steps",
+    )
+    early = hour_key(SIMULATED_HOUR - timedelta(hours=2))
+    assert detail.startswith(
+        f"{len(moved)} steps of replica {REPLICA} (seq {moved[0]}-{moved[-1]}) lie in hours "
+        f"never attributed, neither published nor held back: {early} ({len(moved)} steps); "
+    )
+    # The other replica's steps are all in the hour.
+    assert conservation(data)[1][:2] == ("chat-8b-r1", True)
 
 
 def new_findings(data: Path, unfaulted: dict) -> list[tuple]:
@@ -67,7 +122,7 @@ def test_a_wall_clock_jump_is_placed_by_the_monotonic_clock_and_reported(
 ) -> None:
     data = simulate_small(tmp_path / "fleet", pools, faults={"clock-jump": jump_s})
     assert billed(data, pools)
-    assert {**costs(data), "findings": unfaulted["findings"]} == unfaulted
+    assert costs(data) == unfaulted["money"]
     ((check, replica, severity, blocking, finding, detail),) = new_findings(data, unfaulted)
     assert (check, replica, severity, blocking, finding) == (
         "clock",
@@ -205,7 +260,7 @@ def test_a_lake_file_rewritten_after_ingest_fails_the_hour_and_keeps_the_money(
     message = failure.event_specific_data.error.cause.message
     assert message.startswith(f"pipeline.lake.LakeFileChanged: {steps_file}: sha256 ")
     assert "was changed after ingest" in message
-    assert costs(data) == {k: v for k, v in unfaulted.items() if k != "findings"}
+    assert costs(data) == unfaulted["money"]
     # `stepledger run` shows the root cause, not Dagster's "Error occurred while executing".
     (run,) = run_pool_hours(data, [SIMULATED_HOUR])
     assert run.error == message.strip()
