@@ -4,12 +4,10 @@ pool-hour job against the same fleet without the fault."""
 
 from __future__ import annotations
 
-import json
-import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
-from typing import ClassVar
 
 import dagster as dg
 import duckdb
@@ -19,6 +17,7 @@ import pytest
 from assets.cli.run import run_pool_hours
 from pipeline import alerts
 from pipeline.hours import HOUR_NS, hour_key
+from pipeline.simulator.sink import SimulatedSink, serve_sink
 from pipeline.steplog import read_segments
 from pipeline.warehouse import STATE_FILE, connect, connect_read_only
 from schemas.config import PoolsFile
@@ -167,40 +166,19 @@ def test_a_silent_replica_whose_gpus_are_busy_holds_the_hour_back(
     assert "billing the hour would charge its work as idle" in detail
 
 
-class _Sink(BaseHTTPRequestHandler):
-    """A webhook that answers HTTP 500 while `down`, else 200; it keeps what it accepted."""
-
-    down = True
-    accepted: ClassVar[list[dict]] = []
-    refused = 0
-
-    def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        if type(self).down:
-            type(self).refused += 1
-            self.send_response(500)
-        else:
-            type(self).accepted.append(body)
-            self.send_response(200)
-        self.end_headers()
-
-    def log_message(self, *args) -> None:
-        pass
-
-
 @pytest.fixture
 def webhook(monkeypatch: pytest.MonkeyPatch):
-    _Sink.down, _Sink.accepted, _Sink.refused = True, [], 0
-    server = HTTPServer(("127.0.0.1", 0), _Sink)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    monkeypatch.setenv(
-        "STEPLEDGER_ALERT_WEBHOOK_URL", f"http://127.0.0.1:{server.server_port}/hook"
-    )
-    monkeypatch.setenv("STEPLEDGER_ALERT_FORMAT", "slack")
-    monkeypatch.delenv("STEPLEDGER_PAGERDUTY_ROUTING_KEY", raising=False)
-    yield _Sink
-    server.shutdown()
+    """Pages go to the sink the simulated fleet describes, served on 127.0.0.1."""
+
+    @contextmanager
+    def serve(data: Path) -> Iterator[SimulatedSink]:
+        with serve_sink(data) as sink:
+            monkeypatch.setenv("STEPLEDGER_ALERT_WEBHOOK_URL", sink.url)
+            monkeypatch.setenv("STEPLEDGER_ALERT_FORMAT", "slack")
+            monkeypatch.delenv("STEPLEDGER_PAGERDUTY_ROUTING_KEY", raising=False)
+            yield sink
+
+    return serve
 
 
 def outbox(data: Path) -> list[tuple]:
@@ -214,31 +192,34 @@ def outbox(data: Path) -> list[tuple]:
 def test_a_page_the_sink_refuses_is_owed_until_it_accepts_then_delivered_once(
     pools, tmp_path: Path, webhook
 ) -> None:
-    data = simulate_small(tmp_path / "fleet", pools, faults={"silent-replica": None})
-    (run,) = run_pool_hours(data, [SIMULATED_HOUR])
-    assert not run.success
-    # The sink answered 500: the page is owed, not lost.
-    assert webhook.refused == 1 and webhook.accepted == []
-    ((kind, attempts, error, delivered),) = outbox(data)
-    assert (kind, attempts, delivered) == ("silence", 1, False)
-    assert "HTTP 500" in error and "/hook" not in error
-    with connect(data / STATE_FILE) as con:
-        now = datetime.now(UTC)
-        # Not due yet: the first retry waits a minute.
-        assert alerts.deliver_due(con, alerts.sink_from_env(), now) == []
-        assert webhook.refused == 1
-        # Owed past the dead-man delay, it is a finding of its own.
-        late = now + timedelta(minutes=pools.settings.deadman_minutes, seconds=1)
-        (overdue,) = alerts.undelivered(con, late, pools.settings)
-        assert (overdue.check_name, overdue.finding) == ("alert_delivery", "undelivered")
-        webhook.down = False
-        (sent,) = alerts.deliver_due(con, alerts.sink_from_env(), now + alerts.FIRST_RETRY)
-        assert sent.kind == "silence" and alerts.undelivered(con, late, pools.settings) == []
-    # Running the hour again finds the same finding: it is not paged a second time.
-    (again,) = run_pool_hours(data, [SIMULATED_HOUR])
-    assert not again.success
-    assert len(webhook.accepted) == 1
-    assert webhook.accepted[0]["text"].startswith("[ERROR] stepledger silence failed for chat-8b/")
+    data = simulate_small(
+        tmp_path / "fleet", pools, faults={"silent-replica": None, "sink-down": 1}
+    )
+    with webhook(data) as sink:
+        (run,) = run_pool_hours(data, [SIMULATED_HOUR])
+        assert not run.success
+        # The sink answered 500: the page is owed, not lost.
+        assert sink.refused == 1 and sink.accepted == []
+        ((kind, attempts, error, delivered),) = outbox(data)
+        assert (kind, attempts, delivered) == ("silence", 1, False)
+        assert "HTTP 500" in error and "/hook" not in error
+        with connect(data / STATE_FILE) as con:
+            now = datetime.now(UTC)
+            # Not due yet: the first retry waits a minute.
+            assert alerts.deliver_due(con, alerts.sink_from_env(), now) == []
+            assert sink.refused == 1
+            # Owed past the dead-man delay, it is a finding of its own.
+            late = now + timedelta(minutes=pools.settings.deadman_minutes, seconds=1)
+            (overdue,) = alerts.undelivered(con, late, pools.settings)
+            assert (overdue.check_name, overdue.finding) == ("alert_delivery", "undelivered")
+            # The sink is back: the retry is accepted.
+            (sent,) = alerts.deliver_due(con, alerts.sink_from_env(), now + alerts.FIRST_RETRY)
+            assert sent.kind == "silence" and alerts.undelivered(con, late, pools.settings) == []
+        # Running the hour again finds the same finding: it is not paged a second time.
+        (again,) = run_pool_hours(data, [SIMULATED_HOUR])
+        assert not again.success
+        assert sink.refused == 1 and len(sink.accepted) == 1
+        assert sink.accepted[0]["text"].startswith("[ERROR] stepledger silence failed for chat-8b/")
     assert outbox(data)[0][1:] == (2, None, True)
 
 
