@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
+import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -35,6 +39,67 @@ class PoolHourRun:
     error: str | None  # the root cause of the first step failure that is not a failed check
 
 
+class RunStopped(Exception):
+    """SIGTERM or SIGINT stopped `run_pool_hours` between pool-hours, or in one, which Dagster
+    interrupted: its step in flight failed and rolled back, so the hour is as before the run or
+    as its last finished step left it. `runs`: the pool-hours done, then the interrupted one
+    (with its error) if any; `not_started` were never begun."""
+
+    def __init__(
+        self,
+        signal_name: str,
+        runs: list[PoolHourRun],
+        interrupted: PoolHourRun | None,
+        not_started: list[tuple[datetime, str]],
+    ) -> None:
+        self.runs = runs + ([interrupted] if interrupted else [])
+        self.not_started = not_started
+        parts = [f"stopped by {signal_name}: {len(runs)} pool-hour(s) done ({_listed(runs)})"]
+        if interrupted:
+            parts.append(f"interrupted and rolled back: {_listed([interrupted])}")
+        parts.append(f"not started: {len(not_started)} ({_listed(not_started)})")
+        super().__init__("; ".join(parts) + "; run those hours again to bill them")
+
+
+def _listed(items: Sequence[PoolHourRun] | Sequence[tuple[datetime, str]]) -> str:
+    keys = [(item.hour, item.pool) if isinstance(item, PoolHourRun) else item for item in items]
+    return ", ".join(f"{hour_key(hour)} {pool}" for hour, pool in keys) or "none"
+
+
+@contextmanager
+def _stop_signals() -> Iterator[Callable[[], str | None]]:
+    """SIGTERM and SIGINT noted, not raised, for the duration; yields a function returning the
+    first one's name once one arrived. While a pool-hour runs, Dagster swaps in its own handler
+    (it interrupts the step in flight), so the signals are read from the wakeup fd, which
+    Python writes for every handled signal whichever handler runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: None
+        return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(read_fd, False)
+    os.set_blocking(write_fd, False)
+    handlers = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    seen: list[str] = []
+
+    def received() -> str | None:
+        try:
+            numbers = os.read(read_fd, 64)
+        except BlockingIOError:
+            numbers = b""
+        seen.extend(signal.Signals(n).name for n in numbers if n in handlers)
+        return seen[0] if seen else None
+
+    try:
+        yield received
+    finally:
+        signal.set_wakeup_fd(previous_fd)
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
+        os.close(read_fd)
+        os.close(write_fd)
+
+
 def run_pool_hours(
     data_dir: Path,
     hours: list[datetime],
@@ -46,27 +111,40 @@ def run_pool_hours(
 
     A failed pool-hour owes on-call the same pages as under the daemon (`pipeline.alerts`:
     recorded in the outbox, delivered now if the sink accepts, else by the delivery sensor or
-    the next run)."""
+    the next run). SIGTERM or SIGINT stops the run after the pool-hour in flight (interrupted
+    and rolled back) and starts no other: `RunStopped` says which were done and which not."""
     warnings.filterwarnings("ignore", module="dagster")
     pools = load_pools(pools_file(data_dir))
     defs = build_definitions(pools, data_dir.resolve(), warehouse.resolve() if warehouse else None)
     job = defs.resolve_job_def("pool_hour_job")
     state_file = warehouse.resolve() if warehouse else warehouse_path(data_dir.resolve())
-    runs = []
-    with dg.DagsterInstance.ephemeral() as instance:
-        for hour in hours:
-            for pool in pools.pools:
-                result = job.execute_in_process(
-                    partition_key=partition_key(hour, pool.name),
-                    instance=instance,
-                    run_config=QUIET_RUN_CONFIG,
-                    raise_on_error=False,
-                )
-                run = PoolHourRun(hour=hour, pool=pool.name, **pool_hour_outcome(result))
-                runs.append(run)
-                _page(state_file, run, result.run_id)
+    pool_hours = [(hour, pool.name) for hour in hours for pool in pools.pools]
+    runs: list[PoolHourRun] = []
+    with dg.DagsterInstance.ephemeral() as instance, _stop_signals() as stop_signal:
+        for index, (hour, pool) in enumerate(pool_hours):
+            if stopped := stop_signal():
+                raise RunStopped(stopped, runs, None, pool_hours[index:])
+            result = job.execute_in_process(
+                partition_key=partition_key(hour, pool),
+                instance=instance,
+                run_config=QUIET_RUN_CONFIG,
+                raise_on_error=False,
+            )
+            run = PoolHourRun(hour=hour, pool=pool, **pool_hour_outcome(result))
+            stopped = stop_signal()
+            if stopped and not result.success:
+                # Stopped on purpose, not a fault: on-call is not paged for it.
+                error = f"interrupted by {stopped}: its step in flight was rolled back"
+                interrupted = dataclasses.replace(run, error=error)
                 if on_done:
-                    on_done(run)
+                    on_done(interrupted)
+                raise RunStopped(stopped, runs, interrupted, pool_hours[index + 1 :])
+            _page(state_file, run, result.run_id)
+            runs.append(run)
+            if on_done:
+                on_done(run)
+            if stopped:
+                raise RunStopped(stopped, runs, None, pool_hours[index + 1 :])
     return runs
 
 
@@ -149,10 +227,17 @@ def run_command(
         raise click.ClickException(
             f"{data_dir / 'gateway'}: no hourly gateway files, so no hours to run"
         )
-    runs = run_with_progress(data_dir, hours, warehouse, quiet=as_json)
+    try:
+        runs = run_with_progress(data_dir, hours, warehouse, quiet=as_json)
+    except RunStopped as stop:
+        if as_json:
+            click.echo(_as_json(stop.runs))
+        raise click.ClickException(str(stop)) from None
     if as_json:
-        click.echo(
-            json.dumps([dataclasses.asdict(r) | {"hour": hour_key(r.hour)} for r in runs], indent=2)
-        )
+        click.echo(_as_json(runs))
     if any(r.error for r in runs):
         raise click.ClickException("some pool-hours failed; see above")
+
+
+def _as_json(runs: list[PoolHourRun]) -> str:
+    return json.dumps([dataclasses.asdict(r) | {"hour": hour_key(r.hour)} for r in runs], indent=2)
