@@ -8,8 +8,10 @@
     ledger/pool=<pool>/hour=<hour>/<table>.parquet
         the hour's ledger (`pipeline.ledger.HourLedger`) before it is published
 
-Ingest records each step-log file's sha256 (`lake_files`); attribution verifies every file
-it reads against it, so a file rewritten after ingest fails the hour instead of billing it.
+Ingest records each step-log file's sha256 (`lake_files`); the pool-hour's steps record the
+sha256 of the inputs and ledger files they write (assets.pool_hour). Each file is verified
+against its hash where it is read to bill the hour, so a file rewritten or added since it was
+written fails the hour instead of billing it.
 
 Every file is written under a temporary name and renamed into place, so a reader sees the
 old file or the new one, never half of one.
@@ -20,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -47,22 +49,38 @@ class LakeFileChanged(RuntimeError):
     """A lake file's bytes differ from what ingest wrote."""
 
 
+def sha256_of(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def written_hashes(lake: Path, files: Iterable[Path]) -> dict[str, str]:
+    """Path relative to the lake -> sha256 of files just written, for `verify` to check them
+    against when they are read."""
+    return {str(path.relative_to(lake)): sha256_of(path) for path in files}
+
+
 def verify(lake: Path, files: list[Path], hashes: Mapping[str, str] | None) -> None:
     """Refuse `files` unless each one's sha256 is the one recorded when it was written
-    (`hashes`: path relative to the lake -> sha256, the `lake_files` rows); None skips it.
-    A file of a lake ingested before hashes were recorded has none and is read unverified."""
+    (`hashes`: path relative to the lake -> sha256, e.g. the `lake_files` rows); None skips
+    it. A lake written before hashes were recorded has none (an empty `hashes`) and is read
+    unverified; once any is recorded, a file without one was added later and is refused."""
     if hashes is None:
         return
     for path in files:
         recorded = hashes.get(str(path.relative_to(lake)))
-        if recorded is None:
+        if recorded is None and not hashes:
             continue
-        found = hashlib.sha256(path.read_bytes()).hexdigest()
+        if recorded is None:
+            raise LakeFileChanged(
+                f"{path}: no sha256 was recorded for this lake file when the lake was written: "
+                "it was added since, so the hour is not billed from it (remove the file)"
+            )
+        found = sha256_of(path)
         if recorded != found:
             raise LakeFileChanged(
-                f"{path}: sha256 {found}, but ingest wrote it as {recorded}: the lake file was "
-                "changed after ingest, so the hour is not attributed from it (restore the file "
-                "or re-ingest the outbox into a fresh lake)"
+                f"{path}: sha256 {found}, but it was written as {recorded}: the lake file was "
+                "changed after it was written, so the hour is not billed from it (run the hour "
+                "again; for a step-log file, restore it or re-ingest the outbox into a fresh lake)"
             )
 
 
@@ -249,7 +267,10 @@ def save_inputs(lake: Path, inputs: AttributionInputs) -> Path:
     return path
 
 
-def load_inputs(lake: Path, pool: str, hour: datetime) -> AttributionInputs:
+def load_inputs(
+    lake: Path, pool: str, hour: datetime, hashes: Mapping[str, str] | None = None
+) -> AttributionInputs:
+    """The inputs `save_inputs` wrote, verified against `hashes` (`verify`) when given."""
     hour = utc_hour(hour)
     path = inputs_path(lake, pool, hour)
     if not path.is_file():
@@ -257,6 +278,7 @@ def load_inputs(lake: Path, pool: str, hour: datetime) -> AttributionInputs:
             f"{path}: no attribution inputs for pool {pool!r} hour {hour_key(hour)}; "
             "materialize its request_context first"
         )
+    verify(lake, [path], hashes)
     table = pq.read_table(path)
     described = json.loads(table.schema.metadata[_INPUTS_KEY])
     return AttributionInputs(
@@ -284,13 +306,23 @@ def save_ledger(lake: Path, ledger: HourLedger) -> Path:
     return directory
 
 
-def load_ledger(lake: Path, pool: str, hour: datetime) -> HourLedger:
+def ledger_files(lake: Path, pool: str, hour: datetime) -> list[Path]:
+    directory = ledger_dir(lake, pool, utc_hour(hour))
+    return [directory / f"{name}.parquet" for name in STORED_TABLES]
+
+
+def load_ledger(
+    lake: Path, pool: str, hour: datetime, hashes: Mapping[str, str] | None = None
+) -> HourLedger:
+    """The ledger `save_ledger` wrote, verified against `hashes` (`verify`) when given."""
     hour = utc_hour(hour)
-    directory = ledger_dir(lake, pool, hour)
-    missing = [n for n in STORED_TABLES if not (directory / f"{n}.parquet").is_file()]
+    files = ledger_files(lake, pool, hour)
+    missing = [f.stem for f in files if not f.is_file()]
     if missing:
         raise FileNotFoundError(
-            f"{directory}: no ledger tables {missing} for pool {pool!r} hour {hour_key(hour)}"
+            f"{ledger_dir(lake, pool, hour)}: no ledger tables {missing} for pool {pool!r} "
+            f"hour {hour_key(hour)}"
         )
-    frames = {name: pl.read_parquet(directory / f"{name}.parquet") for name in STORED_TABLES}
+    verify(lake, files, hashes)
+    frames = {f.stem: pl.read_parquet(f) for f in files}
     return HourLedger(hour=hour, pool=pool, **frames)

@@ -4,6 +4,7 @@ pool-hour job against the same fleet without the fault."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
@@ -12,11 +13,17 @@ from pathlib import Path
 import dagster as dg
 import duckdb
 import polars as pl
+import pyarrow.parquet as pq
 import pytest
 
 from assets.cli.run import run_pool_hours
+from assets.definitions import build_definitions
+from assets.partitions import partition_key
+from assets.runner import QUIET_RUN_CONFIG as QUIET
+from assets.runner import root_cause
 from pipeline import alerts
 from pipeline.hours import HOUR_NS, hour_key
+from pipeline.lake import inputs_path, ledger_files
 from pipeline.simulator.sink import SimulatedSink, serve_sink
 from pipeline.steplog import read_segments
 from pipeline.warehouse import STATE_FILE, connect, connect_read_only
@@ -240,8 +247,81 @@ def test_a_lake_file_rewritten_after_ingest_fails_the_hour_and_keeps_the_money(
     (failure,) = result.get_step_failure_events()
     message = failure.event_specific_data.error.cause.message
     assert message.startswith(f"pipeline.lake.LakeFileChanged: {steps_file}: sha256 ")
-    assert "was changed after ingest" in message
+    assert "the lake file was changed after it was written" in message
     assert costs(data) == unfaulted["money"]
     # `stepledger run` shows the root cause, not Dagster's "Error occurred while executing".
     (run,) = run_pool_hours(data, [SIMULATED_HOUR])
     assert run.error == message.strip()
+
+
+def rewrite(path: Path, change) -> None:
+    """Rewrite a Parquet file as a reader with write access would: rows changed, the file's
+    own metadata kept."""
+    table = pq.read_table(path)
+    changed = change(pl.from_arrow(table)).to_arrow()
+    pq.write_table(changed.replace_schema_metadata(table.schema.metadata), path)
+
+
+def root_causes(result) -> list[str]:
+    return [root_cause(f.event_specific_data.error) for f in result.get_step_failure_events()]
+
+
+def test_rewritten_inputs_or_ledger_files_fail_the_hour_and_keep_the_money(
+    pools, unfaulted, tmp_path: Path
+) -> None:
+    """The attribution's inputs and the hour's ledger are verified too: a rewritten one fails
+    the step that would read it, naming the file, when that step alone is run again."""
+    data = simulate_small(tmp_path / "fleet", pools)
+    job = build_definitions(pools, data).resolve_job_def("pool_hour_job")
+    key = partition_key(SIMULATED_HOUR, "chat-8b")
+
+    def run(*assets: str):
+        return job.execute_in_process(
+            partition_key=key,
+            instance=instance,
+            run_config=QUIET,
+            raise_on_error=False,
+            **({"asset_selection": [dg.AssetKey(a) for a in assets]} if assets else {}),
+        )
+
+    with dg.DagsterInstance.ephemeral() as instance:
+        assert run().success
+        assert costs(data) == unfaulted["money"]
+        inputs = inputs_path(data / "lake", "chat-8b", SIMULATED_HOUR)
+        # Every request's context moves to one tenant.
+        rewrite(inputs, lambda f: f.with_columns(tenant=pl.lit(f["tenant"][0])))
+        (cause,) = root_causes(run("attribution", "ledger"))
+        assert cause.startswith(f"pipeline.lake.LakeFileChanged: {inputs}: sha256 ")
+        assert costs(data) == unfaulted["money"]
+
+        assert run("request_context", "attribution").success
+        (lines, *_) = (
+            f
+            for f in ledger_files(data / "lake", "chat-8b", SIMULATED_HOUR)
+            if f.stem == "ledger_lines"
+        )
+        # A nano-dollar moves from one line to another: every total still balances.
+        rewrite(
+            lines,
+            lambda f: f.with_columns(
+                amount_nano=pl.col("amount_nano") + pl.Series([1, -1] + [0] * (f.height - 2))
+            ),
+        )
+        (cause,) = root_causes(run("ledger"))
+        assert cause.startswith(f"pipeline.lake.LakeFileChanged: {lines}: sha256 ")
+        assert costs(data) == unfaulted["money"]
+
+
+def test_a_step_file_added_to_the_lake_fails_the_hour(pools, unfaulted, tmp_path: Path) -> None:
+    data = simulate_small(tmp_path / "fleet", pools)
+    assert billed(data, pools)
+    (steps_file, *_) = sorted((data / "lake" / "steps").glob(f"pool=chat-8b/*/{REPLICA}.*.parquet"))
+    # Named like the replica's next file of a committed batch: its steps would be billed again.
+    replica, first, batch, suffix = steps_file.name.split(".")
+    added = steps_file.with_name(f"{replica}.{int(first) + 10**9:012d}.{batch}.{suffix}")
+    shutil.copyfile(steps_file, added)
+    with dg.DagsterInstance.ephemeral() as instance:
+        (result,) = bill(data, pools, instance)
+    (cause,) = root_causes(result)
+    assert cause.startswith(f"pipeline.lake.LakeFileChanged: {added}: no sha256 was recorded")
+    assert costs(data) == unfaulted["money"]
