@@ -117,7 +117,8 @@ def _read(files: list[Path], table: str, columns: list[str] | None = None) -> pl
     if not files:
         empty = _frame(LAKE_TABLES[table].empty_table())
         return empty if columns is None else empty.select(columns)
-    return pl.read_parquet(files, columns=columns)
+    # glob=False: a data directory's path may hold "[" or "*", which are not patterns here.
+    return pl.read_parquet(files, columns=columns, glob=False)
 
 
 def _read_partition(
@@ -135,7 +136,7 @@ def _read_partition(
     files = _partition_files(lake, table, pool, hour, batches, hashes)
     if where is None or not files:
         return _read(files, table, columns)
-    scan = pl.scan_parquet(files).filter(where)
+    scan = pl.scan_parquet(files, glob=False).filter(where)
     return (scan if columns is None else scan.select(columns)).collect()
 
 
@@ -324,5 +325,5 @@ def load_ledger(
             f"hour {hour_key(hour)}"
         )
     verify(lake, files, hashes)
-    frames = {f.stem: pl.read_parquet(f) for f in files}
+    frames = {f.stem: pl.read_parquet(f, glob=False) for f in files}
     return HourLedger(hour=hour, pool=pool, **frames)

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import signal
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -22,6 +23,7 @@ from assets.partitions import partition_key
 from assets.resources import warehouse_path
 from assets.runner import QUIET_RUN_CONFIG, pool_hour_outcome
 from pipeline import alerts
+from pipeline.cli.dagster_instance import print_outcome
 from pipeline.datadir import hours_in_data, pools_file
 from pipeline.hours import hour_key, parse_hour_key
 from pipeline.reconcile import failed_checks
@@ -106,18 +108,25 @@ def run_pool_hours(
     *,
     warehouse: Path | None = None,
     on_done: Callable[[PoolHourRun], None] | None = None,
+    keep_stdout: bool = False,
 ) -> list[PoolHourRun]:
     """Materialize every (hour, pool) in order, in-process, on one ephemeral Dagster instance.
 
     A failed pool-hour owes on-call the same pages as under the daemon (`pipeline.alerts`:
     recorded in the outbox, delivered now if the sink accepts, else by the delivery sensor or
     the next run). SIGTERM or SIGINT stops the run after the pool-hour in flight (interrupted
-    and rolled back) and starts no other: `RunStopped` says which were done and which not."""
+    and rolled back) and starts no other: `RunStopped` says which were done and which not.
+    `keep_stdout`: pages the default sink would print go to stderr."""
     warnings.filterwarnings("ignore", module="dagster")
     pools = load_pools(pools_file(data_dir))
     defs = build_definitions(pools, data_dir.resolve(), warehouse.resolve() if warehouse else None)
     job = defs.resolve_job_def("pool_hour_job")
     state_file = warehouse.resolve() if warehouse else warehouse_path(data_dir.resolve())
+    # A sink configured wrong is refused before any pool-hour is billed, not after the first.
+    sink = alerts.sink_from_env()
+    if keep_stdout and isinstance(sink, alerts.JsonLinesSink) and sink.target is None:
+        # Standard output is the caller's (run --json): pages printed go to stderr instead.
+        sink = alerts.JsonLinesSink(sys.stderr)
     pool_hours = [(hour, pool.name) for hour in hours for pool in pools.pools]
     runs: list[PoolHourRun] = []
     with dg.DagsterInstance.ephemeral() as instance, _stop_signals() as stop_signal:
@@ -139,7 +148,7 @@ def run_pool_hours(
                 if on_done:
                     on_done(interrupted)
                 raise RunStopped(stopped, runs, interrupted, pool_hours[index + 1 :])
-            _page(state_file, run, result.run_id)
+            _page(state_file, sink, run, result.run_id)
             runs.append(run)
             if on_done:
                 on_done(run)
@@ -148,7 +157,7 @@ def run_pool_hours(
     return runs
 
 
-def _page(state_file: Path, run: PoolHourRun, run_id: str) -> None:
+def _page(state_file: Path, sink: alerts.AlertSink, run: PoolHourRun, run_id: str) -> None:
     now = datetime.now(UTC)
     with connect(state_file) as con:
         if not run.success:
@@ -156,7 +165,7 @@ def _page(state_file: Path, run: PoolHourRun, run_id: str) -> None:
             alerts.enqueue(
                 con, alerts.hour_alerts(findings, run.pool, run.hour, run_id, run.error, now)
             )
-        alerts.deliver_due(con, alerts.sink_from_env(), now)
+        alerts.deliver_due(con, sink, now)
 
 
 def run_with_progress(
@@ -174,19 +183,17 @@ def run_with_progress(
 
         def done(run: PoolHourRun) -> None:
             progress.advance(task)
-            if quiet:
-                return
-            status = "[red]held back[/red]" if run.held_back else "[green]published[/green]"
-            if run.error:
-                status = f"[red]failed[/red]: {run.error.splitlines()[0]}"
-            console.print(f"{hour_key(run.hour)} {run.pool}: {status}")
-            for finding in run.failed_checks:
-                shown = finding if len(finding) <= 150 else finding[:149] + "…"
-                console.print(
-                    f"    [yellow]check failed[/yellow] {shown}", overflow="ellipsis", no_wrap=True
+            if not quiet:
+                print_outcome(
+                    console,
+                    hour_key(run.hour),
+                    run.pool,
+                    held_back=run.held_back,
+                    error=run.error,
+                    failed_checks=run.failed_checks,
                 )
 
-        return run_pool_hours(data_dir, hours, warehouse=warehouse, on_done=done)
+        return run_pool_hours(data_dir, hours, warehouse=warehouse, on_done=done, keep_stdout=quiet)
 
 
 @click.command("run")
@@ -233,6 +240,8 @@ def run_command(
         if as_json:
             click.echo(_as_json(stop.runs))
         raise click.ClickException(str(stop)) from None
+    except alerts.AlertConfigError as err:
+        raise click.ClickException(f"alert sink: {err}") from None
     if as_json:
         click.echo(_as_json(runs))
     if any(r.error for r in runs):
