@@ -74,6 +74,18 @@ def test_run_names_the_file_line_and_field_that_failed(
     assert json.loads(as_json.stderr.splitlines()[0])["kind"] == "run_failed"
 
 
+def test_run_refuses_a_misconfigured_alert_sink_before_billing(
+    simulated: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("STEPLEDGER_ALERT_FORMAT", "email")
+    data = tmp_path / "run"
+    shutil.copytree(simulated, data)
+    result = CliRunner().invoke(main, ["run", "--data", str(data)])
+    assert result.exit_code == 1
+    assert "alert sink: STEPLEDGER_ALERT_FORMAT='email' is not one of pagerduty" in result.output
+    assert not (data / "lake").exists()
+
+
 def test_run_rejects_a_malformed_hour(simulated: Path) -> None:
     result = CliRunner().invoke(main, ["run", "--data", str(simulated), "--hour", "2026-11-30 00"])
     assert result.exit_code == 2 and "YYYY-MM-DDTHH" in result.output
