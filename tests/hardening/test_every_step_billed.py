@@ -36,12 +36,17 @@ pytestmark = pytest.mark.timeout(600)
 REPLICA = "chat-8b-r0"
 
 
-def failed_findings(data: Path) -> list[tuple]:
+def reconciliation(data: Path, columns: str, where: str) -> list[tuple]:
     with connect_read_only(data / STATE_FILE) as con:
         return con.execute(
-            "SELECT check_name, replica, severity, blocking, finding, detail FROM reconciliation "
-            "WHERE NOT passed ORDER BY ALL"
+            f"SELECT {columns} FROM reconciliation WHERE {where} ORDER BY ALL"
         ).fetchall()
+
+
+def failed_findings(data: Path) -> list[tuple]:
+    return reconciliation(
+        data, "check_name, replica, severity, blocking, finding, detail", "NOT passed"
+    )
 
 
 def billed(data: Path, pools: PoolsFile) -> bool:
@@ -65,11 +70,7 @@ def unfaulted(pools, tmp_path_factory) -> dict:
 
 
 def conservation(data: Path) -> list[tuple]:
-    with connect_read_only(data / STATE_FILE) as con:
-        return con.execute(
-            "SELECT replica, passed, observed FROM reconciliation WHERE check_name = 'conservation' "
-            "ORDER BY replica"
-        ).fetchall()
+    return reconciliation(data, "replica, passed, observed", "check_name = 'conservation'")
 
 
 def test_every_step_of_a_clean_fleet_is_in_an_attributed_hour(pools, unfaulted) -> None:

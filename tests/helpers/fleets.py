@@ -124,6 +124,7 @@ def record_again(
     that far off, so nothing in the log says the segment's wall clock is wrong."""
     import numpy as np
 
+    from pipeline.attribution.hour import SLOT_COLUMNS
     from pipeline.steplog import SegmentHeader, StepRecorder, read_segments
     from pipeline.steplog.recorder import MAX_SEGMENT_BYTES
 
@@ -159,18 +160,7 @@ def record_again(
                 step["start_ns"] + mono_shift,
                 step["end_ns"] + mono_shift,
                 [rename(r) for r in slots["request_id"][s]],
-                *(
-                    slots[name][s]
-                    for name in (
-                        "new_tokens",
-                        "context_tokens",
-                        "kv_blocks",
-                        "prompt_tokens",
-                        "prefix_hit_tokens",
-                        "spec_drafted",
-                        "spec_accepted",
-                    )
-                ),
+                *(slots[name][s] for name in SLOT_COLUMNS),
                 holder_ids=[rename(r) for r in holders["request_id"][h]],
                 holder_blocks=holders["kv_blocks"][h],
                 holder_states=holders["state"][h],
