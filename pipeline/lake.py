@@ -46,7 +46,7 @@ class HourInput:
 
 
 class LakeFileChanged(RuntimeError):
-    """A lake file's bytes differ from what ingest wrote."""
+    """A lake file's bytes differ from what was written, or it was added since."""
 
 
 def sha256_of(path: Path) -> str:
