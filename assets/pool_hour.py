@@ -79,6 +79,30 @@ def ledger_metadata(ledger: HourLedger) -> dict[str, Any]:
     }
 
 
+# Materialization metadata: the sha256 of each lake file an asset wrote (path relative to the
+# lake), which the next asset verifies before reading it. It lives in Dagster's event log, out
+# of reach of whoever can write the lake.
+WRITTEN = "lake_files_sha256"
+
+
+def written_by(context: dg.AssetExecutionContext, asset: str) -> dict[str, str]:
+    """The lake files the latest materialization of `asset` for this partition wrote, with
+    their sha256."""
+    records = context.instance.fetch_materializations(
+        dg.AssetRecordsFilter(
+            asset_key=dg.AssetKey(asset), asset_partitions=[context.partition_key]
+        ),
+        limit=1,
+    ).records
+    materialization = records[0].asset_materialization if records else None
+    if materialization is None or WRITTEN not in materialization.metadata:
+        raise lake.LakeFileChanged(
+            f"no record of the lake files {asset} wrote for {context.partition_key}, so they "
+            f"cannot be verified: materialize {asset} for the partition again"
+        )
+    return dict(materialization.metadata[WRITTEN].value)
+
+
 def build_pool_hour_assets(
     partitions: dg.PartitionsDefinition, pools: PoolsFile
 ) -> list[dg.AssetsDefinition]:
@@ -113,9 +137,10 @@ def build_pool_hour_assets(
         with open_warehouse(warehouse) as con:
             report = gateway.load_gateway_files(con, files, gateway.key_salt())
             inputs = gather_inputs(con, data.lake, pools.pool(pool_name), hour)
-        lake.save_inputs(data.lake, inputs)
+        written = lake.written_hashes(data.lake, [lake.save_inputs(data.lake, inputs)])
         return dg.MaterializeResult(
             metadata={
+                WRITTEN: dg.MetadataValue.json(written),
                 "loaded_files": len(report.loaded),
                 "unchanged_files": len(report.unchanged),
                 "requests": report.requests,
@@ -133,12 +158,16 @@ def build_pool_hour_assets(
         labelled, under the pool's policies: the hour's ledger, saved to the lake."""
         hour, pool_name = hour_and_pool(context)
         pool = pools.pool(pool_name)
-        inputs = lake.load_inputs(data.lake, pool_name, hour)
+        inputs = lake.load_inputs(
+            data.lake, pool_name, hour, written_by(context, "request_context")
+        )
         weights = weight_source(pool, inputs.engine, data.root / CALIBRATION_FILE)
         result = attribute_pool_hour(data.lake, pool, inputs, weights)
         lake.save_ledger(data.lake, result)
+        written = lake.written_hashes(data.lake, lake.ledger_files(data.lake, pool_name, hour))
         return dg.MaterializeResult(
             metadata={
+                WRITTEN: dg.MetadataValue.json(written),
                 "invoice_nano": result.amount_nano,
                 "requests": result.request_costs.height,
                 "ledger_lines": result.ledger_lines.height,
@@ -152,7 +181,7 @@ def build_pool_hour_assets(
         """The hour's invoice, ledger lines and request costs in the warehouse, replacing any
         earlier run of the hour in one transaction."""
         hour, pool_name = hour_and_pool(context)
-        result = lake.load_ledger(data.lake, pool_name, hour)
+        result = lake.load_ledger(data.lake, pool_name, hour, written_by(context, "attribution"))
         with open_warehouse(warehouse) as con:
             publish_hour(con, result)
         context.log.info(

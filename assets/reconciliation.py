@@ -2,7 +2,7 @@
 and pool-hour partition.
 
 Every result is a row of the `reconciliation` table. The checks whose failure holds the hour
-back from the finance views (sequence, time, money, silence) are Dagster's blocking checks. Any ERROR
+back from the finance views (sequence, time, money, silence, conservation) are Dagster's blocking checks. Any ERROR
 failure fails the run, so that the run-failure sensor pages on-call: for a blocking check
 Dagster fails it, for the others the check step raises once every result is recorded (a failed
 non-blocking check alone would leave the run green and page nobody). WARN failures never fail
@@ -48,9 +48,11 @@ DESCRIPTIONS = {
     "published either way.",
     "silence": "Per replica, a replica whose GPUs DCGM shows busy logged steps: silence is "
     "missing logs, not idle time. A failure holds the hour back.",
+    "conservation": "Per replica, every step ingested up to the hour lies in a published or "
+    "held-back hour: none is billed to nobody. A failure holds the hour back.",
 }
 # The checks whose failure keeps the hour out of the finance views (pipeline.reconcile).
-HOLDS_HOUR_BACK = frozenset({"sequence", "time", "money", "silence"})
+HOLDS_HOUR_BACK = frozenset({"sequence", "time", "money", "silence", "conservation"})
 
 
 def _cell(text: str) -> str:

@@ -79,5 +79,11 @@ def open_warehouse(warehouse: DuckDBResource) -> Iterator[duckdb.DuckDBPyConnect
     created first: DuckDBResource retries a failing connect for about 100 s before giving up."""
     Path(warehouse.database).parent.mkdir(parents=True, exist_ok=True)
     with warehouse.get_connection() as con:
-        apply_schema(con)
-        yield con
+        # DuckDBResource closes the connection only when the block ends without an error; one
+        # left open would refuse every later connection to the file in this process (another
+        # configuration), hiding the error behind a connection error.
+        try:
+            apply_schema(con)
+            yield con
+        finally:
+            con.close()

@@ -34,9 +34,11 @@ CHECK_FAILURES = ("DagsterAssetCheckFailedError", "Failure")
 
 
 def root_cause(error: dg.SerializableErrorInfo) -> str:
-    """The innermost cause of a step failure: Dagster wraps it as "Error occurred while
-    executing op ...", and the file, record or field that failed is in the chained cause."""
-    while error.cause is not None:
+    """What a step failure says failed: Dagster wraps it as "Error occurred while executing
+    op ...", and the file, record or field that failed is named by the first error it wraps
+    (not by that error's own causes: a parser's error beneath "gateway/05.jsonl:12: field
+    tenant" knows the field but not the file)."""
+    while error.cause is not None and error.cls_name.startswith("Dagster"):
         error = error.cause
     return str(error.message).strip()
 

@@ -342,7 +342,7 @@ def _held_seqs(
     if not files:
         return pl.Series("seq", [], pl.Int64)
     return (
-        pl.scan_parquet(files)
+        pl.scan_parquet(files, glob=False)
         .select("seq")
         .filter(pl.col("seq").is_between(low, high))
         .unique()

@@ -8,8 +8,10 @@
     ledger/pool=<pool>/hour=<hour>/<table>.parquet
         the hour's ledger (`pipeline.ledger.HourLedger`) before it is published
 
-Ingest records each step-log file's sha256 (`lake_files`); attribution verifies every file
-it reads against it, so a file rewritten after ingest fails the hour instead of billing it.
+Ingest records each step-log file's sha256 (`lake_files`); the pool-hour's steps record the
+sha256 of the inputs and ledger files they write (assets.pool_hour). Each file is verified
+against its hash where it is read to bill the hour, so a file rewritten or added since it was
+written fails the hour instead of billing it.
 
 Every file is written under a temporary name and renamed into place, so a reader sees the
 old file or the new one, never half of one.
@@ -20,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -44,25 +46,41 @@ class HourInput:
 
 
 class LakeFileChanged(RuntimeError):
-    """A lake file's bytes differ from what ingest wrote."""
+    """A lake file's bytes differ from what was written, or it was added since."""
+
+
+def sha256_of(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def written_hashes(lake: Path, files: Iterable[Path]) -> dict[str, str]:
+    """Path relative to the lake -> sha256 of files just written, for `verify` to check them
+    against when they are read."""
+    return {str(path.relative_to(lake)): sha256_of(path) for path in files}
 
 
 def verify(lake: Path, files: list[Path], hashes: Mapping[str, str] | None) -> None:
     """Refuse `files` unless each one's sha256 is the one recorded when it was written
-    (`hashes`: path relative to the lake -> sha256, the `lake_files` rows); None skips it.
-    A file of a lake ingested before hashes were recorded has none and is read unverified."""
+    (`hashes`: path relative to the lake -> sha256, e.g. the `lake_files` rows); None skips
+    it. A lake written before hashes were recorded has none (an empty `hashes`) and is read
+    unverified; once any is recorded, a file without one was added later and is refused."""
     if hashes is None:
         return
     for path in files:
         recorded = hashes.get(str(path.relative_to(lake)))
-        if recorded is None:
+        if recorded is None and not hashes:
             continue
-        found = hashlib.sha256(path.read_bytes()).hexdigest()
+        if recorded is None:
+            raise LakeFileChanged(
+                f"{path}: no sha256 was recorded for this lake file when the lake was written: "
+                "it was added since, so the hour is not billed from it (remove the file)"
+            )
+        found = sha256_of(path)
         if recorded != found:
             raise LakeFileChanged(
-                f"{path}: sha256 {found}, but ingest wrote it as {recorded}: the lake file was "
-                "changed after ingest, so the hour is not attributed from it (restore the file "
-                "or re-ingest the outbox into a fresh lake)"
+                f"{path}: sha256 {found}, but it was written as {recorded}: the lake file was "
+                "changed after it was written, so the hour is not billed from it (run the hour "
+                "again; for a step-log file, restore it or re-ingest the outbox into a fresh lake)"
             )
 
 
@@ -74,11 +92,14 @@ def _partition_files(
     batches: Collection[str] | None,
     hashes: Mapping[str, str] | None = None,
 ) -> list[Path]:
-    directory = partition_dir(lake, table, pool, hour_key(hour))
-    files = sorted(directory.glob("*.parquet")) if directory.is_dir() else []
-    files = files if batches is None else [f for f in files if batch_of(f) in batches]
+    files = _committed_files(partition_dir(lake, table, pool, hour_key(hour)), batches)
     verify(lake, files, hashes)
     return files
+
+
+def _committed_files(directory: Path, batches: Collection[str] | None) -> list[Path]:
+    files = sorted(directory.glob("*.parquet")) if directory.is_dir() else []
+    return files if batches is None else [f for f in files if batch_of(f) in batches]
 
 
 def _replica_of(part: Path) -> str:
@@ -96,7 +117,8 @@ def _read(files: list[Path], table: str, columns: list[str] | None = None) -> pl
     if not files:
         empty = _frame(LAKE_TABLES[table].empty_table())
         return empty if columns is None else empty.select(columns)
-    return pl.read_parquet(files, columns=columns)
+    # glob=False: a data directory's path may hold "[" or "*", which are not patterns here.
+    return pl.read_parquet(files, columns=columns, glob=False)
 
 
 def _read_partition(
@@ -114,7 +136,7 @@ def _read_partition(
     files = _partition_files(lake, table, pool, hour, batches, hashes)
     if where is None or not files:
         return _read(files, table, columns)
-    scan = pl.scan_parquet(files).filter(where)
+    scan = pl.scan_parquet(files, glob=False).filter(where)
     return (scan if columns is None else scan.select(columns)).collect()
 
 
@@ -185,6 +207,24 @@ def last_seq_before(
     return dict(zip(last["replica"].to_list(), last["seq"].to_list(), strict=True))
 
 
+def steps_of_other_hours(
+    lake: Path, pool: str, attributed: Collection[str], batches: Collection[str] | None = None
+) -> pl.DataFrame:
+    """`replica`, `seq` and `hour` (its key) of the pool's steps in every hour partition whose
+    key is not in `attributed` (of `batches`, as in `load_hour`). Once the hours are attributed
+    in order this is only the partitions of hours still to come, so it reads little."""
+    root = partition_dir(lake, "steps", pool, "").parent
+    frames = [
+        _read(files, "steps", ["replica", "seq"]).with_columns(hour=pl.lit(key))
+        for directory in sorted(root.glob("hour=*"))
+        if (key := directory.name.removeprefix("hour=")) not in attributed
+        and (files := _committed_files(directory, batches))
+    ]
+    if not frames:
+        return pl.DataFrame(schema={"replica": pl.String, "seq": pl.Int64, "hour": pl.String})
+    return pl.concat(frames)
+
+
 @dataclass(frozen=True)
 class AttributionInputs:
     """What attributing a pool-hour reads from the warehouse, taken in one short step that holds
@@ -228,7 +268,10 @@ def save_inputs(lake: Path, inputs: AttributionInputs) -> Path:
     return path
 
 
-def load_inputs(lake: Path, pool: str, hour: datetime) -> AttributionInputs:
+def load_inputs(
+    lake: Path, pool: str, hour: datetime, hashes: Mapping[str, str] | None = None
+) -> AttributionInputs:
+    """The inputs `save_inputs` wrote, verified against `hashes` (`verify`) when given."""
     hour = utc_hour(hour)
     path = inputs_path(lake, pool, hour)
     if not path.is_file():
@@ -236,6 +279,7 @@ def load_inputs(lake: Path, pool: str, hour: datetime) -> AttributionInputs:
             f"{path}: no attribution inputs for pool {pool!r} hour {hour_key(hour)}; "
             "materialize its request_context first"
         )
+    verify(lake, [path], hashes)
     table = pq.read_table(path)
     described = json.loads(table.schema.metadata[_INPUTS_KEY])
     return AttributionInputs(
@@ -263,13 +307,23 @@ def save_ledger(lake: Path, ledger: HourLedger) -> Path:
     return directory
 
 
-def load_ledger(lake: Path, pool: str, hour: datetime) -> HourLedger:
+def ledger_files(lake: Path, pool: str, hour: datetime) -> list[Path]:
+    directory = ledger_dir(lake, pool, utc_hour(hour))
+    return [directory / f"{name}.parquet" for name in STORED_TABLES]
+
+
+def load_ledger(
+    lake: Path, pool: str, hour: datetime, hashes: Mapping[str, str] | None = None
+) -> HourLedger:
+    """The ledger `save_ledger` wrote, verified against `hashes` (`verify`) when given."""
     hour = utc_hour(hour)
-    directory = ledger_dir(lake, pool, hour)
-    missing = [n for n in STORED_TABLES if not (directory / f"{n}.parquet").is_file()]
+    files = ledger_files(lake, pool, hour)
+    missing = [f.stem for f in files if not f.is_file()]
     if missing:
         raise FileNotFoundError(
-            f"{directory}: no ledger tables {missing} for pool {pool!r} hour {hour_key(hour)}"
+            f"{ledger_dir(lake, pool, hour)}: no ledger tables {missing} for pool {pool!r} "
+            f"hour {hour_key(hour)}"
         )
-    frames = {name: pl.read_parquet(directory / f"{name}.parquet") for name in STORED_TABLES}
+    verify(lake, files, hashes)
+    frames = {f.stem: pl.read_parquet(f, glob=False) for f in files}
     return HourLedger(hour=hour, pool=pool, **frames)

@@ -23,9 +23,10 @@ Severity (what pages, what holds an hour back from the finance views):
 | calibration_drift | pool    | fresh fit drifted (fitted weights only)   | ERROR    | no       |
 | clock             | replica | wall clock jumped (steps placed by mono)  | WARN     | no       |
 | silence           | replica | no step log while DCGM shows GPUs busy    | ERROR    | yes      |
+| conservation      | replica | steps up to the hour in hours never billed| ERROR    | yes      |
 | deadman           | pool    | hours not reconciled in time (alerts.py)  | ERROR    | no       |
 
-Sequence, time, money and silence decide whether the numbers are complete and exact, so a
+Sequence, time, money, silence and conservation decide whether the numbers are complete and exact, so a
 failure holds the hour back. The others say the numbers may be unfair (host stalls charged to
 customers, unattributed usage, stale coefficients) or that a cross-check is unavailable: the
 hour is still published, and the ERROR ones page. A duplicated segment is reported but does not
@@ -55,7 +56,7 @@ from pipeline.hours import (
     utc_hour,
 )
 from pipeline.ingest import committed_batches
-from pipeline.lake import HourInput, last_seq_before, load_hour
+from pipeline.lake import HourInput, last_seq_before, load_hour, steps_of_other_hours
 from pipeline.ledger import LINE_KINDS
 from pipeline.warehouse import query_frame, record_checks
 from pricing import load_chip
@@ -1121,6 +1122,66 @@ def check_silence(
     return results
 
 
+def check_conservation(
+    hour: datetime, pool: Pool, steps: pl.DataFrame, elsewhere: pl.DataFrame
+) -> list[CheckResult]:
+    """Per replica: every ingested step up to the hour is billed, in a published hour or in
+    one held back. `steps` (STEPS): the pool's steps, those starting in the hour are this
+    hour's; `elsewhere`: `replica`, `seq` and `hour` (key) of the pool's steps in hours not
+    attributed yet (`pipeline.lake.steps_of_other_hours`). A step placed in an earlier hour, or
+    in a later hour though its sequence number comes before the hour's last, belongs to an hour
+    that will not be attributed after this one: no one pays for it while the hour, which must
+    have been busy around it, publishes as if it were not (ERROR, blocking)."""
+    in_hour = _steps_of_hour(steps, hour, pool)
+    key = hour_key(hour)
+    results = []
+    for replica in pool.replicas:
+        seqs = in_hour.filter(pl.col("replica") == replica.id)["seq"]
+        last = seqs.max()
+        mine = elsewhere.filter(pl.col("replica") == replica.id)
+        unbilled = mine.filter(
+            (pl.col("hour") < key) | (pl.col("seq") <= last if last is not None else False)
+        ).sort("seq")
+        findings = []
+        if unbilled.height:
+            by_hour = ", ".join(
+                f"{hour_of} ({count} steps)"
+                for hour_of, count in unbilled.group_by("hour").len().sort("hour").iter_rows()
+            )
+            ranges = compact_ranges(_runs(unbilled["seq"].unique().sort().to_numpy()))
+            findings.append(
+                _Finding(
+                    "unbilled_steps",
+                    "ERROR",
+                    True,
+                    f"{unbilled.height} steps of replica {replica.id} (seq {ranges}) lie in hours "
+                    f"never attributed, neither published nor held back: {by_hour}; they are "
+                    f"billed to nobody while hour {key} is published without them (attribute "
+                    "those hours with stepledger run --hour, or fix the replica's clock and "
+                    "re-ingest)",
+                )
+            )
+        observed = (
+            f"{seqs.len()} steps in the hour; {unbilled.height} steps up to it in hours not "
+            "attributed"
+        )
+        results.append(
+            _result(
+                hour,
+                pool.name,
+                replica.id,
+                "conservation",
+                "every step up to the hour's last in a published or held-back hour",
+                observed,
+                findings,
+                passed_detail=f"{seqs.len()} steps in the hour, none billed to nobody",
+                severity="ERROR",
+                blocking=True,
+            )
+        )
+    return results
+
+
 # --- one pool-hour, from the lake, the warehouse and the DCGM scrapes ----------------------
 
 
@@ -1135,6 +1196,7 @@ CHECKS = (
     "calibration_drift",
     "clock",
     "silence",
+    "conservation",
 )
 
 
@@ -1214,6 +1276,12 @@ def check_calibration_of_hour(
     )
 
 
+def attributed_hours(con: duckdb.DuckDBPyConnection, pool: Pool, hour: datetime) -> set[str]:
+    """Keys of the pool's hours with an invoice (published or held back), and `hour`'s own."""
+    rows = con.execute("SELECT DISTINCT hour FROM invoices WHERE pool = ?", [pool.name]).fetchall()
+    return {hour_key(from_warehouse(row[0])) for row in rows} | {hour_key(hour)}
+
+
 def reconcile_hour(
     con: duckdb.DuckDBPyConnection,
     lake: Path,
@@ -1257,6 +1325,12 @@ def reconcile_hour(
         *check_plausibility(hour, pool, steps, dcgm, settings),
         *check_silence(hour, pool, steps, dcgm, settings),
         *check_clock(hour, pool, _pool_rows(con, "clock_jumps", pool)),
+        *check_conservation(
+            hour,
+            pool,
+            steps,
+            steps_of_other_hours(lake, pool.name, attributed_hours(con, pool, hour), batches),
+        ),
         *check_unattributed(hour, pool, lines),
         *check_calibration_of_hour(con, pool, hour, data, settings, store),
     ]

@@ -16,7 +16,12 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from pipeline.cli.costs import cost_report, print_report
-from pipeline.cli.dagster_instance import instance_dir, materialize_pool_hours, prepare_instance
+from pipeline.cli.dagster_instance import (
+    instance_dir,
+    materialize_pool_hours,
+    prepare_instance,
+    print_outcome,
+)
 from pipeline.cli.options import DEMO_DIR, directory_option, workers_option
 from pipeline.datadir import CALIBRATION_FILE, hours_in_data
 from pipeline.warehouse import STATE_FILE
@@ -94,17 +99,18 @@ def bill_through_dagster(
         for run in materialize_pool_hours(out, hours, home):
             progress.advance(task)
             runs.append(run)
-            status = "[red]held back[/red]" if run["held_back"] else "[green]published[/green]"
-            if run["error"]:
-                status = f"[red]failed[/red]: {run['error'].splitlines()[0]}"
-            console.print(f"{run['hour']} {run['pool']}: {status}")
-            for finding in run["failed_checks"]:
-                console.print(
-                    f"    [yellow]check failed[/yellow] {finding}",
-                    overflow="ellipsis",
-                    no_wrap=True,
-                )
-    console.print(f"Dagster history in {home}: `stepledger dev --data {out}` shows it")
+            print_outcome(
+                console,
+                run["hour"],
+                run["pool"],
+                held_back=run["held_back"],
+                error=run["error"],
+                failed_checks=run["failed_checks"],
+            )
+    # Paths print as text (markup=False): a directory may be named like markup.
+    console.print(
+        f"Dagster history in {home}: `stepledger dev --data {out}` shows it", markup=False
+    )
     return runs
 
 
@@ -143,6 +149,7 @@ def demo_command(
     pipeline, and write an HTML report (OUT/report.html)."""
     from rich.console import Console
     from rich.progress import Progress
+    from rich.text import Text
 
     from pipeline.report import Scope, write_report
     from pipeline.simulator import FaultError, parse_fault, simulate
@@ -161,7 +168,8 @@ def demo_command(
     for entry in entries:
         console.print(
             f"calibrated {entry.model} on {entry.gpu_type}, engine {entry.engine_version}, "
-            f"driver {entry.driver_version}: R^2 {entry.r_squared:.3f} over {entry.n_steps:,} steps"
+            f"driver {entry.driver_version}: R^2 {entry.r_squared:.3f} over {entry.n_steps:,} steps",
+            markup=False,
         )
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task(f"simulating {hours:g} h", total=1.0)
@@ -174,9 +182,12 @@ def demo_command(
             workers=workers,
             progress=lambda done, total: progress.update(task, completed=done / total),
         )
-    console.print(f"simulated {summary.requests:,} requests, {summary.steps:,} steps into {out}")
+    console.print(
+        f"simulated {summary.requests:,} requests, {summary.steps:,} steps into {out}",
+        markup=False,
+    )
     for name, what in summary.faults.items():
-        console.print(f"  [yellow]fault[/yellow] {name}: {what}")
+        console.print(Text.assemble("  ", ("fault", "yellow"), f" {name}: {what}"))
     runs = bill_through_dagster(out, hours_in_data(out), pools, console)
     costs = cost_report(out, "tenant")
     if not as_json:
@@ -184,7 +195,8 @@ def demo_command(
     held = sum(1 for r in runs if r["held_back"])
     console.print(
         f"{len(runs) - held} of {len(runs)} pool-hours published, {held} held back. "
-        f"Query it with `stepledger sql --data {out}`, or run `stepledger costs --data {out} --by feature`."
+        f"Query it with `stepledger sql --data {out}`, or run `stepledger costs --data {out} --by feature`.",
+        markup=False,
     )
     report = out / "report.html"
     with console.status("writing the report"):

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -15,6 +20,7 @@ import dagster as dg
 from assets.resources import warehouse_path
 from assets.runner import execute_pool_hours, pool_hour_outcome
 from pipeline import alerts
+from pipeline.cli.dagster_instance import print_outcome
 from pipeline.cli.options import data_dir_option, file_option
 from pipeline.datadir import hours_in_data, pools_file
 from pipeline.hours import hour_key, parse_hour_key
@@ -33,31 +39,117 @@ class PoolHourRun:
     error: str | None  # the root cause of the first step failure that is not a failed check
 
 
+class RunStopped(Exception):
+    """SIGTERM or SIGINT stopped `run_pool_hours` between pool-hours, or in one, which Dagster
+    interrupted: its step in flight failed and rolled back, so the hour is as before the run or
+    as its last finished step left it. `runs`: the pool-hours done, then the interrupted one
+    (with its error) if any; `not_started` were never begun."""
+
+    def __init__(
+        self,
+        signal_name: str,
+        runs: list[PoolHourRun],
+        interrupted: PoolHourRun | None,
+        not_started: list[tuple[datetime, str]],
+    ) -> None:
+        self.runs = runs + ([interrupted] if interrupted else [])
+        self.not_started = not_started
+        parts = [f"stopped by {signal_name}: {len(runs)} pool-hour(s) done ({_listed(runs)})"]
+        if interrupted:
+            parts.append(f"interrupted and rolled back: {_listed([interrupted])}")
+        parts.append(f"not started: {len(not_started)} ({_listed(not_started)})")
+        super().__init__("; ".join(parts) + "; run those hours again to bill them")
+
+
+def _listed(items: Sequence[PoolHourRun] | Sequence[tuple[datetime, str]]) -> str:
+    keys = [(item.hour, item.pool) if isinstance(item, PoolHourRun) else item for item in items]
+    return ", ".join(f"{hour_key(hour)} {pool}" for hour, pool in keys) or "none"
+
+
+@contextmanager
+def _stop_signals() -> Iterator[Callable[[], str | None]]:
+    """SIGTERM and SIGINT noted, not raised, for the duration; yields a function returning the
+    first one's name once one arrived. While a pool-hour runs, Dagster swaps in its own handler
+    (it interrupts the step in flight), so the signals are read from the wakeup fd, which
+    Python writes for every handled signal whichever handler runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: None
+        return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(read_fd, False)
+    os.set_blocking(write_fd, False)
+    handlers = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    seen: list[str] = []
+
+    def received() -> str | None:
+        try:
+            numbers = os.read(read_fd, 64)
+        except BlockingIOError:
+            numbers = b""
+        seen.extend(signal.Signals(n).name for n in numbers if n in handlers)
+        return seen[0] if seen else None
+
+    try:
+        yield received
+    finally:
+        signal.set_wakeup_fd(previous_fd)
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
+        os.close(read_fd)
+        os.close(write_fd)
+
+
 def run_pool_hours(
     data_dir: Path,
     hours: list[datetime],
     *,
     warehouse: Path | None = None,
     on_done: Callable[[PoolHourRun], None] | None = None,
+    keep_stdout: bool = False,
 ) -> list[PoolHourRun]:
     """Materialize every (hour, pool) in order, in-process, on one ephemeral Dagster instance.
 
     A failed pool-hour owes on-call the same pages as under the daemon (`pipeline.alerts`:
     recorded in the outbox, delivered now if the sink accepts, else by the delivery sensor or
-    the next run)."""
+    the next run). SIGTERM or SIGINT stops the run after the pool-hour in flight (interrupted
+    and rolled back) and starts no other: `RunStopped` says which were done and which not.
+    `keep_stdout`: pages the default sink would print go to stderr."""
     state_file = warehouse.resolve() if warehouse else warehouse_path(data_dir.resolve())
-    runs = []
-    with dg.DagsterInstance.ephemeral() as instance:
-        for hour, pool, result in execute_pool_hours(data_dir, hours, warehouse, instance):
+    # A sink configured wrong is refused before any pool-hour is billed, not after the first.
+    sink = alerts.sink_from_env()
+    if keep_stdout and isinstance(sink, alerts.JsonLinesSink) and sink.target is None:
+        # Standard output is the caller's (run --json): pages printed go to stderr instead.
+        sink = alerts.JsonLinesSink(sys.stderr)
+    pools = load_pools(pools_file(data_dir)).pools
+    pool_hours = [(hour, pool.name) for hour in hours for pool in pools]
+    runs: list[PoolHourRun] = []
+    with dg.DagsterInstance.ephemeral() as instance, _stop_signals() as stop_signal:
+        if stopped := stop_signal():
+            raise RunStopped(stopped, runs, None, pool_hours)
+        # The generator starts a pool-hour only when asked for it: leaving the loop on a
+        # signal leaves the rest unstarted.
+        executions = execute_pool_hours(data_dir, hours, warehouse, instance)
+        for index, (hour, pool, result) in enumerate(executions):
             run = PoolHourRun(hour=hour, pool=pool, **pool_hour_outcome(result))
+            stopped = stop_signal()
+            if stopped and not result.success:
+                # Stopped on purpose, not a fault: on-call is not paged for it.
+                error = f"interrupted by {stopped}: its step in flight was rolled back"
+                interrupted = dataclasses.replace(run, error=error)
+                if on_done:
+                    on_done(interrupted)
+                raise RunStopped(stopped, runs, interrupted, pool_hours[index + 1 :])
+            _page(state_file, sink, run, result.run_id)
             runs.append(run)
-            _page(state_file, run, result.run_id)
             if on_done:
                 on_done(run)
+            if stopped:
+                raise RunStopped(stopped, runs, None, pool_hours[index + 1 :])
     return runs
 
 
-def _page(state_file: Path, run: PoolHourRun, run_id: str) -> None:
+def _page(state_file: Path, sink: alerts.AlertSink, run: PoolHourRun, run_id: str) -> None:
     now = datetime.now(UTC)
     with connect(state_file) as con:
         if not run.success:
@@ -65,7 +157,7 @@ def _page(state_file: Path, run: PoolHourRun, run_id: str) -> None:
             alerts.enqueue(
                 con, alerts.hour_alerts(findings, run.pool, run.hour, run_id, run.error, now)
             )
-        alerts.deliver_due(con, alerts.sink_from_env(), now)
+        alerts.deliver_due(con, sink, now)
 
 
 def run_with_progress(
@@ -83,19 +175,17 @@ def run_with_progress(
 
         def done(run: PoolHourRun) -> None:
             progress.advance(task)
-            if quiet:
-                return
-            status = "[red]held back[/red]" if run.held_back else "[green]published[/green]"
-            if run.error:
-                status = f"[red]failed[/red]: {run.error.splitlines()[0]}"
-            console.print(f"{hour_key(run.hour)} {run.pool}: {status}")
-            for finding in run.failed_checks:
-                shown = finding if len(finding) <= 150 else finding[:149] + "…"
-                console.print(
-                    f"    [yellow]check failed[/yellow] {shown}", overflow="ellipsis", no_wrap=True
+            if not quiet:
+                print_outcome(
+                    console,
+                    hour_key(run.hour),
+                    run.pool,
+                    held_back=run.held_back,
+                    error=run.error,
+                    failed_checks=run.failed_checks,
                 )
 
-        return run_pool_hours(data_dir, hours, warehouse=warehouse, on_done=done)
+        return run_pool_hours(data_dir, hours, warehouse=warehouse, on_done=done, keep_stdout=quiet)
 
 
 @click.command("run")
@@ -128,10 +218,19 @@ def run_command(
         raise click.ClickException(
             f"{data_dir / 'gateway'}: no hourly gateway files, so no hours to run"
         )
-    runs = run_with_progress(data_dir, hours, warehouse, quiet=as_json)
+    try:
+        runs = run_with_progress(data_dir, hours, warehouse, quiet=as_json)
+    except RunStopped as stop:
+        if as_json:
+            click.echo(_as_json(stop.runs))
+        raise click.ClickException(str(stop)) from None
+    except alerts.AlertConfigError as err:
+        raise click.ClickException(f"alert sink: {err}") from None
     if as_json:
-        click.echo(
-            json.dumps([dataclasses.asdict(r) | {"hour": hour_key(r.hour)} for r in runs], indent=2)
-        )
+        click.echo(_as_json(runs))
     if any(r.error for r in runs):
         raise click.ClickException("some pool-hours failed; see above")
+
+
+def _as_json(runs: list[PoolHourRun]) -> str:
+    return json.dumps([dataclasses.asdict(r) | {"hour": hour_key(r.hour)} for r in runs], indent=2)

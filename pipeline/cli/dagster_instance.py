@@ -20,11 +20,14 @@ import tempfile
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from pipeline.hours import hour_key
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 # The code location (assets.definitions) reads the data directory from this variable.
 DATA_ENV = "STEPLEDGER_DATA"
@@ -78,3 +81,34 @@ def materialize_pool_hours(
             raise click.ClickException(
                 f"`{' '.join(command[:3])}` exited with {process.returncode}: {errors.read()[-2000:]}"
             )
+
+
+# A failed check's detail shown in full up to this many characters; the rest is in the
+# warehouse's `reconciliation` table and the report.
+FINDING_SHOWN = 150
+
+
+def print_outcome(
+    console: Console,
+    hour: str,
+    pool: str,
+    *,
+    held_back: bool,
+    error: str | None,
+    failed_checks: list[str],
+) -> None:
+    """One finished pool-hour, as `stepledger run` and `demo` show it. Errors and findings
+    quote input (file paths, names), so they print as text, never as markup."""
+    from rich.text import Text
+
+    status = Text("held back", "red") if held_back else Text("published", "green")
+    if error:
+        status = Text.assemble(("failed", "red"), f": {error.splitlines()[0]}")
+    console.print(Text.assemble(f"{hour} {pool}: ", status))
+    for finding in failed_checks:
+        shown = finding if len(finding) <= FINDING_SHOWN else finding[: FINDING_SHOWN - 1] + "…"
+        console.print(
+            Text.assemble("    ", ("check failed", "yellow"), f" {shown}"),
+            overflow="ellipsis",
+            no_wrap=True,
+        )

@@ -13,6 +13,7 @@ import click
 import numpy as np
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from pipeline.steplog import read_segments, segment_paths
 
@@ -130,6 +131,11 @@ def _ranges(ranges: list[tuple[int, int]]) -> str:
     return ", ".join(shown) + (f" (+{more} more)" if more > 0 else "") if ranges else "-"
 
 
+def _add_row(table: Table, *cells: str) -> None:
+    # Text, not markup: file names, pools and the header's strings come from the segments.
+    table.add_row(*map(Text, cells))
+
+
 def _print(report: dict[str, Any], console: Console) -> None:
     if not report["segments"]:
         console.print(f"no readable segment among {report['files']} files")
@@ -158,7 +164,8 @@ def _print_segments(report: dict[str, Any], console: Console) -> None:
     ):
         table.add_column(column, overflow="fold")
     for s in report["segments"]:
-        table.add_row(
+        _add_row(
+            table,
             Path(s["path"]).name,
             f"{s['pool']} / {s['replica']}",
             f"{s['engine_name']} {s['engine_version']}, driver {s['driver_version']}, format v{s['format_version']}",
@@ -178,7 +185,8 @@ def _print_segments(report: dict[str, Any], console: Console) -> None:
             f"{g['first_seq']}-{g['last_seq']} ({g['steps']}, {'/'.join(g['explained_by']) or 'MISSING'})"
             for g in r["gaps"]
         ]
-        table.add_row(
+        _add_row(
+            table,
             f"{r['pool']} / {r['replica']}",
             str(r["segments"]),
             str(r["steps"]),
@@ -195,8 +203,14 @@ def _print_damage(report: dict[str, Any], console: Console) -> None:
         table.add_column(column, overflow="fold")
     for d in report["damage"]:
         seqs = f"{'?' if d['first_seq'] is None else d['first_seq']}-{'?' if d['last_seq'] is None else d['last_seq']}"
-        table.add_row(
-            d["path"], d["kind"], str(d["byte_offset"]), str(d["byte_length"]), seqs, d["detail"]
+        _add_row(
+            table,
+            d["path"],
+            d["kind"],
+            str(d["byte_offset"]),
+            str(d["byte_length"]),
+            seqs,
+            d["detail"],
         )
     console.print(table)
 

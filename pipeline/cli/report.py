@@ -37,7 +37,7 @@ def report_command(
       stepledger report --day 2026-11-30 --out nov30.html
       stepledger report --warehouse /srv/ledger/warehouse.duckdb --hour 2026-11-30T05
     """
-    from pipeline.datadir import pools_file
+    from pipeline.datadir import OutputPathError, check_output, pools_file
     from pipeline.report import ReportError, Scope, write_report
     from pipeline.warehouse import WarehouseError
     from schemas.config import ConfigError, load_pools
@@ -54,8 +54,9 @@ def report_command(
     period = hour or day or "all"
     out = out or data_dir / f"report-{period}.html"
     try:
+        check_output(out, data_dir, [warehouse, pools_file(data_dir)])
         pools = load_pools(pools_file(data_dir))
         write_report(warehouse, pools, data_dir / "lake", scope, out)
-    except (ReportError, WarehouseError, ConfigError) as err:
+    except (ReportError, WarehouseError, ConfigError, OutputPathError) as err:
         raise click.ClickException(str(err)) from err
     click.echo(out.resolve())

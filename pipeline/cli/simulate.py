@@ -97,6 +97,7 @@ def simulate_command(
         TimeRemainingColumn,
     )
     from rich.table import Table
+    from rich.text import Text
 
     from pipeline.simulator import simulate
 
@@ -142,7 +143,10 @@ def simulate_command(
     if as_json:
         click.echo(json.dumps(dataclasses.asdict(summary), default=str, indent=2))
         return
-    table = Table(title=f"{summary.requests:,} requests, {summary.steps:,} steps -> {out_dir}")
+    # Text, not markup, wherever a path or a name from the pools file is shown.
+    table = Table(
+        title=Text(f"{summary.requests:,} requests, {summary.steps:,} steps -> {out_dir}")
+    )
     for column in (
         "pool",
         "replica",
@@ -158,8 +162,8 @@ def simulate_command(
         table.add_column(column, justify="left" if column in ("pool", "replica") else "right")
     for r in summary.replicas:
         table.add_row(
-            r.pool,
-            r.replica,
+            Text(r.pool),
+            Text(r.replica),
             f"{r.requests:,}",
             f"{r.finished:,}",
             f"{r.steps:,}",
@@ -172,4 +176,4 @@ def simulate_command(
     console.print(table)
     console.print(f"gateway lines: {summary.gateway_lines:,} of {summary.requests:,} requests")
     for name, what in summary.faults.items():
-        console.print(f"fault {name}: {what}")
+        console.print(f"fault {name}: {what}", markup=False)

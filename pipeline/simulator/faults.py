@@ -35,6 +35,9 @@ clock-jump[=SECONDS]         Halfway through the span the replica's wall clock s
 silent-replica               The replica's segments are never delivered (a recorder whose outbox
                              is not shipped), while DCGM shows its GPUs busy and the gateway
                              its requests.
+sink-down[=ATTEMPTS]         The fleet's alert webhook refuses its first ATTEMPTS deliveries
+                             (default 1) with HTTP 500, then accepts: the run directory's
+                             `alert-sink.json` describes it, `pipeline.simulator.sink` serves it.
 missing-context[=FRACTION]   FRACTION of requests (default 0.05) have no gateway line.
 idle-replica                 One replica receives no traffic; it still reports DCGM samples.
 host-stall[=FRACTION]        Every step of the replica waits on the host for FRACTION of its GPU
@@ -74,6 +77,7 @@ FAULTS: dict[str, tuple[float | None, str | None, str]] = {
     "clock-skew": (36.0, "SECONDS", "a replica's wall clock runs slow by SECONDS per hour"),
     "clock-jump": (7200.0, "SECONDS", "a replica's wall clock steps by SECONDS halfway through"),
     "silent-replica": (None, None, "a replica's segments are never delivered"),
+    "sink-down": (1.0, "ATTEMPTS", "the alert webhook refuses its first ATTEMPTS deliveries"),
     "missing-context": (0.05, "FRACTION", "FRACTION of requests have no gateway line"),
     "idle-replica": (None, None, "one replica gets no traffic"),
     "host-stall": (0.5, "FRACTION", "steps wait on the host for FRACTION of their GPU time"),
@@ -119,6 +123,8 @@ def validate_fault(name: str, value: float | None) -> float | None:
         raise FaultError(f"fault {name!r}: fraction {value} must be in (0, 1]")
     if name == "host-stall" and value <= 0.0:
         raise FaultError(f"fault {name!r}: fraction {value} must be positive")
+    if name == "sink-down" and (value < 1 or value != int(value)):
+        raise FaultError(f"fault {name!r}: {value} deliveries must be a whole number from 1")
     if name == "clock-skew" and not 0.0 < value < 3600.0:
         raise FaultError(f"fault {name!r}: {value} seconds per hour must be in (0, 3600)")
     if name == "clock-jump" and not 60.0 <= abs(value) <= 86_400.0:

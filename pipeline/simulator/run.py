@@ -4,6 +4,7 @@
     out_dir/outbox/<replica>/*.seg              step segments, through the real StepRecorder
     out_dir/gateway/<YYYY-MM-DDTHH>.jsonl       gateway request context
     out_dir/dcgm/<hostname>/<YYYY-MM-DDTHH>.prom   DCGM exporter scrapes
+    out_dir/alert-sink.json                     the alert sink, with the sink-down fault
 
 Replicas are simulated one after another on one core, or in worker processes. Every random
 stream is seeded from (seed, pool, replica, purpose), so a seed always gives the same data
@@ -31,6 +32,7 @@ from pipeline.simulator.faults import (
     validate_fault,
 )
 from pipeline.simulator.replica import ReplicaRun, simulate_replica
+from pipeline.simulator.sink import write_sink
 from pipeline.simulator.telemetry import GpuActivity, gpu_model_name, write_dcgm, write_gateway
 from pipeline.simulator.workload import PoolTraffic, generate_pool_traffic
 from pricing import Kernel
@@ -273,6 +275,8 @@ def simulate(
     ]
     write_dcgm(out_dir, activities, start, span_ns, _rng(seed, _DCGM))
 
+    if "sink-down" in faults:
+        notes["sink-down"] = write_sink(out_dir, int(_fault_value(faults, "sink-down")))
     target_segments = sorted(run_of[target].segments) if target in run_of else []
     notes.update(damage_segments(out_dir, target, target_segments, faults))
 

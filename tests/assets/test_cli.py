@@ -48,6 +48,44 @@ def test_run_then_costs_without_sql(simulated: Path, tmp_path: Path) -> None:
     assert table.exit_code == 0 and "costs by tenant" in table.output
 
 
+def test_run_names_the_file_line_and_field_that_failed(
+    simulated: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In the table and in --json, a failed step shows the error naming the file, line and
+    field, not Dagster's wrapper nor the parser's error beneath it; pages printed by the
+    default sink leave --json's standard output to the JSON."""
+    monkeypatch.setenv("COLUMNS", "1000")
+    for name in ("STEPLEDGER_ALERT_WEBHOOK_URL", "STEPLEDGER_ALERT_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    data = tmp_path / "run"
+    shutil.copytree(simulated, data)
+    gateway = data / "gateway" / "2026-11-30T00.jsonl"
+    number = len(gateway.read_text().splitlines()) + 1
+    with gateway.open("a") as lines:
+        lines.write('{"request_id": "r-1", "tenant": 5\n')
+    cause = f"pipeline.gateway.ContextError: {gateway}:{number}: field (line): Invalid JSON"
+    table = CliRunner().invoke(main, ["run", "--data", str(data)])
+    assert table.exit_code == 1
+    assert f"2026-11-30T00 chat-8b: failed: {cause}" in table.stdout
+    as_json = CliRunner().invoke(main, ["run", "--data", str(data), "--json"])
+    assert as_json.exit_code == 1
+    (run,) = json.loads(as_json.stdout)
+    assert run["error"].startswith(cause)
+    assert json.loads(as_json.stderr.splitlines()[0])["kind"] == "run_failed"
+
+
+def test_run_refuses_a_misconfigured_alert_sink_before_billing(
+    simulated: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("STEPLEDGER_ALERT_FORMAT", "email")
+    data = tmp_path / "run"
+    shutil.copytree(simulated, data)
+    result = CliRunner().invoke(main, ["run", "--data", str(data)])
+    assert result.exit_code == 1
+    assert "alert sink: STEPLEDGER_ALERT_FORMAT='email' is not one of pagerduty" in result.output
+    assert not (data / "lake").exists()
+
+
 def test_run_rejects_a_malformed_hour(simulated: Path) -> None:
     result = CliRunner().invoke(main, ["run", "--data", str(simulated), "--hour", "2026-11-30 00"])
     assert result.exit_code == 2 and "YYYY-MM-DDTHH" in result.output
@@ -76,7 +114,9 @@ def test_demo_calibrates_bills_and_writes_the_report(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("DAGSTER_HOME", raising=False)
-    out = tmp_path / "demo"
+    # Named like markup: the demo prints it as it is named.
+    out = tmp_path / "[bold]demo"
+    monkeypatch.setenv("COLUMNS", "1000")
     result = CliRunner().invoke(
         main, ["demo", "--out", str(out), "--hours", "0.01", "--workers", "2"]
     )
@@ -86,6 +126,7 @@ def test_demo_calibrates_bills_and_writes_the_report(
     page = (out / "report.html").read_text()
     assert page.startswith("<!DOCTYPE html>") and "reason-dsv3" in page and "chat-8b" in page
     assert "2 of 2 pool-hours published, 0 held back." in result.output
+    assert f"Query it with `stepledger sql --data {out}`" in result.output
     # Billed through Dagster on the output directory's own instance: its history stays there.
     with dg.DagsterInstance.from_config(str(out / "dagster")) as instance:
         runs = instance.get_runs()

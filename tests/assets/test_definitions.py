@@ -140,4 +140,5 @@ def test_checks_are_per_pool_hour_described_and_only_those_holding_an_hour_back_
         "calibration_drift": " The hour is published either way",
         "clock": " The hour is published either way",
         "silence": " A failure holds the hour back",
+        "conservation": " A failure holds the hour back",
     }

@@ -230,6 +230,7 @@ def test_two_pool_hours_run_through_the_queue_on_postgres(
             "calibration",
             "calibration_drift",
             "clock",
+            "conservation",
             "money",
             "plausibility",
             "sequence",

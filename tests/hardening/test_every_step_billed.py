@@ -4,23 +4,31 @@ pool-hour job against the same fleet without the fault."""
 
 from __future__ import annotations
 
-import json
-import threading
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
-from typing import ClassVar
 
 import dagster as dg
 import duckdb
 import polars as pl
+import pyarrow.parquet as pq
 import pytest
 
 from assets.cli.run import run_pool_hours
+from assets.definitions import build_definitions
+from assets.partitions import partition_key
+from assets.runner import QUIET_RUN_CONFIG as QUIET
+from assets.runner import root_cause
 from pipeline import alerts
+from pipeline.hours import HOUR_NS, hour_key
+from pipeline.lake import inputs_path, ledger_files
+from pipeline.simulator.sink import SimulatedSink, serve_sink
+from pipeline.steplog import read_segments
 from pipeline.warehouse import STATE_FILE, connect, connect_read_only
 from schemas.config import PoolsFile
-from tests.helpers.fleets import bill, costs, simulate_small, small_pools
+from tests.helpers.fleets import bill, costs, record_again, simulate_small, small_pools
 from tests.helpers.hours import SIMULATED_HOUR
 
 pytestmark = pytest.mark.timeout(600)
@@ -28,12 +36,17 @@ pytestmark = pytest.mark.timeout(600)
 REPLICA = "chat-8b-r0"
 
 
-def failed_findings(data: Path) -> list[tuple]:
+def reconciliation(data: Path, columns: str, where: str) -> list[tuple]:
     with connect_read_only(data / STATE_FILE) as con:
         return con.execute(
-            "SELECT check_name, replica, severity, blocking, finding, detail FROM reconciliation "
-            "WHERE NOT passed ORDER BY ALL"
+            f"SELECT {columns} FROM reconciliation WHERE {where} ORDER BY ALL"
         ).fetchall()
+
+
+def failed_findings(data: Path) -> list[tuple]:
+    return reconciliation(
+        data, "check_name, replica, severity, blocking, finding, detail", "NOT passed"
+    )
 
 
 def billed(data: Path, pools: PoolsFile) -> bool:
@@ -53,7 +66,56 @@ def unfaulted(pools, tmp_path_factory) -> dict:
     assert billed(data, pools)
     money = costs(data)
     assert money["published"] and money["held_back"] == []
-    return {**money, "findings": failed_findings(data)}
+    return {"money": money, "findings": failed_findings(data), "conservation": conservation(data)}
+
+
+def conservation(data: Path) -> list[tuple]:
+    return reconciliation(data, "replica, passed, observed", "check_name = 'conservation'")
+
+
+def test_every_step_of_a_clean_fleet_is_in_an_attributed_hour(pools, unfaulted) -> None:
+    assert [(replica, passed) for replica, passed, _ in unfaulted["conservation"]] == [
+        ("chat-8b-r0", True),
+        ("chat-8b-r1", True),
+    ]
+    assert all(
+        observed.endswith("; 0 steps up to it in hours not attributed")
+        for *_, observed in unfaulted["conservation"]
+    )
+
+
+def test_steps_placed_in_an_hour_never_attributed_hold_the_hour_back(
+    pools, unfaulted, tmp_path: Path
+) -> None:
+    """The replica's last segment is written after a reboot with the wall clock set two hours
+    back: nothing in the log marks its clock wrong, ingest places its steps two hours early,
+    and that hour has no gateway file, so no one attributes it. The hour they ran in would
+    publish with them as idle; the conservation check holds it back instead."""
+    data = simulate_small(tmp_path / "fleet", pools)
+    (segment,) = (data / "outbox" / REPLICA).glob("*.seg")
+    record_again(segment, rotate_bytes=segment.stat().st_size // 3)
+    last = sorted((data / "outbox" / REPLICA).glob("*.seg"))[-1]
+    moved = read_segments([last]).steps["seq"].to_pylist()
+    record_again(last, reboot_wall_shift_ns=-2 * HOUR_NS)
+    assert not billed(data, pools)
+    money = costs(data)
+    assert money["published"] == []
+    assert money["held_back"] == [("chat-8b", "failed blocking checks: conservation")]
+    blocking = [f for f in new_findings(data, unfaulted) if f[3]]
+    ((check, replica, severity, _, finding, detail),) = blocking
+    assert (check, replica, severity, finding) == (
+        "conservation",
+        REPLICA,
+        "ERROR",
+        "unbilled_steps",
+    )
+    early = hour_key(SIMULATED_HOUR - timedelta(hours=2))
+    assert detail.startswith(
+        f"{len(moved)} steps of replica {REPLICA} (seq {moved[0]}-{moved[-1]}) lie in hours "
+        f"never attributed, neither published nor held back: {early} ({len(moved)} steps); "
+    )
+    # The other replica's steps are all in the hour.
+    assert conservation(data)[1][:2] == ("chat-8b-r1", True)
 
 
 def new_findings(data: Path, unfaulted: dict) -> list[tuple]:
@@ -67,7 +129,7 @@ def test_a_wall_clock_jump_is_placed_by_the_monotonic_clock_and_reported(
 ) -> None:
     data = simulate_small(tmp_path / "fleet", pools, faults={"clock-jump": jump_s})
     assert billed(data, pools)
-    assert {**costs(data), "findings": unfaulted["findings"]} == unfaulted
+    assert costs(data) == unfaulted["money"]
     ((check, replica, severity, blocking, finding, detail),) = new_findings(data, unfaulted)
     assert (check, replica, severity, blocking, finding) == (
         "clock",
@@ -112,40 +174,19 @@ def test_a_silent_replica_whose_gpus_are_busy_holds_the_hour_back(
     assert "billing the hour would charge its work as idle" in detail
 
 
-class _Sink(BaseHTTPRequestHandler):
-    """A webhook that answers HTTP 500 while `down`, else 200; it keeps what it accepted."""
-
-    down = True
-    accepted: ClassVar[list[dict]] = []
-    refused = 0
-
-    def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        if type(self).down:
-            type(self).refused += 1
-            self.send_response(500)
-        else:
-            type(self).accepted.append(body)
-            self.send_response(200)
-        self.end_headers()
-
-    def log_message(self, *args) -> None:
-        pass
-
-
 @pytest.fixture
 def webhook(monkeypatch: pytest.MonkeyPatch):
-    _Sink.down, _Sink.accepted, _Sink.refused = True, [], 0
-    server = HTTPServer(("127.0.0.1", 0), _Sink)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    monkeypatch.setenv(
-        "STEPLEDGER_ALERT_WEBHOOK_URL", f"http://127.0.0.1:{server.server_port}/hook"
-    )
-    monkeypatch.setenv("STEPLEDGER_ALERT_FORMAT", "slack")
-    monkeypatch.delenv("STEPLEDGER_PAGERDUTY_ROUTING_KEY", raising=False)
-    yield _Sink
-    server.shutdown()
+    """Pages go to the sink the simulated fleet describes, served on 127.0.0.1."""
+
+    @contextmanager
+    def serve(data: Path) -> Iterator[SimulatedSink]:
+        with serve_sink(data) as sink:
+            monkeypatch.setenv("STEPLEDGER_ALERT_WEBHOOK_URL", sink.url)
+            monkeypatch.setenv("STEPLEDGER_ALERT_FORMAT", "slack")
+            monkeypatch.delenv("STEPLEDGER_PAGERDUTY_ROUTING_KEY", raising=False)
+            yield sink
+
+    return serve
 
 
 def outbox(data: Path) -> list[tuple]:
@@ -159,31 +200,34 @@ def outbox(data: Path) -> list[tuple]:
 def test_a_page_the_sink_refuses_is_owed_until_it_accepts_then_delivered_once(
     pools, tmp_path: Path, webhook
 ) -> None:
-    data = simulate_small(tmp_path / "fleet", pools, faults={"silent-replica": None})
-    (run,) = run_pool_hours(data, [SIMULATED_HOUR])
-    assert not run.success
-    # The sink answered 500: the page is owed, not lost.
-    assert webhook.refused == 1 and webhook.accepted == []
-    ((kind, attempts, error, delivered),) = outbox(data)
-    assert (kind, attempts, delivered) == ("silence", 1, False)
-    assert "HTTP 500" in error and "/hook" not in error
-    with connect(data / STATE_FILE) as con:
-        now = datetime.now(UTC)
-        # Not due yet: the first retry waits a minute.
-        assert alerts.deliver_due(con, alerts.sink_from_env(), now) == []
-        assert webhook.refused == 1
-        # Owed past the dead-man delay, it is a finding of its own.
-        late = now + timedelta(minutes=pools.settings.deadman_minutes, seconds=1)
-        (overdue,) = alerts.undelivered(con, late, pools.settings)
-        assert (overdue.check_name, overdue.finding) == ("alert_delivery", "undelivered")
-        webhook.down = False
-        (sent,) = alerts.deliver_due(con, alerts.sink_from_env(), now + alerts.FIRST_RETRY)
-        assert sent.kind == "silence" and alerts.undelivered(con, late, pools.settings) == []
-    # Running the hour again finds the same finding: it is not paged a second time.
-    (again,) = run_pool_hours(data, [SIMULATED_HOUR])
-    assert not again.success
-    assert len(webhook.accepted) == 1
-    assert webhook.accepted[0]["text"].startswith("[ERROR] stepledger silence failed for chat-8b/")
+    data = simulate_small(
+        tmp_path / "fleet", pools, faults={"silent-replica": None, "sink-down": 1}
+    )
+    with webhook(data) as sink:
+        (run,) = run_pool_hours(data, [SIMULATED_HOUR])
+        assert not run.success
+        # The sink answered 500: the page is owed, not lost.
+        assert sink.refused == 1 and sink.accepted == []
+        ((kind, attempts, error, delivered),) = outbox(data)
+        assert (kind, attempts, delivered) == ("silence", 1, False)
+        assert "HTTP 500" in error and "/hook" not in error
+        with connect(data / STATE_FILE) as con:
+            now = datetime.now(UTC)
+            # Not due yet: the first retry waits a minute.
+            assert alerts.deliver_due(con, alerts.sink_from_env(), now) == []
+            assert sink.refused == 1
+            # Owed past the dead-man delay, it is a finding of its own.
+            late = now + timedelta(minutes=pools.settings.deadman_minutes, seconds=1)
+            (overdue,) = alerts.undelivered(con, late, pools.settings)
+            assert (overdue.check_name, overdue.finding) == ("alert_delivery", "undelivered")
+            # The sink is back: the retry is accepted.
+            (sent,) = alerts.deliver_due(con, alerts.sink_from_env(), now + alerts.FIRST_RETRY)
+            assert sent.kind == "silence" and alerts.undelivered(con, late, pools.settings) == []
+        # Running the hour again finds the same finding: it is not paged a second time.
+        (again,) = run_pool_hours(data, [SIMULATED_HOUR])
+        assert not again.success
+        assert sink.refused == 1 and len(sink.accepted) == 1
+        assert sink.accepted[0]["text"].startswith("[ERROR] stepledger silence failed for chat-8b/")
     assert outbox(data)[0][1:] == (2, None, True)
 
 
@@ -204,8 +248,81 @@ def test_a_lake_file_rewritten_after_ingest_fails_the_hour_and_keeps_the_money(
     (failure,) = result.get_step_failure_events()
     message = failure.event_specific_data.error.cause.message
     assert message.startswith(f"pipeline.lake.LakeFileChanged: {steps_file}: sha256 ")
-    assert "was changed after ingest" in message
-    assert costs(data) == {k: v for k, v in unfaulted.items() if k != "findings"}
+    assert "the lake file was changed after it was written" in message
+    assert costs(data) == unfaulted["money"]
     # `stepledger run` shows the root cause, not Dagster's "Error occurred while executing".
     (run,) = run_pool_hours(data, [SIMULATED_HOUR])
     assert run.error == message.strip()
+
+
+def rewrite(path: Path, change) -> None:
+    """Rewrite a Parquet file as a reader with write access would: rows changed, the file's
+    own metadata kept."""
+    table = pq.read_table(path)
+    changed = change(pl.from_arrow(table)).to_arrow()
+    pq.write_table(changed.replace_schema_metadata(table.schema.metadata), path)
+
+
+def root_causes(result) -> list[str]:
+    return [root_cause(f.event_specific_data.error) for f in result.get_step_failure_events()]
+
+
+def test_rewritten_inputs_or_ledger_files_fail_the_hour_and_keep_the_money(
+    pools, unfaulted, tmp_path: Path
+) -> None:
+    """The attribution's inputs and the hour's ledger are verified too: a rewritten one fails
+    the step that would read it, naming the file, when that step alone is run again."""
+    data = simulate_small(tmp_path / "fleet", pools)
+    job = build_definitions(pools, data).resolve_job_def("pool_hour_job")
+    key = partition_key(SIMULATED_HOUR, "chat-8b")
+
+    def run(*assets: str):
+        return job.execute_in_process(
+            partition_key=key,
+            instance=instance,
+            run_config=QUIET,
+            raise_on_error=False,
+            **({"asset_selection": [dg.AssetKey(a) for a in assets]} if assets else {}),
+        )
+
+    with dg.DagsterInstance.ephemeral() as instance:
+        assert run().success
+        assert costs(data) == unfaulted["money"]
+        inputs = inputs_path(data / "lake", "chat-8b", SIMULATED_HOUR)
+        # Every request's context moves to one tenant.
+        rewrite(inputs, lambda f: f.with_columns(tenant=pl.lit(f["tenant"][0])))
+        (cause,) = root_causes(run("attribution", "ledger"))
+        assert cause.startswith(f"pipeline.lake.LakeFileChanged: {inputs}: sha256 ")
+        assert costs(data) == unfaulted["money"]
+
+        assert run("request_context", "attribution").success
+        (lines, *_) = (
+            f
+            for f in ledger_files(data / "lake", "chat-8b", SIMULATED_HOUR)
+            if f.stem == "ledger_lines"
+        )
+        # A nano-dollar moves from one line to another: every total still balances.
+        rewrite(
+            lines,
+            lambda f: f.with_columns(
+                amount_nano=pl.col("amount_nano") + pl.Series([1, -1] + [0] * (f.height - 2))
+            ),
+        )
+        (cause,) = root_causes(run("ledger"))
+        assert cause.startswith(f"pipeline.lake.LakeFileChanged: {lines}: sha256 ")
+        assert costs(data) == unfaulted["money"]
+
+
+def test_a_step_file_added_to_the_lake_fails_the_hour(pools, unfaulted, tmp_path: Path) -> None:
+    data = simulate_small(tmp_path / "fleet", pools)
+    assert billed(data, pools)
+    (steps_file, *_) = sorted((data / "lake" / "steps").glob(f"pool=chat-8b/*/{REPLICA}.*.parquet"))
+    # Named like the replica's next file of a committed batch: its steps would be billed again.
+    replica, first, batch, suffix = steps_file.name.split(".")
+    added = steps_file.with_name(f"{replica}.{int(first) + 10**9:012d}.{batch}.{suffix}")
+    shutil.copyfile(steps_file, added)
+    with dg.DagsterInstance.ephemeral() as instance:
+        (result,) = bill(data, pools, instance)
+    (cause,) = root_causes(result)
+    assert cause.startswith(f"pipeline.lake.LakeFileChanged: {added}: no sha256 was recorded")
+    assert costs(data) == unfaulted["money"]

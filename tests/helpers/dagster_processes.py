@@ -11,6 +11,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+# The installed command line, run as its own process.
+STEPLEDGER = str(Path(sys.executable).parent / "stepledger")
+
 STATUS_QUERY = """{
   instance { info daemonHealth { allDaemonStatuses { daemonType healthy } } }
   schedulesOrError(repositorySelector: {repositoryName: "__repository__",

@@ -117,49 +117,8 @@ def rerecord(
     rewritten line by line."""
     import json
 
-    import numpy as np
-
-    from pipeline.steplog import SegmentHeader, StepRecorder, read_segments
-    from pipeline.steplog.recorder import MAX_SEGMENT_BYTES
-
     for path in sorted((data / "outbox").glob("*/*.seg")):
-        decoded = read_segments([path])
-        assert decoded.damage.num_rows == 0 and decoded.drops.num_rows == 0, path
-        (segment,) = decoded.segments.to_pylist()
-        header = SegmentHeader.model_validate({k: segment[k] for k in SegmentHeader.model_fields})
-        steps = decoded.steps.to_pylist()
-        slots = decoded.slots.to_pydict()
-        holders = decoded.holders.to_pydict()
-        slot_bounds = np.cumsum([0] + [s["num_slots"] for s in steps])
-        holder_bounds = np.cumsum([0] + [s["num_holders"] for s in steps])
-        clocks = {
-            "mono_clock": lambda anchor=segment["mono_anchor_ns"]: anchor,
-            "wall_clock": lambda anchor=segment["wall_anchor_ns"]: anchor,
-        }
-        with StepRecorder(
-            path.parent,
-            header,
-            overflow="block",
-            rotate_bytes=rotate_bytes or MAX_SEGMENT_BYTES,
-            first_seq=segment["first_seq"],
-            **clocks,
-        ) as recorder:
-            for index, step in enumerate(steps):
-                s = slice(slot_bounds[index], slot_bounds[index + 1])
-                h = slice(holder_bounds[index], holder_bounds[index + 1])
-                recorder.record_step(
-                    step["start_ns"],
-                    step["end_ns"],
-                    [rename(r) for r in slots["request_id"][s]],
-                    *(slots[name][s] for name in SLOT_COLUMNS),
-                    holder_ids=[rename(r) for r in holders["request_id"][h]],
-                    holder_blocks=holders["kv_blocks"][h],
-                    holder_states=holders["state"][h],
-                    admission_blocked=step["admission_blocked"],
-                    free_blocks=step["free_blocks"],
-                    total_blocks=step["total_blocks"],
-                )
-        path.unlink()
+        record_again(path, rename, rotate_bytes)
     for path in sorted((data / "gateway").glob("*.jsonl")):
         records = [json.loads(line) for line in path.read_text().splitlines() if line]
         for record in records:
@@ -167,6 +126,66 @@ def rerecord(
             if record["retry_of"] is not None:
                 record["retry_of"] = rename(record["retry_of"])
         path.write_text("".join(json.dumps(record) + "\n" for record in records))
+
+
+def record_again(
+    path: Path,
+    rename=lambda request_id: request_id,
+    rotate_bytes: int | None = None,
+    *,
+    reboot_wall_shift_ns: int | None = None,
+) -> None:
+    """Decode one segment and record its steps again through the StepRecorder in its place
+    (same header and sequence numbers). `reboot_wall_shift_ns`: as if the host rebooted just
+    before the segment (its monotonic clock restarted at one second) with the wall clock set
+    that far off, so nothing in the log says the segment's wall clock is wrong."""
+    import numpy as np
+
+    from pipeline.steplog import SegmentHeader, StepRecorder, read_segments
+    from pipeline.steplog.recorder import MAX_SEGMENT_BYTES
+
+    decoded = read_segments([path])
+    assert decoded.damage.num_rows == 0 and decoded.drops.num_rows == 0, path
+    (segment,) = decoded.segments.to_pylist()
+    header = SegmentHeader.model_validate(
+        {k: segment[k] for k in SegmentHeader.model_fields if k in segment}
+    )
+    steps = decoded.steps.to_pylist()
+    slots = decoded.slots.to_pydict()
+    holders = decoded.holders.to_pydict()
+    slot_bounds = np.cumsum([0] + [s["num_slots"] for s in steps])
+    holder_bounds = np.cumsum([0] + [s["num_holders"] for s in steps])
+    mono_shift = wall_shift = 0
+    if reboot_wall_shift_ns is not None:
+        mono_shift, wall_shift = 1_000_000_000 - segment["mono_anchor_ns"], reboot_wall_shift_ns
+    clocks = {
+        "mono_clock": lambda anchor=segment["mono_anchor_ns"] + mono_shift: anchor,
+        "wall_clock": lambda anchor=segment["wall_anchor_ns"] + wall_shift: anchor,
+    }
+    path.unlink()
+    with StepRecorder(
+        path.parent,
+        header,
+        overflow="block",
+        rotate_bytes=rotate_bytes or MAX_SEGMENT_BYTES,
+        first_seq=segment["first_seq"],
+        **clocks,
+    ) as recorder:
+        for index, step in enumerate(steps):
+            s = slice(slot_bounds[index], slot_bounds[index + 1])
+            h = slice(holder_bounds[index], holder_bounds[index + 1])
+            recorder.record_step(
+                step["start_ns"] + mono_shift,
+                step["end_ns"] + mono_shift,
+                [rename(r) for r in slots["request_id"][s]],
+                *(slots[name][s] for name in SLOT_COLUMNS),
+                holder_ids=[rename(r) for r in holders["request_id"][h]],
+                holder_blocks=holders["kv_blocks"][h],
+                holder_states=holders["state"][h],
+                admission_blocked=step["admission_blocked"],
+                free_blocks=step["free_blocks"],
+                total_blocks=step["total_blocks"],
+            )
 
 
 # Reconciliation check -> whether Dagster labels it blocking: only the checks whose failure
@@ -181,4 +200,5 @@ BLOCKING_CHECKS = {
     "calibration_drift": False,
     "clock": False,
     "silence": True,
+    "conservation": True,
 }

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import urllib.error
+import urllib.request
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -75,6 +79,7 @@ ALL_FAULTS = {
     "idle-replica": None,
     "host-stall": 0.5,
     "new-engine-version": None,
+    "sink-down": 2.0,
 }
 
 
@@ -321,6 +326,36 @@ def test_new_engine_version_is_in_the_segment_headers(faulty):
     assert versions == {"chat-8b-r0": UNCALIBRATED_ENGINE_VERSION, "reason-dsv3-r0": "0.11.0"}
 
 
+def test_sink_down_serves_a_webhook_that_refuses_then_accepts(faulty):
+    out, summary = faulty
+    assert summary.faults["sink-down"] == (
+        "the alert webhook (alert-sink.json) answers its first 2 deliveries with HTTP 500, "
+        "then accepts"
+    )
+    sink = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.simulator.sink", str(out)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert sink.stdout is not None
+        url = sink.stdout.readline().strip()
+        statuses = []
+        for attempt in range(3):
+            request = urllib.request.Request(
+                url, data=json.dumps({"text": f"page {attempt}"}).encode(), method="POST"
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=10) as response:
+                    statuses.append(response.status)
+            except urllib.error.HTTPError as err:
+                statuses.append(err.code)
+        assert statuses == [500, 500, 200]
+    finally:
+        sink.terminate()
+        sink.wait(timeout=10)
+
+
 def test_fault_values_are_checked():
     assert parse_fault("host-stall=0.25") == ("host-stall", 0.25)
     assert parse_fault("drop-records") == ("drop-records", 0.02)
@@ -332,6 +367,9 @@ def test_fault_values_are_checked():
         parse_fault("missing-context=1.5")
     with pytest.raises(FaultError, match="'clock-skew': value 'fast' is not a number"):
         parse_fault("clock-skew=fast")
+    assert parse_fault("sink-down") == ("sink-down", 1.0)
+    with pytest.raises(FaultError, match="'sink-down': 1.5 deliveries must be a whole number"):
+        parse_fault("sink-down=1.5")
 
 
 def test_busy_between_counts_partial_intervals():

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -20,8 +19,8 @@ from assets.cli import main
 from pipeline import finance
 from pipeline.simulator import simulate
 from schemas.config import load_pools
+from tests.helpers.dagster_processes import STEPLEDGER
 
-STEPLEDGER = str(Path(sys.executable).parent / "stepledger")
 TENANT_TOTALS = "SELECT tenant, amount_nano FROM tenant_costs ORDER BY tenant"
 
 
