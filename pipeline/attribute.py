@@ -16,8 +16,8 @@ import duckdb
 import numpy as np
 import polars as pl
 
-from pipeline.attribution import SlotBatch, WeightSource, attribute_hour
-from pipeline.attribution.workmodel import split_fixed
+from pipeline.attribution.hour import attribute_hour
+from pipeline.attribution.workmodel import SlotBatch, WeightSource, split_fixed
 from pipeline.gateway import context_for_requests
 from pipeline.hours import hour_key, to_warehouse, utc_hour
 from pipeline.ingest import STEP_KEY, committed_batches

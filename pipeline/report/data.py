@@ -17,7 +17,7 @@ import duckdb
 import numpy as np
 import polars as pl
 
-from pipeline.attribution import largest_remainder
+from pipeline.attribution.allocator import largest_remainder
 from pipeline.hours import from_warehouse, hour_key, parse_hour_key, to_warehouse
 from pipeline.lake import load_ledger
 from pipeline.ledger import RESOURCES

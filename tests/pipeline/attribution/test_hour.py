@@ -8,18 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.attribution import (
-    LEDGER_LINE_SCHEMA,
-    REQUEST_COST_SCHEMA,
-    AttributionError,
-    Coefficients,
-    FittedWeights,
-    attribute_hour,
-    kernel_work_us,
-)
+from pipeline.attribution.hour import LEDGER_LINE_SCHEMA, REQUEST_COST_SCHEMA, attribute_hour
+from pipeline.attribution.layout import AttributionError
 from pipeline.attribution.synthetic import HOUR, HOUR_START_NS, StepLog, synthetic_log
 from pipeline.attribution.synthetic import synthetic_pool as make_pool
-from pipeline.attribution.workmodel import SlotBatch
+from pipeline.attribution.workmodel import Coefficients, FittedWeights, SlotBatch, kernel_work_us
 from pipeline.ledger import LINE_KINDS
 
 WEIGHTS = FittedWeights(Coefficients(12.0, 0.05, 0.00005))
@@ -348,7 +341,7 @@ def test_kernel_weights_split_fixed_per_policy_and_price_bytes():
     assert kernel_work_us(fixed, slot, batch, "per_token").tolist() == pytest.approx(
         [20 + 30 * 10 / 11, 6 + 30 / 11]
     )
-    from pipeline.attribution import KernelWeights
+    from pipeline.attribution.workmodel import KernelWeights
 
     pool = make_pool(alpha=1.0)
     log = _one_step_log(pool, slots=[("a", 10, 0, 1, 0), ("b", 1, 4000, 250, 0)])
