@@ -107,7 +107,7 @@ def resource_parts(pool: Pool, data: HourInput) -> tuple[pl.DataFrame, pl.DataFr
     slots = data.slots.join(steps, on=["replica", "seq"], how="inner").sort("step", "slot_index")
     batch = SlotBatch.of_slots(slots["step"].to_numpy(), steps.height, slots)
     fixed_us, slot_us = kernel_weights(pool).kernel.slot_work_many(
-        batch.step_index, batch.new_tokens, batch.context_tokens, batch.prompt_tokens, batch.n_steps
+        batch.kernel_slots, batch.n_steps
     )
     fixed_split = np.column_stack(
         [

@@ -321,12 +321,12 @@ class _FakeKernel:
 
     kv_bytes_per_token = 131072
 
-    def slot_work_many(self, step_index, scheduled, computed, prompt_len, n_steps):
+    def slot_work_many(self, slots, n_steps):
         fixed = np.zeros((n_steps, 5))
         fixed[:, 0] = 30.0
-        slot = np.zeros((len(step_index), 5))
-        slot[:, 0] = 2.0 * np.asarray(scheduled)
-        slot[:, 1] = np.asarray(computed) / 1000.0
+        slot = np.zeros((len(slots.step_index), 5))
+        slot[:, 0] = 2.0 * np.asarray(slots.scheduled)
+        slot[:, 1] = np.asarray(slots.computed) / 1000.0
         return fixed, slot
 
 
@@ -334,9 +334,7 @@ def test_kernel_weights_split_fixed_per_policy_and_price_bytes():
     batch = SlotBatch(
         np.array([0, 0]), 1, np.array([10, 1]), np.array([0, 4000]), np.array([10, 100])
     )
-    fixed, slot = _FakeKernel().slot_work_many(
-        batch.step_index, batch.new_tokens, batch.context_tokens, batch.prompt_tokens, 1
-    )
+    fixed, slot = _FakeKernel().slot_work_many(batch.kernel_slots, batch.n_steps)
     assert kernel_work_us(fixed, slot, batch, "per_slot").tolist() == [35.0, 21.0]
     assert kernel_work_us(fixed, slot, batch, "per_token").tolist() == pytest.approx(
         [20 + 30 * 10 / 11, 6 + 30 / 11]
