@@ -112,9 +112,9 @@ class StepPrices:
 
 
 class Slots(NamedTuple):
-    """A batch of slots, one entry per slot in each: the step it is in (0..n_steps-1, steps
-    named by position), the tokens it schedules, the tokens computed before them (its context)
-    and its prompt's length."""
+    """A batch of slots, one entry per slot in each array: the step it is in (0..n_steps-1),
+    the tokens it schedules, the tokens computed before them (its context) and its prompt's
+    length."""
 
     step_index: ArrayLike
     scheduled: ArrayLike
