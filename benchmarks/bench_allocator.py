@@ -22,13 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from benchmarks.figure import Figure
-from pipeline.attribution import (
-    Coefficients,
-    FittedWeights,
-    SlotBatch,
-    allocate_step,
-    blend_and_allocate,
-)
+from pipeline.attribution.allocator import allocate_step, blend_and_allocate
+from pipeline.attribution.workmodel import Coefficients, FittedWeights, SlotBatch
 
 COEFFICIENTS = Coefficients(12.0, 0.05, 0.00005)
 ALPHA = 0.8

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.figure import Figure
-from pricing import Kernel
+from pricing import Kernel, Slots
 from pricing.shape import load_sweeps, shape_error
 from tests.pricing.shared_reference import GOLDEN
 
@@ -59,7 +59,7 @@ def _steps_per_s(kernel: Kernel, n_steps: int) -> float:
     elapsed = []
     for _ in range(3):
         started = time.perf_counter()
-        kernel.price_many(step_index, scheduled, computed, prompt_len, n_steps=n_steps)
+        kernel.price_many(Slots(step_index, scheduled, computed, prompt_len), n_steps=n_steps)
         elapsed.append(time.perf_counter() - started)
     return n_steps / min(elapsed)
 

@@ -100,23 +100,21 @@ def dedup_key(kind: str, hour: datetime, pool: str, replica: str | None, finding
     return "stepledger-" + hashlib.sha256(identity.encode()).hexdigest()[:32]
 
 
+# What an alert repeats of its failed result under the same name (`kind` is its check_name).
+_FROM_RESULT = ("severity", "hour", "pool", "replica", "finding", "detail")
+
+
 def alert_for(result: CheckResult, raised_at: datetime) -> Alert:
     if result.passed:
         raise ValueError(
             f"{result.check_name} for {result.pool} passed; only failed results are alerts"
         )
+    key = dedup_key(result.check_name, result.hour, result.pool, result.replica, result.finding)
     return Alert(
         raised_at=raised_at,
-        severity=result.severity,
         kind=result.check_name,
-        hour=result.hour,
-        pool=result.pool,
-        replica=result.replica,
-        finding=result.finding,
-        detail=result.detail,
-        dedup_key=dedup_key(
-            result.check_name, result.hour, result.pool, result.replica, result.finding
-        ),
+        dedup_key=key,
+        **{name: getattr(result, name) for name in _FROM_RESULT},
     )
 
 

@@ -16,8 +16,8 @@ import duckdb
 import numpy as np
 import polars as pl
 
-from pipeline.attribution import SlotBatch, WeightSource, attribute_hour
-from pipeline.attribution.workmodel import split_fixed
+from pipeline.attribution.hour import attribute_hour
+from pipeline.attribution.workmodel import SlotBatch, WeightSource, split_fixed
 from pipeline.gateway import context_for_requests
 from pipeline.hours import hour_key, to_warehouse, utc_hour
 from pipeline.ingest import STEP_KEY, committed_batches
@@ -107,7 +107,7 @@ def resource_parts(pool: Pool, data: HourInput) -> tuple[pl.DataFrame, pl.DataFr
     slots = data.slots.join(steps, on=["replica", "seq"], how="inner").sort("step", "slot_index")
     batch = SlotBatch.of_slots(slots["step"].to_numpy(), steps.height, slots)
     fixed_us, slot_us = kernel_weights(pool).kernel.slot_work_many(
-        batch.step_index, batch.new_tokens, batch.context_tokens, batch.prompt_tokens, batch.n_steps
+        batch.kernel_slots, batch.n_steps
     )
     fixed_split = np.column_stack(
         [

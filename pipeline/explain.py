@@ -18,11 +18,11 @@ import numpy as np
 import polars as pl
 
 from pipeline import finance
-from pipeline.attribution import SlotBatch
 from pipeline.attribution.allocator import blend_and_allocate, largest_remainder, split_compute_kv
 from pipeline.attribution.clock import step_costs_in_hour
 from pipeline.attribution.hour import steps_in_hour
 from pipeline.attribution.kv import alpha_for_period, first_writer_blocks, holder_blocks
+from pipeline.attribution.workmodel import SlotBatch
 from pipeline.datadir import pools_file
 from pipeline.hours import from_warehouse, hour_key, hour_start_ns
 from pipeline.lake import load_hour, load_ledger

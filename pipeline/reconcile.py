@@ -45,7 +45,7 @@ import duckdb
 import numpy as np
 import polars as pl
 
-from pipeline.attribution import CalibrationError, CalibrationStore, fit_coefficients
+from pipeline.attribution.calibration import CalibrationError, CalibrationStore, fit_coefficients
 from pipeline.dcgm import read_dcgm_hour
 from pipeline.hours import (
     HOUR_NS,

@@ -8,7 +8,8 @@ import functools
 from datetime import datetime
 from pathlib import Path
 
-from pipeline.attribution import CalibrationStore, FittedWeights, KernelWeights, WeightSource
+from pipeline.attribution.calibration import CalibrationStore
+from pipeline.attribution.workmodel import FittedWeights, KernelWeights, WeightSource
 from pipeline.datadir import CALIBRATION_FILE
 from pipeline.hours import hour_key
 from pipeline.lake import AttributionInputs, load_inputs

@@ -7,7 +7,7 @@ are pure functions in `pricing.laws`; `Kernel` composes them for one deployment.
 from __future__ import annotations
 
 from pricing.deployment import GRAPH_MODES, CudagraphMode, Deployment
-from pricing.kernel import RESOURCES, Kernel, SlotWork, StepPrice, StepPrices
+from pricing.kernel import RESOURCES, Kernel, Slots, SlotWork, StepPrice, StepPrices
 from pricing.spec import PricingError, chip_names, load_chip, load_model, model_names
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "Kernel",
     "PricingError",
     "SlotWork",
+    "Slots",
     "StepPrice",
     "StepPrices",
     "chip_names",

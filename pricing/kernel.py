@@ -42,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -108,6 +109,17 @@ class StepPrices:
     def bottleneck_names(self) -> np.ndarray:
         names: np.ndarray = np.asarray(RESOURCES)[self.bottleneck]
         return names
+
+
+class Slots(NamedTuple):
+    """A batch of slots, one entry per slot in each array: the step it is in (0..n_steps-1),
+    the tokens it schedules, the tokens computed before them (its context) and its prompt's
+    length."""
+
+    step_index: ArrayLike
+    scheduled: ArrayLike
+    computed: ArrayLike
+    prompt_len: ArrayLike
 
 
 @dataclass(frozen=True)
@@ -402,14 +414,10 @@ class Kernel:
         return np.asarray(ctx * self.kv_bytes_per_token + windowed)
 
     # ------------------------------------------------------------------ features
-    def _features(self, slots: tuple[ArrayLike, ...], n_steps: int) -> _Features:
-        """Checks a batch's per-slot arrays (step_index, scheduled, computed, prompt_len) and
-        derives its features."""
+    def _features(self, slots: Slots, n_steps: int) -> _Features:
+        """Checks a batch's per-slot arrays and derives its features."""
         steps, s, c, prompt = (
-            _as_counts(name, values)
-            for name, values in zip(
-                ("step_index", "scheduled", "computed", "prompt_len"), slots, strict=True
-            )
+            _as_counts(name, values) for name, values in zip(Slots._fields, slots, strict=True)
         )
         if not (len(steps) == len(s) == len(c) == len(prompt)):
             raise PricingError(
@@ -535,7 +543,7 @@ class Kernel:
         schedules more than the decode threshold, as the engine classes it; prompt_len is
         validated but does not change the price."""
         n = len(np.asarray(scheduled))
-        slots = (np.zeros(n, dtype=np.int64), scheduled, computed, prompt_len)
+        slots = Slots(np.zeros(n, dtype=np.int64), scheduled, computed, prompt_len)
         composed = self._compose(self._features(slots, 1))
         totals = composed.step.totals[:, 0]
         layer, expert = composed.layer[..., 0], composed.expert[..., 0]
@@ -569,17 +577,8 @@ class Kernel:
             per_kind=per_kind,
         )
 
-    def price_many(
-        self,
-        step_index: ArrayLike,
-        scheduled: ArrayLike,
-        computed: ArrayLike,
-        prompt_len: ArrayLike,
-        n_steps: int,
-    ) -> StepPrices:
-        """Price many steps at once; per-slot arrays with `step_index` in 0..n_steps-1.
-        A step with no slot costs its host time only."""
-        slots = (step_index, scheduled, computed, prompt_len)
+    def price_many(self, slots: Slots, n_steps: int) -> StepPrices:
+        """Price many steps at once. A step with no slot costs its host time only."""
         composed = self._compose(self._features(slots, n_steps))
         sm, hbm, nvlink, nic, host = composed.step.totals
         return StepPrices(
@@ -594,14 +593,7 @@ class Kernel:
         )
 
     # ------------------------------------------------------------------ work per slot
-    def slot_work_many(
-        self,
-        step_index: ArrayLike,
-        scheduled: ArrayLike,
-        computed: ArrayLike,
-        prompt_len: ArrayLike,
-        n_steps: int,
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def slot_work_many(self, slots: Slots, n_steps: int) -> tuple[np.ndarray, np.ndarray]:
         """Split each step's NoOverlap into fixed_us (n_steps, 5) and slot_us (n_slots, 5).
 
         The step's resource totals are the composed price. A slot's own part is the same laws
@@ -615,7 +607,7 @@ class Kernel:
         once, attention and recurrent floors, host, collective t0s and the ramp overheads. Per
         step, fixed + slots == NoOverlap.
         """
-        features = self._features((step_index, scheduled, computed, prompt_len), n_steps)
+        features = self._features(slots, n_steps)
         steps = features.steps
         composed = self._compose(features)
         tokens, step_tokens = features.tokens, features.step[TOKENS]
@@ -644,6 +636,6 @@ class Kernel:
         """One step's NoOverlap split into its fixed part and each slot's own part."""
         n = len(np.asarray(scheduled))
         fixed, slot = self.slot_work_many(
-            np.zeros(n, dtype=np.int64), scheduled, computed, prompt_len, 1
+            Slots(np.zeros(n, dtype=np.int64), scheduled, computed, prompt_len), 1
         )
         return SlotWork(fixed_us=fixed[0], slot_us=slot)

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from pricing.deployment import Deployment
-from pricing.kernel import Kernel
+from pricing.kernel import Kernel, Slots
 from pricing.plan import LARGE_PART_GIB
 from pricing.spec import ChipSpec, PricingError
 
@@ -154,7 +154,7 @@ def steady_state_tpot_us(kernel: Kernel, concurrency: int, isl: int, osl: int) -
     firsts = concurrency + np.arange(chunks) * concurrency
     scheduled[firsts], computed[firsts] = chunk, done
     steps = kernel.price_many(
-        step_index, scheduled, computed, scheduled + computed, n_steps=chunks + 1
+        Slots(step_index, scheduled, computed, scheduled + computed), n_steps=chunks + 1
     ).nooverlap_us
     prompt_steps = concurrency * chunks
     if prompt_steps > osl:

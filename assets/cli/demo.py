@@ -29,7 +29,7 @@ from pipeline.warehouse import STATE_FILE
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from pipeline.attribution import CalibrationEntry
+    from pipeline.attribution.calibration import CalibrationEntry
     from schemas.config import PoolsFile
 
 # Written into a demo's output directory, so a later demo may replace it (and nothing else).

@@ -11,7 +11,8 @@ from datetime import UTC, datetime
 
 import polars as pl
 
-from pipeline.attribution import Coefficients, FittedWeights, KernelWeights, attribute_hour
+from pipeline.attribution.hour import attribute_hour
+from pipeline.attribution.workmodel import Coefficients, FittedWeights, KernelWeights
 from schemas.config import AlphaFromEvidence, Policies, Pool, Replica
 from schemas.records import SLOT_COLUMNS
 

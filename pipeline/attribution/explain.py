@@ -196,9 +196,7 @@ def _kernel_work(
             batch.context_tokens[rows],
             batch.prompt_tokens[rows],
         )
-        fixed_us, slot_us = source.kernel.slot_work_many(
-            sub.step_index, sub.new_tokens, sub.context_tokens, sub.prompt_tokens, sub.n_steps
-        )
+        fixed_us, slot_us = source.kernel.slot_work_many(sub.kernel_slots, sub.n_steps)
         fixed_cost = steps[numbers[0]].fixed_cost
         if any(steps[n].fixed_cost != fixed_cost for n in numbers):
             raise ExplainError(

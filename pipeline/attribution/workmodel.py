@@ -21,7 +21,7 @@ import numba
 import numpy as np
 
 from pipeline.attribution.allocator import GroupedRows
-from pricing import Kernel
+from pricing import Kernel, Slots
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -103,6 +103,10 @@ class SlotBatch:
     @property
     def slots_per_step(self) -> np.ndarray:
         return self.steps.sizes
+
+    @property
+    def kernel_slots(self) -> Slots:
+        return Slots(self.step_index, self.new_tokens, self.context_tokens, self.prompt_tokens)
 
 
 def attention_pairs(new_tokens: np.ndarray, context_tokens: np.ndarray) -> np.ndarray:
@@ -228,8 +232,8 @@ class FittedWeights:
 class KernelWeights:
     """Work from the pricing kernel (us); KV memory is priced in byte-seconds.
 
-    `kernel` is anything with the kernel's `slot_work_many(step_index, scheduled, computed,
-    prompt_len, n_steps)` and `kv_bytes_per_token`.
+    `kernel` is anything with the kernel's `slot_work_many(slots, n_steps)` and
+    `kv_bytes_per_token`.
     """
 
     kernel: Any
@@ -248,13 +252,7 @@ class KernelWeights:
         return cls.from_deployment(pool.deployment())
 
     def compute_work(self, batch: SlotBatch, policy: FixedCostPolicy) -> np.ndarray:
-        fixed_us, slot_us = self.kernel.slot_work_many(
-            batch.step_index,
-            batch.new_tokens,
-            batch.context_tokens,
-            batch.prompt_tokens,
-            batch.n_steps,
-        )
+        fixed_us, slot_us = self.kernel.slot_work_many(batch.kernel_slots, batch.n_steps)
         return kernel_work_us(fixed_us, slot_us, batch, policy)
 
     def kv_bytes_per_token(self) -> int | None:

@@ -11,7 +11,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from pipeline.cli.options import file_option
-from pricing import GRAPH_MODES, RESOURCES, Deployment, Kernel, PricingError, StepPrice
+from pricing import GRAPH_MODES, RESOURCES, Deployment, Kernel, PricingError, Slots, StepPrice
 
 SWEEP_BATCHES = np.arange(1, 257)
 
@@ -107,7 +107,9 @@ def _sweep(
     parts = [_batch(int(b), context, prefill, spec_tokens) for b in SWEEP_BATCHES]
     step_index = np.concatenate([np.full(len(p[0]), i) for i, p in enumerate(parts)])
     scheduled, computed, prompt_len = (np.concatenate([p[j] for p in parts]) for j in range(3))
-    prices = kernel.price_many(step_index, scheduled, computed, prompt_len, n_steps=len(parts))
+    prices = kernel.price_many(
+        Slots(step_index, scheduled, computed, prompt_len), n_steps=len(parts)
+    )
     d = kernel.deployment
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
     colours = {

@@ -17,12 +17,13 @@ import duckdb
 import numpy as np
 import polars as pl
 
-from pipeline.attribution import largest_remainder
+from pipeline.attribution.allocator import largest_remainder
 from pipeline.hours import from_warehouse, hour_key, parse_hour_key, to_warehouse
 from pipeline.lake import load_ledger
 from pipeline.ledger import RESOURCES
 from pipeline.warehouse import connect_read_only, query_frame
 from pipeline.weights import kernel_weights
+from pricing import Slots
 from schemas.config import Pool, PoolsFile
 
 UNATTRIBUTED = "(unattributed)"
@@ -347,12 +348,9 @@ def _sweep(pool: Pool, median_context: int | None) -> BottleneckSweep:
     tokens = 1 + pool.engine.num_spec_tokens
     step_index = np.repeat(np.arange(SWEEP_BATCHES.size), SWEEP_BATCHES)
     computed = np.full(step_index.size, max(context - tokens, 0), dtype=np.int64)
+    scheduled = np.full(step_index.size, tokens, dtype=np.int64)
     prices = kernel.price_many(
-        step_index,
-        np.full(step_index.size, tokens, dtype=np.int64),
-        computed,
-        computed,
-        n_steps=SWEEP_BATCHES.size,
+        Slots(step_index, scheduled, computed, computed), n_steps=SWEEP_BATCHES.size
     )
     bottleneck = prices.bottleneck.astype(np.int64)
     changes = np.flatnonzero(np.diff(bottleneck)) + 1

@@ -28,7 +28,7 @@ import numpy as np
 from pipeline.simulator.engine import FINISHED, N_STEP_FEATURES, Engine, EngineConfig, StepBatch
 from pipeline.simulator.faults import DRIVER_VERSION, ENGINE_NAME, ReplicaFaults
 from pipeline.steplog import SegmentHeader, StepRecorder
-from pricing import Kernel
+from pricing import Kernel, Slots
 from schemas.config import Pool, Replica
 
 ROTATE_NS = 300_000_000_000
@@ -240,7 +240,7 @@ def _durations(
     """GPU time, host stall and the following gap of every step in the batch, in ns."""
     step_index = np.repeat(np.arange(batch.steps), batch.step_num_slots)
     prices = kernel.price_many(
-        step_index, batch.new_tokens, batch.context_tokens, batch.prompt_tokens, batch.steps
+        Slots(step_index, batch.new_tokens, batch.context_tokens, batch.prompt_tokens), batch.steps
     )
     noise = np.clip(1.0 + step_noise * rng.standard_normal(batch.steps), 0.5, None)
     gpu_ns = np.rint(prices.nooverlap_us * 1000.0 * noise).astype(np.int64)

@@ -63,6 +63,21 @@ class ReplicaSummary:
     engine_version: str
 
 
+# What a replica's summary repeats of its run under the same name.
+_FROM_RUN = (
+    "replica",
+    "requests",
+    "finished",
+    "steps",
+    "recorded_steps",
+    "dropped_steps",
+    "preemptions",
+    "admission_blocked_steps",
+    "prefix_hit_tokens",
+    "mean_admission_lag_steps",
+)
+
+
 @dataclass(frozen=True)
 class SimulationSummary:
     out_dir: Path
@@ -283,21 +298,12 @@ def simulate(
     replicas = [
         ReplicaSummary(
             pool=pool.name,
-            replica=run.replica,
             hostname=hostname,
-            requests=run.requests,
-            finished=run.finished,
-            steps=run.steps,
-            recorded_steps=run.recorded_steps,
-            dropped_steps=run.dropped_steps,
             busy_fraction=run.busy_ns / span_ns,
             gpu_busy_fraction=int((run.gpu_busy_end_ns - run.gpu_busy_start_ns).sum()) / span_ns,
-            preemptions=run.preemptions,
-            admission_blocked_steps=run.admission_blocked_steps,
-            prefix_hit_tokens=run.prefix_hit_tokens,
-            mean_admission_lag_steps=run.mean_admission_lag_steps,
             segments=len(run.segments),
             engine_version=version,
+            **{name: getattr(run, name) for name in _FROM_RUN},
         )
         for pool, hostname, run, version in runs
     ]

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.attribution import CalibrationMissing, KernelWeights
+from pipeline.attribution.calibration import CalibrationMissing
+from pipeline.attribution.workmodel import KernelWeights
 from pipeline.weights import kernel_weights, weight_source
 from schemas.config import load_pools
 

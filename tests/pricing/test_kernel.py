@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pricing import Deployment, Kernel, PricingError, spec
+from pricing import Deployment, Kernel, PricingError, Slots, spec
 from pricing.spec import ChipSpec, ModelSpec, _load, chip_names, load_chip
 from schemas.config import load_pools
 from tests.pricing.shared_reference import GOLDEN
@@ -115,8 +115,8 @@ def test_many_steps_match_one_step_at_a_time(index, mode, steps):
     kernel = kernel_for(index, mode)
     step_index = np.concatenate([np.full(len(b), i, dtype=np.int64) for i, b in enumerate(steps)])
     arrays = [np.concatenate([_arrays(b)[j] for b in steps]) for j in range(3)]
-    many = kernel.price_many(step_index, *arrays, n_steps=len(steps))
-    fixed, slots = kernel.slot_work_many(step_index, *arrays, n_steps=len(steps))
+    many = kernel.price_many(Slots(step_index, *arrays), n_steps=len(steps))
+    fixed, slots = kernel.slot_work_many(Slots(step_index, *arrays), n_steps=len(steps))
     for i, batch in enumerate(steps):
         one = kernel.price(*_arrays(batch))
         assert many.nooverlap_us[i] == pytest.approx(one.nooverlap_us, rel=1e-12)
@@ -137,7 +137,7 @@ def test_empty_step_costs_host_only():
         == pytest.approx(62 * 7.0 + 972 * 3.2)
     )
     assert price.bottleneck == "host"
-    prices = kernel.price_many(np.array([0, 2]), [1, 1], [10, 10], [10, 10], n_steps=4)
+    prices = kernel.price_many(Slots(np.array([0, 2]), [1, 1], [10, 10], [10, 10]), n_steps=4)
     np.testing.assert_allclose(prices.nooverlap_us[[1, 3]], 62 * 7.0 + 972 * 3.2)
 
 
@@ -364,7 +364,7 @@ def test_bad_batches_name_the_field():
     with pytest.raises(PricingError, match="whole token counts"):
         kernel.price([1.5], [0], [0])
     with pytest.raises(PricingError, match="outside 0..1"):
-        kernel.price_many([0, 2], [1, 1], [0, 0], [0, 0], n_steps=2)
+        kernel.price_many(Slots([0, 2], [1, 1], [0, 0], [0, 0]), n_steps=2)
 
 
 def _refused(tmp_path: Path, source: str, edits: dict[str, str], message: str) -> None:

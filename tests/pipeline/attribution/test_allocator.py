@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.attribution import (
+from pipeline.attribution.allocator import (
     AllocationError,
     GroupedRows,
     allocate_step,

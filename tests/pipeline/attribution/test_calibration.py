@@ -5,17 +5,17 @@ import json
 import polars as pl
 import pytest
 
-from pipeline.attribution import (
+from pipeline.attribution.calibration import (
     CalibrationError,
     CalibrationMissing,
     CalibrationStore,
-    Coefficients,
     calibration_coverage,
+    fit_by_version,
     fit_coefficients,
     relative_drift,
 )
-from pipeline.attribution.calibration import fit_by_version
 from pipeline.attribution.synthetic import synthetic_log, synthetic_pool
+from pipeline.attribution.workmodel import Coefficients
 
 
 def test_ols_recovers_known_coefficients_exactly_without_noise():
@@ -116,7 +116,8 @@ def test_relative_drift():
 
 
 def test_weights_for_log_uses_stored_coefficients_and_flags_a_drifted_engine():
-    from pipeline.attribution import FittedWeights, KernelWeights, weights_for_log
+    from pipeline.attribution.calibration import weights_for_log
+    from pipeline.attribution.workmodel import FittedWeights, KernelWeights
 
     pool = synthetic_pool(weights="fitted")
     store = CalibrationStore()

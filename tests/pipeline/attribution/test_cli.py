@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from pipeline.attribution import CalibrationStore
+from pipeline.attribution.calibration import CalibrationStore
 from pipeline.attribution.synthetic import synthetic_log, synthetic_pool
 from pipeline.cli import main
 

@@ -5,14 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.attribution import (
-    AllocationError,
-    alpha_for_period,
-    blend_and_allocate,
-    cumulative_nano,
-    step_costs_in_hour,
-)
-from pipeline.attribution.kv import first_writer_blocks, holder_blocks
+from pipeline.attribution.allocator import AllocationError, blend_and_allocate
+from pipeline.attribution.clock import cumulative_nano, step_costs_in_hour
+from pipeline.attribution.kv import alpha_for_period, first_writer_blocks, holder_blocks
 from pipeline.hours import HOUR_NS
 from schemas.config import AlphaFromEvidence, Policies
 

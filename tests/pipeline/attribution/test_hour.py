@@ -8,18 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.attribution import (
-    LEDGER_LINE_SCHEMA,
-    REQUEST_COST_SCHEMA,
-    AttributionError,
-    Coefficients,
-    FittedWeights,
-    attribute_hour,
-    kernel_work_us,
-)
+from pipeline.attribution.hour import LEDGER_LINE_SCHEMA, REQUEST_COST_SCHEMA, attribute_hour
+from pipeline.attribution.layout import AttributionError
 from pipeline.attribution.synthetic import HOUR, HOUR_START_NS, StepLog, synthetic_log
 from pipeline.attribution.synthetic import synthetic_pool as make_pool
-from pipeline.attribution.workmodel import SlotBatch
+from pipeline.attribution.workmodel import Coefficients, FittedWeights, SlotBatch, kernel_work_us
 from pipeline.ledger import LINE_KINDS
 
 WEIGHTS = FittedWeights(Coefficients(12.0, 0.05, 0.00005))
@@ -328,12 +321,12 @@ class _FakeKernel:
 
     kv_bytes_per_token = 131072
 
-    def slot_work_many(self, step_index, scheduled, computed, prompt_len, n_steps):
+    def slot_work_many(self, slots, n_steps):
         fixed = np.zeros((n_steps, 5))
         fixed[:, 0] = 30.0
-        slot = np.zeros((len(step_index), 5))
-        slot[:, 0] = 2.0 * np.asarray(scheduled)
-        slot[:, 1] = np.asarray(computed) / 1000.0
+        slot = np.zeros((len(slots.step_index), 5))
+        slot[:, 0] = 2.0 * np.asarray(slots.scheduled)
+        slot[:, 1] = np.asarray(slots.computed) / 1000.0
         return fixed, slot
 
 
@@ -341,14 +334,12 @@ def test_kernel_weights_split_fixed_per_policy_and_price_bytes():
     batch = SlotBatch(
         np.array([0, 0]), 1, np.array([10, 1]), np.array([0, 4000]), np.array([10, 100])
     )
-    fixed, slot = _FakeKernel().slot_work_many(
-        batch.step_index, batch.new_tokens, batch.context_tokens, batch.prompt_tokens, 1
-    )
+    fixed, slot = _FakeKernel().slot_work_many(batch.kernel_slots, batch.n_steps)
     assert kernel_work_us(fixed, slot, batch, "per_slot").tolist() == [35.0, 21.0]
     assert kernel_work_us(fixed, slot, batch, "per_token").tolist() == pytest.approx(
         [20 + 30 * 10 / 11, 6 + 30 / 11]
     )
-    from pipeline.attribution import KernelWeights
+    from pipeline.attribution.workmodel import KernelWeights
 
     pool = make_pool(alpha=1.0)
     log = _one_step_log(pool, slots=[("a", 10, 0, 1, 0), ("b", 1, 4000, 250, 0)])

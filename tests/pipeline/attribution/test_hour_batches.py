@@ -11,9 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from polars.testing import assert_frame_equal
 
-from pipeline.attribution import AttributionError, Coefficients, FittedWeights, attribute_hour
-from pipeline.attribution.hour import ROWS_PER_BATCH
+from pipeline.attribution.hour import ROWS_PER_BATCH, attribute_hour
+from pipeline.attribution.layout import AttributionError
 from pipeline.attribution.synthetic import HOUR, HOUR_START_NS, synthetic_log, synthetic_pool
+from pipeline.attribution.workmodel import Coefficients, FittedWeights
 
 WEIGHTS = FittedWeights(Coefficients(12.0, 0.05, 0.00005))
 

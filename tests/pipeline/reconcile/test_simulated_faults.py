@@ -8,7 +8,8 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from pipeline.attribution import KernelWeights, attribute_hour
+from pipeline.attribution.hour import attribute_hour
+from pipeline.attribution.workmodel import KernelWeights
 from pipeline.dcgm import read_dcgm_hour
 from pipeline.gateway import read_gateway_file
 from pipeline.reconcile import (

@@ -22,7 +22,7 @@ from pipeline.simulator import SimulationSummary, simulate
 from pipeline.simulator.faults import UNCALIBRATED_ENGINE_VERSION, FaultError, parse_fault
 from pipeline.simulator.telemetry import busy_between
 from pipeline.steplog import read_segments
-from pricing import Kernel
+from pricing import Kernel, Slots
 from schemas.config import PoolsFile, load_pools
 
 START = datetime(2026, 11, 30, 5, tzinfo=UTC)
@@ -437,10 +437,9 @@ def test_a_hybrid_models_pool_is_served_and_each_step_lasts_its_kernel_price(tmp
         steps.select("seq", pl.int_range(pl.len()).alias("i")), on="seq"
     )
     prices = Kernel.build(hybrid.deployment()).price_many(
-        slots["i"].to_numpy(),
-        slots["new_tokens"].to_numpy(),
-        slots["context_tokens"].to_numpy(),
-        slots["prompt_tokens"].to_numpy(),
+        Slots(
+            *(slots[c].to_numpy() for c in ("i", "new_tokens", "context_tokens", "prompt_tokens"))
+        ),
         steps.height,
     )
     np.testing.assert_array_equal(
