@@ -14,22 +14,12 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.figure import Figure
-from pipeline.steplog import SegmentHeader, StepRecorder, read_segments
+from pipeline.steplog import StepRecorder, read_segments
+from tests.helpers.steplog_samples import HEADER
 
 SLOTS_PER_STEP = 256
 # Seconds between steps: a short engine step, so the writer is busy as often as it ever is.
 STEP_INTERVAL = 0.0005
-HEADER = SegmentHeader(
-    pool="bench",
-    replica="bench-r0",
-    engine_name="vllm",
-    engine_version="0.11.0",
-    driver_version="550.54.15",
-    model="llama-3.1-8b-instruct",
-    gpu_type="h100",
-    gpus_per_replica=1,
-    kv_block_size=16,
-)
 
 
 def _step_arguments(rng: np.random.Generator, step: int) -> tuple:
