@@ -168,29 +168,17 @@ def test_invalid_steps_are_rejected_loudly_and_leave_a_drop(tmp_path, header, re
         (seq, seq) for seq in range(1, 7)
     ]
     messages = [record.getMessage() for record in caplog.records]
-    assert any(
-        "step 1 not recorded" in m
-        and "new_tokens: values must lie in [0, 2147483647], got [-2, 1]" in m
-        for m in messages
-    )
-    assert any(
-        "step 2 not recorded" in m and "new_tokens: expected 1 values" in m for m in messages
-    )
-    assert any(
-        "step 3 not recorded" in m and "spec_drafted exceeds new_tokens" in m for m in messages
-    )
-    # A legacy state is decoded from old segments but never written.
-    assert any(
-        "step 4 not recorded" in m
-        and "unknown states ['preempted']; expected one of ('waiting',)" in m
-        for m in messages
-    )
-    assert any(
-        "step 5 not recorded" in m and "end_ns 20 precedes start_ns 30" in m for m in messages
-    )
-    assert any(
-        "step 6 not recorded" in m and "request_ids: strings required" in m for m in messages
-    )
+    reasons = {
+        1: "new_tokens: values must lie in [0, 2147483647], got [-2, 1]",
+        2: "new_tokens: expected 1 values",
+        3: "spec_drafted exceeds new_tokens",
+        # A legacy state is decoded from old segments but never written.
+        4: "unknown states ['preempted']; expected one of ('waiting',)",
+        5: "end_ns 20 precedes start_ns 30",
+        6: "request_ids: strings required",
+    }
+    for step, reason in reasons.items():
+        assert any(f"step {step} not recorded" in m and reason in m for m in messages), step
 
 
 def test_writer_failure_ships_what_was_written_and_close_raises(tmp_path, header, record_steps):
