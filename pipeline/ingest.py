@@ -469,8 +469,8 @@ def _with_step_hours(
     The decoder emits each step's rows together, in the order of the steps: when every step
     key is unique and the rows follow the steps, repeating the steps' hours is that join
     without hashing millions of string keys. Anything else (a re-delivered segment's
-    recovered steps) is joined."""
-    if _unique_in_order(hours):
+    recovered steps) is joined. `in_order`: _unique_in_order(hours), computed once per batch."""
+    if in_order:
         if count is None:
             return frame.with_columns(hours["_hour"])
         counts = steps[count].to_numpy().astype(np.int64)
