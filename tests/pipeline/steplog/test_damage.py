@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import zlib
 from pathlib import Path
 
 import hypothesis.strategies as st
