@@ -15,7 +15,7 @@ import duckdb
 from dagster_duckdb import DuckDBResource
 
 from pipeline.datadir import CALIBRATION_FILE, pools_file
-from pipeline.warehouse import STATE_FILE, apply_schema
+from pipeline.warehouse import STATE_FILE, WRITER_CONFIG, apply_schema
 
 DATA_ENV = "STEPLEDGER_DATA"
 WAREHOUSE_ENV = "STEPLEDGER_WAREHOUSE"
@@ -69,7 +69,9 @@ def build_resources(
 ) -> dict[str, dg.ConfigurableResource[Any]]:
     return {
         "data": StepledgerData(data_dir=str(data_dir)),
-        "warehouse": DuckDBResource(database=str(warehouse or warehouse_path(data_dir))),
+        "warehouse": DuckDBResource(
+            database=str(warehouse or warehouse_path(data_dir)), connection_config=WRITER_CONFIG
+        ),
     }
 
 

@@ -38,6 +38,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import duckdb
+import numpy as np
 import polars as pl
 import pyarrow as pa
 
@@ -442,6 +443,44 @@ def _shifted(steps: pl.DataFrame, corrections: dict[str, int]) -> pl.DataFrame:
     )
 
 
+def _unique_in_order(hours: pl.DataFrame) -> bool:
+    """Whether each (pool, replica)'s steps lie together, by rising seq: every step key once."""
+    runs = hours.select(
+        pl.struct("pool", "replica").rle_id().alias("run"), "seq", pl.struct("pool", "replica")
+    )
+    rising = runs.select(
+        ((pl.col("run") != pl.col("run").shift(1)) | (pl.col("seq") > pl.col("seq").shift(1)))
+        .fill_null(True)
+        .all()
+    ).item()
+    return bool(rising) and runs["run"].max() == runs["pool"].n_unique() - 1
+
+
+def _with_step_hours(
+    frame: pl.DataFrame,
+    steps: pl.DataFrame,
+    hours: pl.DataFrame,
+    count: str | None,
+    in_order: bool,
+) -> pl.DataFrame:
+    """`frame` (the steps, or their slot or holder rows, `count` per step) with its step's
+    `_hour`, as a left join on the step key gives it.
+
+    The decoder emits each step's rows together, in the order of the steps: when every step
+    key is unique and the rows follow the steps, repeating the steps' hours is that join
+    without hashing millions of string keys. Anything else (a re-delivered segment's
+    recovered steps) is joined. `in_order`: _unique_in_order(hours), computed once per batch."""
+    if in_order:
+        if count is None:
+            return frame.with_columns(hours["_hour"])
+        counts = steps[count].to_numpy().astype(np.int64)
+        if frame.height == int(counts.sum()):
+            repeated = hours[np.repeat(np.arange(steps.height), counts)]
+            if all(frame[key].equals(repeated[key]) for key in STEP_KEY):
+                return frame.with_columns(repeated["_hour"])
+    return frame.join(hours, on=STEP_KEY, how="left")
+
+
 def _ingest_batch(
     con: duckdb.DuckDBPyConnection,
     root: Path,
@@ -522,8 +561,13 @@ def _ingest_batch(
         }
         _write_intent(lake, intents, batch_id, directories)
         assert slots is not None and holders is not None  # decoded with the steps
-        for name, frame in (("steps", steps), ("slots", slots), ("holders", holders)):
-            placed = frame.join(hours, on=STEP_KEY, how="left")
+        in_order = _unique_in_order(hours)
+        for name, frame, count in (
+            ("steps", steps, None),
+            ("slots", slots, "num_slots"),
+            ("holders", holders, "num_holders"),
+        ):
+            placed = _with_step_hours(frame, steps, hours, count, in_order)
             for (pool, replica, hour_index), part in placed.group_by(
                 ["pool", "replica", "_hour"], maintain_order=True
             ):

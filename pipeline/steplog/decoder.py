@@ -1,8 +1,9 @@
 """Decode segment files into the typed tables of schemas/tables.py, reporting every damage.
 
-A Python loop runs once per frame (to follow lengths and check CRCs); everything per slot is
-numpy over the concatenated records of a whole segment, and request ids become one Arrow
-string array built from offsets and a single data buffer.
+The frames of a segment are found and verified in one compiled pass (frames.read_frames);
+everything per step and per slot is numpy over the concatenated records of a whole segment,
+and request ids become one Arrow string array built from offsets and a single data buffer.
+Python handles what is rare: the header, drop frames and damage.
 """
 
 from __future__ import annotations
@@ -11,11 +12,9 @@ import json
 import os
 import re
 import stat
-import zlib
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from itertools import compress
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -23,20 +22,17 @@ import numpy as np
 import pyarrow as pa
 from pydantic import ValidationError
 
+from pipeline.steplog import frames
 from schemas.records import (
     DROP_STRUCT,
     FILE_MAGIC,
     FORMAT_VERSION,
-    FRAME_CHECKED_BYTES,
-    FRAME_MARKER,
     FRAME_PREFIX,
     HOLDER_DTYPE,
     LAYOUT,
-    MAX_FRAME_PAYLOAD,
     PREAMBLE,
     SLOT_DTYPE,
     STEP_DTYPE,
-    STEP_STRUCT,
     FrameKind,
     HeaderFrame,
 )
@@ -50,7 +46,6 @@ from schemas.tables import (
     STEPS,
 )
 
-_KINDS = frozenset(int(kind) for kind in FrameKind)
 _INT64_LIMIT = 1 << 63
 # Checksummed bytes a file may cost, per byte of file. Intact frames are checksummed once, so
 # this leaves a file's size again for frames that fail; hostile input (markers everywhere, each
@@ -67,6 +62,7 @@ _FILE_TYPES = {
     stat.S_IFCHR: "a character device",
     stat.S_IFBLK: "a block device",
 }
+_NO_STEPS = np.zeros(0, np.int64)
 
 
 class UnreadableSegment(OSError):
@@ -131,36 +127,34 @@ class _File:
 
     path: Path
     data: bytes
-    # Bytes still allowed through zlib.crc32, see CRC_BYTES_PER_FILE_BYTE.
+    # Bytes still allowed through the CRC, see CRC_BYTES_PER_FILE_BYTE.
     crc_budget: int
+    # Bytes checksummed so far: what the budget bounds.
+    checksummed: int = 0
     header: HeaderFrame | None = None
     damage: list[_Damage] = field(default_factory=list)
-    step_offsets: list[int] = field(default_factory=list)
-    step_fixed: list[memoryview] = field(default_factory=list)
-    slot_records: list[memoryview] = field(default_factory=list)
-    slot_ids: list[memoryview] = field(default_factory=list)
-    holder_records: list[memoryview] = field(default_factory=list)
-    holder_ids: list[memoryview] = field(default_factory=list)
+    # Per intact step frame: its offset and end in the file, and its fixed-size record.
+    step_offsets: np.ndarray = field(default_factory=lambda: _NO_STEPS)
+    step_ends: np.ndarray = field(default_factory=lambda: _NO_STEPS)
+    fixed: np.ndarray = field(default_factory=lambda: np.zeros(0, STEP_DTYPE))
     drops: list[tuple[int, int]] = field(default_factory=list)
-    # (byte offset, seq) of every frame that names sequence numbers, to bound damage.
-    seq_marks: list[tuple[int, int, int]] = field(default_factory=list)
+    # Byte offset, first and last seq of every frame that names sequence numbers (steps,
+    # including those discarded later, and drops), by offset: they bound damage.
+    mark_offsets: np.ndarray = field(default_factory=lambda: _NO_STEPS)
+    mark_first: np.ndarray = field(default_factory=lambda: _NO_STEPS)
+    mark_last: np.ndarray = field(default_factory=lambda: _NO_STEPS)
 
     @property
     def step_count(self) -> int:
-        return len(self.step_fixed)
-
-    def step_parts(self) -> tuple[list[memoryview], ...]:
-        return (
-            self.step_fixed,
-            self.slot_records,
-            self.slot_ids,
-            self.holder_records,
-            self.holder_ids,
-        )
+        return len(self.step_offsets)
 
     @property
     def size(self) -> int:
         return len(self.data)
+
+    @property
+    def array(self) -> np.ndarray:
+        return np.frombuffer(self.data, np.uint8)
 
 
 def _new_file(path: Path, data: bytes) -> _File:
@@ -171,76 +165,34 @@ class _ResyncGaveUp(Exception):
     """Checking the next candidate frame would exceed the file's checksum budget."""
 
 
-def _fits_its_kind(buf: memoryview, kind: int, payload: int, end: int) -> bool:
-    """Whether the payload length agrees with what the frame's kind says it holds.
-
-    Checked before the CRC because it costs a few bytes, not the whole payload: random bytes
-    that look like a frame marker almost never pass it.
-    """
-    length = end - payload
-    if kind == FrameKind.DROP:
-        return length == DROP_STRUCT.size
-    if kind != FrameKind.STEP:
-        return True
-    if length < STEP_STRUCT.size:
-        return False
-    *_, n_slots, n_holders, id_bytes, holder_id_bytes, blocked = STEP_STRUCT.unpack_from(
-        buf, payload
-    )
-    records = (
-        n_slots * SLOT_DTYPE.itemsize
-        + id_bytes
-        + n_holders * HOLDER_DTYPE.itemsize
-        + holder_id_bytes
-    )
-    return bool(blocked <= 1 and STEP_STRUCT.size + records == length)
-
-
-def _check_frame(decoded: _File, buf: memoryview, pos: int) -> tuple[int, int] | str:
-    """(kind, end) of a valid frame at `pos`, or why there is none: 'truncated' or 'invalid'.
+def _check_frame(decoded: _File, pos: int) -> tuple[int, int]:
+    """(kind, end) of a valid frame at `pos`, or (frames.TRUNCATED or frames.INVALID, 0).
 
     Raises _ResyncGaveUp when the checksum would exceed what is left of the file's budget.
     """
-    size = len(buf)
-    if size - pos < FRAME_PREFIX.size:
-        tail = bytes(buf[pos : pos + len(FRAME_MARKER)])
-        return "truncated" if FRAME_MARKER.startswith(tail) else "invalid"
-    marker, kind, flags, reserved, length, crc = FRAME_PREFIX.unpack_from(buf, pos)
-    if (
-        marker != FRAME_MARKER
-        or kind not in _KINDS
-        or flags
-        or reserved
-        or length > MAX_FRAME_PAYLOAD
-    ):
-        return "invalid"
-    payload = pos + FRAME_PREFIX.size
-    end = payload + length
-    if end > size:
-        return "truncated"
-    if not _fits_its_kind(buf, kind, payload, end):
-        return "invalid"
-    decoded.crc_budget -= FRAME_CHECKED_BYTES + length
-    if decoded.crc_budget < 0:
+    kind, end, decoded.crc_budget, checked = frames.check_frame(
+        decoded.array, pos, decoded.crc_budget
+    )
+    decoded.checksummed += checked
+    if kind == frames.GAVE_UP:
         raise _ResyncGaveUp
-    checked = zlib.crc32(buf[pos : pos + FRAME_CHECKED_BYTES])
-    if zlib.crc32(buf[payload:end], checked) != crc:
-        return "invalid"
     return kind, end
 
 
-def _next_frame(decoded: _File, buf: memoryview, pos: int) -> tuple[int, tuple[int, int]] | None:
-    """The next valid frame after damage at `pos` (its offset, kind and end): scan for markers, verify each."""
-    candidate = decoded.data.find(FRAME_MARKER, pos + 1)
-    while candidate != -1:
-        checked = _check_frame(decoded, buf, candidate)
-        if not isinstance(checked, str):
-            return candidate, checked
-        candidate = decoded.data.find(FRAME_MARKER, candidate + 1)
-    return None
+def _next_frame(decoded: _File, pos: int) -> int | None:
+    """The offset of the next valid frame after damage at `pos`, or None.
+
+    Raises _ResyncGaveUp when the checksum budget runs out first."""
+    following, kind, _, decoded.crc_budget, checked = frames.next_frame(
+        decoded.array, pos, decoded.crc_budget
+    )
+    decoded.checksummed += checked
+    if kind == frames.GAVE_UP:
+        raise _ResyncGaveUp
+    return None if following == -1 else following
 
 
-def _read_header(decoded: _File, buf: memoryview, data: bytes) -> int | None:
+def _read_header(decoded: _File, data: bytes) -> int | None:
     """Validate preamble and header frame; the offset of the first body frame, or None."""
     size = len(data)
     if size < PREAMBLE.size:
@@ -267,8 +219,8 @@ def _read_header(decoded: _File, buf: memoryview, data: bytes) -> int | None:
             )
         )
         return None
-    checked = _check_frame(decoded, buf, PREAMBLE.size)
-    if checked == "truncated" and not _frames_follow(decoded, buf, PREAMBLE.size):
+    kind, end = _check_frame(decoded, PREAMBLE.size)
+    if kind == frames.TRUNCATED and not _frames_follow(decoded, PREAMBLE.size):
         decoded.damage.append(
             _Damage(
                 "torn_tail",
@@ -278,17 +230,16 @@ def _read_header(decoded: _File, buf: memoryview, data: bytes) -> int | None:
             )
         )
         return None
-    if isinstance(checked, str) or checked[0] != FrameKind.HEADER:
+    if kind != FrameKind.HEADER:
         decoded.damage.append(
             _Damage(
                 "bad_header", PREAMBLE.size, size - PREAMBLE.size, "segment header frame damaged"
             )
         )
         return None
-    end = checked[1]
     try:
         header = HeaderFrame.model_validate(
-            json.loads(bytes(buf[PREAMBLE.size + FRAME_PREFIX.size : end]))
+            json.loads(data[PREAMBLE.size + FRAME_PREFIX.size : end])
         )
     except (ValueError, ValidationError) as err:
         reason = (
@@ -324,10 +275,10 @@ def _read_header(decoded: _File, buf: memoryview, data: bytes) -> int | None:
     return end
 
 
-def _frames_follow(decoded: _File, buf: memoryview, pos: int) -> bool:
+def _frames_follow(decoded: _File, pos: int) -> bool:
     """Whether a valid frame may follow `pos`: one that could not be checked counts."""
     try:
-        return _next_frame(decoded, buf, pos) is not None
+        return _next_frame(decoded, pos) is not None
     except _ResyncGaveUp:
         return True
 
@@ -337,88 +288,75 @@ def _first_error(err: ValidationError) -> str:
     return f"field {'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
 
 
-def _read_step(decoded: _File, buf: memoryview, pos: int, start: int, end: int) -> None:
-    """Slice one step frame's parts (their lengths already agree with the payload, see _fits_its_kind)."""
-    seq, _, _, _, _, n_slots, n_holders, id_bytes, _, _ = STEP_STRUCT.unpack_from(buf, start)
-    slots_at = start + STEP_STRUCT.size
-    ids_at = slots_at + n_slots * SLOT_DTYPE.itemsize
-    holders_at = ids_at + id_bytes
-    holder_ids_at = holders_at + n_holders * HOLDER_DTYPE.itemsize
-    decoded.step_offsets.append(pos)
-    decoded.step_fixed.append(buf[start:slots_at])
-    decoded.slot_records.append(buf[slots_at:ids_at])
-    decoded.slot_ids.append(buf[ids_at:holders_at])
-    decoded.holder_records.append(buf[holders_at:holder_ids_at])
-    decoded.holder_ids.append(buf[holder_ids_at:end])
-    decoded.seq_marks.append((pos, seq, seq))
-
-
-def _read_body(decoded: _File, buf: memoryview, pos: int) -> None:
+def _read_body(decoded: _File, pos: int) -> None:
+    """Take in every frame from `pos` on: steps as arrays, drops and damage one by one."""
+    data = decoded.array
     size = decoded.size
-    try:
-        checked = _check_frame(decoded, buf, pos)
-        while pos < size:
-            if not isinstance(checked, str):
-                pos = _read_frame(decoded, buf, pos, *checked)
-                checked = _check_frame(decoded, buf, pos)
+    starts, ends, codes, decoded.crc_budget, checksummed = frames.read_frames(
+        data, pos, decoded.crc_budget
+    )
+    decoded.checksummed += checksummed
+    steps = codes == FrameKind.STEP
+    decoded.step_offsets, decoded.step_ends = starts[steps], ends[steps]
+    record_size = np.full(len(decoded.step_offsets), STEP_DTYPE.itemsize, np.int64)
+    decoded.fixed = frames.gather(data, decoded.step_offsets + FRAME_PREFIX.size, record_size).view(
+        STEP_DTYPE
+    )
+    drop_marks: list[tuple[int, int, int]] = []
+    for start, end, code in zip(
+        starts[~steps].tolist(), ends[~steps].tolist(), codes[~steps].tolist(), strict=True
+    ):
+        if code == FrameKind.DROP:
+            first, last = DROP_STRUCT.unpack_from(decoded.data, start + FRAME_PREFIX.size)
+            if 0 <= first <= last:
+                decoded.drops.append((first, last))
+                drop_marks.append((start, first, last))
                 continue
-            following = _next_frame(decoded, buf, pos)
-            damage_end = size if following is None else following[0]
-            torn = following is None and checked == "truncated"
+            why = (
+                f"drop frame whose first_seq {first} exceeds its last_seq {last}"
+                if first > last
+                else f"drop frame with a negative first_seq {first}"
+            )
+            decoded.damage.append(_Damage("corrupt_frame", start, end - start, why))
+        elif code == FrameKind.HEADER:
+            why = "a second segment header frame"
+            decoded.damage.append(_Damage("corrupt_frame", start, end - start, why))
+        elif code == frames.GAVE_UP:
+            why = (
+                f"resynchronisation gave up at byte {start}: checking further frames would checksum more than "
+                f"{CRC_BYTES_PER_FILE_BYTE}x the file's {size} bytes; the remaining {size - start} bytes are not read"
+            )
+            decoded.damage.append(_Damage("corrupt_frame", start, size - start, why))
+        else:
+            torn = code == frames.TRUNCATED
             decoded.damage.append(
                 _Damage(
                     "torn_tail" if torn else "corrupt_frame",
-                    pos,
-                    damage_end - pos,
+                    start,
+                    end - start,
                     "file ends inside a frame" if torn else "bad frame marker, length or checksum",
                 )
             )
-            pos = damage_end
-            if following is not None:
-                # Already checked: checksumming the frame again would double its cost.
-                checked = following[1]
-    except _ResyncGaveUp:
-        why = (
-            f"resynchronisation gave up at byte {pos}: checking further frames would checksum more than "
-            f"{CRC_BYTES_PER_FILE_BYTE}x the file's {size} bytes; the remaining {size - pos} bytes are not read"
-        )
-        decoded.damage.append(_Damage("corrupt_frame", pos, size - pos, why))
-
-
-def _read_frame(decoded: _File, buf: memoryview, pos: int, kind: int, end: int) -> int:
-    """Take in one valid frame; the offset after it."""
-    payload = pos + FRAME_PREFIX.size
-    if kind == FrameKind.STEP:
-        _read_step(decoded, buf, pos, payload, end)
-        return end
-    if kind == FrameKind.DROP:
-        first, last = DROP_STRUCT.unpack_from(buf, payload)
-        if 0 <= first <= last:
-            decoded.drops.append((first, last))
-            decoded.seq_marks.append((pos, first, last))
-            return end
-        why = (
-            f"drop frame whose first_seq {first} exceeds its last_seq {last}"
-            if first > last
-            else f"drop frame with a negative first_seq {first}"
-        )
-    else:
-        why = "a second segment header frame"
-    decoded.damage.append(_Damage("corrupt_frame", pos, end - pos, why))
-    return end
+    seqs = decoded.fixed["seq"]
+    drop_columns = np.array(drop_marks, np.int64).reshape(-1, 3).T
+    offsets = np.concatenate((decoded.step_offsets, drop_columns[0]))
+    order = np.argsort(offsets, kind="stable")
+    decoded.mark_offsets = offsets[order]
+    decoded.mark_first = np.concatenate((seqs, drop_columns[1]))[order]
+    decoded.mark_last = np.concatenate((seqs, drop_columns[2]))[order]
 
 
 def _bound_damage(decoded: _File) -> None:
     """Name the sequence numbers each damaged region may hide, from the intact neighbours."""
-    marks = sorted(decoded.seq_marks)
-    offsets = [mark[0] for mark in marks]
     for damage in decoded.damage:
         if damage.kind not in ("corrupt_frame", "torn_tail") or decoded.header is None:
             continue
-        index = int(np.searchsorted(offsets, damage.byte_offset))
-        damage.first_seq = marks[index - 1][2] + 1 if index > 0 else decoded.header.first_seq
-        if index < len(marks):
-            damage.last_seq = marks[index][1] - 1
+        index = int(np.searchsorted(decoded.mark_offsets, damage.byte_offset))
+        damage.first_seq = (
+            int(decoded.mark_last[index - 1]) + 1 if index > 0 else decoded.header.first_seq
+        )
+        if index < len(decoded.mark_offsets):
+            damage.last_seq = int(decoded.mark_first[index]) - 1
 
 
 def _decode_file(path: Path) -> _File:
@@ -429,36 +367,36 @@ def _decode_file(path: Path) -> _File:
         decoded.damage.append(_Damage("unreadable", 0, 0, str(err)))
         return decoded
     decoded = _new_file(path, data)
-    buf = memoryview(data)
     if not data:
         decoded.damage.append(_Damage("torn_tail", 0, 0, "empty file"))
         return decoded
-    body = _read_header(decoded, buf, data)
+    body = _read_header(decoded, data)
     if body is not None:
-        _read_body(decoded, buf, body)
+        _read_body(decoded, body)
         _bound_damage(decoded)
     elif (
         decoded.damage[-1].kind == "bad_header" and decoded.damage[-1].byte_offset == PREAMBLE.size
     ):
         # The preamble vouches for the framing, so intact frames can at least be counted.
-        _note_unreadable_seqs(decoded, buf, data)
+        _note_unreadable_seqs(decoded, data)
     return decoded
 
 
-def _note_unreadable_seqs(decoded: _File, buf: memoryview, data: bytes) -> None:
+def _note_unreadable_seqs(decoded: _File, data: bytes) -> None:
     """Without a usable header nothing can be attributed; still say which steps are in the file."""
     probe = _new_file(decoded.path, data)
     probe.crc_budget = decoded.crc_budget
     try:
-        following = _next_frame(probe, buf, PREAMBLE.size)
+        following = _next_frame(probe, PREAMBLE.size)
+        if following is not None:
+            _read_body(probe, following)
     except _ResyncGaveUp:
         return
-    if following is None:
-        return
-    _read_body(probe, buf, following[0])
-    if probe.seq_marks:
-        decoded.damage[-1].first_seq = min(mark[1] for mark in probe.seq_marks)
-        decoded.damage[-1].last_seq = max(mark[2] for mark in probe.seq_marks)
+    finally:
+        decoded.checksummed += probe.checksummed
+    if len(probe.mark_offsets):
+        decoded.damage[-1].first_seq = int(probe.mark_first.min())
+        decoded.damage[-1].last_seq = int(probe.mark_last.max())
         decoded.damage[-1].detail += f"; {probe.step_count} intact step frames not decoded"
 
 
@@ -469,8 +407,7 @@ def _offsets(lengths: np.ndarray) -> np.ndarray:
     return offsets
 
 
-def _strings(offsets: np.ndarray, blobs: list[memoryview]) -> pa.Array:
-    data = b"".join(blobs)
+def _strings(offsets: np.ndarray, data: np.ndarray) -> pa.Array:
     array = pa.StringArray.from_buffers(
         len(offsets) - 1, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(data)
     )
@@ -513,23 +450,72 @@ def _inconsistent_steps(
     return bad
 
 
+@dataclass
+class _StepParts:
+    """Where each step's variable-length parts start in the file, and their byte lengths."""
+
+    slots_at: np.ndarray
+    slot_bytes: np.ndarray
+    ids_at: np.ndarray
+    id_bytes: np.ndarray
+    holders_at: np.ndarray
+    holder_bytes: np.ndarray
+    holder_ids_at: np.ndarray
+    holder_id_bytes: np.ndarray
+
+
+def _step_parts(decoded: _File) -> _StepParts:
+    """The parts follow each other (their lengths agree with the payload, see frames.check_frame)."""
+    fixed = decoded.fixed
+    slots_at = decoded.step_offsets + FRAME_PREFIX.size + STEP_DTYPE.itemsize
+    slot_bytes = fixed["num_slots"].astype(np.int64) * SLOT_DTYPE.itemsize
+    ids_at = slots_at + slot_bytes
+    id_bytes = fixed["request_id_bytes"].astype(np.int64)
+    holders_at = ids_at + id_bytes
+    holder_bytes = fixed["num_holders"].astype(np.int64) * HOLDER_DTYPE.itemsize
+    holder_ids_at = holders_at + holder_bytes
+    holder_id_bytes = fixed["holder_id_bytes"].astype(np.int64)
+    return _StepParts(
+        slots_at,
+        slot_bytes,
+        ids_at,
+        id_bytes,
+        holders_at,
+        holder_bytes,
+        holder_ids_at,
+        holder_id_bytes,
+    )
+
+
 def _tables(decoded: _File, header: HeaderFrame) -> tuple[pa.Table, pa.Table, pa.Table]:
-    fixed = np.frombuffer(b"".join(decoded.step_fixed), STEP_DTYPE)
-    slots = np.frombuffer(b"".join(decoded.slot_records), SLOT_DTYPE)
-    holders = np.frombuffer(b"".join(decoded.holder_records), HOLDER_DTYPE)
+    fixed = decoded.fixed
+    data = decoded.array
+    parts = _step_parts(decoded)
+    slots = frames.gather(data, parts.slots_at, parts.slot_bytes).view(SLOT_DTYPE)
+    holders = frames.gather(data, parts.holders_at, parts.holder_bytes).view(HOLDER_DTYPE)
     slot_offsets = _offsets(slots["request_id_len"])
     holder_offsets = _offsets(holders["request_id_len"])
     bad = _inconsistent_steps(fixed, slot_offsets, holder_offsets, holders)
     if not bad.any():
         try:
-            slot_ids = _strings(slot_offsets, decoded.slot_ids)
-            holder_ids = _strings(holder_offsets, decoded.holder_ids)
+            slot_ids = _strings(slot_offsets, frames.gather(data, parts.ids_at, parts.id_bytes))
+            holder_ids = _strings(
+                holder_offsets, frames.gather(data, parts.holder_ids_at, parts.holder_id_bytes)
+            )
         except pa.ArrowInvalid:
+            spans = zip(
+                parts.ids_at.tolist(),
+                parts.id_bytes.tolist(),
+                parts.holder_ids_at.tolist(),
+                parts.holder_id_bytes.tolist(),
+                strict=True,
+            )
             bad = np.array(
                 [
-                    not _utf8(a) or not _utf8(b)
-                    for a, b in zip(decoded.slot_ids, decoded.holder_ids, strict=False)
-                ]
+                    not _utf8(decoded.data[a : a + n]) or not _utf8(decoded.data[b : b + m])
+                    for a, n, b, m in spans
+                ],
+                bool,
             )
     if bad.any():
         why = "step frame whose id lengths, ids or holder states disagree with its counts"
@@ -593,9 +579,9 @@ def _tables(decoded: _File, header: HeaderFrame) -> tuple[pa.Table, pa.Table, pa
     return steps, slot_table, holder_table
 
 
-def _utf8(blob: memoryview) -> bool:
+def _utf8(blob: bytes) -> bool:
     try:
-        bytes(blob).decode()
+        blob.decode()
     except UnicodeDecodeError:
         return False
     return True
@@ -619,36 +605,32 @@ def _discard_steps(decoded: _File, discard: np.ndarray, seqs: np.ndarray, why: s
     Byte-adjacent discarded frames are one damaged region, so a file whose steps all fail is
     one row and the cost stays linear in the number of steps.
     """
-    indexes = np.flatnonzero(discard)
-    starts = [decoded.step_offsets[index] for index in indexes]
-    ends = [
-        start + FRAME_PREFIX.size + sum(len(part[index]) for part in decoded.step_parts())
-        for start, index in zip(starts, indexes, strict=True)
-    ]
-    run_first = 0
-    for position in range(len(indexes)):
-        if position + 1 == len(indexes) or starts[position + 1] != ends[position]:
-            decoded.damage.append(
-                _Damage(
-                    "corrupt_frame",
-                    starts[run_first],
-                    ends[position] - starts[run_first],
-                    why,
-                    int(seqs[indexes[run_first]]),
-                    int(seqs[indexes[position]]),
-                )
+    starts = decoded.step_offsets[discard]
+    ends = decoded.step_ends[discard]
+    discarded_seqs = seqs[discard]
+    last = np.flatnonzero(np.append(starts[1:] != ends[:-1], True))
+    first = np.concatenate(([0], last[:-1] + 1))
+    for run_first, run_last in zip(first.tolist(), last.tolist(), strict=True):
+        decoded.damage.append(
+            _Damage(
+                "corrupt_frame",
+                int(starts[run_first]),
+                int(ends[run_last] - starts[run_first]),
+                why,
+                int(discarded_seqs[run_first]),
+                int(discarded_seqs[run_last]),
             )
-            run_first = position + 1
-    keep = (~discard).tolist()
-    every_part: list[list[Any]] = [decoded.step_offsets, *decoded.step_parts()]
-    for parts in every_part:
-        parts[:] = compress(parts, keep)
+        )
+    keep = ~discard
+    decoded.step_offsets = decoded.step_offsets[keep]
+    decoded.step_ends = decoded.step_ends[keep]
+    decoded.fixed = decoded.fixed[keep]
 
 
 def _seq_range(decoded: _File) -> tuple[int | None, int | None]:
-    if not decoded.seq_marks:
+    if not len(decoded.mark_offsets):
         return None, None
-    return min(m[1] for m in decoded.seq_marks), max(m[2] for m in decoded.seq_marks)
+    return int(decoded.mark_first.min()), int(decoded.mark_last.max())
 
 
 def _copy_key(decoded: _File) -> str | bytes:
@@ -685,8 +667,7 @@ def _resolve_duplicates(files: list[_File]) -> tuple[list[_File], list[tuple[_Fi
             why = f"identical content to {keeper.path}, which was kept"
         else:
             why = f"same segment_id {copy.header.segment_id} as {keeper.path}, which was kept"
-            kept_seqs = {mark[1] for mark in keeper.seq_marks}
-            missing = sum(1 for mark in copy.seq_marks if mark[1] not in kept_seqs)
+            missing = int(np.isin(copy.mark_first, keeper.mark_first, invert=True).sum())
             if missing:
                 why += f"; {missing} of this copy's frames are not in the kept copy"
         first, last = _seq_range(copy)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import tempfile
 import tracemalloc
-import zlib
 from functools import cache
 from pathlib import Path
 
@@ -20,10 +19,10 @@ import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from pipeline.steplog import decoder, read_segments
+from pipeline.steplog import read_segments
 from schemas.records import FRAME_MARKER, FRAME_PREFIX, MAX_FRAME_PAYLOAD, FrameKind
 from schemas.tables import DAMAGE, DROPS, HOLDERS, SEGMENTS, SLOTS, STEPS
-from tests.helpers.segment_bytes import recorded_segments, resealed, with_length
+from tests.helpers.segment_bytes import CountingChecksums, recorded_segments, resealed, with_length
 from tests.helpers.steplog_samples import frame_spans
 
 pytestmark = pytest.mark.timeout(120)
@@ -276,17 +275,6 @@ def test_a_step_time_that_overflows_int64_in_utc_is_not_decoded(tmp_path):
     assert all(u - s == 2**63 - 1 - 5_000_000_000 for s, u in zip(starts, utc, strict=True))
 
 
-class _CountingZlib:
-    """Stands in for the decoder's zlib and counts the bytes it checksums."""
-
-    def __init__(self) -> None:
-        self.checksummed = 0
-
-    def crc32(self, data, value: int = 0) -> int:
-        self.checksummed += len(data)
-        return zlib.crc32(data, value)
-
-
 def test_resynchronising_after_damage_is_linear_in_the_input(tmp_path, monkeypatch):
     # After a damaged frame the decoder scans for the next marker and verifies each candidate's
     # checksum over its declared length. Markers every 16 bytes, each declaring a frame that
@@ -301,8 +289,7 @@ def test_resynchronising_after_damage_is_linear_in_the_input(tmp_path, monkeypat
         for i in range(count)
     )
     hostile = data + storm
-    counting = _CountingZlib()
-    monkeypatch.setattr(decoder, "zlib", counting)
+    counting = CountingChecksums(monkeypatch)
     decoded = decode(tmp_path, hostile)
     assert decoded.steps.num_rows == read_segments_from_bytes((data,)).steps.num_rows
     assert counting.checksummed <= 4 * len(hostile)

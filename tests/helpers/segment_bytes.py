@@ -6,7 +6,9 @@ import tempfile
 from functools import cache, partial
 from pathlib import Path
 
-from pipeline.steplog import StepRecorder
+import pytest
+
+from pipeline.steplog import StepRecorder, decoder
 from pipeline.steplog.format import frame_crc
 from schemas.records import FRAME_CHECKED_BYTES, FRAME_PREFIX
 from tests.helpers.steplog_samples import HEADER, fixed_clocks, record_numbered_steps
@@ -60,3 +62,18 @@ def resealed(data: bytes, frame_start: int, payload: bytes) -> bytes:
     checked[8:12] = len(payload).to_bytes(4, "little")
     crc = frame_crc(bytes(checked), payload).to_bytes(4, "little")
     return data[:frame_start] + bytes(checked) + crc + payload + data[end:]
+
+
+class CountingChecksums:
+    """Sums the bytes the decoder checksums (what its per-file budget bounds), file by file."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.checksummed = 0
+        decode_file = decoder._decode_file
+
+        def counted(path: Path) -> decoder._File:
+            decoded = decode_file(path)
+            self.checksummed += decoded.checksummed
+            return decoded
+
+        monkeypatch.setattr(decoder, "_decode_file", counted)

@@ -24,6 +24,7 @@ from schemas.records import (
     STEP_STRUCT,
     FrameKind,
 )
+from tests.helpers.segment_bytes import CountingChecksums
 from tests.helpers.steplog_samples import HEADER, MONO_ANCHOR, frame_spans
 
 
@@ -377,22 +378,9 @@ def test_every_step_is_either_shifted_exactly_or_reported(
     assert sorted([step["seq"] for step in steps] + reported) == [0, 1, 3]
 
 
-class CountingZlib:
-    """Stands in for the decoder's zlib and counts the bytes it checksums."""
-
-    def __init__(self) -> None:
-        self.checksummed = 0
-
-    def crc32(self, data, value: int = 0) -> int:
-        self.checksummed += len(data)
-        return zlib.crc32(data, value)
-
-
 @pytest.fixture
-def counting_zlib(monkeypatch) -> CountingZlib:
-    counting = CountingZlib()
-    monkeypatch.setattr(decoder, "zlib", counting)
-    return counting
+def counting_checksums(monkeypatch) -> CountingChecksums:
+    return CountingChecksums(monkeypatch)
 
 
 def consistent_storm(count: int) -> bytes:
@@ -408,7 +396,7 @@ def consistent_storm(count: int) -> bytes:
     )
 
 
-def test_every_frame_is_checksummed_once(tmp_path, small_segment, counting_zlib):
+def test_every_frame_is_checksummed_once(tmp_path, small_segment, counting_checksums):
     data = small_segment.read_bytes()
     cut = frame_spans(data)[2][0]
     # Markers whose lengths run to the end of the file but whose step counts cannot fit them.
@@ -425,20 +413,20 @@ def test_every_frame_is_checksummed_once(tmp_path, small_segment, counting_zlib)
     )
     # The prefix's own CRC field is the only part of a frame not checksummed.
     crc_field = FRAME_PREFIX.size - FRAME_CHECKED_BYTES
-    assert counting_zlib.checksummed == sum(
+    assert counting_checksums.checksummed == sum(
         end - start - crc_field for start, end in frame_spans(data)
     )
 
 
 def test_resynchronisation_gives_up_past_the_checksum_budget(
-    tmp_path, small_segment, counting_zlib
+    tmp_path, small_segment, counting_checksums
 ):
     data = small_segment.read_bytes()
     storm = consistent_storm(2000)
     hostile = data + storm
     decoded = decode_bytes(tmp_path, hostile)
     assert decoded.steps.column("seq").to_pylist() == [0, 1, 3]
-    assert counting_zlib.checksummed <= decoder.CRC_BYTES_PER_FILE_BYTE * len(hostile)
+    assert counting_checksums.checksummed <= decoder.CRC_BYTES_PER_FILE_BYTE * len(hostile)
     assert decoded.damage.to_pylist() == [
         {
             "path": str(tmp_path / "damaged.seg"),
@@ -466,8 +454,7 @@ def test_resynchronisation_gives_up_past_the_checksum_budget(
     )
 )
 def test_checksumming_is_bounded_by_the_file_size(tmp_path, small_segment, monkeypatch, pieces):
-    counting = CountingZlib()
-    monkeypatch.setattr(decoder, "zlib", counting)
+    counting = CountingChecksums(monkeypatch)
     data = small_segment.read_bytes()
     spans = frame_spans(data)
     hostile = data[: spans[1][0]] + b"".join(

@@ -600,3 +600,51 @@ def test_every_step_is_billed_once_whatever_is_damaged_and_redelivered(
             ).fetchall()
             assert hiding == []
             assert con.execute("SELECT sum(steps) FROM segments").fetchone() == (120,)
+
+
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.sampled_from(["chat", "reason"]),
+            st.sampled_from(["r0", "r1"]),
+            st.integers(0, 6),
+            st.integers(0, 3),
+            st.integers(0, 2),
+        ),
+        max_size=12,
+    ),
+    shuffle=st.randoms(use_true_random=False),
+    in_step_order=st.booleans(),
+)
+def test_rows_get_the_hour_of_their_step_as_a_join_gives_it(steps, shuffle, in_step_order):
+    """Repeating the steps' hours (rows in step order, unique keys) and joining agree exactly,
+    rows and their order, whether or not the steps' keys repeat or the rows are in order."""
+    step_frame = pl.DataFrame(
+        steps,
+        schema={
+            "pool": pl.String,
+            "replica": pl.String,
+            "seq": pl.Int64,
+            "num_slots": pl.Int32,
+            "_hour": pl.Int64,
+        },
+        orient="row",
+    )
+    hours = step_frame.select("pool", "replica", "seq", "_hour")
+    rows = [(p, r, s, i) for p, r, s, n, _ in steps for i in range(n)]
+    if not in_step_order:
+        shuffle.shuffle(rows)
+    slots = pl.DataFrame(
+        rows,
+        schema={"pool": pl.String, "replica": pl.String, "seq": pl.Int64, "slot": pl.Int64},
+        orient="row",
+    )
+    in_order = ingest._unique_in_order(hours)
+    assert ingest._with_step_hours(slots, step_frame, hours, "num_slots", in_order).equals(
+        slots.join(hours, on=ingest.STEP_KEY, how="left", maintain_order="left")
+    )
+    assert ingest._with_step_hours(
+        step_frame.drop("_hour"), step_frame, hours, None, in_order
+    ).equals(
+        step_frame.drop("_hour").join(hours, on=ingest.STEP_KEY, how="left", maintain_order="left")
+    )

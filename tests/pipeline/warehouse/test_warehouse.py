@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline import finance
+from pipeline import finance, warehouse
 from pipeline.alerts import record_alerts
 from pipeline.cli import main
 from pipeline.warehouse import (
@@ -443,3 +444,27 @@ def test_the_focus_validator_accepts_the_export(focus_data: Path, tmp_path: Path
         text=True,
     )
     assert validator.returncode == 0, validator.stdout + validator.stderr
+
+
+def test_a_writing_connection_refuses_an_extension_file_whose_signature_fails(
+    tmp_path, monkeypatch
+):
+    # Writing connections skip DuckDB's check on LOAD; load_extensions checks each file once
+    # per version instead, so a file replaced after a good load is checked again.
+    installed = warehouse._extension_file
+    copy = tmp_path / installed("ducklake").name
+    copy.write_bytes(installed("ducklake").read_bytes())
+    monkeypatch.setattr(
+        warehouse, "_extension_file", lambda name: copy if name == "ducklake" else installed(name)
+    )
+    with duckdb.connect(config=warehouse.WRITER_CONFIG) as con:
+        warehouse.load_extensions(con)
+    tampered = bytearray(copy.read_bytes())
+    tampered[len(tampered) // 2] ^= 0xFF
+    copy.write_bytes(bytes(tampered))
+    os.utime(copy, ns=(0, copy.stat().st_mtime_ns + 1))
+    with (
+        duckdb.connect(config=warehouse.WRITER_CONFIG) as con,
+        pytest.raises(duckdb.Error, match="signature"),
+    ):
+        warehouse.load_extensions(con)
