@@ -144,7 +144,7 @@ def run_pool_hours(
             runs.append(run)
             if on_done:
                 on_done(run)
-            if stopped:
+            if stopped := stopped or stop_signal():
                 raise RunStopped(stopped, runs, None, pool_hours[index + 1 :])
     return runs
 
