@@ -22,12 +22,11 @@ from datetime import datetime
 from pathlib import Path
 
 from pipeline.hours import parse_hour_key
-from pipeline.warehouse import STATE_FILE, WAREHOUSE_DIR
+from pipeline.warehouse import PREVIOUS_LAYOUT_FILE, STATE_FILE, WAREHOUSE_DIR
 from schemas.config import DEFAULT_POOLS_PATH
 
 CALIBRATION_FILE = "calibration.yaml"
 POOLS_FILE = "pools.yaml"
-WAREHOUSE_FILE = "warehouse.duckdb"
 
 
 def pools_file(data_dir: Path) -> Path:
@@ -54,7 +53,7 @@ PROTECTED = (
     POOLS_FILE,
     CALIBRATION_FILE,
     STATE_FILE,
-    WAREHOUSE_FILE,
+    PREVIOUS_LAYOUT_FILE,
 )
 # Files a DuckDB or SQLite database keeps beside itself while it is open.
 _SIDECARS = (".wal", "-wal", "-journal", "-shm")

@@ -15,7 +15,10 @@ from pipeline.cli.options import directory_option, file_option
     "data_dir",
     help="data directory holding lake/ and pools.yaml [default: the warehouse's directory, else demo-run]",
 )
-@file_option("--warehouse", help="the DuckDB file [default: DATA/warehouse.duckdb]")
+@file_option(
+    "--warehouse",
+    help="the pipeline's state file; the warehouse beside it is read [default: DATA/pipeline.duckdb]",
+)
 @click.option("--hour", "hour", metavar="YYYY-MM-DDTHH", default=None, help="report one UTC hour")
 @click.option("--day", "day", metavar="YYYY-MM-DD", default=None, help="report one UTC day")
 @file_option("--out", help="HTML file to write [default: DATA/report-<period>.html]")
@@ -33,13 +36,13 @@ def report_command(
 
     \b
     Examples:
-      stepledger report                              # everything in demo-run/warehouse.duckdb
+      stepledger report                              # everything billed in demo-run/
       stepledger report --day 2026-11-30 --out nov30.html
-      stepledger report --warehouse /srv/ledger/warehouse.duckdb --hour 2026-11-30T05
+      stepledger report --data /srv/ledger --hour 2026-11-30T05
     """
     from pipeline.datadir import OutputPathError, check_output, pools_file
     from pipeline.report import ReportError, Scope, write_report
-    from pipeline.warehouse import WarehouseError
+    from pipeline.warehouse import STATE_FILE, WarehouseError
     from schemas.config import ConfigError, load_pools
 
     if hour and day:
@@ -50,7 +53,7 @@ def report_command(
         raise click.BadParameter(str(err), param_hint="--hour" if hour else "--day") from err
     if data_dir is None:
         data_dir = warehouse.parent if warehouse else Path("demo-run")
-    warehouse = warehouse or data_dir / "warehouse.duckdb"
+    warehouse = warehouse or data_dir / STATE_FILE
     period = hour or day or "all"
     out = out or data_dir / f"report-{period}.html"
     try:
