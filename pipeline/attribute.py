@@ -107,9 +107,12 @@ def resource_parts(
 
     The kernel's per-slot terms take a few hundred bytes a slot, gigabytes for a busy hour, so
     the slots are priced `rows_per_batch` at a time, in batches of whole steps, and only each
-    slot's five figures are kept for the sums per request. A batch holds at least two steps:
-    the kernel sums a lone step's slots in another order than several steps' (`slot_work_many`),
-    and each slot's figures must not depend on the batching."""
+    slot's five figures are kept for the per-request sums, which run over the whole hour in one
+    order. A batch holds at least two steps: the kernel sums a lone step's slots in another
+    order than several steps' (`slot_work_many`). For a dense model the figures are then those
+    of pricing the hour at once, bit for bit; the kernel's matrix products over layer kinds
+    (MoE models) may round the last bit differently with the batch's width, as in the
+    attribution's own batches."""
     steps, slots = data.steps, data.slots
     replicas = sorted(steps["replica"].unique().to_list())
     replica_code = steps["replica"].replace_strict(

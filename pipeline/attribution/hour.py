@@ -21,6 +21,7 @@ Hours in the frames are naive datetimes holding UTC (the warehouse's TIMESTAMP).
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -207,8 +208,8 @@ def step_batches(
     row_offsets: np.ndarray, rows_per_batch: int, min_steps: int = 1
 ) -> list[tuple[int, int]]:
     """Consecutive step ranges of about `rows_per_batch` rows each (a bigger step is a batch
-    alone), each of at least `min_steps` steps where the steps allow (a short range is merged
-    into the one before it).
+    alone), each of at least `min_steps` steps when the steps allow (a shorter one is merged
+    with its neighbour).
 
     `row_offsets[s]` is the number of rows before step s."""
     cuts = np.searchsorted(
@@ -217,14 +218,11 @@ def step_batches(
     bounds = np.unique(np.concatenate([[0], cuts, [row_offsets.shape[0] - 1]])).tolist()
     if min_steps > 1 and len(bounds) > 2:
         kept = [bounds[0]]
-        for bound in bounds[1:]:
-            if bound - kept[-1] >= min_steps:
+        for bound in bounds[1:-1]:
+            if bound - kept[-1] >= min_steps and bounds[-1] - bound >= min_steps:
                 kept.append(bound)
-        if len(kept) == 1:
-            kept.append(bounds[-1])
-        kept[-1] = bounds[-1]
-        bounds = kept
-    return list(zip(bounds[:-1], bounds[1:], strict=False))
+        bounds = [*kept, bounds[-1]]
+    return list(itertools.pairwise(bounds))
 
 
 def _slot_kv_blocks(
