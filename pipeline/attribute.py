@@ -21,7 +21,7 @@ from pipeline.attribution.layout import StepKeys, gather, lay_out_rows
 from pipeline.attribution.workmodel import TOKEN_COLUMNS, SlotBatch, WeightSource, split_fixed
 from pipeline.gateway import context_for_requests
 from pipeline.hours import hour_key, to_warehouse, utc_hour
-from pipeline.ingest import STEP_KEY, committed_batches
+from pipeline.ingest import committed_batches
 from pipeline.lake import AttributionInputs, HourInput, load_hour
 from pipeline.ledger import DECODE_CONTEXTS_SCHEMA, RESOURCE_WORK_SCHEMA, RESOURCES, HourLedger
 from pipeline.weights import kernel_weights
@@ -45,8 +45,7 @@ def gather_inputs(
     """The hour's attribution inputs, read from the warehouse and the lake."""
     hour = utc_hour(hour)
     batches = committed_batches(con)
-    keys = [*STEP_KEY, "request_id"]
-    requests = load_hour(lake, pool.name, hour, batches, columns=keys)
+    requests = load_hour(lake, pool.name, hour, batches, columns=["request_id"])
     request_ids = pl.concat([requests.slots["request_id"], requests.holders["request_id"]]).unique()
     # fetchall, not fetchone: a result left unfinished blocks the connection's next query.
     logged = con.execute(
