@@ -154,8 +154,8 @@ def load_hour(
     `batches`: the ingest batches to read (`pipeline.ingest.committed_batches`), so that the
     files of a batch still being ingested, or of one that died before its commit, are not
     read; None reads every file in the lake. `columns`: only these columns of each table (the
-    ones it has; they must include the step key); None reads them all. `hashes`: each file
-    read is verified against them (`verify`)."""
+    ones it has; the step key is read where the selection needs it, and kept only if asked
+    for); None reads them all. `hashes`: each file read is verified against them (`verify`)."""
     hour = utc_hour(hour)
     previous = hour - timedelta(hours=1)
     straddling_keys = _read_partition(
@@ -174,13 +174,16 @@ def load_hour(
         table_columns = (
             None if columns is None else [c for c in columns if c in LAKE_TABLES[table].names]
         )
-        earlier = _read([], table, table_columns)
+        keyed_columns = (
+            None if table_columns is None else list(dict.fromkeys([*STEP_KEY, *table_columns]))
+        )
+        earlier = _read([], table, keyed_columns)
         if straddling_keys.height:
             # Sequence numbers grow within a replica: the scan skips all but the last row groups
             # of the previous hour, and the join on the step keys makes the selection exact.
             after = pl.col("seq") >= straddling_keys["seq"].min()
             earlier = _read_partition(
-                lake, table, pool, previous, batches, after, table_columns, hashes
+                lake, table, pool, previous, batches, after, keyed_columns, hashes
             ).join(straddling_keys, on=STEP_KEY, how="semi")
         current = _partition_files(lake, table, pool, hour, batches, hashes)
         replicas = sorted({*earlier["replica"].unique().to_list(), *map(_replica_of, current)})
@@ -188,7 +191,9 @@ def load_hour(
             frame
             for replica in replicas
             for frame in (
-                earlier.filter(pl.col("replica") == replica),
+                earlier.filter(pl.col("replica") == replica).select(
+                    earlier.columns if table_columns is None else table_columns
+                ),
                 _read([f for f in current if _replica_of(f) == replica], table, table_columns),
             )
         ]

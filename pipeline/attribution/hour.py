@@ -21,6 +21,7 @@ Hours in the frames are naive datetimes holding UTC (the warehouse's TIMESTAMP).
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -203,16 +204,25 @@ def steps_in_hour(
     return inside.drop("row", "replica_code"), keys
 
 
-def _step_batches(row_offsets: np.ndarray, rows_per_batch: int) -> list[tuple[int, int]]:
+def step_batches(
+    row_offsets: np.ndarray, rows_per_batch: int, min_steps: int = 1
+) -> list[tuple[int, int]]:
     """Consecutive step ranges of about `rows_per_batch` rows each (a bigger step is a batch
-    alone).
+    alone), each of at least `min_steps` steps when the steps allow (a shorter one is merged
+    with its neighbour).
 
     `row_offsets[s]` is the number of rows before step s."""
     cuts = np.searchsorted(
         row_offsets, np.arange(rows_per_batch, int(row_offsets[-1]), rows_per_batch)
     )
-    bounds = np.unique(np.concatenate([[0], cuts, [row_offsets.shape[0] - 1]]))
-    return list(zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=False))
+    bounds = np.unique(np.concatenate([[0], cuts, [row_offsets.shape[0] - 1]])).tolist()
+    if min_steps > 1 and len(bounds) > 2:
+        kept = [bounds[0]]
+        for bound in bounds[1:-1]:
+            if bound - kept[-1] >= min_steps and bounds[-1] - bound >= min_steps:
+                kept.append(bound)
+        bounds = [*kept, bounds[-1]]
+    return list(itertools.pairwise(bounds))
 
 
 def _slot_kv_blocks(
@@ -269,7 +279,7 @@ def _attribute_rows(
         "exact": np.empty(n_holders),
         "block_seconds": np.empty(n_holders),
     }
-    for first, end in _step_batches(slot_layout.offsets + holder_layout.offsets, rows_per_batch):
+    for first, end in step_batches(slot_layout.offsets + holder_layout.offsets, rows_per_batch):
         slot_rows, holder_rows = slot_layout.rows(first, end), holder_layout.rows(first, end)
         slot_columns = gather(slots, list(SLOT_COLUMNS), slot_rows)
         holder_columns = gather(holders, ["kv_blocks", "state"], holder_rows)

@@ -55,7 +55,7 @@ class Coefficients:
 
 
 # A slot's columns a work model reads.
-_TOKEN_COLUMNS = ("new_tokens", "context_tokens", "prompt_tokens")
+TOKEN_COLUMNS = ("new_tokens", "context_tokens", "prompt_tokens")
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class SlotBatch:
 
     def __post_init__(self) -> None:
         n = self.step_index.shape[0]
-        for name in _TOKEN_COLUMNS:
+        for name in TOKEN_COLUMNS:
             if getattr(self, name).shape[0] != n:
                 raise ValueError(
                     f"{name} has {getattr(self, name).shape[0]} rows, step_index has {n}"
@@ -97,7 +97,7 @@ class SlotBatch:
         return cls(
             step_index=step_index,
             n_steps=n_steps,
-            **{name: np.asarray(slots[name], dtype=np.int64) for name in _TOKEN_COLUMNS},
+            **{name: np.asarray(slots[name], dtype=np.int64) for name in TOKEN_COLUMNS},
         )
 
     @property

@@ -269,6 +269,10 @@ def test_load_hour_includes_steps_running_into_the_hour(tmp_path: Path) -> None:
     ]
     assert keys.slots.rows() == data.slots.select("pool", "replica", "seq", "request_id").rows()
     assert keys.steps.rows() == data.steps.select("pool", "replica", "seq").rows()
+    # Without the step key, the straddling step's rows are still found by it.
+    ids = load_hour(lake, "chat-8b", HOUR, columns=["request_id", "seq"])
+    assert ids.slots.rows() == data.slots.select("request_id", "seq").rows()
+    assert ids.steps.rows() == data.steps.select("seq").rows()
 
 
 def ingest_until_killed(
