@@ -64,9 +64,10 @@ def _quoted(text: str | Path) -> str:
     return "'" + str(text).replace("'", "''") + "'"
 
 
-def _extension_file(name: str) -> Path:
-    # The extensions come as Python packages (duckdb-extension-<name>), so a machine without
-    # network loads them from the virtualenv, and their version always matches duckdb's.
+def extension_file(name: str) -> Path:
+    """The installed file of DuckDB extension `name`. The extensions come as Python packages
+    (duckdb-extension-<name>), so a machine without network loads them from the virtualenv,
+    and their version always matches duckdb's."""
     package = importlib.import_module(f"duckdb_extension_{name}")
     path = (
         Path(package.__file__ or "").parent
@@ -103,7 +104,7 @@ def load_extensions(con: duckdb.DuckDBPyConnection) -> None:
     """Load DuckLake and its SQLite catalog support from the installed packages, each file's
     signature verified (once per process, see WRITER_CONFIG)."""
     for name in ("sqlite_scanner", "ducklake"):
-        path = _extension_file(name)
+        path = extension_file(name)
         version = path.stat()
         _check_signature(path, version.st_size, version.st_mtime_ns)
         con.execute(f"LOAD {_quoted(path)}")

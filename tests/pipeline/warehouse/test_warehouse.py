@@ -451,18 +451,22 @@ def test_a_writing_connection_refuses_an_extension_file_whose_signature_fails(
 ):
     # Writing connections skip DuckDB's check on LOAD; load_extensions checks each file once
     # per version instead, so a file replaced after a good load is checked again.
-    installed = warehouse._extension_file
+    installed = warehouse.extension_file
     copy = tmp_path / installed("ducklake").name
     copy.write_bytes(installed("ducklake").read_bytes())
     monkeypatch.setattr(
-        warehouse, "_extension_file", lambda name: copy if name == "ducklake" else installed(name)
+        warehouse, "extension_file", lambda name: copy if name == "ducklake" else installed(name)
     )
     with duckdb.connect(config=warehouse.WRITER_CONFIG) as con:
         warehouse.load_extensions(con)
     tampered = bytearray(copy.read_bytes())
     tampered[len(tampered) // 2] ^= 0xFF
-    copy.write_bytes(bytes(tampered))
-    os.utime(copy, ns=(0, copy.stat().st_mtime_ns + 1))
+    # Replaced as an upgrade replaces it (a new file renamed over the old): the library loaded
+    # above stays mapped from the old file, which writing in place would corrupt under it.
+    replacement = tmp_path / "replacement"
+    replacement.write_bytes(bytes(tampered))
+    os.utime(replacement, ns=(0, copy.stat().st_mtime_ns + 1))
+    os.replace(replacement, copy)
     with (
         duckdb.connect(config=warehouse.WRITER_CONFIG) as con,
         pytest.raises(duckdb.Error, match="signature"),
