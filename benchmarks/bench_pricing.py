@@ -3,25 +3,21 @@
 Speed: one 256-request step per call, and an hour-scale vectorised batch, on DeepSeek-V3 fp8 on
 8x H200 (TP8, piecewise graphs), the golden figure's setup, with mixed batches (mostly decodes
 at spread-out contexts, a few prefill chunks). Accuracy: the load-response shape error against
-the measured TPOT sweeps in `<repo>/../shared/reference/pricing/measured/` (or under
-$STEPLEDGER_SHARED), reported when that data is present.
+the measured TPOT sweeps (`measured/inferencex_tpot_subset.csv` of the shared reference, or the
+copy in `tests/pricing/reference/`).
 """
 
 from __future__ import annotations
 
-import os
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
 from benchmarks.figure import Figure
 from pricing import Kernel, Slots
 from pricing.shape import load_sweeps, shape_error
-from tests.pricing.shared_reference import GOLDEN
+from tests.pricing.shared_reference import GOLDEN, reference_file
 
-MEASURED_TPOT = Path("reference/pricing/measured/inferencex_tpot_subset.csv")
 SHAPE_MAE_TARGET_PCT = 8.0
 
 # The golden figure's setup, priced by the default kernel at vLLM's decode threshold.
@@ -65,12 +61,7 @@ def _steps_per_s(kernel: Kernel, n_steps: int) -> float:
 
 
 def _shape_figures() -> list[Figure]:
-    repo = Path(__file__).resolve().parents[1]
-    path = Path(os.environ.get("STEPLEDGER_SHARED", repo.parent / "shared")) / MEASURED_TPOT
-    if not path.is_file():
-        print(f"  kernel_shape_mae_pct not measured: {path} is absent", file=sys.stderr)
-        return []
-    error = shape_error(load_sweeps(path))
+    error = shape_error(load_sweeps(reference_file("measured/inferencex_tpot_subset.csv")))
     return [Figure("kernel_shape_mae_pct", error.mae_pct, "%", SHAPE_MAE_TARGET_PCT, "max")]
 
 

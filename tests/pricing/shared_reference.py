@@ -1,17 +1,16 @@
 """The references the kernel is checked against: the Go kernel's golden deployment, and the
 shared data (Go grid, measured TPOT sweeps).
 
-The data lives beside the repository, in `<repo>/../shared/reference/pricing/`, as CI lays it
-out; STEPLEDGER_SHARED names another copy. Tests that need it skip, saying where they looked,
-when it is absent.
+The shared data is read from `<repo>/../shared/reference/pricing/` when it is laid out beside
+the repository (STEPLEDGER_SHARED names another copy), else from the copy kept in
+`tests/pricing/reference/` (the Go grid gzipped), so a clone alone runs every check.
 """
 
 from __future__ import annotations
 
+import gzip
 import os
 from pathlib import Path
-
-import pytest
 
 from pricing import Deployment
 
@@ -31,12 +30,21 @@ GOLDEN = Deployment(
 REPO = Path(__file__).resolve().parents[2]
 
 
+VENDORED = Path(__file__).resolve().parent / "reference"
+
+
 def reference_file(relative: str) -> Path:
+    """The shared reference file `relative` (e.g. `go_grid/cases.jsonl`), or its kept copy."""
     shared = Path(os.environ.get("STEPLEDGER_SHARED", REPO.parent / "shared"))
-    path = shared / "reference" / "pricing" / relative
-    if not path.is_file():
-        pytest.skip(
-            f"shared reference {path} is absent (place shared/ beside the repository or set "
-            "STEPLEDGER_SHARED)"
-        )
-    return path
+    for path in (
+        shared / "reference" / "pricing" / relative,
+        VENDORED / relative,
+        VENDORED / f"{relative}.gz",
+    ):
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"{relative}: neither under {shared} nor in {VENDORED}")
+
+
+def read_reference_text(path: Path) -> str:
+    return gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()

@@ -13,7 +13,7 @@ from functools import cache
 import numpy as np
 
 from pricing import Deployment, Kernel
-from tests.pricing.shared_reference import reference_file
+from tests.pricing.shared_reference import read_reference_text, reference_file
 
 FIGURES = ("sm", "hbm", "nvlink", "nic", "host", "overlap", "nooverlap")
 
@@ -48,7 +48,7 @@ def _within(got_ms: float, expected_ms: float) -> bool:
 
 def test_every_step_of_the_go_grid_matches_on_every_figure():
     path = reference_file("go_grid/cases.jsonl")
-    cases = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    cases = [json.loads(line) for line in read_reference_text(path).splitlines() if line.strip()]
     assert len(cases) == 2229, f"{path}: expected the README's 2,229 cases"
     matched: Counter[str] = Counter()
     misses: list[str] = []
