@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING
 import dagster as dg
 from dagster_duckdb import DuckDBResource
 
+from assets.partitions import pool_hours_of_run
 from assets.resources import open_warehouse
 from pipeline import alerts
-from pipeline.hours import parse_hour_key
+from pipeline.hours import hour_key
 from pipeline.reconcile import failed_checks
 from schemas.config import Settings
 
@@ -34,24 +35,29 @@ if TYPE_CHECKING:
     )
 
 
-def build_failure_pager(pool_hour_job: "UnresolvedAssetJobDefinition") -> dg.SensorDefinition:
+def build_failure_pager(
+    pool_hour_job: "UnresolvedAssetJobDefinition", partitions: dg.MultiPartitionsDefinition
+) -> dg.SensorDefinition:
     @dg.run_failure_sensor(
         name="page_on_call",
         monitored_jobs=[pool_hour_job],
         default_status=dg.DefaultSensorStatus.RUNNING,
     )
     def page_on_call(context: dg.RunFailureSensorContext, warehouse: DuckDBResource) -> None:
-        tags = context.dagster_run.tags
-        hour = parse_hour_key(tags["dagster/partition/hour"])
-        pool = tags["dagster/partition/pool"]
+        pool_hours = pool_hours_of_run(context.dagster_run.tags, partitions)
+        message = context.failure_event.message
+        if len(pool_hours) > 1:
+            (first, pool, _), (last, _, _) = pool_hours[0], pool_hours[-1]
+            message = f"{message} (the run of {pool} from {hour_key(first)} to {hour_key(last)})"
         now = datetime.now(UTC)
         with open_warehouse(warehouse) as con:
+            # Each failed hour's findings; a run that failed without any, once for the run.
             owed = alerts.hour_alerts(
-                failed_checks(con, pool, hour),
-                pool,
-                hour,
+                [r for hour, pool, _ in pool_hours for r in failed_checks(con, pool, hour)],
+                pool_hours[0].pool,
+                pool_hours[0].hour,
                 context.dagster_run.run_id,
-                context.failure_event.message,
+                message,
                 now,
             )
             alerts.enqueue(con, owed)

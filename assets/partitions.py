@@ -1,10 +1,18 @@
 """Partitions: one per UTC hour and pool. Pool names come from the pools file when the
-definitions are built, never at import."""
+definitions are built, never at import.
+
+A backfill runs each pool's hours as one run (`BACKFILL_POLICY`): every asset and the
+reconciliation then work through the run's hours in order, paying a run's fixed costs (its
+set-up, events, warehouse openings, kernel and weights) once, not once per hour, and each
+hour's conservation check sees every earlier hour of the range already attributed.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
+from typing import NamedTuple
 
 import dagster as dg
 
@@ -19,6 +27,12 @@ def first_hour() -> datetime:
         return datetime.strptime(value, "%Y-%m-%dT%H").replace(tzinfo=UTC)
     except ValueError as err:
         raise ValueError(f"{FIRST_HOUR_ENV}={value!r} is not of the form YYYY-MM-DDTHH") from err
+
+
+# One run per contiguous range of a pool's hours, not a run per hour. Dagster groups a
+# multi-partition backfill by the dimension with fewer keys: a day of two pools is two runs,
+# one hour of two pools one run of both.
+BACKFILL_POLICY = dg.BackfillPolicy.single_run()
 
 
 def pool_hour_partitions(pool_names: list[str]) -> dg.MultiPartitionsDefinition:
@@ -36,13 +50,52 @@ def partition_key(hour: datetime, pool: str) -> dg.MultiPartitionKey:
     )
 
 
-def hour_and_pool(
-    context: dg.AssetExecutionContext | dg.AssetCheckExecutionContext,
-) -> tuple[datetime, str]:
-    """The UTC hour and pool of the partition being materialized."""
-    keys = context.partition_key.keys_by_dimension
+class PoolHour(NamedTuple):
+    hour: datetime
+    pool: str
+    key: str  # the partition key, for the hour's own metadata and check evaluations
+
+
+def _pool_hour(key: str) -> PoolHour:
+    if not isinstance(key, dg.MultiPartitionKey):
+        raise TypeError(f"partition {key!r} is not an (hour, pool) partition")
+    keys = key.keys_by_dimension
     hour = datetime.strptime(keys["hour"], "%Y-%m-%d-%H:%M").replace(tzinfo=UTC)
-    return hour, keys["pool"]
+    return PoolHour(hour, keys["pool"], str(key))
+
+
+def pool_hours(
+    context: dg.AssetExecutionContext | dg.AssetCheckExecutionContext,
+) -> list[PoolHour]:
+    """The (hour, pool) partitions of the run, hours in order: one for a scheduled or sensed
+    run, a range of hours for a backfill (`BACKFILL_POLICY`)."""
+    return sorted(map(_pool_hour, context.partition_keys))
+
+
+def pool_hours_of_run(
+    tags: Mapping[str, str], partitions: dg.MultiPartitionsDefinition
+) -> list[PoolHour]:
+    """The (hour, pool) partitions a run covered, hours in order, from its tags: one
+    partition, or a backfill's range."""
+    if "dagster/partition" in tags:
+        names: Sequence[str] = [tags["dagster/partition"]]
+    else:
+        names = partitions.get_partition_keys_in_range(
+            dg.PartitionKeyRange(
+                tags["dagster/asset_partition_range_start"],
+                tags["dagster/asset_partition_range_end"],
+            )
+        )
+    return sorted(_pool_hour(partitions.get_partition_key_from_str(name)) for name in names)
+
+
+def range_tags(first: datetime, last: datetime, pool: str) -> dict[str, str]:
+    """The tags of one run over the hours `first`..`last` (inclusive) of `pool`, as Dagster
+    gives the run of a backfill range."""
+    return {
+        "dagster/asset_partition_range_start": str(partition_key(first, pool)),
+        "dagster/asset_partition_range_end": str(partition_key(last, pool)),
+    }
 
 
 def completed_hour(now: datetime, delay: timedelta = timedelta(0)) -> datetime:

@@ -8,13 +8,18 @@ the `duckdb` concurrency pool (limit 1 in dagster_home/dagster.yaml): DuckDB has
 # No `from __future__ import annotations`: Dagster checks the `context` annotation as an
 # object, and a postponed (string) annotation fails that check.
 
+import os
+import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from typing import Any
 
 import dagster as dg
 import polars as pl
 from dagster_duckdb import DuckDBResource
 
-from assets.partitions import hour_and_pool
+from assets.partitions import BACKFILL_POLICY, pool_hours
 from assets.resources import StepledgerData, open_warehouse
 from pipeline import gateway, lake
 from pipeline.attribute import attribute_pool_hour, gather_inputs
@@ -29,6 +34,9 @@ from schemas.config import PoolsFile
 
 GROUP = "pool_hour"
 DUCKDB_POOL = "duckdb"
+# Hours a backfill's attribution works on at once: a busy hour holds up to 3.5 GiB while it
+# is attributed (docs/scale-out.md), so not one per core on a many-core machine.
+ATTRIBUTION_THREADS = min(2, os.cpu_count() or 1)
 # Tenants listed in the ledger's metadata table; the warehouse has them all.
 TOP_TENANTS = 10
 
@@ -85,20 +93,18 @@ def ledger_metadata(ledger: HourLedger) -> dict[str, Any]:
 WRITTEN = "lake_files_sha256"
 
 
-def written_by(context: dg.AssetExecutionContext, asset: str) -> dict[str, str]:
-    """The lake files the latest materialization of `asset` for this partition wrote, with
-    their sha256."""
+def written_by(context: dg.AssetExecutionContext, asset: str, partition: str) -> dict[str, str]:
+    """The lake files the latest materialization of `asset` for `partition` wrote, with their
+    sha256."""
     records = context.instance.fetch_materializations(
-        dg.AssetRecordsFilter(
-            asset_key=dg.AssetKey(asset), asset_partitions=[context.partition_key]
-        ),
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey(asset), asset_partitions=[partition]),
         limit=1,
     ).records
     materialization = records[0].asset_materialization if records else None
     if materialization is None or WRITTEN not in materialization.metadata:
         raise lake.LakeFileChanged(
-            f"no record of the lake files {asset} wrote for {context.partition_key}, so they "
-            f"cannot be verified: materialize {asset} for the partition again"
+            f"no record of the lake files {asset} wrote for {partition}, so they cannot be "
+            f"verified: materialize {asset} for the partition again"
         )
     return dict(materialization.metadata[WRITTEN].value)
 
@@ -106,14 +112,32 @@ def written_by(context: dg.AssetExecutionContext, asset: str) -> dict[str, str]:
 def build_pool_hour_assets(
     partitions: dg.PartitionsDefinition, pools: PoolsFile
 ) -> list[dg.AssetsDefinition]:
-    @dg.asset(partitions_def=partitions, group_name=GROUP, pool=DUCKDB_POOL)
+    # Each asset works through the run's pool-hours in order (one for an hourly run, a range
+    # for a backfill) and reports each hour's figures on that hour's own materialization.
+    def hourly_asset(**options: Any) -> Callable[[Callable[..., Any]], dg.AssetsDefinition]:
+        def decorate(compute: Callable[..., Any]) -> dg.AssetsDefinition:
+            # `backfill_policy` is a beta parameter in Dagster 1.13 (pinned); the tests assert
+            # the runs a backfill plans with it.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", dg.BetaWarning)
+                asset: dg.AssetsDefinition = dg.asset(
+                    partitions_def=partitions,
+                    backfill_policy=BACKFILL_POLICY,
+                    group_name=GROUP,
+                    **options,
+                )(compute)
+            return asset
+
+        return decorate
+
+    @hourly_asset(pool=DUCKDB_POOL)
     def step_log(
         context: dg.AssetExecutionContext, data: StepledgerData, warehouse: DuckDBResource
     ) -> dg.MaterializeResult[None]:
         """New step-log segments of the pool's replicas, decoded into the Parquet lake (each
         segment once, however often it is delivered); damage and drops recorded."""
-        _, pool_name = hour_and_pool(context)
-        replicas = [r.id for r in pools.pool(pool_name).replicas]
+        pool_names = sorted({pool_hour.pool for pool_hour in pool_hours(context)})
+        replicas = [r.id for name in pool_names for r in pools.pool(name).replicas]
         with open_warehouse(warehouse) as con:
             report = ingest_outbox(con, data.outbox, data.lake, replicas=replicas)
         return dg.MaterializeResult(
@@ -126,67 +150,82 @@ def build_pool_hour_assets(
             }
         )
 
-    @dg.asset(partitions_def=partitions, group_name=GROUP, pool=DUCKDB_POOL, deps=[step_log])
+    @hourly_asset(pool=DUCKDB_POOL, deps=[step_log])
     def request_context(
         context: dg.AssetExecutionContext, data: StepledgerData, warehouse: DuckDBResource
     ) -> dg.MaterializeResult[None]:
         """The gateway's request context for the hour, API keys stored only as keyed hashes;
         then what the hour's attribution needs from the warehouse, saved to the lake."""
-        hour, pool_name = hour_and_pool(context)
-        files = gateway.gateway_files_for_hour(data.gateway, hour)
+        salt = gateway.key_salt()
         with open_warehouse(warehouse) as con:
-            report = gateway.load_gateway_files(con, files, gateway.key_salt())
-            inputs = gather_inputs(con, data.lake, pools.pool(pool_name), hour)
-        written = lake.written_hashes(data.lake, [lake.save_inputs(data.lake, inputs)])
-        return dg.MaterializeResult(
-            metadata={
-                WRITTEN: dg.MetadataValue.json(written),
-                "loaded_files": len(report.loaded),
-                "unchanged_files": len(report.unchanged),
-                "requests": report.requests,
-                "requests_of_hour": inputs.context.height,
-            }
-        )
+            for hour, pool_name, key in pool_hours(context):
+                files = gateway.gateway_files_for_hour(data.gateway, hour)
+                report = gateway.load_gateway_files(con, files, salt)
+                inputs = gather_inputs(con, data.lake, pools.pool(pool_name), hour)
+                saved = lake.save_inputs(data.lake, inputs)
+                context.add_asset_metadata(
+                    {
+                        WRITTEN: dg.MetadataValue.json(lake.written_hashes(data.lake, [saved])),
+                        "loaded_files": len(report.loaded),
+                        "unchanged_files": len(report.unchanged),
+                        "requests": report.requests,
+                        "requests_of_hour": inputs.context.height,
+                    },
+                    partition_key=key,
+                )
+        return dg.MaterializeResult()
 
     # Not in the DuckDB pool: it reads only the lake, so the attribution of one pool-hour runs
     # while another pool-hour holds the warehouse.
-    @dg.asset(partitions_def=partitions, group_name=GROUP, deps=[request_context])
+    @hourly_asset(deps=[request_context])
     def attribution(
         context: dg.AssetExecutionContext, data: StepledgerData
     ) -> dg.MaterializeResult[None]:
         """Every measured step of the hour split among its requests, idle and headroom
         labelled, under the pool's policies: the hour's ledger, saved to the lake."""
-        hour, pool_name = hour_and_pool(context)
-        pool = pools.pool(pool_name)
-        inputs = lake.load_inputs(
-            data.lake, pool_name, hour, written_by(context, "request_context")
-        )
-        weights = weight_source(pool, inputs.engine, data.root / CALIBRATION_FILE)
-        result = attribute_pool_hour(data.lake, pool, inputs, weights)
-        lake.save_ledger(data.lake, result)
-        written = lake.written_hashes(data.lake, lake.ledger_files(data.lake, pool_name, hour))
-        return dg.MaterializeResult(
-            metadata={
+        runs = pool_hours(context)
+        inputs_written = {key: written_by(context, "request_context", key) for *_, key in runs}
+
+        def attribute(hour: datetime, pool_name: str, key: str) -> dict[str, Any]:
+            pool = pools.pool(pool_name)
+            inputs = lake.load_inputs(data.lake, pool_name, hour, inputs_written[key])
+            weights = weight_source(pool, inputs.engine, data.root / CALIBRATION_FILE)
+            result = attribute_pool_hour(data.lake, pool, inputs, weights)
+            lake.save_ledger(data.lake, result)
+            written = lake.written_hashes(data.lake, lake.ledger_files(data.lake, pool_name, hour))
+            return {
                 WRITTEN: dg.MetadataValue.json(written),
                 "invoice_nano": result.amount_nano,
                 "requests": result.request_costs.height,
                 "ledger_lines": result.ledger_lines.height,
             }
-        )
 
-    @dg.asset(partitions_def=partitions, group_name=GROUP, pool=DUCKDB_POOL, deps=[attribution])
+        # Hours are independent and much of their work (numpy, polars, Parquet) runs without
+        # the GIL, so a backfill attributes ATTRIBUTION_THREADS hours at a time.
+        with ThreadPoolExecutor(max_workers=min(ATTRIBUTION_THREADS, len(runs))) as workers:
+            for (*_, key), metadata in zip(
+                runs, workers.map(lambda run: attribute(*run), runs), strict=True
+            ):
+                context.add_asset_metadata(metadata, partition_key=key)
+        return dg.MaterializeResult()
+
+    @hourly_asset(pool=DUCKDB_POOL, deps=[attribution])
     def ledger(
         context: dg.AssetExecutionContext, data: StepledgerData, warehouse: DuckDBResource
     ) -> dg.MaterializeResult[None]:
         """The hour's invoice, ledger lines and request costs in the warehouse, replacing any
-        earlier run of the hour in one transaction."""
-        hour, pool_name = hour_and_pool(context)
-        result = lake.load_ledger(data.lake, pool_name, hour, written_by(context, "attribution"))
+        earlier run of the hour in one transaction per hour."""
         with open_warehouse(warehouse) as con:
-            publish_hour(con, result)
-        context.log.info(
-            f"pool {pool_name} hour {hour_key(hour)}: {result.amount_nano} nano-dollars published"
-        )
-        return dg.MaterializeResult(metadata=ledger_metadata(result))
+            for hour, pool_name, key in pool_hours(context):
+                result = lake.load_ledger(
+                    data.lake, pool_name, hour, written_by(context, "attribution", key)
+                )
+                publish_hour(con, result)
+                context.log.info(
+                    f"pool {pool_name} hour {hour_key(hour)}: {result.amount_nano} nano-dollars "
+                    "published"
+                )
+                context.add_asset_metadata(ledger_metadata(result), partition_key=key)
+        return dg.MaterializeResult()
 
     return [step_log, request_context, attribution, ledger]

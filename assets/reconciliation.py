@@ -18,10 +18,11 @@ from collections.abc import Iterator
 import dagster as dg
 from dagster_duckdb import DuckDBResource
 
-from assets.partitions import hour_and_pool
+from assets.partitions import pool_hours
 from assets.pool_hour import DUCKDB_POOL
 from assets.resources import StepledgerData, open_warehouse
 from pipeline.alerts import record_alerts
+from pipeline.hours import hour_key
 from pipeline.reconcile import CHECKS, CheckResult, reconcile_hour
 from schemas.config import PoolsFile
 
@@ -95,41 +96,34 @@ def build_reconciliation_checks(
     @dg.multi_asset_check(specs=specs, name="reconciliation", pool=DUCKDB_POOL)
     def reconciliation(
         context: dg.AssetCheckExecutionContext, data: StepledgerData, warehouse: DuckDBResource
-    ) -> Iterator[dg.AssetCheckResult]:
-        hour, pool_name = hour_and_pool(context)
-        with open_warehouse(warehouse) as con:
-            results = reconcile_hour(
-                con,
-                data.lake,
-                data.dcgm,
-                pools.pool(pool_name),
-                hour,
-                pools.settings,
-                calibration_file=data.calibration_file,
-            )
-            record_alerts(con, results)
+    ) -> Iterator[dg.AssetCheckEvaluation | dg.Output[None]]:
         published_with_errors = []
-        for name in CHECKS:
-            mine = [r for r in results if r.check_name == name]
-            failed = [r for r in mine if not r.passed]
-            # A failure is WARN only when every failed result is; a passed check keeps ERROR.
-            warn_only = bool(failed) and all(r.severity == "WARN" for r in failed)
-            if failed and not warn_only and name not in HOLDS_HOUR_BACK:
-                published_with_errors.append(name)
-            yield dg.AssetCheckResult(
-                check_name=name,
-                asset_key="ledger",
-                passed=not failed,
-                severity=dg.AssetCheckSeverity.WARN if warn_only else dg.AssetCheckSeverity.ERROR,
-                metadata={
-                    "results": len(mine),
-                    "failed": len(failed),
-                    "detail": "; ".join(
-                        f"{r.replica or pool_name}: {r.detail}" for r in (failed or mine)[:10]
-                    ),
-                    "results_table": dg.MetadataValue.md(results_table(mine)),
-                },
-            )
+        with open_warehouse(warehouse) as con:
+            for hour, pool_name, key in pool_hours(context):
+                results = reconcile_hour(
+                    con,
+                    data.lake,
+                    data.dcgm,
+                    pools.pool(pool_name),
+                    hour,
+                    pools.settings,
+                    calibration_file=data.calibration_file,
+                )
+                record_alerts(con, results)
+                for name in CHECKS:
+                    evaluation = check_evaluation(
+                        name, [r for r in results if r.check_name == name], key
+                    )
+                    if (
+                        not evaluation.passed
+                        and evaluation.severity == dg.AssetCheckSeverity.ERROR
+                        and name not in HOLDS_HOUR_BACK
+                    ):
+                        published_with_errors.append(f"{name} ({hour_key(hour)} {pool_name})")
+                    yield evaluation
+        # A range's evaluations carry their hours (above); the check's outputs carry nothing.
+        for spec in specs:
+            yield dg.Output(None, output_name=spec.get_python_identifier())
 
         if published_with_errors:
             raise dg.Failure(
@@ -138,3 +132,30 @@ def build_reconciliation_checks(
             )
 
     return [reconciliation]
+
+
+def check_evaluation(
+    name: str, results: list[CheckResult], partition: str
+) -> dg.AssetCheckEvaluation:
+    """One check's evaluation for one pool-hour partition from its results (a row each per
+    replica or pool). A failure is WARN only when every failed result is; a passed check
+    keeps ERROR. Built as an evaluation, not a result: a backfill's run evaluates a range of
+    partitions, and only an evaluation names its partition."""
+    failed = [r for r in results if not r.passed]
+    warn_only = bool(failed) and all(r.severity == "WARN" for r in failed)
+    return dg.AssetCheckEvaluation(
+        asset_key=dg.AssetKey("ledger"),
+        check_name=name,
+        passed=not failed,
+        severity=dg.AssetCheckSeverity.WARN if warn_only else dg.AssetCheckSeverity.ERROR,
+        blocking=name in HOLDS_HOUR_BACK,
+        partition=partition,
+        metadata={
+            "results": len(results),
+            "failed": len(failed),
+            "detail": "; ".join(
+                f"{r.replica or r.pool}: {r.detail}" for r in (failed or results)[:10]
+            ),
+            "results_table": dg.MetadataValue.md(results_table(results)),
+        },
+    )

@@ -32,6 +32,7 @@ import logging
 import os
 import stat
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -456,6 +457,31 @@ def _unique_in_order(hours: pl.DataFrame) -> bool:
     return bool(rising) and runs["run"].max() == runs["pool"].n_unique() - 1
 
 
+def _partition_parts(
+    placed: pl.DataFrame,
+) -> Iterator[tuple[tuple[str, str, int], pl.DataFrame]]:
+    """The rows of each (pool, replica, `_hour`) of `placed`, in order of first appearance, as
+    `group_by(..., maintain_order=True)` gives them. The decoder emits a replica's steps in
+    order, so each group's rows normally lie together: then they are slices of the frame, not
+    copies gathered row by row."""
+    keys = ["pool", "replica", "_hour"]
+    runs = placed.select(pl.struct(keys).rle().alias("run")).unnest("run").unnest("value")
+    groups = list(runs.select(keys).iter_rows())
+    if len(set(groups)) < len(groups):
+        yield from placed.group_by(keys, maintain_order=True)
+        return
+    offset = 0
+    for group, length in zip(groups, runs["len"], strict=True):
+        yield group, placed.slice(offset, length)
+        offset += length
+
+
+def _write_part(part: pl.DataFrame, schema: pa.Schema, target: Path) -> str:
+    # One chunk, as a gathered group is: Parquet's pages follow the chunks, so the file's bytes
+    # (and sha256) do not depend on how the decoder's frames were cut.
+    return _write_atomically(part.drop("_hour").rechunk().to_arrow().cast(schema), target)
+
+
 def _with_step_hours(
     frame: pl.DataFrame,
     steps: pl.DataFrame,
@@ -562,20 +588,25 @@ def _ingest_batch(
         _write_intent(lake, intents, batch_id, directories)
         assert slots is not None and holders is not None  # decoded with the steps
         in_order = _unique_in_order(hours)
-        for name, frame, count in (
-            ("steps", steps, None),
-            ("slots", slots, "num_slots"),
-            ("holders", holders, "num_holders"),
-        ):
-            placed = _with_step_hours(frame, steps, hours, count, in_order)
-            for (pool, replica, hour_index), part in placed.group_by(
-                ["pool", "replica", "_hour"], maintain_order=True
+        # pyarrow writes and hashlib hashes without the GIL: the partition files of a table
+        # are written side by side.
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as writers:
+            for name, frame, count in (
+                ("steps", steps, None),
+                ("slots", slots, "num_slots"),
+                ("holders", holders, "num_holders"),
             ):
-                table = part.drop("_hour").to_arrow().cast(LAKE_TABLES[name])
-                directory = partition_dir(lake, name, str(pool), _hour_key(int(hour_index)))
-                target = directory / part_name(str(replica), part, batch_id)
-                written[str(target.relative_to(lake))] = _write_atomically(table, target)
-            del placed
+                placed = _with_step_hours(frame, steps, hours, count, in_order)
+                targets, digests = [], []
+                for (pool, replica, hour_index), part in _partition_parts(placed):
+                    directory = partition_dir(lake, name, str(pool), _hour_key(int(hour_index)))
+                    targets.append(directory / part_name(str(replica), part, batch_id))
+                    digests.append(
+                        writers.submit(_write_part, part, LAKE_TABLES[name], targets[-1])
+                    )
+                for target, digest in zip(targets, digests, strict=True):
+                    written[str(target.relative_to(lake))] = digest.result()
+                del placed
 
     now = datetime.now(UTC).replace(tzinfo=None)
     files = {**fresh, **duplicates}

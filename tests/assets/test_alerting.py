@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from datetime import timedelta
 from pathlib import Path
 
 import dagster as dg
@@ -9,7 +10,7 @@ import duckdb
 import pytest
 
 from assets.definitions import build_definitions
-from assets.partitions import partition_key
+from assets.partitions import partition_key, range_tags
 from assets.runner import QUIET_RUN_CONFIG as QUIET
 from assets.runner import pool_hour_outcome
 from pipeline import finance
@@ -19,17 +20,20 @@ from tests.helpers.fleets import page_on_call, small_pools
 from tests.helpers.hours import SIMULATED_HOUR
 
 
-def test_a_failed_blocking_check_holds_the_hour_back_and_pages_once(
-    simulated: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def damaged_copy(simulated: Path, tmp_path: Path) -> Path:
+    """A copy of the simulated run with 16 bytes zeroed in the middle of a segment of replica
+    r1: one frame fails its checksum, one step of the simulated hour is lost."""
     data = tmp_path / "run"
     shutil.copytree(simulated, data)
-    # Zero 16 bytes in the middle of a segment: one frame fails its checksum, one step is lost.
     damaged = segment_files(data / "outbox", ["chat-8b-r1"])[0]
     content = bytearray(damaged.read_bytes())
     middle = len(content) // 2
     content[middle : middle + 16] = bytes(16)
     damaged.write_bytes(bytes(content))
+    return data
+
+
+def alerts_to_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     alert_file = tmp_path / "alerts.jsonl"
     monkeypatch.setenv("STEPLEDGER_ALERT_FILE", str(alert_file))
     for name in (
@@ -38,6 +42,14 @@ def test_a_failed_blocking_check_holds_the_hour_back_and_pages_once(
         "STEPLEDGER_ALERT_FORMAT",
     ):
         monkeypatch.delenv(name, raising=False)
+    return alert_file
+
+
+def test_a_failed_blocking_check_holds_the_hour_back_and_pages_once(
+    simulated: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = damaged_copy(simulated, tmp_path)
+    alert_file = alerts_to_file(tmp_path, monkeypatch)
 
     defs = build_definitions(small_pools(), data)
     instance = dg.DagsterInstance.ephemeral()
@@ -71,3 +83,41 @@ def test_a_failed_blocking_check_holds_the_hour_back_and_pages_once(
             "SELECT dedup_key FROM alert_outbox WHERE delivered_at IS NOT NULL ORDER BY enqueued_at"
         ).fetchall()
     assert [key for (key,) in delivered] == [a["dedup_key"] for a in paged]
+
+
+def test_a_backfill_range_holds_back_and_pages_only_the_hour_that_failed(
+    simulated: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = damaged_copy(simulated, tmp_path)
+    alert_file = alerts_to_file(tmp_path, monkeypatch)
+    # The damaged hour and the hour after it, as one backfill run.
+    next_hour = SIMULATED_HOUR + timedelta(hours=1)
+    defs = build_definitions(small_pools(), data)
+    instance = dg.DagsterInstance.ephemeral()
+    result = defs.resolve_job_def("pool_hour_job").execute_in_process(
+        tags=range_tags(SIMULATED_HOUR, next_hour, "chat-8b"),
+        instance=instance,
+        run_config=QUIET,
+        raise_on_error=False,
+    )
+    assert not result.success
+    held = {
+        (e.check_name, e.partition)
+        for e in result.get_asset_check_evaluations()
+        if e.blocking and not e.passed and e.severity == dg.AssetCheckSeverity.ERROR
+    }
+    assert held == {("sequence", str(partition_key(SIMULATED_HOUR, "chat-8b")))}
+    with finance.connect(data) as con:
+        assert con.execute("SELECT pool, hour, reason FROM held_back_hours").fetchall() == [
+            ("chat-8b", SIMULATED_HOUR.replace(tzinfo=None), "failed blocking checks: sequence")
+        ]
+        assert con.execute("SELECT hour FROM invoices ORDER BY hour").fetchall() == [
+            (SIMULATED_HOUR.replace(tzinfo=None),),
+            (next_hour.replace(tzinfo=None),),
+        ]
+
+    page_on_call(defs, instance, result)
+    paged = [json.loads(line) for line in alert_file.read_text().splitlines()]
+    assert [(a["kind"], a["replica"], a["hour"]) for a in paged if a["severity"] == "ERROR"] == [
+        ("sequence", "chat-8b-r1", "2026-11-30T00")
+    ]

@@ -1,19 +1,21 @@
 from __future__ import annotations
 
 import shutil
+from datetime import timedelta
 from pathlib import Path
 
 import dagster as dg
 import pytest
 
 from assets.definitions import build_definitions
-from assets.partitions import partition_key
+from assets.partitions import partition_key, range_tags
 from assets.resources import StepledgerData
 from assets.runner import QUIET_RUN_CONFIG as QUIET
 from pipeline import finance
 from pipeline.ingest import segment_files
 from pipeline.reconcile import CHECKS
 from pipeline.warehouse import STATE_FILE, connect
+from schemas.config import load_pools
 from tests.helpers.fleets import small_pools
 from tests.helpers.hours import SIMULATED_HOUR
 
@@ -173,3 +175,86 @@ def test_the_ledger_materialization_tells_the_hour(data: Path) -> None:
     assert money[2].startswith(
         f"| chat-8b | passed | {invoice} nano-dollars (invoice) | {invoice} nano-dollars in "
     )
+
+
+def test_a_backfill_range_bills_each_hour_as_its_hourly_run_does(
+    simulated: Path, tmp_path: Path
+) -> None:
+    # The simulated minutes and the hour after them, when the replicas logged nothing.
+    hours = [SIMULATED_HOUR, SIMULATED_HOUR + timedelta(hours=1)]
+    keys = [str(partition_key(hour, "chat-8b")) for hour in hours]
+    hourly, ranged = tmp_path / "hourly", tmp_path / "ranged"
+    for copy in (hourly, ranged):
+        shutil.copytree(simulated, copy)
+    hourly_job = build_definitions(small_pools(), hourly).resolve_job_def("pool_hour_job")
+    hourly_results = [
+        hourly_job.execute_in_process(
+            partition_key=partition_key(hour, "chat-8b"),
+            instance=dg.DagsterInstance.ephemeral(),
+            run_config=QUIET,
+            raise_on_error=False,
+        )
+        for hour in hours
+    ]
+    job = build_definitions(small_pools(), ranged).resolve_job_def("pool_hour_job")
+    result = job.execute_in_process(
+        tags=range_tags(hours[0], hours[1], "chat-8b"),
+        instance=dg.DagsterInstance.ephemeral(),
+        run_config=QUIET,
+        raise_on_error=False,
+    )
+    # The empty hour's WARN findings (no steps against DCGM's samples) fail no run.
+    assert [r.success for r in [result, *hourly_results]] == [True] * 3
+    assert snapshot(ranged) == snapshot(hourly)
+    with finance.connect(ranged) as con:
+        assert con.execute("SELECT hour, amount_nano FROM invoices ORDER BY hour").fetchall() == [
+            (hour.replace(tzinfo=None), 7_200_000_000) for hour in hours
+        ]
+    # Each hour has its own check evaluations and its own ledger figures, as hourly runs give.
+    evaluations = result.get_asset_check_evaluations()
+    assert sorted((e.check_name, e.partition) for e in evaluations) == sorted(
+        (name, key) for name in CHECKS for key in keys
+    )
+    hourly_evaluations = [e for r in hourly_results for e in r.get_asset_check_evaluations()]
+    assert {(e.check_name, e.partition, e.passed) for e in evaluations} == {
+        (e.check_name, e.partition, e.passed) for e in hourly_evaluations
+    }
+
+    def ledger_figures(materializations: list[dg.AssetMaterialization]) -> dict[str, dict]:
+        return {
+            str(m.partition): {k: v.value for k, v in m.metadata.items() if k != "top_tenants"}
+            for m in materializations
+        }
+
+    assert ledger_figures(result.asset_materializations_for_node("ledger")) == ledger_figures(
+        [m for r in hourly_results for m in r.asset_materializations_for_node("ledger")]
+    )
+
+
+def test_a_days_backfill_of_the_default_pools_is_one_run_per_pool(tmp_path: Path) -> None:
+    from dagster._core.definitions.automation_tick_evaluation_context import (
+        build_run_requests_with_backfill_policies,
+    )
+    from dagster._core.definitions.events import AssetKeyPartitionKey
+
+    pools = load_pools()
+    defs = build_definitions(pools, tmp_path)
+    hours = [SIMULATED_HOUR + timedelta(hours=h) for h in range(24)]
+    selection = [
+        AssetKeyPartitionKey(dg.AssetKey(asset), partition_key(hour, pool.name))
+        for asset in ("step_log", "request_context", "attribution", "ledger")
+        for hour in hours
+        for pool in pools.pools
+    ]
+    with dg.DagsterInstance.ephemeral() as instance:
+        requests = build_run_requests_with_backfill_policies(
+            selection, defs.resolve_asset_graph(), instance
+        )
+    assert sorted(
+        (
+            request.tags["dagster/asset_partition_range_start"],
+            request.tags["dagster/asset_partition_range_end"],
+        )
+        for request in requests
+    ) == sorted(tuple(range_tags(hours[0], hours[-1], pool.name).values()) for pool in pools.pools)
+    assert all(len(request.asset_selection or []) == 4 for request in requests)

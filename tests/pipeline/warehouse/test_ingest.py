@@ -652,3 +652,28 @@ def test_rows_get_the_hour_of_their_step_as_a_join_gives_it(steps, shuffle, in_s
     ).equals(
         step_frame.drop("_hour").join(hours, on=ingest.STEP_KEY, how="left", maintain_order="left")
     )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    keys=st.lists(
+        st.tuples(st.sampled_from(["a", "b"]), st.sampled_from(["r0", "r1"]), st.integers(0, 2)),
+        min_size=1,
+        max_size=40,
+    ),
+    chunks=st.integers(1, 4),
+)
+def test_partition_parts_are_the_groups_in_order_of_first_appearance(
+    keys: list[tuple[str, str, int]], chunks: int
+) -> None:
+    # Rows of a group together (sliced) or apart (gathered), the frame in one chunk or several.
+    frame = pl.DataFrame(
+        keys, schema={"pool": pl.String, "replica": pl.String, "_hour": pl.Int64}, orient="row"
+    ).with_row_index("row")
+    cut = max(1, frame.height // chunks)
+    frame = pl.concat([frame.slice(i, cut) for i in range(0, frame.height, cut)], rechunk=False)
+    expected = [
+        (group, part.to_dicts())
+        for group, part in frame.group_by(["pool", "replica", "_hour"], maintain_order=True)
+    ]
+    assert [(group, part.to_dicts()) for group, part in ingest._partition_parts(frame)] == expected
