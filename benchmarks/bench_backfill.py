@@ -10,14 +10,19 @@ storage, the `duckdb` concurrency pool limited to 1 as in dagster_home/dagster.y
 LANES launcher processes that each execute their share of the runs Dagster's backfill plans
 for the day (one per pool, over all its hours: `assets.partitions.BACKFILL_POLICY`), on the
 job's own in-process executor (the steps of a run one after another in the launcher, each
-step working through the run's hours in order). Runs of different lanes overlap wherever their steps do not hold the DuckDB file:
-every step that opens it is in the `duckdb` pool, which the in-process executor claims like
-any other, so DuckDB sees one writer at a time, while `attribution` reads only
-the lake and runs beside them. LANES is 2, one per core here; STEPLEDGER_BACKFILL_LANES
-overrides it. (A process per step, on the multiprocess executor, spent 2-2.6 s importing
-before each step did any work: QUICK took 2057 s that way against 952 s in process, on the
-same machine.) A run's `step_log` ingests whatever its pool's outbox holds: the whole day,
-in batches of bounded size.
+step working through the run's hours in order). Within a run, ingestion writes its Parquet
+files and attribution works on its hours two at a time, using both cores. LANES is 1: the
+runs go one after the other. Two lanes overlap a run's `attribution` with the other's
+warehouse steps, but a run whose next step waits for the `duckdb` pool keeps a core busy
+(Dagster 1.13's executors never sleep while a step waits for a pool slot:
+`InstanceConcurrencyContext.interval_to_next_pending_claim_check` returns at most 0), and a
+range run's `step_log` holds the pool for a whole day's ingestion: QUICK took 30.7 s and
+56.8 CPU-s in two lanes against 29.5 s and 40.1 CPU-s in one, one after the other.
+STEPLEDGER_BACKFILL_LANES overrides it. (A process per step, on the multiprocess executor,
+spent 2-2.6 s importing before each step did any work: QUICK took 2057 s that way against
+952 s in process, on the same machine, when a backfill was a run per pool-hour.) A run's
+`step_log` ingests whatever its pool's outbox holds: the whole day, in batches of bounded
+size.
 
 CPU time is the launchers' own and their children's (`backfill_24h_cpu_s`): on a shared
 machine the wall time measures the neighbours too. Its target is the wall target's worth of
@@ -59,7 +64,7 @@ from benchmarks.figure import Figure
 HOURS = 24
 QUICK_HOURS = 2
 SEED = 5
-LANES = int(os.environ.get("STEPLEDGER_BACKFILL_LANES", "2"))
+LANES = int(os.environ.get("STEPLEDGER_BACKFILL_LANES", "1"))
 TARGET_WALL_S = 240.0
 CORES = 2
 TARGET_PEAK_GIB = 8.0

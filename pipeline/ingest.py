@@ -44,7 +44,7 @@ import polars as pl
 import pyarrow as pa
 
 from pipeline.hours import hour_key
-from pipeline.steplog import read_segments
+from pipeline.steplog import DecodedLog, read_segments
 from pipeline.steplog.decoder import UnreadableSegment, open_segment
 from pipeline.warehouse import insert_frame, query_frame, transaction
 from schemas.tables import HOLDERS, SLOTS, STEPS
@@ -309,8 +309,8 @@ def _ingest_new(
         for batch, after in zip(batches, [*batches[1:], _Batch("")], strict=False)
     ]
     reports = [
-        _ingest_batch(con, root, lake, intents, batch, after)
-        for batch, after in zip(batches, following, strict=True)
+        _ingest_batch(con, root, lake, intents, batch, decoded)
+        for batch, decoded in _decoded_ahead(zip(batches, following, strict=True))
     ]
     return IngestReport(
         batch_id=reports[-1].batch_id if reports else None,
@@ -507,17 +507,38 @@ def _with_step_hours(
     return frame.join(hours, on=STEP_KEY, how="left")
 
 
+def _decoded_ahead(
+    batches: Iterable[tuple[_Batch, list[Path]]],
+) -> Iterator[tuple[_Batch, DecodedLog | None]]:
+    """Each batch with its fresh files decoded. The next batch decodes (compiled, without the
+    GIL) while the caller writes and records this one: two batches in memory at most."""
+    with ThreadPoolExecutor(max_workers=1) as decoder:
+        ahead = None
+        for batch, following in batches:
+            decoding = decoder.submit(_decode, batch, following)
+            if ahead is not None:
+                yield ahead[0], ahead[1].result()
+            ahead = (batch, decoding)
+        if ahead is not None:
+            yield ahead[0], ahead[1].result()
+
+
+def _decode(batch: _Batch, following: list[Path]) -> DecodedLog | None:
+    """The batch's fresh files decoded (`following`: the replica's next segment, to bound a
+    torn tail; not ingested with the batch); None when it has none."""
+    return read_segments(list(batch.fresh), following) if batch.fresh else None
+
+
 def _ingest_batch(
     con: duckdb.DuckDBPyConnection,
     root: Path,
     lake: Path,
     intents: Path,
     batch: _Batch,
-    following: list[Path],
+    decoded: DecodedLog | None,
 ) -> IngestReport:
-    """Decode the batch's fresh files into the lake and record them and its duplicates in the
-    warehouse (`following`: the replica's next segment, to bound a torn tail; not ingested
-    here)."""
+    """Write the batch's decoded fresh files into the lake and record them and its duplicates
+    in the warehouse."""
     fresh, duplicates = dict(batch.fresh), dict(batch.duplicates)
     batch_id = hashlib.sha256(
         "".join(sorted({d for _, d in (*fresh.values(), *duplicates.values())})).encode()
@@ -525,8 +546,7 @@ def _ingest_batch(
     relative = {str(p): str(p.relative_to(root)) for p in (*fresh, *duplicates)}
     steps = slots = holders = decoded_segments = damage = drops = None
     recovered_segments = pl.DataFrame()
-    if fresh:
-        decoded = read_segments(list(fresh), following)
+    if decoded is not None:
         steps, slots, holders = (_frame(t) for t in (decoded.steps, decoded.slots, decoded.holders))
         decoded_segments, damage, drops = (
             _frame(t).with_columns(pl.col("path").replace(relative))
