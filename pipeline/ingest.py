@@ -284,11 +284,18 @@ def _ingest_new(
     # Per replica, batches of consecutive segments of up to BATCH_BYTES (a bigger segment is a
     # batch alone): memory stays bounded however much waited in the outbox.
     batches: list[_Batch] = []
-    for path in segment_files(outbox, replicas):
-        name = str(path.relative_to(root))
-        if name in last_seen and _unchanged_since(path, *last_seen[name]):
-            continue
-        size, digest = _fingerprint(path, name)
+    changed = [
+        (path, name)
+        for path in segment_files(outbox, replicas)
+        if not (
+            (name := str(path.relative_to(root))) in last_seen
+            and _unchanged_since(path, *last_seen[name])
+        )
+    ]
+    # Reading and hashing release the GIL: the files are fingerprinted side by side.
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as readers:
+        fingerprints = list(readers.map(lambda changed: _fingerprint(*changed), changed))
+    for (path, name), (size, digest) in zip(changed, fingerprints, strict=True):
         if (name, digest) in known_files:
             continue
         if (

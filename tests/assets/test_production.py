@@ -96,7 +96,8 @@ def test_the_profile_keeps_everything_in_postgres_and_queues_runs(
         "q = i.get_concurrency_config()\n"
         "print(json.dumps([type(i.run_storage).__name__, type(i.event_log_storage).__name__,\n"
         "    type(i.schedule_storage).__name__, type(i.run_coordinator).__name__,\n"
-        "    q.run_queue_config.max_concurrent_runs, q.pool_config.default_pool_limit]))\n"
+        "    q.run_queue_config.max_concurrent_runs, q.run_queue_config.tag_concurrency_limits,\n"
+        "    q.pool_config.default_pool_limit]))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", script],
@@ -112,6 +113,7 @@ def test_the_profile_keeps_everything_in_postgres_and_queues_runs(
         "PostgresScheduleStorage",
         "QueuedRunCoordinator",
         4,
+        [{"key": "dagster/backfill", "limit": 1}],
         1,
     ]
 
