@@ -16,8 +16,8 @@ runs go one after the other. Two lanes overlap a run's `attribution` with the ot
 warehouse steps, but a run whose next step waits for the `duckdb` pool keeps a core busy
 (Dagster 1.13's executors never sleep while a step waits for a pool slot:
 `InstanceConcurrencyContext.interval_to_next_pending_claim_check` returns at most 0), and a
-range run's `step_log` holds the pool for a whole day's ingestion: QUICK took 30.7 s and
-56.8 CPU-s in two lanes against 29.5 s and 40.1 CPU-s in one, one after the other.
+range run's `step_log` holds the pool for a whole day's ingestion: QUICK's runs took 28.7 s
+and 53.3 CPU-s in two lanes against 24.1 s and 36.3 CPU-s in one, one after the other.
 STEPLEDGER_BACKFILL_LANES overrides it. (A process per step, on the multiprocess executor,
 spent 2-2.6 s importing before each step did any work: QUICK took 2057 s that way against
 952 s in process, on the same machine, when a backfill was a run per pool-hour.) A run's
