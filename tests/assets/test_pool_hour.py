@@ -250,11 +250,26 @@ def test_a_days_backfill_of_the_default_pools_is_one_run_per_pool(tmp_path: Path
         requests = build_run_requests_with_backfill_policies(
             selection, defs.resolve_asset_graph(), instance
         )
-    assert sorted(
-        (
-            request.tags["dagster/asset_partition_range_start"],
-            request.tags["dagster/asset_partition_range_end"],
+    per_pool = sorted(
+        tuple(range_tags(hours[0], hours[-1], pool.name).values()) for pool in pools.pools
+    )
+    # An asset backfill (partitions selected in the UI) ...
+    assert (
+        sorted(
+            (
+                request.tags["dagster/asset_partition_range_start"],
+                request.tags["dagster/asset_partition_range_end"],
+            )
+            for request in requests
         )
-        for request in requests
-    ) == sorted(tuple(range_tags(hours[0], hours[-1], pool.name).values()) for pool in pools.pools)
+        == per_pool
+    )
     assert all(len(request.asset_selection or []) == 4 for request in requests)
+    # ... and a backfill of the job, which splits the job's partitions the same way.
+    job = defs.resolve_job_def("pool_hour_job")
+    assert job.backfill_policy == dg.BackfillPolicy.single_run()
+    partitions = job.partitions_def
+    assert partitions is not None
+    keys = [str(partition_key(hour, pool.name)) for hour in hours for pool in pools.pools]
+    ranges = partitions.subset_with_partition_keys(keys).get_partition_key_ranges(partitions)
+    assert sorted((r.start, r.end) for r in ranges) == per_pool
