@@ -294,7 +294,7 @@ def _ingest_new(
     ]
     # Reading and hashing release the GIL: the files are fingerprinted side by side.
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as readers:
-        fingerprints = list(readers.map(lambda changed: _fingerprint(*changed), changed))
+        fingerprints = list(readers.map(lambda file: _fingerprint(*file), changed))
     for (path, name), (size, digest) in zip(changed, fingerprints, strict=True):
         if (name, digest) in known_files:
             continue
