@@ -147,6 +147,7 @@ def load_hour(
     batches: Collection[str] | None = None,
     columns: list[str] | None = None,
     hashes: Mapping[str, str] | None = None,
+    tables: Collection[str] = tuple(LAKE_TABLES),
 ) -> HourInput:
     """The steps of `pool` that ran during `hour`, with their slots and holders, ordered by
     replica and sequence number (so attribution need not sort tens of millions of rows).
@@ -155,7 +156,8 @@ def load_hour(
     files of a batch still being ingested, or of one that died before its commit, are not
     read; None reads every file in the lake. `columns`: only these columns of each table (the
     ones it has; the step key is read where the selection needs it, and kept only if asked
-    for); None reads them all. `hashes`: each file read is verified against them (`verify`)."""
+    for); None reads them all. `hashes`: each file read is verified against them (`verify`).
+    `tables`: the tables to read; the others are returned empty."""
     hour = utc_hour(hour)
     previous = hour - timedelta(hours=1)
     straddling_keys = _read_partition(
@@ -199,7 +201,10 @@ def load_hour(
         ]
         return pl.concat(frames) if frames else _read([], table, table_columns)
 
-    return HourInput(steps=ordered("steps"), slots=ordered("slots"), holders=ordered("holders"))
+    return HourInput(
+        # LAKE_TABLES lists steps, slots and holders, in HourInput's order.
+        *(ordered(table) if table in tables else _read([], table) for table in LAKE_TABLES)
+    )
 
 
 def last_seq_before(

@@ -1299,7 +1299,9 @@ def reconcile_hour(
     engine version has been calibrated."""
     hour = utc_hour(hour)
     batches = committed_batches(con)
-    data = load_hour(lake, pool.name, hour, batches)
+    # The checks read the steps; only a fitted pool's drift check reads their slots.
+    tables = ("steps", "slots") if pool.policies.weights == "fitted" else ("steps",)
+    data = load_hour(lake, pool.name, hour, batches, tables=tables)
     steps = data.steps
     store = (
         CalibrationStore.load(calibration_file)

@@ -273,6 +273,11 @@ def test_load_hour_includes_steps_running_into_the_hour(tmp_path: Path) -> None:
     ids = load_hour(lake, "chat-8b", HOUR, columns=["request_id", "seq"])
     assert ids.slots.rows() == data.slots.select("request_id", "seq").rows()
     assert ids.steps.rows() == data.steps.select("seq").rows()
+    # Only the tables asked for: the others empty, with their columns.
+    steps_only = load_hour(lake, "chat-8b", HOUR, tables=("steps",))
+    assert steps_only.steps.equals(data.steps)
+    assert (steps_only.slots.height, steps_only.slots.columns) == (0, data.slots.columns)
+    assert (steps_only.holders.height, steps_only.holders.columns) == (0, data.holders.columns)
 
 
 def ingest_until_killed(
