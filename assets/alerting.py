@@ -13,7 +13,6 @@ longer than the dead-man delay.
 # object, and a postponed (string) annotation fails that check.
 
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
 
 import dagster as dg
 from dagster_duckdb import DuckDBResource
@@ -29,20 +28,11 @@ from schemas.config import Settings
 # sensor reads while a run holds the pipeline's state, so it cannot use the outbox).
 SENT_KEYS_FILE = "alerts_sent.keys"
 
-if TYPE_CHECKING:
-    from dagster._core.definitions.unresolved_asset_job_definition import (
-        UnresolvedAssetJobDefinition,
-    )
 
-
-def build_failure_pager(
-    pool_hour_job: "UnresolvedAssetJobDefinition", partitions: dg.MultiPartitionsDefinition
-) -> dg.SensorDefinition:
-    @dg.run_failure_sensor(
-        name="page_on_call",
-        monitored_jobs=[pool_hour_job],
-        default_status=dg.DefaultSensorStatus.RUNNING,
-    )
+def build_failure_pager(partitions: dg.MultiPartitionsDefinition) -> dg.SensorDefinition:
+    # Every job of the code location: the pool-hour and ingest jobs, and the runs of an asset
+    # backfill launched by selecting partitions in the UI (Dagster's implicit asset job).
+    @dg.run_failure_sensor(name="page_on_call", default_status=dg.DefaultSensorStatus.RUNNING)
     def page_on_call(context: dg.RunFailureSensorContext, warehouse: DuckDBResource) -> None:
         pool_hours = pool_hours_of_run(context.dagster_run.tags, partitions)
         message = context.failure_event.message

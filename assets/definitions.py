@@ -36,7 +36,7 @@ def build_definitions(
         schedules=[build_hourly_schedule(pools)],
         sensors=[
             build_new_segments_sensor(pools),
-            build_failure_pager(pool_hour_job, partitions),
+            build_failure_pager(partitions),
             build_alert_delivery_sensor(pools.settings),
             build_deadman_sensor(pools),
         ],

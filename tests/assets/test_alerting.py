@@ -121,3 +121,36 @@ def test_a_backfill_range_holds_back_and_pages_only_the_hour_that_failed(
     assert [(a["kind"], a["replica"], a["hour"]) for a in paged if a["severity"] == "ERROR"] == [
         ("sequence", "chat-8b-r1", "2026-11-30T00")
     ]
+
+
+def test_the_pager_pages_for_a_backfill_launched_from_the_assets(
+    simulated: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Partitions selected in the UI run as Dagster's implicit asset job, not pool_hour_job.
+    data = damaged_copy(simulated, tmp_path)
+    alert_file = alerts_to_file(tmp_path, monkeypatch)
+    defs = build_definitions(small_pools(), data)
+    repository = defs.get_repository_def()
+    instance = dg.DagsterInstance.ephemeral()
+    pager = defs.resolve_sensor_def("page_on_call")
+
+    def tick(cursor: str | None) -> str | None:
+        context = dg.build_sensor_context(
+            instance=instance, repository_def=repository, cursor=cursor, resources=defs.resources
+        )
+        return pager.evaluate_tick(context).cursor
+
+    cursor = tick(None)
+    asset_job = repository.get_implicit_global_asset_job_def()
+    result = asset_job.execute_in_process(
+        tags=range_tags(SIMULATED_HOUR, SIMULATED_HOUR, "chat-8b"),
+        instance=instance,
+        run_config=QUIET,
+        raise_on_error=False,
+    )
+    assert not result.success and result.dagster_run.job_name == asset_job.name
+    tick(cursor)
+    paged = [json.loads(line) for line in alert_file.read_text().splitlines()]
+    assert [(a["kind"], a["replica"], a["hour"]) for a in paged if a["severity"] == "ERROR"] == [
+        ("sequence", "chat-8b-r1", "2026-11-30T00")
+    ]
