@@ -79,6 +79,8 @@ def pool_hours_of_run(
     partition, or a backfill's range."""
     if "dagster/partition" in tags:
         names: Sequence[str] = [tags["dagster/partition"]]
+    elif "dagster/asset_partition_range_start" not in tags:
+        raise ValueError(f"the run has no (hour, pool) partition nor range of them: tags {tags}")
     else:
         names = partitions.get_partition_keys_in_range(
             dg.PartitionKeyRange(

@@ -156,24 +156,36 @@ def build_pool_hour_assets(
     ) -> dg.MaterializeResult[None]:
         """The gateway's request context for the hour, API keys stored only as keyed hashes;
         then what the hour's attribution needs from the warehouse, saved to the lake."""
-        salt = gateway.key_salt()
+        runs = pool_hours(context)
+        # An hour's context comes from its own file and the one before: a range of hours
+        # shares files, each loaded once, oldest first.
+        hours = sorted({run.hour for run in runs})
+        files = list(
+            dict.fromkeys(
+                path
+                for hour in hours
+                for path in gateway.gateway_files_for_hour(data.gateway, hour)
+            )
+        )
         with open_warehouse(warehouse) as con:
-            for hour, pool_name, key in pool_hours(context):
-                files = gateway.gateway_files_for_hour(data.gateway, hour)
-                report = gateway.load_gateway_files(con, files, salt)
+            report = gateway.load_gateway_files(con, files, gateway.key_salt())
+            for hour, pool_name, key in runs:
                 inputs = gather_inputs(con, data.lake, pools.pool(pool_name), hour)
                 saved = lake.save_inputs(data.lake, inputs)
                 context.add_asset_metadata(
                     {
                         WRITTEN: dg.MetadataValue.json(lake.written_hashes(data.lake, [saved])),
-                        "loaded_files": len(report.loaded),
-                        "unchanged_files": len(report.unchanged),
-                        "requests": report.requests,
                         "requests_of_hour": inputs.context.height,
                     },
                     partition_key=key,
                 )
-        return dg.MaterializeResult()
+        return dg.MaterializeResult(
+            metadata={
+                "loaded_files": len(report.loaded),
+                "unchanged_files": len(report.unchanged),
+                "requests": report.requests,
+            }
+        )
 
     # Not in the DuckDB pool: it reads only the lake, so the attribution of one pool-hour runs
     # while another pool-hour holds the warehouse.

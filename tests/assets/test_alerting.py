@@ -20,9 +20,12 @@ from tests.helpers.fleets import page_on_call, small_pools
 from tests.helpers.hours import SIMULATED_HOUR
 
 
-def damaged_copy(simulated: Path, tmp_path: Path) -> Path:
+def run_damaged(
+    simulated: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Path, Path, dg.Definitions, dg.DagsterInstance]:
     """A copy of the simulated run with 16 bytes zeroed in the middle of a segment of replica
-    r1: one frame fails its checksum, one step of the simulated hour is lost."""
+    r1 (one frame fails its checksum, one step of the simulated hour is lost), the file pages
+    go to, the copy's definitions and an instance to run them on."""
     data = tmp_path / "run"
     shutil.copytree(simulated, data)
     damaged = segment_files(data / "outbox", ["chat-8b-r1"])[0]
@@ -30,10 +33,6 @@ def damaged_copy(simulated: Path, tmp_path: Path) -> Path:
     middle = len(content) // 2
     content[middle : middle + 16] = bytes(16)
     damaged.write_bytes(bytes(content))
-    return data
-
-
-def alerts_to_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     alert_file = tmp_path / "alerts.jsonl"
     monkeypatch.setenv("STEPLEDGER_ALERT_FILE", str(alert_file))
     for name in (
@@ -42,17 +41,19 @@ def alerts_to_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         "STEPLEDGER_ALERT_FORMAT",
     ):
         monkeypatch.delenv(name, raising=False)
-    return alert_file
+    return data, alert_file, build_definitions(small_pools(), data), dg.DagsterInstance.ephemeral()
+
+
+def paged_errors(alert_file: Path) -> list[tuple[str, str, str]]:
+    """(kind, replica, hour) of each ERROR page written to `alert_file`."""
+    paged = [json.loads(line) for line in alert_file.read_text().splitlines()]
+    return [(a["kind"], a["replica"], a["hour"]) for a in paged if a["severity"] == "ERROR"]
 
 
 def test_a_failed_blocking_check_holds_the_hour_back_and_pages_once(
     simulated: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    data = damaged_copy(simulated, tmp_path)
-    alert_file = alerts_to_file(tmp_path, monkeypatch)
-
-    defs = build_definitions(small_pools(), data)
-    instance = dg.DagsterInstance.ephemeral()
+    data, alert_file, defs, instance = run_damaged(simulated, tmp_path, monkeypatch)
     result = defs.resolve_job_def("pool_hour_job").execute_in_process(
         partition_key=partition_key(SIMULATED_HOUR, "chat-8b"),
         instance=instance,
@@ -88,12 +89,9 @@ def test_a_failed_blocking_check_holds_the_hour_back_and_pages_once(
 def test_a_backfill_range_holds_back_and_pages_only_the_hour_that_failed(
     simulated: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    data = damaged_copy(simulated, tmp_path)
-    alert_file = alerts_to_file(tmp_path, monkeypatch)
+    data, alert_file, defs, instance = run_damaged(simulated, tmp_path, monkeypatch)
     # The damaged hour and the hour after it, as one backfill run.
     next_hour = SIMULATED_HOUR + timedelta(hours=1)
-    defs = build_definitions(small_pools(), data)
-    instance = dg.DagsterInstance.ephemeral()
     result = defs.resolve_job_def("pool_hour_job").execute_in_process(
         tags=range_tags(SIMULATED_HOUR, next_hour, "chat-8b"),
         instance=instance,
@@ -117,21 +115,15 @@ def test_a_backfill_range_holds_back_and_pages_only_the_hour_that_failed(
         ]
 
     page_on_call(defs, instance, result)
-    paged = [json.loads(line) for line in alert_file.read_text().splitlines()]
-    assert [(a["kind"], a["replica"], a["hour"]) for a in paged if a["severity"] == "ERROR"] == [
-        ("sequence", "chat-8b-r1", "2026-11-30T00")
-    ]
+    assert paged_errors(alert_file) == [("sequence", "chat-8b-r1", "2026-11-30T00")]
 
 
 def test_the_pager_pages_for_a_backfill_launched_from_the_assets(
     simulated: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Partitions selected in the UI run as Dagster's implicit asset job, not pool_hour_job.
-    data = damaged_copy(simulated, tmp_path)
-    alert_file = alerts_to_file(tmp_path, monkeypatch)
-    defs = build_definitions(small_pools(), data)
+    _, alert_file, defs, instance = run_damaged(simulated, tmp_path, monkeypatch)
     repository = defs.get_repository_def()
-    instance = dg.DagsterInstance.ephemeral()
     pager = defs.resolve_sensor_def("page_on_call")
 
     def tick(cursor: str | None) -> str | None:
@@ -150,7 +142,4 @@ def test_the_pager_pages_for_a_backfill_launched_from_the_assets(
     )
     assert not result.success and result.dagster_run.job_name == asset_job.name
     tick(cursor)
-    paged = [json.loads(line) for line in alert_file.read_text().splitlines()]
-    assert [(a["kind"], a["replica"], a["hour"]) for a in paged if a["severity"] == "ERROR"] == [
-        ("sequence", "chat-8b-r1", "2026-11-30T00")
-    ]
+    assert paged_errors(alert_file) == [("sequence", "chat-8b-r1", "2026-11-30T00")]
