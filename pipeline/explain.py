@@ -26,8 +26,8 @@ from pipeline.attribution.workmodel import SlotBatch
 from pipeline.datadir import pools_file
 from pipeline.hours import from_warehouse, hour_key, hour_start_ns
 from pipeline.lake import load_hour, load_ledger
-from pipeline.ledger import RESOURCES
 from pipeline.weights import SavedInputsMissing, saved_inputs
+from pricing import RESOURCES
 from schemas.config import Pool, load_pools
 
 _STEP_KEY = ["replica", "seq"]

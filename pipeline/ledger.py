@@ -14,11 +14,10 @@ from datetime import datetime
 import polars as pl
 
 from pipeline.warehouse import HOUR_TABLES
+from pricing import RESOURCES
 
 # Every kind of ledger line, in the order reports list them (sql/schema.sql checks the same set).
 LINE_KINDS = ("usage", "idle", "headroom", "unattributed", "platform_retry", "cache_credit")
-# The pricing kernel's five resources, in its order.
-RESOURCES = ("sm", "hbm", "nvlink", "nic", "host")
 # Stored with the ledger in the lake for the report: per request the kernel's work on each
 # resource (`<resource>_us`), and the decode slots' context lengths (`context_tokens`, `slots`).
 RESOURCE_WORK_SCHEMA = pl.Schema(

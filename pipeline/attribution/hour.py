@@ -35,8 +35,9 @@ from pipeline.attribution.clock import step_costs_in_hour
 from pipeline.attribution.kv import alpha_for_period, first_writer_blocks, holder_blocks
 from pipeline.attribution.layout import AttributionError, StepKeys, gather, lay_out_rows
 from pipeline.attribution.rollup import RequestTotals, largest_per_request
-from pipeline.attribution.workmodel import SlotBatch, WeightSource
+from pipeline.attribution.workmodel import KernelWeights, SlotBatch, WeightSource
 from pipeline.hours import HOUR_NS, hour_start_ns
+from pricing import RESOURCES
 from schemas.config import Pool
 from schemas.records import SLOT_COLUMNS
 
@@ -119,6 +120,9 @@ class HourAttribution:
     # the hour, as charged under the prefix-cache policy) and kv_byte_seconds (kernel weights
     # only; else null).
     request_details: pl.DataFrame
+    # With resource weights: per request with slots in the hour, its slots' kernel work on
+    # each resource (request_id, `<resource>_us`); else None.
+    resource_work: pl.DataFrame | None
     step_count: int  # steps overlapping the hour
     busy_ns: int  # step time inside the hour, summed over replicas
     alpha: float
@@ -247,15 +251,20 @@ def _attribute_rows(
     slots: pl.DataFrame,
     holders: pl.DataFrame,
     weights: WeightSource,
+    resource_weights: KernelWeights | None,
     alpha: float,
     rows_per_batch: int,
-) -> pl.DataFrame:
+) -> tuple[pl.DataFrame, pl.DataFrame | None]:
     """Split every step's cost among its slots and holders and total the rows per request.
 
     Steps are independent, so the hour is processed a batch of steps at a time: memory stays
     bounded by the batch, not the hour's tens of millions of rows. Within a step slots come
-    first, then holders (the allocator's tie-break by position).
-    Returns one row per request: request_id, rollup.INTEGER_TOTALS but `rows`, rollup.REAL_TOTALS.
+    first, then holders (the allocator's tie-break by position). A batch holds at least two
+    steps when the hour has them: the kernel sums a lone step's slots in another order than
+    several steps' (`slot_work_many`), so its figures would depend on where the batches fall.
+    Returns one row per request: request_id, rollup.INTEGER_TOTALS but `rows`, rollup.REAL_TOTALS;
+    and, with `resource_weights`, one row per request with slots: request_id and its slots'
+    work on each of the kernel's RESOURCES (`<resource>_us`, as `PricedBatch.resource_work_us`).
     """
     n_steps = hour_steps.height
     request_ids = pl.concat(
@@ -270,7 +279,7 @@ def _attribute_rows(
         )
     cost = hour_steps["cost_nano"].to_numpy()
     busy = hour_steps["busy_ns"].to_numpy()
-    totals = RequestTotals(len(request_ids))
+    totals = RequestTotals(len(request_ids), 0 if resource_weights is None else len(RESOURCES))
     # Holder rows are totalled after every slot row, as the rows of the whole hour are ordered.
     n_holders = int(holder_layout.offsets[-1])
     held = {
@@ -279,7 +288,9 @@ def _attribute_rows(
         "exact": np.empty(n_holders),
         "block_seconds": np.empty(n_holders),
     }
-    for first, end in step_batches(slot_layout.offsets + holder_layout.offsets, rows_per_batch):
+    for first, end in step_batches(
+        slot_layout.offsets + holder_layout.offsets, rows_per_batch, min_steps=2
+    ):
         slot_rows, holder_rows = slot_layout.rows(first, end), holder_layout.rows(first, end)
         slot_columns = gather(slots, list(SLOT_COLUMNS), slot_rows)
         holder_columns = gather(holders, ["kv_blocks", "state"], holder_rows)
@@ -287,9 +298,14 @@ def _attribute_rows(
         slot_request = slot_layout.request[slot_rows]
         batch = SlotBatch.of_slots(slot_step, end - first, slot_columns)
         n_slots = slot_step.shape[0]
+        priced = None if resource_weights is None else resource_weights.price(batch)
+        if priced is not None:
+            totals.add_slot_work(
+                slot_request, priced.resource_work_us(batch, pool.policies.fixed_cost)
+            )
         compute_work = np.concatenate(
             [
-                weights.compute_work(batch, pool.policies.fixed_cost),
+                weights.compute_work(batch, pool.policies.fixed_cost, priced),
                 np.zeros(holder_columns["kv_blocks"].shape[0]),
             ]
         )
@@ -328,7 +344,12 @@ def _attribute_rows(
     totals.add_rows(
         holder_request, held["amount"], held["compute"], held["exact"], held["block_seconds"]
     )
-    return totals.frame(request_ids)
+    resource_work = (
+        None
+        if resource_weights is None
+        else totals.work_frame(request_ids, [f"{r}_us" for r in RESOURCES])
+    )
+    return totals.frame(request_ids), resource_work
 
 
 def _cache_read_charges(requests: pl.DataFrame, fraction: float) -> tuple[pl.DataFrame, int]:
@@ -461,6 +482,7 @@ def attribute_hour(
     context: pl.DataFrame,
     weights: WeightSource,
     *,
+    resource_weights: KernelWeights | None = None,
     rows_per_batch: int = ROWS_PER_BATCH,
 ) -> HourAttribution:
     """Attribute one pool-hour.
@@ -469,7 +491,9 @@ def attribute_hour(
     may include steps of neighbouring hours: only steps overlapping the hour count, and a
     step crossing the boundary contributes the part inside it. `context` has columns
     request_id, tenant, feature, api_key_id, retry_of, retry_cause and may lack requests.
-    `rows_per_batch`: slot and holder rows allocated at a time (a step is never split).
+    `resource_weights`: the pool's kernel, to total each request's work per resource (priced
+    once with the weights when they are this kernel). `rows_per_batch`: slot and holder rows
+    allocated at a time (a step is never split).
     """
     start_ns = hour_start_ns(hour_start)
     hour_value = hour_start.astimezone(UTC).replace(tzinfo=None)
@@ -492,8 +516,8 @@ def attribute_hour(
     alpha, blocked_fraction = alpha_for_period(
         pool.policies, hour_steps["admission_blocked"].to_numpy()
     )
-    requests = _attribute_rows(
-        pool, hour_steps, keys, slots, holders, weights, alpha, rows_per_batch
+    requests, resource_work = _attribute_rows(
+        pool, hour_steps, keys, slots, holders, weights, resource_weights, alpha, rows_per_batch
     )
     cache_saving = 0
     if pool.policies.prefix_cache == "cache_read":
@@ -574,6 +598,7 @@ def attribute_hour(
         ledger_lines=lines,
         replicas=replica_facts,
         request_details=request_details,
+        resource_work=resource_work,
         step_count=hour_steps.height,
         busy_ns=int(busy.sum()),
         alpha=alpha,

@@ -105,13 +105,25 @@ def _add_slot_tokens(
             integers[k, _PREFILL_COMPUTE] += compute[i]
 
 
-class RequestTotals:
-    """Running per-request totals over requests coded 0..n_requests-1."""
+@numba.njit(cache=True, nogil=True)
+def _add_work(
+    request: np.ndarray, work: np.ndarray, sums: np.ndarray, compensation: np.ndarray
+) -> None:
+    for i in range(request.shape[0]):
+        for r in range(work.shape[0]):
+            _compensated_add(sums, compensation, request[i], r, work[r, i])
 
-    def __init__(self, n_requests: int) -> None:
+
+class RequestTotals:
+    """Running per-request totals over requests coded 0..n_requests-1; with `resources`, also
+    each request's slots' work on each of that many resources."""
+
+    def __init__(self, n_requests: int, resources: int = 0) -> None:
         self.integers = np.zeros((n_requests, len(INTEGER_TOTALS)), dtype=np.int64)
         self.sums = np.zeros((n_requests, len(REAL_TOTALS)))
         self.compensation = np.zeros((n_requests, len(REAL_TOTALS)))
+        self.work = np.zeros((n_requests, resources))
+        self.work_compensation = np.zeros((n_requests, resources))
 
     def add_rows(
         self,
@@ -147,6 +159,19 @@ class RequestTotals:
             slots["spec_drafted"],
             slots["spec_accepted"],
             self.integers,
+        )
+
+    def add_slot_work(self, request: np.ndarray, work: np.ndarray) -> None:
+        """Add slot rows' work on each resource (`work`: resources x rows)."""
+        _add_work(request, work, self.work, self.work_compensation)
+
+    def work_frame(self, request_ids: pl.Series, columns: list[str]) -> pl.DataFrame:
+        """One row per request with a slot row in the hour: request_id and its work on each
+        resource, in `columns`."""
+        present = self.integers[:, _STEPS] > 0
+        return pl.DataFrame(
+            {"request_id": request_ids.filter(pl.Series(present))}
+            | {name: self.work[present, j] for j, name in enumerate(columns)}
         )
 
     def frame(self, request_ids: pl.Series) -> pl.DataFrame:

@@ -200,13 +200,37 @@ def kernel_work_us(
     return split_fixed(fixed_total, batch, policy) + own_total
 
 
+@dataclass(frozen=True)
+class PricedBatch:
+    """A batch priced by a pool's kernel (`slot_work_many`): each step's fixed work
+    (n_steps, resources) and each slot's own (n_slots, resources), in us."""
+
+    kernel_version: str
+    fixed_us: np.ndarray
+    slot_us: np.ndarray
+
+    def resource_work_us(self, batch: SlotBatch, policy: FixedCostPolicy) -> np.ndarray:
+        """Each slot's work on each resource (resources, n_slots): its own part plus its share
+        of the step's fixed part under the fixed-cost policy."""
+        return np.stack(
+            [
+                split_fixed(self.fixed_us[:, r], batch, policy) + self.slot_us[:, r]
+                for r in range(self.slot_us.shape[1])
+            ]
+        )
+
+
 class WeightSource(Protocol):
     """What attribute_hour needs from a work-weight source."""
 
     @property
     def version(self) -> str: ...
 
-    def compute_work(self, batch: SlotBatch, policy: FixedCostPolicy) -> np.ndarray: ...
+    def compute_work(
+        self, batch: SlotBatch, policy: FixedCostPolicy, priced: PricedBatch | None = None
+    ) -> np.ndarray:
+        """Each slot's work. `priced`: the batch as the pool's kernel priced it, if it was."""
+        ...
 
     def kv_bytes_per_token(self) -> int | None: ...
 
@@ -221,7 +245,9 @@ class FittedWeights:
     def version(self) -> str:
         return self.coefficients.version
 
-    def compute_work(self, batch: SlotBatch, policy: FixedCostPolicy) -> np.ndarray:
+    def compute_work(
+        self, batch: SlotBatch, policy: FixedCostPolicy, priced: PricedBatch | None = None
+    ) -> np.ndarray:
         return fitted_work_ms(self.coefficients, batch, policy)
 
     def kv_bytes_per_token(self) -> int | None:
@@ -251,9 +277,18 @@ class KernelWeights:
     def for_pool(cls, pool: Pool) -> KernelWeights:
         return cls.from_deployment(pool.deployment())
 
-    def compute_work(self, batch: SlotBatch, policy: FixedCostPolicy) -> np.ndarray:
-        fixed_us, slot_us = self.kernel.slot_work_many(batch.kernel_slots, batch.n_steps)
-        return kernel_work_us(fixed_us, slot_us, batch, policy)
+    def compute_work(
+        self, batch: SlotBatch, policy: FixedCostPolicy, priced: PricedBatch | None = None
+    ) -> np.ndarray:
+        # Pricing a busy hour's slots is most of attributing it: done once when it can be.
+        if priced is None or priced.kernel_version != self.version:
+            priced = self.price(batch)
+        return kernel_work_us(priced.fixed_us, priced.slot_us, batch, policy)
+
+    def price(self, batch: SlotBatch) -> PricedBatch:
+        return PricedBatch(
+            self.version, *self.kernel.slot_work_many(batch.kernel_slots, batch.n_steps)
+        )
 
     def kv_bytes_per_token(self) -> int | None:
         return int(self.kernel.kv_bytes_per_token)

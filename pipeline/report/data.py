@@ -2,7 +2,7 @@
 
 Money stays integer nano-dollars here; the renderer turns it into dollars. The per-resource
 breakdown comes from the kernel's work per request and resource that attribution stored with
-each hour's ledger in the lake (`pipeline.attribute.resource_parts`): each request's compute
+each hour's ledger in the lake (`HourLedger.resource_work`): each request's compute
 charge is split over the five resources in proportion to it, so a tenant's resource columns
 add up exactly to its compute charge.
 """
@@ -20,10 +20,9 @@ import polars as pl
 from pipeline.attribution.allocator import largest_remainder
 from pipeline.hours import from_warehouse, hour_key, parse_hour_key, to_warehouse
 from pipeline.lake import load_ledger
-from pipeline.ledger import RESOURCES
 from pipeline.warehouse import connect_read_only, query_frame
 from pipeline.weights import kernel_weights
-from pricing import Slots
+from pricing import RESOURCES, Slots
 from schemas.config import Pool, PoolsFile
 
 UNATTRIBUTED = "(unattributed)"

@@ -12,10 +12,11 @@ from html import escape
 import numpy as np
 import polars as pl
 
-from pipeline.ledger import LINE_KINDS, RESOURCES
+from pipeline.ledger import LINE_KINDS
 from pipeline.report import charts
 from pipeline.report.data import ReportData
 from pipeline.report.money import usd, usd_per
+from pricing import RESOURCES
 
 KIND_COLOURS = {
     "usage": "#0072B2",
