@@ -23,6 +23,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -244,6 +248,37 @@ def _slot_kv_blocks(
     )
 
 
+@dataclass(frozen=True)
+class _WeighedBatch:
+    """A batch of steps first..end-1: its slot rows then its holder rows, each with its step
+    in the batch and its weights; each slot's request, token columns and resource work."""
+
+    first: int
+    end: int
+    slot_columns: dict[str, np.ndarray]
+    slot_request: np.ndarray
+    row_step: np.ndarray
+    compute_work: np.ndarray
+    kv_weight: np.ndarray
+    resource_work: np.ndarray | None
+
+
+def _ahead(
+    weigh: Callable[[int, int], _WeighedBatch], batches: list[tuple[int, int]]
+) -> Iterator[_WeighedBatch]:
+    """Each batch weighed, the next ones (pricing, mostly numpy without the GIL) in threads,
+    one per core, while the caller allocates this one, in order."""
+    workers = os.cpu_count() or 1
+    with ThreadPoolExecutor(max_workers=workers) as pricers:
+        weighing: deque[Future[_WeighedBatch]] = deque()
+        for first, end in batches:
+            weighing.append(pricers.submit(weigh, first, end))
+            if len(weighing) > workers:
+                yield weighing.popleft().result()
+        while weighing:
+            yield weighing.popleft().result()
+
+
 def _attribute_rows(
     pool: Pool,
     hour_steps: pl.DataFrame,
@@ -288,36 +323,50 @@ def _attribute_rows(
         "exact": np.empty(n_holders),
         "block_seconds": np.empty(n_holders),
     }
-    for first, end in step_batches(
-        slot_layout.offsets + holder_layout.offsets, rows_per_batch, min_steps=2
-    ):
+
+    def weigh(first: int, end: int) -> _WeighedBatch:
+        """The batch's rows with their compute and KV weights (and resource work)."""
         slot_rows, holder_rows = slot_layout.rows(first, end), holder_layout.rows(first, end)
         slot_columns = gather(slots, list(SLOT_COLUMNS), slot_rows)
         holder_columns = gather(holders, ["kv_blocks", "state"], holder_rows)
         slot_step = slot_layout.step[slot_rows] - first
         slot_request = slot_layout.request[slot_rows]
         batch = SlotBatch.of_slots(slot_step, end - first, slot_columns)
-        n_slots = slot_step.shape[0]
         priced = None if resource_weights is None else resource_weights.price(batch)
-        if priced is not None:
-            totals.add_slot_work(
-                slot_request, priced.resource_work_us(batch, pool.policies.fixed_cost)
-            )
-        compute_work = np.concatenate(
-            [
-                weights.compute_work(batch, pool.policies.fixed_cost, priced),
-                np.zeros(holder_columns["kv_blocks"].shape[0]),
-            ]
+        return _WeighedBatch(
+            first=first,
+            end=end,
+            slot_columns=slot_columns,
+            slot_request=slot_request,
+            row_step=np.concatenate([slot_step, holder_layout.step[holder_rows] - first]),
+            compute_work=np.concatenate(
+                [
+                    weights.compute_work(batch, pool.policies.fixed_cost, priced),
+                    np.zeros(holder_columns["kv_blocks"].shape[0]),
+                ]
+            ),
+            kv_weight=np.concatenate(
+                [
+                    _slot_kv_blocks(
+                        pool,
+                        slot_columns,
+                        None if prefix_hits is None else prefix_hits[slot_request],
+                    ),
+                    holder_blocks(holder_columns["kv_blocks"], holder_columns["state"]),
+                ]
+            ),
+            resource_work=(
+                None if priced is None else priced.resource_work_us(batch, pool.policies.fixed_cost)
+            ),
         )
-        kv_weight = np.concatenate(
-            [
-                _slot_kv_blocks(
-                    pool, slot_columns, None if prefix_hits is None else prefix_hits[slot_request]
-                ),
-                holder_blocks(holder_columns["kv_blocks"], holder_columns["state"]),
-            ]
-        )
-        row_step = np.concatenate([slot_step, holder_layout.step[holder_rows] - first])
+
+    batches = step_batches(slot_layout.offsets + holder_layout.offsets, rows_per_batch, min_steps=2)
+    for weighed in _ahead(weigh, batches):
+        first, end, slot_request = weighed.first, weighed.end, weighed.slot_request
+        n_slots, row_step = slot_request.shape[0], weighed.row_step
+        compute_work, kv_weight = weighed.compute_work, weighed.kv_weight
+        if weighed.resource_work is not None:
+            totals.add_slot_work(slot_request, weighed.resource_work)
         # A step with nobody to carry it (no slot work, no blocks held) is idle time.
         carried = (np.bincount(row_step, weights=compute_work, minlength=end - first) > 0) | (
             np.bincount(row_step, weights=kv_weight, minlength=end - first) > 0
@@ -334,7 +383,7 @@ def _attribute_rows(
             split.exact[:n_slots],
             block_seconds[:n_slots],
         )
-        totals.add_slot_tokens(slot_request, compute_nano[:n_slots], slot_columns)
+        totals.add_slot_tokens(slot_request, compute_nano[:n_slots], weighed.slot_columns)
         held_rows = slice(int(holder_layout.offsets[first]), int(holder_layout.offsets[end]))
         for name, values in zip(
             held, (split.shares, compute_nano, split.exact, block_seconds), strict=False

@@ -163,15 +163,18 @@ def lay_out_rows(
     n = table.height
     step = np.empty(n, dtype=np.int64)
     request = np.empty(n, dtype=np.int32)
-    codes = np.arange(len(requests), dtype=np.int32)
+    # An enum's codes are the strings' places in its categories: one hash per row, where a
+    # mapping of strings to codes costs three times as much.
+    replica_enum, request_enum = pl.Enum(keys.replicas), pl.Enum(requests)
     orphans, first_orphan = 0, -1
     for lo in range(0, n, _LOOKUP_ROWS):
         part = table.slice(lo, _LOOKUP_ROWS)
         replica = (
             part["replica"]
-            .replace_strict(
-                keys.replicas, range(len(keys.replicas)), default=-1, return_dtype=pl.Int64
-            )
+            .cast(replica_enum, strict=False)
+            .to_physical()
+            .cast(pl.Int64)
+            .fill_null(-1)
             .to_numpy()
         )
         found, first = _lookup_steps(
@@ -185,8 +188,7 @@ def lay_out_rows(
         if found and first_orphan < 0:
             first_orphan = lo + first
         orphans += found
-        request_code = part["request_id"].replace_strict(requests, codes, return_dtype=pl.Int32)
-        request[lo : lo + part.height] = request_code.to_numpy()
+        request[lo : lo + part.height] = part["request_id"].cast(request_enum).to_physical()
     if orphans:
         row = table.row(first_orphan, named=True)
         raise AttributionError(
