@@ -230,10 +230,18 @@ def _runs(values: np.ndarray) -> list[SeqRange]:
 def _steps_of_hour(steps: pl.DataFrame, hour: datetime, pool: Pool) -> pl.DataFrame:
     """The pool's steps placed in the hour by their UTC start, ordered by replica and seq."""
     start_ns, end_ns = hour_bounds_ns(hour)
-    return steps.filter(
+    in_hour = steps.filter(
         (pl.col("pool") == pool.name)
         & pl.col("start_utc_ns").is_between(start_ns, end_ns, closed="left")
-    ).sort("replica", "seq")
+    )
+    # The lake delivers them in that order: checking it costs a fifth of sorting.
+    replica, seq = pl.col("replica"), pl.col("seq")
+    ordered = in_hour.select(
+        ((replica > replica.shift(1)) | ((replica == replica.shift(1)) & (seq > seq.shift(1))))
+        .fill_null(True)
+        .all()
+    ).item()
+    return in_hour if ordered else in_hour.sort("replica", "seq")
 
 
 def _rows_of_hour(frame: pl.DataFrame, hour: datetime, pool: str, table: str) -> pl.DataFrame:
