@@ -110,8 +110,8 @@ def _add_work(
     request: np.ndarray, work: np.ndarray, sums: np.ndarray, compensation: np.ndarray
 ) -> None:
     for i in range(request.shape[0]):
-        for r in range(work.shape[0]):
-            _compensated_add(sums, compensation, request[i], r, work[r, i])
+        for r in range(work.shape[1]):
+            _compensated_add(sums, compensation, request[i], r, work[i, r])
 
 
 class RequestTotals:
@@ -162,7 +162,7 @@ class RequestTotals:
         )
 
     def add_slot_work(self, request: np.ndarray, work: np.ndarray) -> None:
-        """Add slot rows' work on each resource (`work`: resources x rows)."""
+        """Add slot rows' work on each resource (`work`: rows x resources)."""
         _add_work(request, work, self.work, self.work_compensation)
 
     def work_frame(self, request_ids: pl.Series, columns: list[str]) -> pl.DataFrame:

@@ -118,22 +118,27 @@ def attention_pairs(new_tokens: np.ndarray, context_tokens: np.ndarray) -> np.nd
 def split_fixed(
     fixed_per_step: np.ndarray, batch: SlotBatch, policy: FixedCostPolicy
 ) -> np.ndarray:
-    """Each slot's part of its step's fixed work, per the fixed-cost policy."""
-    step_fixed = fixed_per_step[batch.step_index]
-    per_slot: np.ndarray = step_fixed / batch.slots_per_step[batch.step_index]
+    """Each slot's part of its step's fixed work, per the fixed-cost policy: (n_slots,) from
+    (n_steps,), or (n_slots, m) from m columns of fixed work (n_steps, m)."""
+    if policy not in ("per_slot", "per_token"):
+        raise ValueError(f"unknown fixed-cost policy {policy!r}; expected per_slot or per_token")
+    steps = batch.step_index
+    slots = batch.slots_per_step.reshape(-1, *([1] * (fixed_per_step.ndim - 1)))
+    # A step without slots has no share to give: it is never gathered.
+    per_slot: np.ndarray = np.divide(
+        fixed_per_step, slots, out=np.zeros(fixed_per_step.shape), where=slots > 0
+    )[steps]
     if policy == "per_slot":
         return per_slot
-    if policy != "per_token":
-        raise ValueError(f"unknown fixed-cost policy {policy!r}; expected per_slot or per_token")
     tokens = batch.new_tokens.astype(np.float64)
-    tokens_per_step = np.bincount(batch.step_index, weights=tokens, minlength=batch.n_steps)[
-        batch.step_index
-    ]
-    per_token = step_fixed * np.divide(
+    tokens_per_step = np.bincount(steps, weights=tokens, minlength=batch.n_steps)[steps]
+    fraction = np.divide(
         tokens, tokens_per_step, out=np.zeros_like(tokens), where=tokens_per_step > 0
-    )
+    ).reshape(-1, *([1] * (fixed_per_step.ndim - 1)))
     # A step of zero new tokens (holders only, defensive) falls back to per slot.
-    split: np.ndarray = np.where(tokens_per_step > 0, per_token, per_slot)
+    split: np.ndarray = np.where(
+        (tokens_per_step > 0).reshape(fraction.shape), fixed_per_step[steps] * fraction, per_slot
+    )
     return split
 
 
@@ -210,14 +215,10 @@ class PricedBatch:
     slot_us: np.ndarray
 
     def resource_work_us(self, batch: SlotBatch, policy: FixedCostPolicy) -> np.ndarray:
-        """Each slot's work on each resource (resources, n_slots): its own part plus its share
+        """Each slot's work on each resource (n_slots, resources): its own part plus its share
         of the step's fixed part under the fixed-cost policy."""
-        return np.stack(
-            [
-                split_fixed(self.fixed_us[:, r], batch, policy) + self.slot_us[:, r]
-                for r in range(self.slot_us.shape[1])
-            ]
-        )
+        work: np.ndarray = split_fixed(self.fixed_us, batch, policy) + self.slot_us
+        return work
 
 
 class WeightSource(Protocol):
