@@ -42,6 +42,7 @@ import duckdb
 import numpy as np
 import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from pipeline.hours import hour_key
 from pipeline.steplog import DecodedLog, read_segments
@@ -52,6 +53,8 @@ from schemas.tables import HOLDERS, SLOTS, STEPS
 NS_PER_HOUR = 3_600_000_000_000
 LAKE_TABLES = {"steps": STEPS, "slots": SLOTS, "holders": HOLDERS}
 STEP_KEY = ["pool", "replica", "seq"]
+# What a lake file holds the rows of: a replica's steps of one hour (hours since the epoch).
+PART_KEY = ["pool", "replica", "_hour"]
 # Under the lake: the ingest lock and the intents of batches being written.
 INTENTS_DIR = "_ingest"
 # Segment bytes decoded per batch. Ingesting a day of a busy replica (2 GiB of segments) peaked
@@ -148,10 +151,10 @@ def partition_dir(lake: Path, table: str, pool: str, hour_key: str) -> Path:
     return lake / table / f"pool={pool}" / f"hour={hour_key}"
 
 
-def part_name(replica: str, part: pl.DataFrame, batch_id: str) -> str:
+def part_name(replica: str, part: pa.Table, batch_id: str) -> str:
     """`<replica>.<first seq>.<batch>.parquet`: sorted by name, a partition's files list each
     replica's rows in sequence order, the order attribution works in."""
-    first_seq = part.select(pl.col("seq").min()).item()
+    first_seq = pc.min(part["seq"]).as_py()
     return f"{replica}.{first_seq:012d}.{batch_id}.parquet"
 
 
@@ -166,15 +169,19 @@ def committed_batches(con: duckdb.DuckDBPyConnection) -> set[str]:
 
 
 def _write_atomically(table: pa.Table, target: Path) -> str:
-    """Write `table` to `target` through a temporary name; returns the file's sha256."""
+    """Write `table` to `target` through a temporary name; returns the file's sha256, hashed
+    from the bytes written rather than read back."""
     import pyarrow.parquet as pq
 
+    encoded = pa.BufferOutputStream()
+    pq.write_table(table, encoded)
+    data = encoded.getvalue()
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(".parquet.partial")
-    pq.write_table(table, partial)
-    digest = hashlib.sha256(partial.read_bytes()).hexdigest()
+    with partial.open("wb") as handle:
+        handle.write(data)
     os.replace(partial, target)
-    return digest
+    return hashlib.sha256(data).hexdigest()
 
 
 @contextmanager
@@ -403,7 +410,8 @@ def _place_by_monotonic_clock(
     for segment_id, replica, mono, last, shift in placed.iter_rows():
         chains.setdefault(replica, []).append((last, mono, shift, segment_id))
     jumps = []
-    first_starts = dict(steps.group_by("segment_id").agg(pl.col("start_utc_ns").min()).iter_rows())
+    # Grouping every step by its segment id costs more than the rest: only for a jump.
+    first_starts: dict[str, int] | None = None
     for row in segments.sort("replica", "first_seq").iter_rows(named=True):
         shift = row["wall_anchor_ns"] - row["mono_anchor_ns"]
         earlier = [
@@ -417,6 +425,10 @@ def _place_by_monotonic_clock(
             if abs(shift - previous_shift) > CLOCK_JUMP_TOLERANCE_NS:
                 placed_shift = previous_shift
                 corrections[row["segment_id"]] = previous_shift - shift
+                if first_starts is None:
+                    first_starts = dict(
+                        steps.group_by("segment_id").agg(pl.col("start_utc_ns").min()).iter_rows()
+                    )
                 jumps.append(
                     {
                         "segment_id": row["segment_id"],
@@ -451,67 +463,76 @@ def _shifted(steps: pl.DataFrame, corrections: dict[str, int]) -> pl.DataFrame:
     )
 
 
-def _unique_in_order(hours: pl.DataFrame) -> bool:
-    """Whether each (pool, replica)'s steps lie together, by rising seq: every step key once."""
-    runs = hours.select(
-        pl.struct("pool", "replica").rle_id().alias("run"), "seq", pl.struct("pool", "replica")
+Run = tuple[tuple[str, str, int], int, int]
+
+
+def _runs(keys: pl.DataFrame) -> list[Run]:
+    """The runs of equal (pool, replica, `_hour`) in `keys`: each key, its first row and rows."""
+    runs = keys.select(pl.struct(PART_KEY).rle().alias("run")).unnest("run").unnest("value")
+    lengths = runs["len"].to_numpy()
+    starts = np.cumsum(lengths) - lengths
+    return list(
+        zip(runs.select(PART_KEY).iter_rows(), starts.tolist(), lengths.tolist(), strict=True)
     )
-    rising = runs.select(
-        ((pl.col("run") != pl.col("run").shift(1)) | (pl.col("seq") > pl.col("seq").shift(1)))
-        .fill_null(True)
-        .all()
-    ).item()
-    return bool(rising) and runs["run"].max() == runs["pool"].n_unique() - 1
 
 
-def _partition_parts(
-    placed: pl.DataFrame,
-) -> Iterator[tuple[tuple[str, str, int], pl.DataFrame]]:
-    """The rows of each (pool, replica, `_hour`) of `placed`, in order of first appearance, as
-    `group_by(..., maintain_order=True)` gives them. The decoder emits a replica's steps in
-    order, so each group's rows normally lie together: then they are slices of the frame, not
-    copies gathered row by row."""
-    keys = ["pool", "replica", "_hour"]
-    runs = placed.select(pl.struct(keys).rle().alias("run")).unnest("run").unnest("value")
-    groups = list(runs.select(keys).iter_rows())
-    if len(set(groups)) < len(groups):
-        yield from placed.group_by(keys, maintain_order=True)
-        return
-    offset = 0
-    for group, length in zip(groups, runs["len"], strict=True):
-        yield group, placed.slice(offset, length)
-        offset += length
+def _unique_in_order(seq: np.ndarray, step_runs: list[Run]) -> bool:
+    """Whether each (pool, replica)'s steps lie together, by rising seq: every step key once.
+    `seq`: the steps' sequence numbers; `step_runs`: their runs (`_runs`)."""
+    rising = np.diff(seq) > 0
+    replicas: list[tuple[str, str]] = []
+    for (pool, replica, _), start, _ in step_runs:
+        if not replicas or replicas[-1] != (pool, replica):
+            replicas.append((pool, replica))
+            if start:
+                rising[start - 1] = True  # another replica's sequence starts here
+    return bool(rising.all()) and len(set(replicas)) == len(replicas)
 
 
-def _write_part(part: pl.DataFrame, schema: pa.Schema, target: Path) -> str:
-    # One chunk, as a gathered group is: Parquet's pages follow the chunks, so the file's bytes
-    # (and sha256) do not depend on how the decoder's frames were cut.
-    return _write_atomically(part.drop("_hour").rechunk().to_arrow().cast(schema), target)
+def _runs_of_rows(step_runs: list[Run], counts: np.ndarray) -> list[Run]:
+    """The runs of the rows of steps (`counts` per step) whose runs are `step_runs`, when each
+    step's rows lie together in the order of the steps; runs without rows are left out."""
+    bounds = np.zeros(len(counts) + 1, np.int64)
+    np.cumsum(counts, out=bounds[1:])
+    return [
+        (key, start, end - start)
+        for key, first, length in step_runs
+        if (end := int(bounds[first + length])) > (start := int(bounds[first]))
+    ]
 
 
-def _with_step_hours(
-    frame: pl.DataFrame,
-    steps: pl.DataFrame,
+def _hour_parts(
+    table: pa.Table,
     hours: pl.DataFrame,
-    count: str | None,
+    step_runs: list[Run],
+    counts: np.ndarray | None,
     in_order: bool,
-) -> pl.DataFrame:
-    """`frame` (the steps, or their slot or holder rows, `count` per step) with its step's
-    `_hour`, as a left join on the step key gives it.
+) -> Iterator[tuple[tuple[str, str, int], pa.Table]]:
+    """The rows of `table` (the steps, or their slot or holder rows, `counts` per step) of each
+    (pool, replica, `_hour` of their step), in order of first appearance: what a left join of
+    `hours` on the step key, then `group_by(..., maintain_order=True)`, gives.
 
     The decoder emits each step's rows together, in the order of the steps: when every step
-    key is unique and the rows follow the steps, repeating the steps' hours is that join
-    without hashing millions of string keys. Anything else (a re-delivered segment's
-    recovered steps) is joined. `in_order`: _unique_in_order(hours), computed once per batch."""
+    key is unique and that order holds (`in_order`), the rows of a run of steps (`step_runs`)
+    are a slice found from the counts, without hashing millions of string keys or leaving
+    Arrow. Anything else (a re-delivered segment's recovered steps) is joined."""
     if in_order:
-        if count is None:
-            return frame.with_columns(hours["_hour"])
-        counts = steps[count].to_numpy().astype(np.int64)
-        if frame.height == int(counts.sum()):
-            repeated = hours[np.repeat(np.arange(steps.height), counts)]
-            if all(frame[key].equals(repeated[key]) for key in STEP_KEY):
-                return frame.with_columns(repeated["_hour"])
-    return frame.join(hours, on=STEP_KEY, how="left")
+        runs = step_runs if counts is None else _runs_of_rows(step_runs, counts)
+    else:
+        placed = _frame(table).join(hours, on=STEP_KEY, how="left", maintain_order="left")
+        runs = _runs(placed)
+        table = placed.drop("_hour").to_arrow()
+    spans: dict[tuple[str, str, int], list[tuple[int, int]]] = {}
+    for key, start, length in runs:
+        spans.setdefault(key, []).append((start, length))
+    for key, parts in spans.items():
+        yield key, pa.concat_tables([table.slice(start, length) for start, length in parts])
+
+
+def _write_part(part: pa.Table, schema: pa.Schema, target: Path) -> str:
+    # One chunk, however the decoder's frames and the hours cut the table: Parquet's pages
+    # follow the chunks, so the file's bytes (and sha256) would depend on them.
+    return _write_atomically(part.cast(schema).combine_chunks(), target)
 
 
 def _decoded_ahead(
@@ -551,10 +572,12 @@ def _ingest_batch(
         "".join(sorted({d for _, d in (*fresh.values(), *duplicates.values())})).encode()
     ).hexdigest()[:16]
     relative = {str(p): str(p.relative_to(root)) for p in (*fresh, *duplicates)}
-    steps = slots = holders = decoded_segments = damage = drops = None
+    steps = decoded_segments = damage = drops = None
+    slots = holders = None  # Arrow, as decoded: only a re-delivered segment needs them in polars
+    repeated = pl.DataFrame()
     recovered_segments = pl.DataFrame()
     if decoded is not None:
-        steps, slots, holders = (_frame(t) for t in (decoded.steps, decoded.slots, decoded.holders))
+        steps, slots, holders = _frame(decoded.steps), decoded.slots, decoded.holders
         decoded_segments, damage, drops = (
             _frame(t).with_columns(pl.col("path").replace(relative))
             if "path" in t.column_names
@@ -587,8 +610,10 @@ def _ingest_batch(
                 [steps.filter(~pl.col("segment_id").is_in(list(known_ids))), recovered]
             )
             kept = steps.select(STEP_KEY)
-            slots = slots.join(kept, on=STEP_KEY, how="semi")
-            holders = holders.join(kept, on=STEP_KEY, how="semi")
+            slots, holders = (
+                _frame(rows).join(kept, on=STEP_KEY, how="semi").to_arrow()
+                for rows in (slots, holders)
+            )
             known_drops = query_frame(con, "SELECT pool, replica, first_seq, last_seq FROM drops")
             drops = drops.join(
                 known_drops, on=["pool", "replica", "first_seq", "last_seq"], how="anti"
@@ -603,37 +628,36 @@ def _ingest_batch(
     if steps is not None and slots is not None and holders is not None and steps.height:
         # The hour as an integer (hours since the epoch): a slot row carries 8 bytes, not a string.
         hours = steps.select(*STEP_KEY, (pl.col("start_utc_ns") // NS_PER_HOUR).alias("_hour"))
-        partitions = {
-            (pool, _hour_key(hour_index))
-            for pool, hour_index in hours.select("pool", "_hour").unique().iter_rows()
-        }
+        step_runs = _runs(hours.select(PART_KEY))
+        partitions = {(pool, _hour_key(hour_index)) for (pool, _, hour_index), _, _ in step_runs}
         directories = {
             partition_dir(lake, name, *partition)
             for name in LAKE_TABLES
             for partition in partitions
         }
         _write_intent(lake, intents, batch_id, directories)
-        assert slots is not None and holders is not None  # decoded with the steps
-        in_order = _unique_in_order(hours)
-        # pyarrow writes and hashlib hashes without the GIL: the partition files of a table
-        # are written side by side.
+        # The rows of slots and holders follow the decoder's steps unless steps were recovered.
+        in_order = not repeated.height and _unique_in_order(steps["seq"].to_numpy(), step_runs)
+        # pyarrow writes and hashlib hashes without the GIL: the partition files are written
+        # side by side.
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as writers:
-            for name, frame, count in (
-                ("steps", steps, None),
+            targets, digests = [], []
+            for name, table, count in (
+                ("steps", steps.to_arrow(), None),
                 ("slots", slots, "num_slots"),
                 ("holders", holders, "num_holders"),
             ):
-                placed = _with_step_hours(frame, steps, hours, count, in_order)
-                targets, digests = [], []
-                for (pool, replica, hour_index), part in _partition_parts(placed):
-                    directory = partition_dir(lake, name, str(pool), _hour_key(int(hour_index)))
-                    targets.append(directory / part_name(str(replica), part, batch_id))
+                counts = None if count is None else steps[count].to_numpy()
+                for (pool, replica, hour_index), part in _hour_parts(
+                    table, hours, step_runs, counts, in_order
+                ):
+                    directory = partition_dir(lake, name, pool, _hour_key(hour_index))
+                    targets.append(directory / part_name(replica, part, batch_id))
                     digests.append(
                         writers.submit(_write_part, part, LAKE_TABLES[name], targets[-1])
                     )
-                for target, digest in zip(targets, digests, strict=True):
-                    written[str(target.relative_to(lake))] = digest.result()
-                del placed
+            for target, digest in zip(targets, digests, strict=True):
+                written[str(target.relative_to(lake))] = digest.result()
 
     now = datetime.now(UTC).replace(tzinfo=None)
     files = {**fresh, **duplicates}

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import hypothesis.strategies as st
 import polars as pl
+import pyarrow as pa
 import pytest
 from hypothesis import given, settings
 
@@ -611,6 +612,7 @@ def test_every_step_is_billed_once_whatever_is_damaged_and_redelivered(
             assert con.execute("SELECT sum(steps) FROM segments").fetchone() == (120,)
 
 
+@settings(max_examples=200, deadline=None)
 @given(
     steps=st.lists(
         st.tuples(
@@ -624,10 +626,14 @@ def test_every_step_is_billed_once_whatever_is_damaged_and_redelivered(
     ),
     shuffle=st.randoms(use_true_random=False),
     in_step_order=st.booleans(),
+    chunks=st.integers(1, 4),
 )
-def test_rows_get_the_hour_of_their_step_as_a_join_gives_it(steps, shuffle, in_step_order):
-    """Repeating the steps' hours (rows in step order, unique keys) and joining agree exactly,
-    rows and their order, whether or not the steps' keys repeat or the rows are in order."""
+def test_hour_parts_are_the_rows_a_join_on_the_step_gives_grouped_in_order_of_first_appearance(
+    steps, shuffle, in_step_order, chunks
+):
+    """Slicing the rows of runs of steps (rows in step order, unique step keys) and joining the
+    steps' hours then grouping agree exactly: the groups, their rows and the rows' order, whether
+    the steps' keys repeat or not, the rows are in order or not, and however the table is cut."""
     step_frame = pl.DataFrame(
         steps,
         schema={
@@ -640,6 +646,8 @@ def test_rows_get_the_hour_of_their_step_as_a_join_gives_it(steps, shuffle, in_s
         orient="row",
     )
     hours = step_frame.select("pool", "replica", "seq", "_hour")
+    step_runs = ingest._runs(hours.select(ingest.PART_KEY))
+    in_order = in_step_order and ingest._unique_in_order(hours["seq"].to_numpy(), step_runs)
     rows = [(p, r, s, i) for p, r, s, n, _ in steps for i in range(n)]
     if not in_step_order:
         shuffle.shuffle(rows)
@@ -648,37 +656,60 @@ def test_rows_get_the_hour_of_their_step_as_a_join_gives_it(steps, shuffle, in_s
         schema={"pool": pl.String, "replica": pl.String, "seq": pl.Int64, "slot": pl.Int64},
         orient="row",
     )
-    in_order = ingest._unique_in_order(hours)
-    assert ingest._with_step_hours(slots, step_frame, hours, "num_slots", in_order).equals(
-        slots.join(hours, on=ingest.STEP_KEY, how="left", maintain_order="left")
-    )
-    assert ingest._with_step_hours(
-        step_frame.drop("_hour"), step_frame, hours, None, in_order
-    ).equals(
-        step_frame.drop("_hour").join(hours, on=ingest.STEP_KEY, how="left", maintain_order="left")
-    )
+    for frame, counts in (
+        (slots, step_frame["num_slots"].to_numpy()),
+        (step_frame.drop("_hour", "num_slots"), None),
+    ):
+        joined = frame.join(hours, on=ingest.STEP_KEY, how="left", maintain_order="left")
+        expected = [
+            (group, part.drop("_hour").to_dicts())
+            for group, part in joined.group_by(ingest.PART_KEY, maintain_order=True)
+        ]
+        cut = max(1, frame.height // chunks)
+        table = pl.concat(
+            [frame.slice(i, cut) for i in range(0, frame.height, cut)] or [frame], rechunk=False
+        ).to_arrow()
+        parts = ingest._hour_parts(table, hours, step_runs, counts, in_order)
+        assert [(group, part.to_pylist()) for group, part in parts] == expected
 
 
-@settings(max_examples=200, deadline=None)
-@given(
-    keys=st.lists(
-        st.tuples(st.sampled_from(["a", "b"]), st.sampled_from(["r0", "r1"]), st.integers(0, 2)),
-        min_size=1,
-        max_size=40,
-    ),
-    chunks=st.integers(1, 4),
-)
-def test_partition_parts_are_the_groups_in_order_of_first_appearance(
-    keys: list[tuple[str, str, int]], chunks: int
-) -> None:
-    # Rows of a group together (sliced) or apart (gathered), the frame in one chunk or several.
-    frame = pl.DataFrame(
-        keys, schema={"pool": pl.String, "replica": pl.String, "_hour": pl.Int64}, orient="row"
-    ).with_row_index("row")
-    cut = max(1, frame.height // chunks)
-    frame = pl.concat([frame.slice(i, cut) for i in range(0, frame.height, cut)], rechunk=False)
-    expected = [
-        (group, part.to_dicts())
-        for group, part in frame.group_by(["pool", "replica", "_hour"], maintain_order=True)
-    ]
-    assert [(group, part.to_dicts()) for group, part in ingest._partition_parts(frame)] == expected
+@given(steps=st.lists(st.tuples(st.sampled_from("ab"), st.integers(0, 5)), max_size=8))
+def test_step_keys_are_unique_and_in_order_when_each_replica_rises_in_one_run(steps):
+    hours = pl.DataFrame(
+        [("p", replica, seq, 0) for replica, seq in steps],
+        schema={"pool": pl.String, "replica": pl.String, "seq": pl.Int64, "_hour": pl.Int64},
+        orient="row",
+    )
+    runs = ingest._runs(hours.select(ingest.PART_KEY))
+    blocks = [r for i, (r, _) in enumerate(steps) if i == 0 or steps[i - 1][0] != r]
+    rising = all(
+        seqs == sorted(set(seqs))
+        for seqs in ([s for r, s in steps if r == replica] for replica in "ab")
+    )
+    expected = len(blocks) == len(set(blocks)) and rising
+    assert ingest._unique_in_order(hours["seq"].to_numpy(), runs) == expected
+
+
+def test_a_lake_file_has_the_same_bytes_however_its_rows_were_chunked(tmp_path: Path) -> None:
+    # Enough distinct strings that a column's pages fill, where chunk boundaries would show.
+    rows = 100_000
+    schema = ingest.LAKE_TABLES["slots"]
+    whole = pa.table(
+        [
+            pa.array(
+                [f"{f.name}-{i}" for i in range(rows)] if f.type == pa.string() else range(rows),
+                f.type,
+            )
+            for f in schema
+        ],
+        schema=schema,
+    )
+    digests = {
+        ingest._write_part(
+            pa.concat_tables([whole.slice(at, cut) for at in range(0, rows, cut)]),
+            schema,
+            tmp_path / f"{cut}.parquet",
+        )
+        for cut in (rows, rows // 3, 7777)
+    }
+    assert len(digests) == 1
