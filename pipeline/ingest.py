@@ -482,10 +482,10 @@ def _shifted(steps: pl.DataFrame, corrections: dict[str, int]) -> pl.DataFrame:
     )
 
 
-Run = tuple[tuple[str, str, int], int, int]
+_Run = tuple[tuple[str, str, int], int, int]
 
 
-def _runs(keys: pl.DataFrame) -> list[Run]:
+def _runs(keys: pl.DataFrame) -> list[_Run]:
     """The runs of equal (pool, replica, `_hour`) in `keys`: each key, its first row and rows."""
     runs = keys.select(pl.struct(PART_KEY).rle().alias("run")).unnest("run").unnest("value")
     lengths = runs["len"].to_numpy()
@@ -495,7 +495,7 @@ def _runs(keys: pl.DataFrame) -> list[Run]:
     )
 
 
-def _unique_in_order(seq: np.ndarray, step_runs: list[Run]) -> bool:
+def _unique_in_order(seq: np.ndarray, step_runs: list[_Run]) -> bool:
     """Whether each (pool, replica)'s steps lie together, by rising seq: every step key once.
     `seq`: the steps' sequence numbers; `step_runs`: their runs (`_runs`)."""
     rising = np.diff(seq) > 0
@@ -508,7 +508,7 @@ def _unique_in_order(seq: np.ndarray, step_runs: list[Run]) -> bool:
     return bool(rising.all()) and len(set(replicas)) == len(replicas)
 
 
-def _runs_of_rows(step_runs: list[Run], counts: np.ndarray) -> list[Run]:
+def _runs_of_rows(step_runs: list[_Run], counts: np.ndarray) -> list[_Run]:
     """The runs of the rows of steps (`counts` per step) whose runs are `step_runs`, when each
     step's rows lie together in the order of the steps; runs without rows are left out."""
     bounds = np.zeros(len(counts) + 1, np.int64)
@@ -523,7 +523,7 @@ def _runs_of_rows(step_runs: list[Run], counts: np.ndarray) -> list[Run]:
 def _hour_parts(
     table: pa.Table,
     hours: pl.DataFrame,
-    step_runs: list[Run],
+    step_runs: list[_Run],
     counts: np.ndarray | None,
     in_order: bool,
 ) -> Iterator[tuple[tuple[str, str, int], pa.Table]]:
@@ -532,10 +532,11 @@ def _hour_parts(
     `hours` on the step key, then `group_by(..., maintain_order=True)`, gives.
 
     The decoder emits each step's rows together, in the order of the steps: when every step
-    key is unique and that order holds (`in_order`), the rows of a run of steps (`step_runs`)
-    are a slice found from the counts, without hashing millions of string keys or leaving
-    Arrow. Anything else (a re-delivered segment's recovered steps) is joined."""
-    if in_order:
+    key is unique, that order holds (`in_order`) and the counts add up to the rows, the rows
+    of a run of steps (`step_runs`) are a slice found from the counts, without hashing
+    millions of string keys or leaving Arrow. Anything else (a re-delivered segment's
+    recovered steps) is joined."""
+    if in_order and (counts is None or int(counts.sum()) == table.num_rows):
         runs = step_runs if counts is None else _runs_of_rows(step_runs, counts)
     else:
         placed = _frame(table).join(hours, on=STEP_KEY, how="left", maintain_order="left")
@@ -550,7 +551,7 @@ def _hour_parts(
 
 def _write_part(part: pa.Table, schema: pa.Schema, target: Path) -> str:
     # One chunk, however the decoder's frames and the hours cut the table: Parquet's pages
-    # follow the chunks, so the file's bytes (and sha256) would depend on them.
+    # follow the chunks, and the file's bytes (and sha256) must not depend on them.
     return _write_atomically(part.cast(schema).combine_chunks(), target)
 
 
