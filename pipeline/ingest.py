@@ -45,6 +45,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipeline.ahead import ordered_ahead
 from pipeline.hours import hour_key
 from pipeline.steplog import DecodedLog, read_segments
 from pipeline.steplog.decoder import UnreadableSegment, open_segment
@@ -343,7 +344,7 @@ def _ingest_new(
     ]
     reports = [
         _ingest_batch(con, root, lake, intents, batch, decoded)
-        for batch, decoded in _decoded_ahead(zip(batches, following, strict=True))
+        for batch, decoded in ordered_ahead(_decode, zip(batches, following, strict=True))
     ]
     return IngestReport(
         batch_id=reports[-1].batch_id if reports else None,
@@ -555,26 +556,12 @@ def _write_part(part: pa.Table, schema: pa.Schema, target: Path) -> str:
     return _write_atomically(part.cast(schema).combine_chunks(), target)
 
 
-def _decoded_ahead(
-    batches: Iterable[tuple[_Batch, list[Path]]],
-) -> Iterator[tuple[_Batch, DecodedLog | None]]:
-    """Each batch with its fresh files decoded. The next batch decodes (compiled, without the
-    GIL) while the caller writes and records this one: two batches in memory at most."""
-    with ThreadPoolExecutor(max_workers=1) as decoder:
-        ahead = None
-        for batch, following in batches:
-            decoding = decoder.submit(_decode, batch, following)
-            if ahead is not None:
-                yield ahead[0], ahead[1].result()
-            ahead = (batch, decoding)
-        if ahead is not None:
-            yield ahead[0], ahead[1].result()
-
-
-def _decode(batch: _Batch, following: list[Path]) -> DecodedLog | None:
-    """The batch's fresh files decoded (`following`: the replica's next segment, to bound a
-    torn tail; not ingested with the batch); None when it has none."""
-    return read_segments(list(batch.fresh), following) if batch.fresh else None
+def _decode(batch_and_following: tuple[_Batch, list[Path]]) -> tuple[_Batch, DecodedLog | None]:
+    """The batch with its fresh files decoded (the following list: the replica's next segment,
+    to bound a torn tail; not ingested with the batch); None when it has none. Batches decode
+    in threads (compiled, without the GIL) while the caller writes and records the one before."""
+    batch, following = batch_and_following
+    return batch, read_segments(list(batch.fresh), following) if batch.fresh else None
 
 
 def _ingest_batch(

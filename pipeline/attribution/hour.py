@@ -23,10 +23,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
-from collections import deque
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -34,6 +30,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from pipeline.ahead import ordered_ahead
 from pipeline.attribution.allocator import blend_and_allocate, largest_remainder, split_compute_kv
 from pipeline.attribution.clock import step_costs_in_hour
 from pipeline.attribution.kv import alpha_for_period, first_writer_blocks, holder_blocks
@@ -263,22 +260,6 @@ class _WeighedBatch:
     resource_work: np.ndarray | None
 
 
-def _ahead(
-    weigh: Callable[[int, int], _WeighedBatch], batches: list[tuple[int, int]]
-) -> Iterator[_WeighedBatch]:
-    """Each batch weighed, the next ones (pricing, mostly numpy without the GIL) in threads,
-    one per core, while the caller allocates this one, in order."""
-    workers = os.cpu_count() or 1
-    with ThreadPoolExecutor(max_workers=workers) as pricers:
-        weighing: deque[Future[_WeighedBatch]] = deque()
-        for first, end in batches:
-            weighing.append(pricers.submit(weigh, first, end))
-            if len(weighing) > workers:
-                yield weighing.popleft().result()
-        while weighing:
-            yield weighing.popleft().result()
-
-
 def _attribute_rows(
     pool: Pool,
     hour_steps: pl.DataFrame,
@@ -361,7 +342,8 @@ def _attribute_rows(
         )
 
     batches = step_batches(slot_layout.offsets + holder_layout.offsets, rows_per_batch, min_steps=2)
-    for weighed in _ahead(weigh, batches):
+    # Pricing, mostly numpy without the GIL, runs ahead of the allocation, which is in order.
+    for weighed in ordered_ahead(lambda bounds: weigh(*bounds), batches):
         first, end, slot_request = weighed.first, weighed.end, weighed.slot_request
         n_slots, row_step = slot_request.shape[0], weighed.row_step
         compute_work, kv_weight = weighed.compute_work, weighed.kv_weight
