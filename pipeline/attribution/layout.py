@@ -16,6 +16,8 @@ import numba
 import numpy as np
 import polars as pl
 
+from pipeline.ahead import ordered_ahead
+
 # Rows mapped per pass: bounds the transient copies of the key columns.
 _LOOKUP_ROWS = 1 << 22
 
@@ -166,8 +168,9 @@ def lay_out_rows(
     # An enum's codes are the strings' places in its categories: one hash per row, where a
     # mapping of strings to codes costs three times as much.
     replica_enum, request_enum = pl.Enum(keys.replicas), pl.Enum(requests)
-    orphans, first_orphan = 0, -1
-    for lo in range(0, n, _LOOKUP_ROWS):
+
+    def map_rows(lo: int) -> tuple[int, int]:
+        """Map rows lo.. (up to _LOOKUP_ROWS) into `step` and `request`; (orphans, first)."""
         part = table.slice(lo, _LOOKUP_ROWS)
         replica = (
             part["replica"]
@@ -177,6 +180,7 @@ def lay_out_rows(
             .fill_null(-1)
             .to_numpy()
         )
+        request[lo : lo + part.height] = part["request_id"].cast(request_enum).to_physical()
         found, first = _lookup_steps(
             keys.offsets,
             keys.seq,
@@ -185,10 +189,12 @@ def lay_out_rows(
             part["seq"].to_numpy(),
             step[lo : lo + part.height],
         )
-        if found and first_orphan < 0:
-            first_orphan = lo + first
-        orphans += found
-        request[lo : lo + part.height] = part["request_id"].cast(request_enum).to_physical()
+        return found, lo + first
+
+    # Each part writes its own rows of `step` and `request`: parts are mapped side by side.
+    mapped = list(ordered_ahead(map_rows, range(0, n, _LOOKUP_ROWS)))
+    orphans = sum(found for found, _ in mapped)
+    first_orphan = next((first for found, first in mapped if found), -1)
     if orphans:
         row = table.row(first_orphan, named=True)
         raise AttributionError(
