@@ -11,7 +11,7 @@ VLLM_NO_DEPS := vllm==0.33.0 xgrammar==0.2.8
 # The other supported vLLM release, beside the venv's, for the conformance test.
 VLLM_NEXT := $(VENV)/vllm-0.34
 VLLM_NEXT_STAMP := $(VLLM_NEXT)/.installed
-VLLM_TESTS := tests/pipeline/test_vllm_conformance.py tests/pipeline/test_vllm_adapter.py
+VLLM_TESTS := tests/pipeline/hook/test_vllm_conformance.py tests/pipeline/hook/test_vllm_adapter.py
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)

@@ -1,5 +1,5 @@
 """Paging on-call when a pool-hour run fails, through the sink the environment configures
-(pipeline.alerts: PagerDuty Events v2 or Slack webhook, else a JSON-lines file or stdout).
+(pipeline.reconcile.alerts: PagerDuty Events v2 or Slack webhook, else a JSON-lines file or stdout).
 
 A run fails when a reconciliation check fails with ERROR (its findings are paged, each once
 per hour) or when a step raises (paged as `run_failed`, once per run). The failure sensor only
@@ -19,9 +19,8 @@ from dagster_duckdb import DuckDBResource
 
 from assets.partitions import pool_hours_of_run
 from assets.resources import open_warehouse
-from pipeline import alerts
 from pipeline.hours import hour_key
-from pipeline.reconcile import failed_checks
+from pipeline.reconcile import alerts, failed_checks
 from schemas.config import Settings
 
 # Dedup keys of the dead-man pages already delivered, in the data directory (the dead-man

@@ -2,7 +2,7 @@
 because no run happens.
 
 Every few minutes it reads, per pool, the latest hour up to which every hour has rows in the
-warehouse's `reconciliation` table (read-only), hands that to `pipeline.alerts.deadman`, and
+warehouse's `reconciliation` table (read-only), hands that to `pipeline.reconcile.alerts.deadman`, and
 pages each finding once through the sink the environment configures (the same sent-keys file
 as the run-failure sensor, so a finding pages once however often the sensor ticks).
 
@@ -25,9 +25,9 @@ from dagster_duckdb import DuckDBResource
 from assets.alerting import SENT_KEYS_FILE
 from assets.partitions import first_hour
 from assets.resources import StepledgerData
-from pipeline import alerts
 from pipeline.hours import hour_key
-from pipeline.warehouse import WarehouseError, connect_read_only, query_frame
+from pipeline.reconcile import alerts
+from pipeline.storage.warehouse import WarehouseError, connect_read_only, query_frame
 from schemas.config import PoolsFile
 
 DEADMAN_INTERVAL_SECONDS = 300

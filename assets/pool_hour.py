@@ -21,15 +21,16 @@ from dagster_duckdb import DuckDBResource
 
 from assets.partitions import BACKFILL_POLICY, pool_hours
 from assets.resources import StepledgerData, open_warehouse
-from pipeline import gateway, lake
-from pipeline.attribute import attribute_pool_hour, gather_inputs
+from pipeline.attribution.attribute import attribute_pool_hour, gather_inputs
+from pipeline.attribution.ledger import LINE_KINDS, HourLedger
+from pipeline.attribution.weights import weight_source
 from pipeline.datadir import CALIBRATION_FILE
 from pipeline.hours import hour_key
-from pipeline.ingest import ingest_outbox
-from pipeline.ledger import LINE_KINDS, HourLedger
-from pipeline.publish import publish_hour
+from pipeline.ingestion import gateway
+from pipeline.ingestion.ingest import ingest_outbox
 from pipeline.report.money import usd
-from pipeline.weights import weight_source
+from pipeline.storage import lake
+from pipeline.storage.publish import publish_hour
 from schemas.config import PoolsFile
 
 GROUP = "pool_hour"

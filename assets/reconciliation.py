@@ -21,9 +21,9 @@ from dagster_duckdb import DuckDBResource
 from assets.partitions import pool_hours
 from assets.pool_hour import DUCKDB_POOL
 from assets.resources import StepledgerData, open_warehouse
-from pipeline.alerts import record_alerts
 from pipeline.hours import hour_key
 from pipeline.reconcile import CHECKS, CheckResult, reconcile_hour
+from pipeline.reconcile.alerts import record_alerts
 from schemas.config import PoolsFile
 
 # What each check asserts, shown with it in the Dagster UI (docs/production.md says what to do

@@ -15,7 +15,7 @@ import duckdb
 from dagster_duckdb import DuckDBResource
 
 from pipeline.datadir import CALIBRATION_FILE, pools_file
-from pipeline.warehouse import STATE_FILE, WRITER_CONFIG, apply_schema
+from pipeline.storage.warehouse import STATE_FILE, WRITER_CONFIG, apply_schema
 
 DATA_ENV = "STEPLEDGER_DATA"
 WAREHOUSE_ENV = "STEPLEDGER_WAREHOUSE"

@@ -14,7 +14,7 @@ import dagster as dg
 from assets.jobs import INGEST_JOB
 from assets.partitions import completed_hour, partition_key
 from assets.resources import StepledgerData
-from pipeline.ingest import segment_files
+from pipeline.ingestion.ingest import segment_files
 from schemas.config import PoolsFile
 
 

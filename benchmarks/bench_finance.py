@@ -19,7 +19,7 @@ import polars as pl
 
 from benchmarks.figure import Figure
 from pipeline import finance
-from pipeline.warehouse import STATE_FILE, connect, insert_frame, transaction
+from pipeline.storage.warehouse import STATE_FILE, connect, insert_frame, transaction
 
 DAYS = 30
 POOLS = ("chat-8b", "reason-dsv3")

@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.figure import Figure
-from pipeline.steplog import StepRecorder, read_segments
+from pipeline.hook.recorder import StepRecorder
+from pipeline.ingestion.decoder import read_segments
 from tests.helpers.steplog_samples import HEADER
 
 SLOTS_PER_STEP = 256

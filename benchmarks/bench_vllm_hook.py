@@ -49,9 +49,9 @@ def hook_cost(adapter: Any, steps: int) -> tuple[np.ndarray, np.ndarray]:
     engine step (schedule + update_from_output, hook included)."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
-    from pipeline.steplog import StepRecorder
+    from pipeline.hook.recorder import StepRecorder
     from tests.helpers.steplog_samples import HEADER
-    from tests.pipeline.vllm_engine import Engine, build_scheduler, request_factory, vllm_config
+    from tests.pipeline.hook.vllm_engine import Engine, build_scheduler, request_factory, vllm_config
 
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(scratch)
@@ -104,7 +104,7 @@ def hook_cost(adapter: Any, steps: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def figures(quick: bool) -> list[Figure]:
-    import pipeline.vllm_adapter as adapter
+    import pipeline.hook.vllm as adapter
 
     per_step, with_hook = hook_cost(adapter, 100 if quick else 3000)
     return [

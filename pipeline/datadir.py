@@ -4,10 +4,10 @@ resources and the benchmarks alike.
     outbox/<replica>/*.seg     step-log segments, as the engine hook writes them
     gateway/<hour>.jsonl       the gateway's request context, one file per UTC hour
     dcgm/<host>/<hour>.prom    DCGM exporter scrapes
-    lake/                      the Parquet lake (pipeline.lake)
+    lake/                      the Parquet lake (pipeline.storage.lake)
     pools.yaml                 the pools, when the directory has its own
     calibration.yaml           the calibrated work-model coefficients
-    pipeline.duckdb            the pipeline's state (pipeline.warehouse.STATE_FILE)
+    pipeline.duckdb            the pipeline's state (pipeline.storage.warehouse.STATE_FILE)
     warehouse/                 the DuckLake warehouse (its catalog and data files)
     warehouse.duckdb           the warehouse of the previous layout, one DuckDB file
 
@@ -22,7 +22,7 @@ from datetime import datetime
 from pathlib import Path
 
 from pipeline.hours import parse_hour_key
-from pipeline.warehouse import PREVIOUS_LAYOUT_FILE, STATE_FILE, WAREHOUSE_DIR
+from pipeline.storage.warehouse import PREVIOUS_LAYOUT_FILE, STATE_FILE, WAREHOUSE_DIR
 from schemas.config import DEFAULT_POOLS_PATH
 
 CALIBRATION_FILE = "calibration.yaml"

@@ -1,7 +1,7 @@
 -- The pipeline's own bookkeeping (DuckDB file pipeline.duckdb): what it ingested and the
 -- gateway context it loaded. Finance never reads it (the ledger is in the DuckLake warehouse,
 -- sql/schema.sql), so a finance session never holds this file. Idempotent; applied by
--- pipeline.warehouse on every writing connection. Arrow schemas in schemas/tables.py.
+-- pipeline.storage.warehouse on every writing connection. Arrow schemas in schemas/tables.py.
 
 -- Gateway context of each request. API keys are never stored: api_key_id is their keyed hash.
 CREATE TABLE IF NOT EXISTS request_context (
@@ -109,7 +109,7 @@ CREATE TABLE IF NOT EXISTS lake_files (
     batch_id VARCHAR NOT NULL
 );
 
--- Pages owed to on-call (pipeline.alerts): recorded before any delivery is tried, retried with
+-- Pages owed to on-call (pipeline.reconcile.alerts): recorded before any delivery is tried, retried with
 -- backoff until the sink accepts each one, once per dedup_key. delivered_at NULL: still owed.
 CREATE TABLE IF NOT EXISTS alert_outbox (
     dedup_key       VARCHAR   NOT NULL PRIMARY KEY,

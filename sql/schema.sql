@@ -1,11 +1,11 @@
 -- The stepledger warehouse: a DuckLake (Parquet data files under warehouse/data/, catalog in
--- warehouse/catalog.sqlite). Every statement is idempotent: pipeline.warehouse applies this
+-- warehouse/catalog.sqlite). Every statement is idempotent: pipeline.storage.warehouse applies this
 -- file on every writing connection. Each table's Arrow schema is in schemas/tables.py.
 -- Money is BIGINT nano-dollars (1 USD = 1_000_000_000); hours are UTC TIMESTAMP at :00.
--- DuckLake has no primary keys or CHECK constraints: pipeline.warehouse refuses rows that
+-- DuckLake has no primary keys or CHECK constraints: pipeline.storage.warehouse refuses rows that
 -- would break them (an hour outside the one replaced, an unknown line kind or severity).
 
--- The layout's version; pipeline.warehouse refuses a warehouse of another version.
+-- The layout's version; pipeline.storage.warehouse refuses a warehouse of another version.
 CREATE TABLE IF NOT EXISTS schema_version (
     version    INTEGER   NOT NULL,
     applied_at TIMESTAMP NOT NULL
@@ -90,7 +90,7 @@ CREATE TABLE IF NOT EXISTS alerts (
     pool       VARCHAR,
     replica    VARCHAR,
     detail     VARCHAR   NOT NULL,
-    -- pipeline.alerts.dedup_key(kind, hour, pool, replica, finding): one row per finding and hour.
+    -- pipeline.reconcile.alerts.dedup_key(kind, hour, pool, replica, finding): one row per finding and hour.
     dedup_key VARCHAR
 );
 

@@ -1,5 +1,5 @@
 -- Finance views over the ledger, defined as temporary views on every connection by
--- pipeline.warehouse (the warehouse holds data only). They show only published hours: hours
+-- pipeline.storage.warehouse (the warehouse holds data only). They show only published hours: hours
 -- reconciled with no failed blocking check. `held_back_hours` lists every other invoiced hour
 -- and why.
 

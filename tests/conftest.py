@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.steplog import SegmentHeader, StepRecorder
+from pipeline.hook.recorder import StepRecorder
+from schemas.records import SegmentHeader
 from tests.helpers.fleets import simulate_small
 from tests.helpers.steplog_samples import HEADER, fixed_clocks, record_numbered_steps
 

@@ -24,7 +24,7 @@ from pipeline.cli.dagster_instance import (
 )
 from pipeline.cli.options import DEMO_DIR, directory_option, workers_option
 from pipeline.datadir import CALIBRATION_FILE, hours_in_data
-from pipeline.warehouse import STATE_FILE
+from pipeline.storage.warehouse import STATE_FILE
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -59,7 +59,7 @@ def calibrate_from_segments(segment_paths: list[Path], store_path: Path) -> list
     """Fit the work model per (model, GPU type, engine version, driver version) in the
     segments and store each fit in `store_path` (what `stepledger calibrate` does)."""
     from pipeline.attribution.calibration import CalibrationStore, fit_decoded_log
-    from pipeline.steplog import read_segments
+    from pipeline.ingestion.decoder import read_segments
 
     log = read_segments(segment_paths)
     fits = fit_decoded_log(log.steps, log.slots, log.segments)

@@ -19,13 +19,12 @@ import dagster as dg
 
 from assets.resources import warehouse_path
 from assets.runner import execute_pool_hours, pool_hour_outcome
-from pipeline import alerts
 from pipeline.cli.dagster_instance import print_outcome
 from pipeline.cli.options import data_dir_option, file_option
 from pipeline.datadir import hours_in_data, pools_file
 from pipeline.hours import hour_key, parse_hour_key
-from pipeline.reconcile import failed_checks
-from pipeline.warehouse import connect
+from pipeline.reconcile import alerts, failed_checks
+from pipeline.storage.warehouse import connect
 from schemas.config import load_pools
 
 
@@ -110,7 +109,7 @@ def run_pool_hours(
 ) -> list[PoolHourRun]:
     """Materialize every (hour, pool) in order, in-process, on one ephemeral Dagster instance.
 
-    A failed pool-hour owes on-call the same pages as under the daemon (`pipeline.alerts`:
+    A failed pool-hour owes on-call the same pages as under the daemon (`pipeline.reconcile.alerts`:
     recorded in the outbox, delivered now if the sink accepts, else by the delivery sensor or
     the next run). SIGTERM or SIGINT stops the run after the pool-hour in flight (interrupted
     and rolled back) and starts no other: `RunStopped` says which were done and which not.

@@ -336,7 +336,7 @@ CalibrationKey = tuple[str, str, str, str]
 def fit_decoded_log(
     steps: pa.Table, slots: pa.Table, segments: pa.Table
 ) -> dict[CalibrationKey, FitResult]:
-    """fit_by_version over the decoder's Arrow tables (pipeline.steplog.read_segments)."""
+    """fit_by_version over the decoder's Arrow tables (pipeline.ingestion.decoder.read_segments)."""
     frames = []
     for name, table in (("steps", steps), ("slots", slots), ("segments", segments)):
         frame = pl.from_arrow(table)

@@ -43,10 +43,10 @@ def calibrate_command(
     if not segment_paths:
         raise click.ClickException(f"{data_dir}: no *.seg step-log segments found")
     try:
-        from pipeline.steplog import read_segments
+        from pipeline.ingestion.decoder import read_segments
     except ImportError as err:
         raise click.ClickException(
-            f"the step-log decoder (pipeline.steplog) is not available: {err}"
+            f"the step-log decoder (pipeline.ingestion.decoder) is not available: {err}"
         ) from err
     log = read_segments(segment_paths)
     try:

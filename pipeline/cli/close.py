@@ -10,7 +10,7 @@ import click
 
 from pipeline.cli.options import data_dir_option
 from pipeline.finance import close_month
-from pipeline.warehouse import WarehouseError
+from pipeline.storage.warehouse import WarehouseError
 
 
 @click.command("close")

@@ -22,7 +22,7 @@ from pipeline import finance
 from pipeline.cli.options import data_dir_option, file_option
 from pipeline.datadir import OutputPathError, check_output
 from pipeline.hours import parse_range_bound, to_warehouse
-from pipeline.warehouse import WarehouseError
+from pipeline.storage.warehouse import WarehouseError
 
 if TYPE_CHECKING:
     from rich.table import Table

@@ -9,7 +9,7 @@ import click
 
 from pipeline.cli.costs import print_wide
 from pipeline.cli.options import data_dir_option
-from pipeline.warehouse import WarehouseError
+from pipeline.storage.warehouse import WarehouseError
 
 
 def _usd(nano: int) -> str:
@@ -21,7 +21,7 @@ def print_explanation(explanation: object) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    from pipeline.explain import Explanation
+    from pipeline.finance.explain import Explanation
 
     assert isinstance(explanation, Explanation)
     console = Console()
@@ -110,7 +110,7 @@ def explain_command(request_id: str, data_dir: Path, as_json: bool) -> None:
     slot's work and KV memory-time, the weights and policies in force, the prefix-cache
     charge, how a retry was handled and the compute charge per resource. (explain-step
     splits a single hand-written step.)"""
-    from pipeline.explain import ExplainError, explain_request
+    from pipeline.finance.explain import ExplainError, explain_request
 
     try:
         explanation = explain_request(data_dir, request_id)

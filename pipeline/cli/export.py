@@ -9,8 +9,8 @@ import click
 
 from pipeline.cli.options import data_dir_option, file_option
 from pipeline.datadir import OutputPathError, check_output
-from pipeline.focus import FORMATS, focus_table, write_focus
-from pipeline.warehouse import WarehouseError
+from pipeline.finance.focus import FORMATS, focus_table, write_focus
+from pipeline.storage.warehouse import WarehouseError
 
 # Before and after any charge the ledger can hold.
 _EARLIEST = datetime(1970, 1, 1, tzinfo=UTC)

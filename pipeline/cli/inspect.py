@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from pipeline.steplog import read_segments, segment_paths
+from pipeline.ingestion.decoder import read_segments, segment_paths
 
 # Ranges printed per cell before the rest are summarised; --json always lists them all.
 _SHOWN_RANGES = 6

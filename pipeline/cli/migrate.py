@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from pipeline.warehouse import SCHEMA_VERSION, WarehouseError, migrate_previous_layout
+from pipeline.storage.warehouse import SCHEMA_VERSION, WarehouseError, migrate_previous_layout
 
 
 @click.command("migrate")

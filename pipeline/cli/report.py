@@ -42,7 +42,7 @@ def report_command(
     """
     from pipeline.datadir import OutputPathError, check_output, pools_file
     from pipeline.report import ReportError, Scope, write_report
-    from pipeline.warehouse import STATE_FILE, WarehouseError
+    from pipeline.storage.warehouse import STATE_FILE, WarehouseError
     from schemas.config import ConfigError, load_pools
 
     if hour and day:

@@ -15,7 +15,7 @@ import duckdb
 from pipeline import finance
 from pipeline.cli.costs import _plain, parse_as_of
 from pipeline.cli.options import data_dir_option
-from pipeline.warehouse import WarehouseError
+from pipeline.storage.warehouse import WarehouseError
 
 FORMATS = ("table", "csv", "json")
 PROMPT = "stepledger> "

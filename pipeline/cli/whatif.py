@@ -9,7 +9,7 @@ import click
 
 from pipeline.cli.costs import parse_range, print_wide
 from pipeline.cli.options import data_dir_option
-from pipeline.warehouse import WarehouseError
+from pipeline.storage.warehouse import WarehouseError
 
 
 def _percent(value: float | None) -> str:
@@ -45,7 +45,7 @@ def whatif_command(
     \b
     stepledger whatif --hour 2026-11-30T00 --set idle=capacity_owner --set alpha=0.5
     """
-    from pipeline.whatif import WhatIfError, parse_settings, what_if
+    from pipeline.finance.whatif import WhatIfError, parse_settings, what_if
 
     if hour is not None and (start or end):
         raise click.UsageError("give --hour or --from/--to, not both")

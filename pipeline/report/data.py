@@ -18,10 +18,10 @@ import numpy as np
 import polars as pl
 
 from pipeline.attribution.allocator import largest_remainder
+from pipeline.attribution.weights import kernel_weights
 from pipeline.hours import from_warehouse, hour_key, parse_hour_key, to_warehouse
-from pipeline.lake import load_ledger
-from pipeline.warehouse import connect_read_only, query_frame
-from pipeline.weights import kernel_weights
+from pipeline.storage.lake import load_ledger
+from pipeline.storage.warehouse import connect_read_only, query_frame
 from pricing import RESOURCES, Slots
 from schemas.config import Pool, PoolsFile
 

@@ -12,7 +12,7 @@ from html import escape
 import numpy as np
 import polars as pl
 
-from pipeline.ledger import LINE_KINDS
+from pipeline.attribution.ledger import LINE_KINDS
 from pipeline.report import charts
 from pipeline.report.data import ReportData
 from pipeline.report.money import usd, usd_per

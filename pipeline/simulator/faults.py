@@ -53,7 +53,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.steplog import read_segments
+from pipeline.ingestion.decoder import read_segments
 from schemas.records import FRAME_MARKER, PREAMBLE
 
 # name -> (default value, name of the value or None when it takes none, one-line help)

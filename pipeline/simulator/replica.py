@@ -25,11 +25,12 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.hook.recorder import StepRecorder
 from pipeline.simulator.engine import FINISHED, N_STEP_FEATURES, Engine, EngineConfig, StepBatch
 from pipeline.simulator.faults import DRIVER_VERSION, ENGINE_NAME, ReplicaFaults
-from pipeline.steplog import SegmentHeader, StepRecorder
 from pricing import Kernel, Slots
 from schemas.config import Pool, Replica
+from schemas.records import SegmentHeader
 
 ROTATE_NS = 300_000_000_000
 MAX_CHUNK_STEPS = 128

@@ -14,8 +14,8 @@ from assets.partitions import partition_key, range_tags
 from assets.runner import QUIET_RUN_CONFIG as QUIET
 from assets.runner import pool_hour_outcome
 from pipeline import finance
-from pipeline.ingest import segment_files
-from pipeline.warehouse import STATE_FILE
+from pipeline.ingestion.ingest import segment_files
+from pipeline.storage.warehouse import STATE_FILE
 from tests.helpers.fleets import page_on_call, small_pools
 from tests.helpers.hours import SIMULATED_HOUR
 

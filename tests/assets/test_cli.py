@@ -63,7 +63,9 @@ def test_run_names_the_file_line_and_field_that_failed(
     number = len(gateway.read_text().splitlines()) + 1
     with gateway.open("a") as lines:
         lines.write('{"request_id": "r-1", "tenant": 5\n')
-    cause = f"pipeline.gateway.ContextError: {gateway}:{number}: field (line): Invalid JSON"
+    cause = (
+        f"pipeline.ingestion.gateway.ContextError: {gateway}:{number}: field (line): Invalid JSON"
+    )
     table = CliRunner().invoke(main, ["run", "--data", str(data)])
     assert table.exit_code == 1
     assert f"2026-11-30T00 chat-8b: failed: {cause}" in table.stdout

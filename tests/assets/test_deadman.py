@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from assets.deadman import build_deadman_sensor, last_reconciled_hours
 from assets.definitions import build_definitions
 from assets.resources import StepledgerData
-from pipeline.warehouse import connect
+from pipeline.storage.warehouse import connect
 from tests.helpers.fleets import small_pools
 
 BEFORE_FIRST = datetime(2026, 10, 31, 23, tzinfo=UTC)

@@ -12,9 +12,9 @@ from assets.partitions import partition_key, range_tags
 from assets.resources import StepledgerData
 from assets.runner import QUIET_RUN_CONFIG as QUIET
 from pipeline import finance
-from pipeline.ingest import segment_files
+from pipeline.ingestion.ingest import segment_files
 from pipeline.reconcile import CHECKS
-from pipeline.warehouse import STATE_FILE, connect
+from pipeline.storage.warehouse import STATE_FILE, connect
 from schemas.config import load_pools
 from tests.helpers.fleets import small_pools
 from tests.helpers.hours import SIMULATED_HOUR

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import atheris
 
-with atheris.instrument_imports(include=["pipeline.steplog", "schemas"]):
-    from pipeline.steplog import read_segments
+with atheris.instrument_imports(include=["pipeline.ingestion", "pipeline.hook", "schemas"]):
+    from pipeline.ingestion.decoder import read_segments
 
 from tests.helpers.segment_bytes import recorded_segments
 

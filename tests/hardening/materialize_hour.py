@@ -33,9 +33,10 @@ def main(argv: list[str]) -> None:
     from assets import pool_hour, reconciliation
     from assets.definitions import build_definitions
     from assets.partitions import partition_key
-    from pipeline import gateway, ingest, lake
     from pipeline.datadir import pools_file
     from pipeline.hours import parse_hour_key
+    from pipeline.ingestion import gateway, ingest
+    from pipeline.storage import lake
     from schemas.config import load_pools
     from tests.helpers.fleets import QUIET
 

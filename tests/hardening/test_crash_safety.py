@@ -19,7 +19,7 @@ import polars as pl
 import pytest
 
 from pipeline.hours import hour_key
-from pipeline.warehouse import STATE_FILE, connect
+from pipeline.storage.warehouse import STATE_FILE, connect
 from tests.helpers.fleets import bill, rerecord, simulate_small, small_pools
 from tests.helpers.hours import SIMULATED_HOUR
 
@@ -166,7 +166,7 @@ ENGINE = """
 import sys
 from pathlib import Path
 from tests.helpers.segment_bytes import HEADER, record_steps
-from pipeline.steplog import StepRecorder
+from pipeline.hook.recorder import StepRecorder
 recorder = StepRecorder(Path(sys.argv[1]), HEADER, overflow="block", rotate_bytes=3 << 19)
 print("recording", flush=True)
 step = 0
@@ -192,8 +192,8 @@ def complete_frames(data: bytes) -> int:
 def test_an_engine_killed_mid_write_leaves_segments_that_decode_to_its_last_complete_frame(
     tmp_path, delay
 ):
-    from pipeline.steplog import read_segments, recover_partial_segments
-    from pipeline.steplog.recorder import PARTIAL_SUFFIX
+    from pipeline.hook.recorder import PARTIAL_SUFFIX, recover_partial_segments
+    from pipeline.ingestion.decoder import read_segments
 
     outbox = tmp_path / "outbox"
     engine = subprocess.Popen(
@@ -232,7 +232,8 @@ def test_an_engine_killed_mid_write_leaves_segments_that_decode_to_its_last_comp
 
 def read_segments_of_steps(tmp_path: Path, steps: int):
     """What the same engine script records for exactly `steps` steps, closed cleanly."""
-    from pipeline.steplog import StepRecorder, read_segments
+    from pipeline.hook.recorder import StepRecorder
+    from pipeline.ingestion.decoder import read_segments
     from tests.helpers.segment_bytes import HEADER, record_steps
 
     with StepRecorder(

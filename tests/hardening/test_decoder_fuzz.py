@@ -19,7 +19,7 @@ import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from pipeline.steplog import read_segments
+from pipeline.ingestion.decoder import read_segments
 from schemas.records import FRAME_MARKER, FRAME_PREFIX, MAX_FRAME_PAYLOAD, FrameKind
 from schemas.tables import DAMAGE, DROPS, HOLDERS, SEGMENTS, SLOTS, STEPS
 from tests.helpers.segment_bytes import CountingChecksums, recorded_segments, resealed, with_length

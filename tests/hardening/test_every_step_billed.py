@@ -21,12 +21,12 @@ from assets.definitions import build_definitions
 from assets.partitions import partition_key
 from assets.runner import QUIET_RUN_CONFIG as QUIET
 from assets.runner import root_cause
-from pipeline import alerts
 from pipeline.hours import HOUR_NS, hour_key
-from pipeline.lake import inputs_path, ledger_files
+from pipeline.ingestion.decoder import read_segments
+from pipeline.reconcile import alerts
 from pipeline.simulator.sink import SimulatedSink, serve_sink
-from pipeline.steplog import read_segments
-from pipeline.warehouse import STATE_FILE, connect, connect_read_only
+from pipeline.storage.lake import inputs_path, ledger_files
+from pipeline.storage.warehouse import STATE_FILE, connect, connect_read_only
 from schemas.config import PoolsFile
 from tests.helpers.fleets import bill, costs, record_again, simulate_small, small_pools
 from tests.helpers.hours import SIMULATED_HOUR
@@ -247,7 +247,7 @@ def test_a_lake_file_rewritten_after_ingest_fails_the_hour_and_keeps_the_money(
     assert not result.success
     (failure,) = result.get_step_failure_events()
     message = failure.event_specific_data.error.cause.message
-    assert message.startswith(f"pipeline.lake.LakeFileChanged: {steps_file}: sha256 ")
+    assert message.startswith(f"pipeline.storage.lake.LakeFileChanged: {steps_file}: sha256 ")
     assert "the lake file was changed after it was written" in message
     assert costs(data) == unfaulted["money"]
     # `stepledger run` shows the root cause, not Dagster's "Error occurred while executing".
@@ -292,7 +292,7 @@ def test_rewritten_inputs_or_ledger_files_fail_the_hour_and_keep_the_money(
         # Every request's context moves to one tenant.
         rewrite(inputs, lambda f: f.with_columns(tenant=pl.lit(f["tenant"][0])))
         (cause,) = root_causes(run("attribution", "ledger"))
-        assert cause.startswith(f"pipeline.lake.LakeFileChanged: {inputs}: sha256 ")
+        assert cause.startswith(f"pipeline.storage.lake.LakeFileChanged: {inputs}: sha256 ")
         assert costs(data) == unfaulted["money"]
 
         assert run("request_context", "attribution").success
@@ -309,7 +309,7 @@ def test_rewritten_inputs_or_ledger_files_fail_the_hour_and_keep_the_money(
             ),
         )
         (cause,) = root_causes(run("ledger"))
-        assert cause.startswith(f"pipeline.lake.LakeFileChanged: {lines}: sha256 ")
+        assert cause.startswith(f"pipeline.storage.lake.LakeFileChanged: {lines}: sha256 ")
         assert costs(data) == unfaulted["money"]
 
 
@@ -324,5 +324,7 @@ def test_a_step_file_added_to_the_lake_fails_the_hour(pools, unfaulted, tmp_path
     with dg.DagsterInstance.ephemeral() as instance:
         (result,) = bill(data, pools, instance)
     (cause,) = root_causes(result)
-    assert cause.startswith(f"pipeline.lake.LakeFileChanged: {added}: no sha256 was recorded")
+    assert cause.startswith(
+        f"pipeline.storage.lake.LakeFileChanged: {added}: no sha256 was recorded"
+    )
     assert costs(data) == unfaulted["money"]

@@ -14,8 +14,8 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 
-from pipeline.dcgm import DcgmParseError, parse_dcgm, read_dcgm_hour
-from pipeline.gateway import ContextError, read_gateway_file
+from pipeline.ingestion.dcgm import DcgmParseError, parse_dcgm, read_dcgm_hour
+from pipeline.ingestion.gateway import ContextError, read_gateway_file
 from schemas.config import DEFAULT_POOLS_PATH, ConfigError, load_pools
 
 pytestmark = pytest.mark.timeout(180)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.simulator import simulate
-from pipeline.warehouse import STATE_FILE, connect_read_only
+from pipeline.storage.warehouse import STATE_FILE, connect_read_only
 from schemas.config import PoolsFile, load_pools
 from tests.helpers.dagster_processes import STEPLEDGER
 from tests.helpers.fleets import small_pools

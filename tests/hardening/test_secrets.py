@@ -23,9 +23,9 @@ import pytest
 from click.testing import CliRunner
 
 from assets.definitions import build_definitions
-from pipeline.alerts import AlertConfigError
 from pipeline.cli import main
-from pipeline.warehouse import STATE_FILE, connect, connect_read_only
+from pipeline.reconcile.alerts import AlertConfigError
+from pipeline.storage.warehouse import STATE_FILE, connect, connect_read_only
 from tests.helpers.fleets import bill, page_on_call, simulate_small, small_pools
 
 pytestmark = pytest.mark.timeout(300)

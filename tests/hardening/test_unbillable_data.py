@@ -13,7 +13,7 @@ import dagster as dg
 import pytest
 
 from pipeline.simulator.faults import damage_segments
-from pipeline.warehouse import STATE_FILE, connect
+from pipeline.storage.warehouse import STATE_FILE, connect
 from schemas.config import PoolsFile
 from tests.helpers.fleets import bill, costs, rerecord, simulate_small, small_pools
 

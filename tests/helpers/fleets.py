@@ -97,7 +97,7 @@ def page_on_call(
 
 def costs(data: Path) -> dict:
     """What finance sees: published money by tenant, feature and line kind; the held-back hours."""
-    from pipeline.warehouse import STATE_FILE, connect_read_only
+    from pipeline.storage.warehouse import STATE_FILE, connect_read_only
 
     with connect_read_only(data / STATE_FILE) as con:
         published = con.execute(
@@ -141,8 +141,9 @@ def record_again(
     that far off, so nothing in the log says the segment's wall clock is wrong."""
     import numpy as np
 
-    from pipeline.steplog import SegmentHeader, StepRecorder, read_segments
-    from pipeline.steplog.recorder import MAX_SEGMENT_BYTES
+    from pipeline.hook.recorder import MAX_SEGMENT_BYTES, StepRecorder
+    from pipeline.ingestion.decoder import read_segments
+    from schemas.records import SegmentHeader
 
     decoded = read_segments([path])
     assert decoded.damage.num_rows == 0 and decoded.drops.num_rows == 0, path

@@ -6,8 +6,8 @@ import numpy as np
 import polars as pl
 
 from pipeline.attribution.synthetic import synthetic_pool
-from pipeline.dcgm import DCGM_SCHEMA
 from pipeline.hours import hour_bounds_ns
+from pipeline.ingestion.dcgm import DCGM_SCHEMA
 from schemas.config import Pool
 from schemas.tables import DAMAGE, DROPS, SEGMENTS, STEPS
 from tests.helpers.hours import HOUR

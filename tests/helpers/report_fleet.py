@@ -15,16 +15,16 @@ from pathlib import Path
 
 import yaml
 
-from pipeline import gateway
-from pipeline.alerts import record_alerts
-from pipeline.attribute import attribute_pool_hour, gather_inputs
+from pipeline.attribution.attribute import attribute_pool_hour, gather_inputs
+from pipeline.attribution.weights import weight_source
 from pipeline.datadir import CALIBRATION_FILE
-from pipeline.ingest import ingest_outbox
-from pipeline.lake import save_ledger
-from pipeline.publish import publish_hour
+from pipeline.ingestion import gateway
+from pipeline.ingestion.ingest import ingest_outbox
 from pipeline.reconcile import reconcile_hour
-from pipeline.warehouse import connect
-from pipeline.weights import weight_source
+from pipeline.reconcile.alerts import record_alerts
+from pipeline.storage.lake import save_ledger
+from pipeline.storage.publish import publish_hour
+from pipeline.storage.warehouse import connect
 from schemas.config import load_pools
 from tests.helpers.hours import HOUR
 from tests.helpers.warehouse_fleet import NS, write_gateway, write_replica_log

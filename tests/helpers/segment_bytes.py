@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.steplog import StepRecorder, decoder
-from pipeline.steplog.format import frame_crc
+from pipeline.hook.format import frame_crc
+from pipeline.hook.recorder import StepRecorder
+from pipeline.ingestion import decoder
 from schemas.records import FRAME_CHECKED_BYTES, FRAME_PREFIX
 from tests.helpers.steplog_samples import HEADER, fixed_clocks, record_numbered_steps
 

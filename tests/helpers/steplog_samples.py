@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pipeline.steplog import SegmentHeader, StepRecorder
-from schemas.records import FRAME_PREFIX, PREAMBLE
+from pipeline.hook.recorder import StepRecorder
+from schemas.records import FRAME_PREFIX, PREAMBLE, SegmentHeader
 
 HEADER = SegmentHeader(
     pool="chat-8b",

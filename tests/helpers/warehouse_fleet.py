@@ -6,8 +6,9 @@ import json
 from datetime import datetime, timedelta
 from pathlib import Path
 
-from pipeline.steplog import SegmentHeader, StepRecorder
+from pipeline.hook.recorder import StepRecorder
 from schemas.config import Pool
+from schemas.records import SegmentHeader
 
 NS = 1_000_000_000
 

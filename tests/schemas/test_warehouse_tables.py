@@ -7,7 +7,7 @@ import duckdb
 import pyarrow as pa
 import pytest
 
-from pipeline.warehouse import SCHEMA_SQL, STATE_SQL
+from pipeline.storage.warehouse import SCHEMA_SQL, STATE_SQL
 from schemas.tables import PIPELINE_STATE_TABLES, WAREHOUSE_TABLES
 
 

@@ -138,7 +138,8 @@ def test_kernel_weights_form(tmp_path):
 
 
 def _record_calibration_run(outbox: Path, engine_version: str, coefficients, seed: int) -> None:
-    from pipeline.steplog import SegmentHeader, StepRecorder
+    from pipeline.hook.recorder import StepRecorder
+    from schemas.records import SegmentHeader
 
     pool = synthetic_pool(replicas=1)
     log = synthetic_log(
@@ -182,7 +183,7 @@ def _record_calibration_run(outbox: Path, engine_version: str, coefficients, see
 
 
 def test_calibrate_fits_real_segments_per_engine_version_and_stores_them(tmp_path):
-    pytest.importorskip("pipeline.steplog")
+    pytest.importorskip("pipeline.ingestion.decoder")
     _record_calibration_run(tmp_path / "run", "0.11.0", (12.0, 0.05, 0.00005), seed=1)
     _record_calibration_run(tmp_path / "run", "0.12.0", (10.0, 0.04, 0.00006), seed=2)
     store = tmp_path / "calibration.yaml"
@@ -205,7 +206,7 @@ def test_calibrate_fits_real_segments_per_engine_version_and_stores_them(tmp_pat
 
 
 def test_calibrate_rejects_a_poor_fit_and_an_empty_directory(tmp_path):
-    pytest.importorskip("pipeline.steplog")
+    pytest.importorskip("pipeline.ingestion.decoder")
     empty = CliRunner().invoke(main, ["calibrate", "--data", str(tmp_path)])
     assert empty.exit_code != 0 and "no *.seg step-log segments" in empty.output
     _record_calibration_run(tmp_path / "run", "0.11.0", (12.0, 0.05, 0.00005), seed=1)

@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 
 from pipeline.attribution.hour import LEDGER_LINE_SCHEMA, REQUEST_COST_SCHEMA, attribute_hour
 from pipeline.attribution.layout import AttributionError
+from pipeline.attribution.ledger import LINE_KINDS
 from pipeline.attribution.synthetic import HOUR, HOUR_START_NS, StepLog, synthetic_log
 from pipeline.attribution.synthetic import synthetic_pool as make_pool
 from pipeline.attribution.workmodel import Coefficients, FittedWeights, SlotBatch, kernel_work_us
-from pipeline.ledger import LINE_KINDS
 
 WEIGHTS = FittedWeights(Coefficients(12.0, 0.05, 0.00005))
 PER_HOUR = 3_600_000_000  # $3.60 per GPU-hour in nano-dollars

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from pipeline.cli.costs import costs_command
 from pipeline.hours import parse_range_bound
-from pipeline.warehouse import connect
-from tests.pipeline.warehouse.test_warehouse import publish
+from pipeline.storage.warehouse import connect
+from tests.pipeline.storage.test_warehouse import publish
 
 DAY_ONE = datetime(2026, 11, 30, 22, tzinfo=UTC)
 DAY_TWO = DAY_ONE + timedelta(hours=3)  # 2026-12-01T01

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.alerts import (
+from pipeline.reconcile import check_plausibility
+from pipeline.reconcile.alerts import (
     AlertConfigError,
     AlertDeliveryError,
     JsonLinesSink,
@@ -22,7 +23,6 @@ from pipeline.alerts import (
     page,
     sink_from_env,
 )
-from pipeline.reconcile import check_plausibility
 from schemas.config import Settings
 from tests.helpers.hours import HOUR
 from tests.helpers.reconcile_builders import clean_steps, make_dcgm, make_pool

@@ -10,8 +10,9 @@ import pytest
 
 from pipeline.attribution.hour import attribute_hour
 from pipeline.attribution.workmodel import KernelWeights
-from pipeline.dcgm import read_dcgm_hour
-from pipeline.gateway import read_gateway_file
+from pipeline.ingestion.dcgm import read_dcgm_hour
+from pipeline.ingestion.decoder import read_segments
+from pipeline.ingestion.gateway import read_gateway_file
 from pipeline.reconcile import (
     CheckResult,
     check_calibration,
@@ -23,7 +24,6 @@ from pipeline.reconcile import (
 )
 from pipeline.simulator import simulate
 from pipeline.simulator.faults import DRIVER_VERSION, ENGINE_VERSION, UNCALIBRATED_ENGINE_VERSION
-from pipeline.steplog import read_segments
 from pricing import load_chip
 from schemas.config import PoolsFile, load_pools
 from tests.helpers.hours import SIMULATED_HOUR

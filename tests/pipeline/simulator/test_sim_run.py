@@ -17,11 +17,11 @@ import yaml
 from click.testing import CliRunner, Result
 
 from pipeline.cli import main
-from pipeline.dcgm import parse_dcgm
+from pipeline.ingestion.dcgm import parse_dcgm
+from pipeline.ingestion.decoder import read_segments
 from pipeline.simulator import SimulationSummary, simulate
 from pipeline.simulator.faults import UNCALIBRATED_ENGINE_VERSION, FaultError, parse_fault
 from pipeline.simulator.telemetry import busy_between
-from pipeline.steplog import read_segments
 from pricing import Kernel, Slots
 from schemas.config import PoolsFile, load_pools
 

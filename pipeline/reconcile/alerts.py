@@ -1,0 +1,543 @@
+"""Paging on-call: failed reconciliation findings to a sink, each finding once per hour.
+
+Sinks: a local JSON-lines file or stdout (the default), or a webhook that posts PagerDuty
+Events v2 or Slack-compatible JSON. Configuration comes from the environment:
+
+- `STEPLEDGER_ALERT_WEBHOOK_URL`: the webhook; for PagerDuty it defaults to the public
+  Events v2 endpoint. Slack-style URLs carry their secret in the path, so the URL is never
+  logged or put in an error message, only its scheme and host.
+- `STEPLEDGER_PAGERDUTY_ROUTING_KEY`: the PagerDuty integration key, never logged.
+- `STEPLEDGER_ALERT_FORMAT`: `pagerduty` or `slack`; by default `pagerduty` when a routing
+  key is set, `slack` when only a URL is.
+- `STEPLEDGER_ALERT_FILE`: with no webhook, alerts are appended here as JSON lines; with
+  neither, they are printed to stdout.
+
+Deduplication: a finding's key hashes (kind, hour, pool, replica, finding code). Keys already
+in the `SentKeys` store are not sent again; a key is stored only after its alert was
+delivered, so a failed delivery is retried by the next run. PagerDuty also receives the key as
+`dedup_key`, so two racing runs still open one incident.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any, Literal, Protocol, TextIO
+
+import duckdb
+
+from pipeline.hours import hour_key, parse_hour_key, to_warehouse
+from pipeline.reconcile import CheckResult
+from pipeline.storage.warehouse import transaction
+from schemas.config import Settings
+
+log = logging.getLogger(__name__)
+
+PAGERDUTY_EVENTS_URL = "https://events.pagerduty.com/v2/enqueue"
+# PagerDuty rejects summaries longer than this.
+PAGERDUTY_SUMMARY_LIMIT = 1024
+ENV_URL = "STEPLEDGER_ALERT_WEBHOOK_URL"
+ENV_ROUTING_KEY = "STEPLEDGER_PAGERDUTY_ROUTING_KEY"
+ENV_FORMAT = "STEPLEDGER_ALERT_FORMAT"
+ENV_FILE = "STEPLEDGER_ALERT_FILE"
+
+WebhookFormat = Literal["pagerduty", "slack"]
+
+
+class AlertConfigError(ValueError):
+    """The alert sink's environment configuration is incomplete or invalid."""
+
+
+class AlertDeliveryError(RuntimeError):
+    """An alert could not be delivered; the message never contains the webhook URL or key."""
+
+
+@dataclass(frozen=True)
+class Alert:
+    raised_at: datetime
+    severity: str
+    kind: str
+    hour: datetime
+    pool: str
+    replica: str | None
+    finding: str
+    detail: str
+    dedup_key: str
+
+    @property
+    def summary(self) -> str:
+        where = self.pool if self.replica is None else f"{self.pool}/{self.replica}"
+        return f"[{self.severity}] stepledger {self.kind} failed for {where} hour {hour_key(self.hour)}: {self.detail}"
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "raised_at": self.raised_at.astimezone(UTC).isoformat(),
+            "severity": self.severity,
+            "kind": self.kind,
+            "hour": hour_key(self.hour),
+            "pool": self.pool,
+            "replica": self.replica,
+            "finding": self.finding,
+            "detail": self.detail,
+            "dedup_key": self.dedup_key,
+        }
+
+
+def dedup_key(kind: str, hour: datetime, pool: str, replica: str | None, finding: str) -> str:
+    """Stable key of one finding for one hour: equal findings page once."""
+    identity = json.dumps([kind, hour_key(hour), pool, replica, finding])
+    return "stepledger-" + hashlib.sha256(identity.encode()).hexdigest()[:32]
+
+
+# What an alert repeats of its failed result under the same name (`kind` is its check_name).
+_FROM_RESULT = ("severity", "hour", "pool", "replica", "finding", "detail")
+
+
+def alert_for(result: CheckResult, raised_at: datetime) -> Alert:
+    if result.passed:
+        raise ValueError(
+            f"{result.check_name} for {result.pool} passed; only failed results are alerts"
+        )
+    key = dedup_key(result.check_name, result.hour, result.pool, result.replica, result.finding)
+    return Alert(
+        raised_at=raised_at,
+        kind=result.check_name,
+        dedup_key=key,
+        **{name: getattr(result, name) for name in _FROM_RESULT},
+    )
+
+
+def record_alerts(con: duckdb.DuckDBPyConnection, results: Iterable[CheckResult]) -> None:
+    """Add an `alerts` row for each failed result not recorded before (keyed by `dedup_key`),
+    so a re-run of a failing hour adds no second row."""
+    raised_at = datetime.now(UTC).replace(tzinfo=None)
+    with transaction(con):
+        for r in results:
+            if r.passed:
+                continue
+            key = dedup_key(r.check_name, r.hour, r.pool, r.replica, r.finding)
+            con.execute(
+                "INSERT INTO alerts SELECT ?, ?, ?, ?, ?, ?, ?, ? "
+                "WHERE NOT EXISTS (SELECT 1 FROM alerts WHERE dedup_key = ?)",
+                [
+                    raised_at,
+                    r.severity,
+                    r.check_name,
+                    to_warehouse(r.hour),
+                    r.pool,
+                    r.replica,
+                    r.detail,
+                    key,
+                    key,
+                ],
+            )
+
+
+# --- where sent keys live -----------------------------------------------------------------
+
+
+class SentKeys(Protocol):
+    """Dedup keys of alerts already delivered. A plain `set` is one (for a single process)."""
+
+    def __contains__(self, key: object) -> bool: ...
+
+    def add(self, key: str) -> None: ...
+
+
+class SentKeysFile:
+    """Sent keys in a small text file, one per line, appended and fsynced as each alert is sent."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        try:
+            self._keys = set(self.path.read_text(encoding="utf-8").split())
+        except FileNotFoundError:
+            self._keys = set()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def add(self, key: str) -> None:
+        if key in self._keys:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a", encoding="utf-8") as stream:
+            stream.write(key + "\n")
+            stream.flush()
+            os.fsync(stream.fileno())
+        self._keys.add(key)
+
+
+# --- sinks --------------------------------------------------------------------------------
+
+
+class AlertSink(Protocol):
+    def send(self, alert: Alert) -> None: ...
+
+
+class JsonLinesSink:
+    """Appends each alert as one JSON object per line to a file, or writes it to a stream."""
+
+    def __init__(self, target: str | os.PathLike[str] | TextIO | None = None) -> None:
+        self.target = Path(target) if isinstance(target, (str, os.PathLike)) else target
+
+    def send(self, alert: Alert) -> None:
+        line = json.dumps(alert.as_json(), sort_keys=True) + "\n"
+        if isinstance(self.target, Path):
+            self.target.parent.mkdir(parents=True, exist_ok=True)
+            with self.target.open("a", encoding="utf-8") as stream:
+                stream.write(line)
+        else:
+            out = self.target or sys.stdout
+            out.write(line)
+            out.flush()
+
+    def __repr__(self) -> str:
+        return f"JsonLinesSink({str(self.target) if isinstance(self.target, Path) else 'stream'})"
+
+
+class WebhookSink:
+    """POSTs PagerDuty Events v2 or Slack-compatible JSON; URL and routing key stay secret."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        format: WebhookFormat,
+        routing_key: str | None = None,
+        source: str = "stepledger",
+        timeout_s: float = 10.0,
+    ) -> None:
+        if format not in ("pagerduty", "slack"):
+            raise AlertConfigError(f"webhook format {format!r} is not one of pagerduty, slack")
+        if format == "pagerduty" and not routing_key:
+            raise AlertConfigError(f"the pagerduty format needs a routing key ({ENV_ROUTING_KEY})")
+        # Never the URL in the message, nor a chained error that quotes it: its path is a secret.
+        try:
+            parts = urllib.parse.urlsplit(url)
+            # A port that is not a number would otherwise fail only at the first page.
+            parts.port  # noqa: B018
+        except ValueError:
+            raise AlertConfigError(f"the webhook URL ({ENV_URL}) does not parse as a URL") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise AlertConfigError(f"the webhook URL ({ENV_URL}) is not an http(s) URL")
+        if re.search(r"[\x00-\x20\x7f]", url):
+            raise AlertConfigError(
+                f"the webhook URL ({ENV_URL}) contains whitespace or control characters"
+            )
+        self._url = url
+        self._routing_key = routing_key
+        self.format: WebhookFormat = format
+        self.source = source
+        self.timeout_s = timeout_s
+        # What may be shown of the destination: scheme and host, never path, query or key.
+        self.destination = f"{parts.scheme}://{parts.hostname}"
+
+    def __repr__(self) -> str:
+        return f"WebhookSink({self.format} -> {self.destination}/…)"
+
+    def payload(self, alert: Alert) -> dict[str, Any]:
+        if self.format == "slack":
+            return {"text": alert.summary}
+        return {
+            "routing_key": self._routing_key,
+            "event_action": "trigger",
+            "dedup_key": alert.dedup_key,
+            "payload": {
+                "summary": alert.summary[:PAGERDUTY_SUMMARY_LIMIT],
+                "source": self.source,
+                "severity": "error" if alert.severity == "ERROR" else "warning",
+                "timestamp": alert.raised_at.astimezone(UTC).isoformat(),
+                "component": alert.pool,
+                "group": alert.replica or alert.pool,
+                "class": alert.kind,
+                "custom_details": alert.as_json(),
+            },
+        }
+
+    def _redact(self, text: str) -> str:
+        parts = urllib.parse.urlsplit(self._url)
+        path_and_query = parts.path + (f"?{parts.query}" if parts.query else "")
+        for secret in (
+            self._url,
+            path_and_query if len(path_and_query) > 1 else None,
+            self._routing_key,
+        ):
+            if secret:
+                text = text.replace(secret, "[redacted]")
+        return text
+
+    def send(self, alert: Alert) -> None:
+        request = urllib.request.Request(
+            self._url,
+            data=json.dumps(self.payload(alert)).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        what = f"{alert.kind} alert for {alert.pool} {hour_key(alert.hour)} to {self!r}"
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                status = response.status
+        except urllib.error.HTTPError as err:
+            body = self._redact(err.read(300).decode("utf-8", "replace"))
+            message = (
+                f"delivering {what} failed: HTTP {err.code} {self._redact(str(err.reason))}: {body}"
+            )
+        except (urllib.error.URLError, OSError) as err:
+            reason = getattr(err, "reason", err)
+            message = f"delivering {what} failed: {self._redact(str(reason))}"
+        else:
+            log.info("sent %s (HTTP %s)", what, status)
+            return
+        # Raised outside the except blocks: the original exception carries the full URL and must
+        # not be chained to this one.
+        raise AlertDeliveryError(message)
+
+
+def sink_from_env(environ: Mapping[str, str] | None = None) -> AlertSink:
+    """The sink the environment configures (see the module docstring)."""
+    env = os.environ if environ is None else environ
+    url = env.get(ENV_URL) or None
+    routing_key = env.get(ENV_ROUTING_KEY) or None
+    format = env.get(ENV_FORMAT) or ("pagerduty" if routing_key else "slack" if url else None)
+    if format is None:
+        return JsonLinesSink(env.get(ENV_FILE) or None)
+    if format not in ("pagerduty", "slack"):
+        raise AlertConfigError(f"{ENV_FORMAT}={format!r} is not one of pagerduty, slack")
+    if format == "slack" and url is None:
+        raise AlertConfigError(f"{ENV_FORMAT}=slack needs {ENV_URL}")
+    return WebhookSink(
+        url or PAGERDUTY_EVENTS_URL,
+        format="slack" if format == "slack" else "pagerduty",
+        routing_key=routing_key,
+    )
+
+
+# --- paging -------------------------------------------------------------------------------
+
+
+def page(
+    results: Iterable[CheckResult], sink: AlertSink, sent_keys: SentKeys, *, raised_at: datetime
+) -> list[Alert]:
+    """Send each failed result's finding unless sent before; returns the alerts sent now."""
+    return send_new((alert_for(r, raised_at) for r in results if not r.passed), sink, sent_keys)
+
+
+def send_new(alerts: Iterable[Alert], sink: AlertSink, sent_keys: SentKeys) -> list[Alert]:
+    """Send the alerts whose dedup key is not in `sent_keys`, recording each once delivered.
+
+    A delivery error propagates after the alerts before it were sent and recorded, so the run
+    fails (and the failure is itself visible) while nothing is paged twice on the retry.
+    """
+    sent = []
+    for alert in alerts:
+        if alert.dedup_key in sent_keys:
+            log.debug("already sent %s for %s %s", alert.kind, alert.pool, hour_key(alert.hour))
+            continue
+        sink.send(alert)
+        sent_keys.add(alert.dedup_key)
+        sent.append(alert)
+    return sent
+
+
+# --- the outbox: at-least-once delivery --------------------------------------------------
+
+# After a failed delivery the next try waits FIRST_RETRY, doubling per attempt up to LAST_RETRY:
+# a sink down for a minute is retried within one, one down for a day is tried hourly.
+FIRST_RETRY = timedelta(minutes=1)
+LAST_RETRY = timedelta(hours=1)
+
+
+def _alert_from_json(text: str) -> Alert:
+    fields = json.loads(text)
+    return Alert(
+        **{
+            **fields,
+            "raised_at": datetime.fromisoformat(fields["raised_at"]),
+            "hour": parse_hour_key(fields["hour"]),
+        }
+    )
+
+
+def enqueue(con: duckdb.DuckDBPyConnection, alerts: Iterable[Alert]) -> int:
+    """Record alerts owed to on-call in the pipeline state's `alert_outbox`; an alert whose
+    dedup key is there already (owed or delivered) is not added again. Returns how many were."""
+    added = 0
+    with transaction(con):
+        for alert in alerts:
+            added += (
+                con.execute(
+                    "INSERT INTO alert_outbox VALUES (?, ?, ?, 0, ?, NULL, NULL) "
+                    "ON CONFLICT (dedup_key) DO NOTHING RETURNING 1",
+                    [
+                        alert.dedup_key,
+                        json.dumps(alert.as_json(), sort_keys=True),
+                        _naive(alert.raised_at),
+                        _naive(alert.raised_at),
+                    ],
+                )
+                .fetchall()
+                .__len__()
+            )
+    return added
+
+
+def _naive(moment: datetime) -> datetime:
+    return moment.astimezone(UTC).replace(tzinfo=None)
+
+
+def deliver_due(con: duckdb.DuckDBPyConnection, sink: AlertSink, now: datetime) -> list[Alert]:
+    """Try every owed alert whose next attempt is due, oldest first; returns those delivered.
+
+    Each outcome is committed as it happens: delivered, or the attempt counted with its error
+    and the next attempt put off (FIRST_RETRY doubling up to LAST_RETRY). A sink that fails
+    stops this round, so a sink that is down is not hammered with every owed alert."""
+    due = con.execute(
+        "SELECT dedup_key, alert, attempts FROM alert_outbox "
+        "WHERE delivered_at IS NULL AND next_attempt_at <= ? ORDER BY enqueued_at, dedup_key",
+        [_naive(now)],
+    ).fetchall()
+    delivered = []
+    for key, text, attempts in due:
+        alert = _alert_from_json(text)
+        try:
+            sink.send(alert)
+        except (AlertDeliveryError, OSError) as err:
+            wait = min(FIRST_RETRY * 2**attempts, LAST_RETRY)
+            con.execute(
+                "UPDATE alert_outbox SET attempts = attempts + 1, last_error = ?, "
+                "next_attempt_at = ? WHERE dedup_key = ?",
+                [str(err), _naive(now + wait), key],
+            )
+            log.warning("alert %s owed (attempt %d): %s", key, attempts + 1, err)
+            break
+        con.execute(
+            "UPDATE alert_outbox SET attempts = attempts + 1, delivered_at = ?, last_error = NULL "
+            "WHERE dedup_key = ?",
+            [_naive(now), key],
+        )
+        delivered.append(alert)
+    return delivered
+
+
+def hour_alerts(
+    findings: Iterable[CheckResult],
+    pool: str,
+    hour: datetime,
+    run_id: str,
+    error: str | None,
+    now: datetime,
+) -> list[Alert]:
+    """What a failed pool-hour run owes on-call: its ERROR findings, each once per hour; when it
+    has none, the run's failure itself (`run_failed`, once per run)."""
+    errors = [alert_for(r, now) for r in findings if not r.passed and r.severity == "ERROR"]
+    if errors:
+        return errors
+    return [
+        Alert(
+            raised_at=now,
+            severity="ERROR",
+            kind="run_failed",
+            hour=hour,
+            pool=pool,
+            replica=None,
+            finding=run_id,
+            detail=error or "the pool-hour run failed",
+            dedup_key=dedup_key("run_failed", hour, pool, None, run_id),
+        )
+    ]
+
+
+def _overdue(
+    check_name: str,
+    finding: str,
+    where: tuple[datetime, str, str | None],
+    expected: str,
+    observed: str,
+    detail: str,
+) -> CheckResult:
+    """The failed result of a deadline the dead-man checks watch, at `where` (hour, pool,
+    replica): an ERROR for on-call that never blocks the hour's publication."""
+    return CheckResult(
+        *where, check_name, False, expected, observed, detail, "ERROR", False, finding
+    )
+
+
+def undelivered(
+    con: duckdb.DuckDBPyConnection, now: datetime, settings: Settings
+) -> list[CheckResult]:
+    """A failed `alert_delivery` result per alert owed for longer than
+    `settings.deadman_minutes`: the sink has refused on-call's pages that long."""
+    grace = timedelta(minutes=settings.deadman_minutes)
+    rows = con.execute(
+        "SELECT alert, attempts, last_error, enqueued_at FROM alert_outbox "
+        "WHERE delivered_at IS NULL AND enqueued_at <= ? ORDER BY enqueued_at",
+        [_naive(now - grace)],
+    ).fetchall()
+    results = []
+    for text, attempts, last_error, enqueued_at in rows:
+        alert = _alert_from_json(text)
+        results.append(
+            _overdue(
+                "alert_delivery",
+                "undelivered",
+                (alert.hour, alert.pool, alert.replica),
+                f"every alert delivered within {settings.deadman_minutes} min",
+                f"{attempts} failed attempt(s) since {enqueued_at.isoformat()} UTC",
+                f"the {alert.kind} alert for {alert.pool} hour {hour_key(alert.hour)} "
+                f"({alert.dedup_key}) is still undelivered: {last_error}",
+            )
+        )
+    return results
+
+
+def deadman(
+    last_reconciled: Mapping[str, datetime], now: datetime, settings: Settings
+) -> list[CheckResult]:
+    """Pools whose hours went unreconciled for `settings.deadman_minutes` after they ended.
+
+    `last_reconciled`: pool -> the latest hour up to which every hour is reconciled (for a new
+    pool, the hour before it went live). One failed result per late pool, placed at its oldest overdue hour, so the page
+    repeats only when a newer hour becomes the oldest overdue one. Runs outside the scheduler:
+    when no run happens, nothing inside the scheduler can notice.
+    """
+    for name, moment in [("now", now), *last_reconciled.items()]:
+        if moment.tzinfo is None:
+            raise ValueError(
+                f"deadman: {name} time {moment} has no time zone; pass aware UTC datetimes"
+            )
+    grace = timedelta(minutes=settings.deadman_minutes)
+    hour = timedelta(hours=1)
+    # The newest hour whose deadline has passed: it ended at least `grace` ago.
+    newest_due = (now.astimezone(UTC) - grace - hour).replace(minute=0, second=0, microsecond=0)
+    results = []
+    for pool, last in sorted(last_reconciled.items()):
+        last_utc = last.astimezone(UTC)
+        if last_utc >= newest_due:
+            continue
+        oldest = last_utc + hour
+        overdue = (newest_due - oldest) // hour + 1
+        span = hour_key(oldest) if overdue == 1 else f"{hour_key(oldest)} to {hour_key(newest_due)}"
+        results.append(
+            _overdue(
+                "deadman",
+                "not_reconciled",
+                (oldest, pool, None),
+                f"every hour reconciled within {settings.deadman_minutes} min of its end",
+                f"last reconciled hour {hour_key(last_utc)}",
+                f"pool {pool}: {overdue} hour(s) not reconciled within {settings.deadman_minutes} min "
+                f"of their end ({span}): the scheduler, its daemon or the hourly run is not running",
+            )
+        )
+    return results

@@ -1,0 +1,475 @@
+from __future__ import annotations
+
+import csv
+import importlib.util
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, timedelta
+from decimal import Decimal
+from pathlib import Path
+
+import duckdb
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline import finance
+from pipeline.cli import main
+from pipeline.reconcile.alerts import record_alerts
+from pipeline.storage import warehouse
+from pipeline.storage.warehouse import (
+    STATE_FILE,
+    WarehouseError,
+    connect,
+    connect_read_only,
+    record_checks,
+    replace_hour,
+)
+from tests.helpers.hours import HOUR
+
+
+@dataclass(frozen=True)
+class Check:
+    hour: datetime
+    pool: str
+    replica: str | None
+    check_name: str
+    passed: bool
+    expected: str = "e"
+    observed: str = "o"
+    detail: str = "d"
+    severity: str = "ERROR"
+    blocking: bool = True
+    finding: str = ""
+
+
+def invoice(pool: str, amount: int, hour: datetime = HOUR) -> pl.DataFrame:
+    return pl.DataFrame(
+        {
+            "hour": [hour],
+            "pool": [pool],
+            "gpus": [4],
+            "usd_per_gpu_hour": [3.6],
+            "amount_nano": [amount],
+        }
+    )
+
+
+def lines(
+    pool: str, rows: list[tuple[str, str, str, int, int, int]], hour: datetime = HOUR
+) -> pl.DataFrame:
+    tenant, feature, kind, amount, requests, tokens = (list(c) for c in zip(*rows, strict=True))
+    n = len(rows)
+    return pl.DataFrame(
+        {
+            "hour": [hour] * n,
+            "pool": [pool] * n,
+            "tenant": tenant,
+            "feature": feature,
+            "line_kind": kind,
+            "amount_nano": amount,
+            "requests": requests,
+            "new_tokens": tokens,
+            "cached_tokens": [0] * n,
+            "weights_version": ["kernel-1"] * n,
+            "policy_version": ["pol-1"] * n,
+        }
+    )
+
+
+def publish(
+    con: duckdb.DuckDBPyConnection, pool: str, rows, amount: int, *, passed: bool = True, hour=HOUR
+) -> None:
+    replace_hour(
+        con,
+        hour,
+        pool,
+        {"invoices": invoice(pool, amount, hour), "ledger_lines": lines(pool, rows, hour)},
+    )
+    record_checks(con, hour, pool, ["money"], [Check(hour, pool, None, "money", passed)])
+
+
+def test_replace_hour_is_exact_and_leaves_other_hours(tmp_path: Path) -> None:
+    with connect(tmp_path / "w.duckdb") as con:
+        publish(
+            con,
+            "chat",
+            [("acme", "bot", "usage", 900, 3, 30), ("acme", "bot", "idle", 100, 0, 0)],
+            1000,
+        )
+        publish(con, "other", [("globex", "q", "usage", 50, 1, 5)], 50)
+        publish(
+            con,
+            "chat",
+            [("acme", "bot", "usage", 700, 2, 20), ("initech", "qa", "usage", 300, 1, 9)],
+            1000,
+        )
+        rows = con.execute(
+            "SELECT pool, tenant, amount_nano FROM ledger_lines ORDER BY pool, tenant"
+        ).fetchall()
+        assert rows == [("chat", "acme", 700), ("chat", "initech", 300), ("other", "globex", 50)]
+        assert con.execute("SELECT count(*) FROM invoices").fetchone() == (2,)
+
+
+def test_failed_replace_keeps_the_previous_hour(tmp_path: Path) -> None:
+    with connect(tmp_path / "w.duckdb") as con:
+        publish(con, "chat", [("acme", "bot", "usage", 1000, 3, 30)], 1000)
+        bad = lines("chat", [("acme", "bot", "usage", 1000, 3, 30)]).with_columns(
+            tenant=pl.lit(None, dtype=pl.String)
+        )
+        with pytest.raises(duckdb.ConstraintException):
+            replace_hour(
+                con, HOUR, "chat", {"invoices": invoice("chat", 2000), "ledger_lines": bad}
+            )
+        assert con.execute("SELECT line_kind, amount_nano FROM ledger_lines").fetchall() == [
+            ("usage", 1000)
+        ]
+        assert con.execute("SELECT amount_nano FROM invoices").fetchall() == [(1000,)]
+
+
+def test_replace_hour_refuses_an_unknown_line_kind(tmp_path: Path) -> None:
+    bad = lines("chat", [("acme", "bot", "not_a_kind", 1000, 3, 30)])
+    with (
+        connect(tmp_path / "w.duckdb") as con,
+        pytest.raises(WarehouseError, match=r"line_kind \['not_a_kind'\]"),
+    ):
+        replace_hour(con, HOUR, "chat", {"invoices": invoice("chat", 1000), "ledger_lines": bad})
+
+
+def test_replace_hour_refuses_rows_of_another_hour(tmp_path: Path) -> None:
+    other = datetime(2026, 11, 30, 6, tzinfo=UTC)
+    with (
+        connect(tmp_path / "w.duckdb") as con,
+        pytest.raises(WarehouseError, match="outside hour 2026-11-30T05"),
+    ):
+        replace_hour(con, HOUR, "chat", {"invoices": invoice("chat", 1, other)})
+
+
+def test_views_show_only_hours_whose_blocking_checks_passed(tmp_path: Path) -> None:
+    with connect(tmp_path / "w.duckdb") as con:
+        publish(con, "chat", [("acme", "bot", "usage", 3_000_000_000, 4, 2000)], 3_000_000_000)
+        publish(con, "other", [("acme", "bot", "usage", 5_000, 1, 10)], 5_000, passed=False)
+        replace_hour(
+            con,
+            HOUR,
+            "unchecked",
+            {
+                "invoices": invoice("unchecked", 7),
+                "ledger_lines": lines("unchecked", [("acme", "x", "usage", 7, 1, 1)]),
+            },
+        )
+        hourly = con.execute(
+            "SELECT pool, tenant, amount_nano, amount_usd, requests, tokens, usd_per_request, usd_per_1k_tokens "
+            "FROM tenant_costs_hourly"
+        ).fetchall()
+        assert [r[:6] for r in hourly] == [
+            ("chat", "acme", 3_000_000_000, pytest.approx(3), 4, 2000)
+        ]
+        assert str(hourly[0][3]) == "3.000000000"
+        assert hourly[0][6] == pytest.approx(0.75) and hourly[0][7] == pytest.approx(1.5)
+        held = con.execute("SELECT pool, reason FROM held_back_hours ORDER BY pool").fetchall()
+        assert held == [
+            ("other", "failed blocking checks: money"),
+            ("unchecked", "not reconciled yet"),
+        ]
+        assert con.execute("SELECT sum(BilledCost) FROM focus_costs").fetchone()[0] == 3
+
+
+def test_non_blocking_failure_still_publishes(tmp_path: Path) -> None:
+    with connect(tmp_path / "w.duckdb") as con:
+        publish(con, "chat", [("acme", "bot", "usage", 10, 1, 1)], 10)
+        record_checks(
+            con,
+            HOUR,
+            "chat",
+            ["plausibility"],
+            [Check(HOUR, "chat", "r0", "plausibility", False, blocking=False)],
+        )
+        assert con.execute("SELECT count(*) FROM published_hours").fetchone() == (1,)
+
+
+def test_failed_check_alerts_once_per_finding(tmp_path: Path) -> None:
+    failing = [Check(HOUR, "chat", "r1", "sequence", False, detail="missing 10-19", finding="gap")]
+    with connect(tmp_path / "w.duckdb") as con:
+        for _ in range(3):
+            record_checks(con, HOUR, "chat", ["sequence"], failing)
+            record_alerts(con, failing)
+        assert con.execute("SELECT kind, replica, detail FROM alerts").fetchall() == [
+            ("sequence", "r1", "missing 10-19")
+        ]
+        assert con.execute("SELECT count(*) FROM reconciliation").fetchone() == (1,)
+
+
+def test_record_checks_refuses_unnamed_checks(tmp_path: Path) -> None:
+    with connect(tmp_path / "w.duckdb") as con, pytest.raises(WarehouseError, match="time"):
+        record_checks(con, HOUR, "chat", ["money"], [Check(HOUR, "chat", None, "time", True)])
+
+
+def test_focus_costs_has_the_mandatory_columns(tmp_path: Path) -> None:
+    with connect(tmp_path / "w.duckdb") as con:
+        publish(
+            con,
+            "chat",
+            [
+                ("acme", "bot", "usage", 2_500_000_001, 1, 1),
+                ("acme", "bot", "cache_credit", -1, 0, 0),
+            ],
+            2_500_000_000,
+        )
+        frame = con.sql("SELECT * FROM focus_costs ORDER BY x_AmountNano").pl()
+    assert set(frame.columns) >= FOCUS_MANDATORY
+    assert frame["ChargeCategory"].to_list() == ["Credit", "Usage"]
+    assert frame["BilledCost"].to_list() == [Decimal("-0.000000001"), Decimal("2.500000001")]
+    assert frame["ChargePeriodStart"].to_list() == [HOUR] * 2
+    assert frame["BillingPeriodStart"][0] == datetime(2026, 11, 1, tzinfo=UTC)
+
+
+def test_read_only_connection_cannot_write(tmp_path: Path) -> None:
+    with connect(tmp_path / "w.duckdb"):
+        pass
+    with connect_read_only(tmp_path / "w.duckdb") as con, pytest.raises(duckdb.Error):
+        con.execute("DELETE FROM invoices")
+    with (
+        pytest.raises(WarehouseError, match="no warehouse"),
+        connect_read_only(tmp_path / "elsewhere" / "pipeline.duckdb"),
+    ):
+        pass
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 10**12), min_size=1, max_size=5), min_size=1, max_size=4))
+def test_replaying_any_sequence_of_runs_leaves_the_last(
+    tmp_path_factory, runs: list[list[int]]
+) -> None:
+    path = tmp_path_factory.mktemp("w") / "w.duckdb"
+    with connect(path) as con:
+        for amounts in runs:
+            rows = [("t", f"f{i}", "usage", a, 1, 1) for i, a in enumerate(amounts)]
+            publish(con, "chat", rows, sum(amounts))
+        stored = con.execute("SELECT amount_nano FROM ledger_lines ORDER BY feature").fetchall()
+        invoiced = con.execute("SELECT sum(amount_nano) FROM tenant_costs_hourly").fetchone()[0]
+    assert [r[0] for r in stored] == runs[-1]
+    assert invoiced == sum(runs[-1])
+
+
+# FOCUS 1.2 (https://focus.finops.org/focus-specification/v1-2/): the mandatory columns and
+# the allowed values of the columns stepledger fills.
+FOCUS_MANDATORY = {
+    "BilledCost",
+    "BillingAccountId",
+    "BillingAccountName",
+    "BillingCurrency",
+    "BillingPeriodEnd",
+    "BillingPeriodStart",
+    "ChargeCategory",
+    "ChargeClass",
+    "ChargeDescription",
+    "ChargePeriodEnd",
+    "ChargePeriodStart",
+    "ContractedCost",
+    "EffectiveCost",
+    "InvoiceIssuerName",
+    "ListCost",
+    "PricingQuantity",
+    "PricingUnit",
+    "ProviderName",
+    "PublisherName",
+    "ServiceCategory",
+    "ServiceName",
+}
+FOCUS_COSTS = ("BilledCost", "ContractedCost", "EffectiveCost", "ListCost")
+FOCUS_TIMES = ("BillingPeriodEnd", "BillingPeriodStart", "ChargePeriodEnd", "ChargePeriodStart")
+FOCUS_ALLOWED = {
+    "ChargeCategory": {"Usage", "Purchase", "Tax", "Credit", "Adjustment"},
+    "ChargeClass": {None, "Correction"},
+    "ChargeFrequency": {"One-Time", "Recurring", "Usage-Based"},
+    "PricingCategory": {None, "Standard", "Dynamic", "Committed", "Other"},
+    "BillingCurrency": {"USD"},
+}
+NEXT = datetime(2026, 11, 30, 6, tzinfo=UTC)
+
+
+@pytest.fixture
+def focus_data(tmp_path: Path) -> Path:
+    """Two hours of pool chat: spread idle on a tenant feature, idle charged to the capacity
+    owner, and a cache credit."""
+    with connect(tmp_path / STATE_FILE) as con:
+        publish(
+            con,
+            "chat",
+            [
+                ("acme", "bot", "usage", 700, 3, 30),
+                ("acme", "bot", "idle", 300, 0, 0),
+                ("platform", "(prefix-cache)", "cache_credit", -5, 0, 0),
+                ("globex", "q", "usage", 5, 1, 7),
+            ],
+            1000,
+        )
+        publish(
+            con,
+            "chat",
+            [("acme", "bot", "usage", 600, 2, 20), ("platform", "(idle)", "idle", 400, 0, 0)],
+            1000,
+            hour=NEXT,
+        )
+    return tmp_path
+
+
+def test_focus_export_follows_the_1_2_spec(focus_data: Path, tmp_path: Path) -> None:
+    runner = CliRunner()
+    for fmt in ("parquet", "csv"):
+        out = tmp_path / f"focus.{fmt}"
+        result = runner.invoke(
+            main,
+            ["export", "focus", "--data", str(focus_data), "--out", str(out), "--format", fmt],
+        )
+        assert result.exit_code == 0, result.output
+    table = pq.read_table(tmp_path / "focus.parquet")
+    assert set(table.column_names) >= FOCUS_MANDATORY
+    for column in (*FOCUS_COSTS, "PricingQuantity", "ConsumedQuantity"):
+        assert pa.types.is_decimal(table.schema.field(column).type), column
+    for column in FOCUS_TIMES:
+        assert table.schema.field(column).type == pa.timestamp("us", tz="UTC"), column
+    rows = table.to_pylist()
+    for column, allowed in FOCUS_ALLOWED.items():
+        assert {r[column] for r in rows} <= allowed, column
+    for r in rows:
+        assert r["ChargePeriodEnd"] - r["ChargePeriodStart"] == timedelta(hours=1)
+        assert r["BillingPeriodStart"] <= r["ChargePeriodStart"] < r["BillingPeriodEnd"]
+        assert all(r[c] == Decimal(r["x_AmountNano"]).scaleb(-9) for c in FOCUS_COSTS)
+        assert r["InvoiceId"] is None  # the month is open
+    assert [(r["x_AmountNano"], r["ChargeCategory"], r["PricingQuantity"]) for r in rows] == [
+        (300, "Usage", Decimal("0E-9")),
+        (700, "Usage", Decimal("30.000000000")),
+        (5, "Usage", Decimal("7.000000000")),
+        (-5, "Credit", None),
+        (600, "Usage", Decimal("20.000000000")),
+        (400, "Usage", Decimal("0E-9")),
+    ]
+    idle = {r["ChargeDescription"] for r in rows if r["x_LineKind"] == "idle"}
+    assert idle == {
+        "Idle GPU time on pool chat, spread by usage",
+        "Idle GPU time on pool chat, charged to its capacity owner",
+    }
+    with (tmp_path / "focus.csv").open() as f:
+        csv_rows = list(csv.DictReader(f))
+    assert [r["ChargePeriodStart"] for r in csv_rows[:1]] == ["2026-11-30T05:00:00Z"]
+    assert [r["PricingQuantity"] for r in csv_rows] == [
+        "0E-9" if q is not None and q == 0 else ("" if q is None else f"{q:.9f}")
+        for q in (r["PricingQuantity"] for r in rows)
+    ]
+    assert all(r["InvoiceId"] == "" for r in csv_rows)
+
+
+def test_closing_a_month_numbers_invoices_and_freezes_its_export(
+    focus_data: Path, tmp_path: Path
+) -> None:
+    runner = CliRunner()
+    closed = runner.invoke(main, ["close", "--data", str(focus_data), "--month", "2026-11"])
+    assert closed.exit_code == 0, closed.output
+    assert closed.output.splitlines() == [
+        "SL-202611-0001  acme  0.000001600 USD",
+        "SL-202611-0002  globex  0.000000005 USD",
+        "SL-202611-0003  platform  0.000000395 USD",
+    ]
+    again = runner.invoke(main, ["close", "--data", str(focus_data), "--month", "2026-11"])
+    assert again.exit_code == 1 and "2026-11 is closed already" in again.output
+    # An hour of the closed month is re-billed: the invoice stands as issued.
+    with connect(focus_data / STATE_FILE) as con:
+        publish(con, "chat", [("acme", "bot", "usage", 1000, 3, 30)], 1000)
+    out = tmp_path / "closed.parquet"
+    result = runner.invoke(
+        main,
+        [
+            "export",
+            "focus",
+            "--data",
+            str(focus_data),
+            "--out",
+            str(out),
+            "--from",
+            "2026-11-30",
+            "--to",
+            "2026-12-01",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    rows = pq.read_table(out).to_pylist()
+    assert [(r["InvoiceId"], r["x_AmountNano"]) for r in rows] == [
+        ("SL-202611-0001", 300),
+        ("SL-202611-0001", 700),
+        ("SL-202611-0002", 5),
+        ("SL-202611-0003", -5),
+        ("SL-202611-0001", 600),
+        ("SL-202611-0003", 400),
+    ]
+    with finance.connect(focus_data) as now:
+        assert now.execute("SELECT sum(x_AmountNano) FROM focus_costs").fetchall() == [(2000,)]
+
+
+def test_a_month_with_held_back_hours_is_not_closed(tmp_path: Path) -> None:
+    with connect(tmp_path / STATE_FILE) as con:
+        publish(con, "chat", [("acme", "bot", "usage", 1000, 3, 30)], 1000, passed=False)
+    with pytest.raises(WarehouseError, match="2026-11-30T05 chat: failed blocking checks: money"):
+        finance.close_month(tmp_path, date(2026, 11, 1))
+
+
+def test_the_focus_validator_accepts_the_export(focus_data: Path, tmp_path: Path) -> None:
+    if importlib.util.find_spec("focus_validator") is None:
+        pytest.skip(
+            "focus_validator 2.0.1 (FOCUS 1.2) needs Python 3.12 and is not installed here; "
+            "test_focus_export_follows_the_1_2_spec checks the spec's columns, types and values"
+        )
+    out = tmp_path / "focus.csv"
+    result = CliRunner().invoke(
+        main, ["export", "focus", "--data", str(focus_data), "--out", str(out), "--format", "csv"]
+    )
+    assert result.exit_code == 0, result.output
+    validator = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "focus_validator.main",
+            "--data-file",
+            str(out),
+            "--validate-version",
+            "1.2",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert validator.returncode == 0, validator.stdout + validator.stderr
+
+
+def test_a_writing_connection_refuses_an_extension_file_whose_signature_fails(
+    tmp_path, monkeypatch
+):
+    # Writing connections skip DuckDB's check on LOAD; load_extensions checks each file once
+    # per version instead, so a file replaced after a good load is checked again.
+    installed = warehouse.extension_file
+    copy = tmp_path / installed("ducklake").name
+    copy.write_bytes(installed("ducklake").read_bytes())
+    monkeypatch.setattr(
+        warehouse, "extension_file", lambda name: copy if name == "ducklake" else installed(name)
+    )
+    with duckdb.connect(config=warehouse.WRITER_CONFIG) as con:
+        warehouse.load_extensions(con)
+    tampered = bytearray(copy.read_bytes())
+    tampered[len(tampered) // 2] ^= 0xFF
+    # Replaced as an upgrade replaces it (a new file renamed over the old): the library loaded
+    # above stays mapped from the old file, which writing in place would corrupt under it.
+    replacement = tmp_path / "replacement"
+    replacement.write_bytes(bytes(tampered))
+    os.utime(replacement, ns=(0, copy.stat().st_mtime_ns + 1))
+    os.replace(replacement, copy)
+    with (
+        duckdb.connect(config=warehouse.WRITER_CONFIG) as con,
+        pytest.raises(duckdb.Error, match="signature"),
+    ):
+        warehouse.load_extensions(con)
