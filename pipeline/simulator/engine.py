@@ -41,6 +41,7 @@ unavoidable, and one replica-hour is a few hundred thousand steps.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from numba import njit
@@ -546,30 +547,32 @@ class Engine:
         engines must run one after another, not interleaved, for results to be reproducible.
         """
         cfg = self.config
-        slots_cap = max_steps * cfg.max_num_seqs
-        # Three fresh buffers per call: the recorder keeps views of them.
-        features = np.empty((max_steps, N_STEP_FEATURES), np.float64)
         model = (
             np.zeros(N_STEP_FEATURES)
             if step_model is None
             else np.ascontiguousarray(step_model, np.float64)
         )
-        per_step = np.empty((5, max_steps), np.int64)
-        step_num_slots, step_num_holders, blocked, free_blocks, preempted = per_step
-        per_slot = np.empty((8, slots_cap), np.int64)
-        (
-            slot_request,
-            slot_new,
-            slot_context,
-            slot_prompt,
-            slot_hit,
-            slot_drafted,
-            slot_accepted,
-            holder_request,
-        ) = per_slot
-        per_slot_float = np.empty((2, slots_cap), np.float64)
-        slot_kv, holder_kv = per_slot_float
-        steps, n_slots, n_holders = _run_steps(
+        buffers = _StepBuffers.allocate(max_steps, max_steps * cfg.max_num_seqs)
+        kernel_arguments = (
+            *self._state(),
+            cfg.block_size,
+            cfg.total_blocks,
+            cfg.max_num_seqs,
+            cfg.max_num_batched_tokens,
+            cfg.num_spec_tokens,
+            cfg.spec_accept_prob,
+            visible_until_ns,
+            max_steps,
+            float(time_budget_ns),
+            model,
+            *buffers.kernel_outputs(),
+        )
+        steps, n_slots, n_holders = _run_steps(*kernel_arguments)
+        return buffers.batch(steps, n_slots, n_holders)
+
+    def _state(self) -> tuple[Any, ...]:
+        """The scheduler's arrays, in `_run_steps`'s order; the kernel updates them in place."""
+        return (
             self.arrival_ns,
             self.prompt_tokens,
             self.output_tokens,
@@ -589,48 +592,70 @@ class Engine:
             self.running,
             self.waiting,
             self.scalars,
-            cfg.block_size,
-            cfg.total_blocks,
-            cfg.max_num_seqs,
-            cfg.max_num_batched_tokens,
-            cfg.num_spec_tokens,
-            cfg.spec_accept_prob,
-            visible_until_ns,
-            max_steps,
-            float(time_budget_ns),
-            model,
-            features,
-            step_num_slots,
-            step_num_holders,
+        )
+
+
+@dataclass(frozen=True)
+class _StepBuffers:
+    """Fresh output buffers for one `Engine.run` call: the recorder keeps views of them."""
+
+    features: np.ndarray
+    per_step: np.ndarray
+    per_slot: np.ndarray
+    per_slot_float: np.ndarray
+
+    @classmethod
+    def allocate(cls, max_steps: int, slots_cap: int) -> _StepBuffers:
+        return cls(
+            features=np.empty((max_steps, N_STEP_FEATURES), np.float64),
+            per_step=np.empty((5, max_steps), np.int64),
+            per_slot=np.empty((8, slots_cap), np.int64),
+            per_slot_float=np.empty((2, slots_cap), np.float64),
+        )
+
+    def kernel_outputs(self) -> tuple[Any, ...]:
+        """The buffers in `_run_steps`'s order, from `step_features` to `holder_kv`."""
+        num_slots, num_holders, blocked, free_blocks, preempted = self.per_step
+        request, new, context, prompt, hit, drafted, accepted, holder_request = self.per_slot
+        slot_kv, holder_kv = self.per_slot_float
+        return (
+            self.features,
+            num_slots,
+            num_holders,
             blocked,
             free_blocks,
             preempted,
-            slot_request,
-            slot_new,
-            slot_context,
+            request,
+            new,
+            context,
             slot_kv,
-            slot_prompt,
-            slot_hit,
-            slot_drafted,
-            slot_accepted,
+            prompt,
+            hit,
+            drafted,
+            accepted,
             holder_request,
             holder_kv,
         )
+
+    def batch(self, steps: int, n_slots: int, n_holders: int) -> StepBatch:
+        num_slots, num_holders, blocked, free_blocks, preempted = self.per_step
+        request, new, context, prompt, hit, drafted, accepted, holder_request = self.per_slot
+        slot_kv, holder_kv = self.per_slot_float
         return StepBatch(
-            step_features=features[:steps],
-            step_num_slots=step_num_slots[:steps],
-            step_num_holders=step_num_holders[:steps],
+            step_features=self.features[:steps],
+            step_num_slots=num_slots[:steps],
+            step_num_holders=num_holders[:steps],
             admission_blocked=blocked[:steps].astype(np.bool_),
             free_blocks=free_blocks[:steps],
             preempted=preempted[:steps],
-            slot_request=slot_request[:n_slots],
-            new_tokens=slot_new[:n_slots],
-            context_tokens=slot_context[:n_slots],
+            slot_request=request[:n_slots],
+            new_tokens=new[:n_slots],
+            context_tokens=context[:n_slots],
             kv_blocks=slot_kv[:n_slots],
-            prompt_tokens=slot_prompt[:n_slots],
-            prefix_hit_tokens=slot_hit[:n_slots],
-            spec_drafted=slot_drafted[:n_slots],
-            spec_accepted=slot_accepted[:n_slots],
+            prompt_tokens=prompt[:n_slots],
+            prefix_hit_tokens=hit[:n_slots],
+            spec_drafted=drafted[:n_slots],
+            spec_accepted=accepted[:n_slots],
             holder_request=holder_request[:n_holders],
             holder_kv_blocks=holder_kv[:n_holders],
         )

@@ -20,7 +20,7 @@ seed gives the same log every time.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -123,40 +123,13 @@ def simulate_replica(
     Steps that start before the span ends are logged, even when they end after it.
     `progress` is called with the simulated ns advanced since its previous call.
     """
-    engine_settings = pool.engine
-    engine = Engine(
-        EngineConfig(
-            block_size=pool.kv_block_size,
-            total_blocks=engine_settings.total_kv_blocks,
-            max_num_seqs=engine_settings.max_num_seqs,
-            max_num_batched_tokens=engine_settings.max_num_batched_tokens,
-            num_spec_tokens=engine_settings.num_spec_tokens,
-        ),
-        arrival_ns=arrival_ns,
-        prompt_tokens=prompt_tokens,
-        output_tokens=output_tokens,
-        feature=feature,
-        prefix_blocks=prefix_tokens // pool.kv_block_size,
-        seed=int(rng.integers(0, 2**31)),
+    engine = _engine(pool, arrival_ns, prompt_tokens, output_tokens, feature, prefix_tokens, rng)
+    log = _Log(
+        outbox, _header(pool, replica, faults), start_wall_ns, faults.wall_rate, faults.wall_jump
     )
-    header = SegmentHeader(
-        pool=pool.name,
-        replica=replica.id,
-        engine_name=ENGINE_NAME,
-        engine_version=faults.engine_version,
-        driver_version=DRIVER_VERSION,
-        model=pool.model,
-        gpu_type=pool.gpu_type,
-        gpus_per_replica=pool.gpus_per_replica,
-        kv_block_size=pool.kv_block_size,
-    )
-    log = _Log(outbox, header, start_wall_ns, faults.wall_rate, faults.wall_jump)
     arrivals = engine.arrival_ns
-    total_blocks = engine_settings.total_kv_blocks
-    busy_start: list[np.ndarray] = []
-    busy_end: list[np.ndarray] = []
-    busy_ns = preemptions = blocked_steps = hits = steps_run = 0
-    lag_steps = lag_requests = 0
+    total_blocks = pool.engine.total_kv_blocks
+    tally = _Tally()
     step_model = _StepTimeModel()
     now = 0
     reported = 0
@@ -183,27 +156,16 @@ def simulate_replica(
                     f"replica {replica.id}: requests are waiting but none can be scheduled"
                 )
             continue
-        gpu_ns, stall_ns, gap_ns = _durations(
+        stall_ns, step_ns, gap_ns = _durations(
             kernel, batch, rng, step_noise, faults.host_stall_fraction
         )
-        step_ns = gpu_ns + stall_ns
         starts = now + np.concatenate([[0], np.cumsum(step_ns + gap_ns)[:-1]])
         ends = starts + step_ns
         keep = int(np.searchsorted(starts, span_ns, side="left"))
-        # Requests arriving during the chunk become visible at its end; count the steps that
-        # started after they arrived (in vLLM they would have joined the first of those).
-        arrived = arrivals[following : np.searchsorted(arrivals, ends[-1], side="right")]
-        lag_steps += int((keep - np.searchsorted(starts[:keep], arrived, side="left")).sum())
-        lag_requests += arrived.shape[0]
         log.record(batch, keep, starts, ends, request_ids, total_blocks, faults.drop_window_ns)
-        busy_start.append(starts[:keep] + stall_ns[:keep])
-        busy_end.append(ends[:keep])
-        busy_ns += int(step_ns[:keep].sum())
-        preemptions += int(batch.preempted[:keep].sum())
-        blocked_steps += int(batch.admission_blocked[:keep].sum())
-        kept_slots = int(batch.step_num_slots[:keep].sum())
-        hits += int(batch.prefix_hit_tokens[:kept_slots].sum())
-        steps_run += keep
+        # Requests arriving during the chunk become visible at its end.
+        arrived = arrivals[following : np.searchsorted(arrivals, ends[-1], side="right")]
+        tally.add(batch, keep, starts, stall_ns, step_ns, ends, arrived)
         step_model.update(batch.step_features, step_ns + gap_ns)
         now = int(ends[-1] + gap_ns[-1])
         if progress is not None and now - reported >= 10_000_000_000:
@@ -213,22 +175,110 @@ def simulate_replica(
     if progress is not None:
         progress(span_ns - reported)
     finished = int((engine.status == FINISHED).sum())
-    return ReplicaRun(
-        replica=replica.id,
-        requests=int(arrival_ns.shape[0]),
-        finished=finished,
-        steps=steps_run,
-        recorded_steps=steps_run - log.dropped,
-        dropped_steps=log.dropped,
-        busy_ns=busy_ns,
-        preemptions=preemptions,
-        admission_blocked_steps=blocked_steps,
-        prefix_hit_tokens=hits,
-        mean_admission_lag_steps=lag_steps / lag_requests if lag_requests else 0.0,
-        gpu_busy_start_ns=np.concatenate(busy_start) if busy_start else np.zeros(0, np.int64),
-        gpu_busy_end_ns=np.concatenate(busy_end) if busy_end else np.zeros(0, np.int64),
-        segments=log.segments,
+    return tally.replica_run(replica.id, int(arrival_ns.shape[0]), finished, log)
+
+
+def _engine(
+    pool: Pool,
+    arrival_ns: np.ndarray,
+    prompt_tokens: np.ndarray,
+    output_tokens: np.ndarray,
+    feature: np.ndarray,
+    prefix_tokens: np.ndarray,
+    rng: np.random.Generator,
+) -> Engine:
+    settings = pool.engine
+    return Engine(
+        EngineConfig(
+            block_size=pool.kv_block_size,
+            total_blocks=settings.total_kv_blocks,
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            num_spec_tokens=settings.num_spec_tokens,
+        ),
+        arrival_ns=arrival_ns,
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
+        feature=feature,
+        prefix_blocks=prefix_tokens // pool.kv_block_size,
+        seed=int(rng.integers(0, 2**31)),
     )
+
+
+def _header(pool: Pool, replica: Replica, faults: ReplicaFaults) -> SegmentHeader:
+    return SegmentHeader(
+        pool=pool.name,
+        replica=replica.id,
+        engine_name=ENGINE_NAME,
+        engine_version=faults.engine_version,
+        driver_version=DRIVER_VERSION,
+        model=pool.model,
+        gpu_type=pool.gpu_type,
+        gpus_per_replica=pool.gpus_per_replica,
+        kv_block_size=pool.kv_block_size,
+    )
+
+
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+@dataclass
+class _Tally:
+    """What a replica's run adds up to, chunk by chunk (steps kept inside the span only)."""
+
+    busy_start: list[np.ndarray] = field(default_factory=list)
+    busy_end: list[np.ndarray] = field(default_factory=list)
+    busy_ns: int = 0
+    preemptions: int = 0
+    blocked_steps: int = 0
+    prefix_hit_tokens: int = 0
+    steps: int = 0
+    lag_steps: int = 0
+    lag_requests: int = 0
+
+    def add(
+        self,
+        batch: StepBatch,
+        keep: int,
+        starts: np.ndarray,
+        stall_ns: np.ndarray,
+        step_ns: np.ndarray,
+        ends: np.ndarray,
+        arrived: np.ndarray,
+    ) -> None:
+        # `arrived`: requests that arrived during the chunk; count the steps that started after
+        # they arrived (in vLLM they would have joined the first of those).
+        self.lag_steps += int((keep - np.searchsorted(starts[:keep], arrived, side="left")).sum())
+        self.lag_requests += arrived.shape[0]
+        self.busy_start.append(starts[:keep] + stall_ns[:keep])
+        self.busy_end.append(ends[:keep])
+        self.busy_ns += int(step_ns[:keep].sum())
+        self.preemptions += int(batch.preempted[:keep].sum())
+        self.blocked_steps += int(batch.admission_blocked[:keep].sum())
+        kept_slots = int(batch.step_num_slots[:keep].sum())
+        self.prefix_hit_tokens += int(batch.prefix_hit_tokens[:kept_slots].sum())
+        self.steps += keep
+
+    def replica_run(self, replica: str, requests: int, finished: int, log: _Log) -> ReplicaRun:
+        return ReplicaRun(
+            replica=replica,
+            requests=requests,
+            finished=finished,
+            steps=self.steps,
+            recorded_steps=self.steps - log.dropped,
+            dropped_steps=log.dropped,
+            busy_ns=self.busy_ns,
+            preemptions=self.preemptions,
+            admission_blocked_steps=self.blocked_steps,
+            prefix_hit_tokens=self.prefix_hit_tokens,
+            mean_admission_lag_steps=self.lag_steps / self.lag_requests
+            if self.lag_requests
+            else 0.0,
+            gpu_busy_start_ns=_joined(self.busy_start),
+            gpu_busy_end_ns=_joined(self.busy_end),
+            segments=log.segments,
+        )
 
 
 def _durations(
@@ -238,7 +288,8 @@ def _durations(
     step_noise: float,
     host_stall_fraction: float,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """GPU time, host stall and the following gap of every step in the batch, in ns."""
+    """Host stall, duration (GPU time plus stall) and the following gap of every step in the
+    batch, in ns."""
     step_index = np.repeat(np.arange(batch.steps), batch.step_num_slots)
     prices = kernel.price_many(
         Slots(step_index, batch.new_tokens, batch.context_tokens, batch.prompt_tokens), batch.steps
@@ -249,7 +300,7 @@ def _durations(
     gap_ns = GAP_FLOOR_NS + np.rint(rng.exponential(GAP_MEAN_EXTRA_NS, batch.steps)).astype(
         np.int64
     )
-    return gpu_ns, stall_ns, gap_ns
+    return stall_ns, gpu_ns + stall_ns, gap_ns
 
 
 class _Log:

@@ -165,6 +165,132 @@ def _simulate_in_worker(pool: Pool, replica: Replica, job: dict[str, Any]) -> Re
     return simulate_replica(pool, replica, Kernel.build(pool.deployment()), **job)
 
 
+def _check_arguments(out_dir: Path, hours: float, workers: int, start: datetime) -> None:
+    if hours <= 0:
+        raise ValueError(f"hours must be positive, got {hours}")
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
+    if start.utcoffset() != timedelta(0):
+        raise ValueError(f"start must be a UTC datetime, got {start!r}")
+    if (start.minute, start.second, start.microsecond) != (0, 0, 0):
+        raise ValueError(f"start must be on the hour, got {start.isoformat()}")
+    for existing in ("pools.yaml", "outbox", "gateway", "dcgm"):
+        if (out_dir / existing).exists():
+            raise FileExistsError(
+                f"{out_dir / existing} exists: simulate into a new or empty directory"
+            )
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What every replica is sent, before any is simulated."""
+
+    span_ns: int
+    target: str
+    traffic: list[PoolTraffic]
+    jobs: list[tuple[Pool, Replica, dict[str, Any]]]
+
+
+def _plan(
+    out_dir: Path,
+    pools: PoolsFile,
+    hours: float,
+    seed: int,
+    start: datetime,
+    faults: dict[str, float | None],
+    notes: dict[str, str],
+) -> _Plan:
+    span_ns = round(hours * 3_600_000_000_000)
+    start_wall_ns = int(start.timestamp()) * 1_000_000_000
+    target, idle = _fault_targets(pools, faults)
+    if idle is not None:
+        notes["idle-replica"] = f"{idle}: receives no traffic"
+    traffic: list[PoolTraffic] = []
+    jobs: list[tuple[Pool, Replica, dict[str, Any]]] = []
+    for pool_index, pool in enumerate(pools.pools):
+        serving = [i for i, r in enumerate(pool.replicas) if r.id != idle]
+        pool_traffic = generate_pool_traffic(
+            pool, span_ns, _rng(seed, pool_index, _TRAFFIC), serving_replicas=serving
+        )
+        traffic.append(pool_traffic)
+        step_noise = pool.workload.step_noise if pool.workload is not None else 0.0
+        for replica_index, replica in enumerate(pool.replicas):
+            mine = pool_traffic.replica == replica_index
+            job = dict(
+                request_ids=pool_traffic.request_ids[mine],
+                arrival_ns=pool_traffic.arrival_ns[mine],
+                prompt_tokens=pool_traffic.prompt_tokens[mine],
+                output_tokens=pool_traffic.output_tokens[mine],
+                feature=pool_traffic.feature[mine],
+                prefix_tokens=pool_traffic.prefix_tokens,
+                span_ns=span_ns,
+                start_wall_ns=start_wall_ns,
+                outbox=out_dir / "outbox" / replica.id,
+                faults=_replica_faults(replica.id, target, faults, span_ns, notes),
+                rng=_rng(seed, pool_index, _ENGINE, replica_index),
+                step_noise=step_noise,
+            )
+            jobs.append((pool, replica, job))
+    return _Plan(span_ns=span_ns, target=target, traffic=traffic, jobs=jobs)
+
+
+def _run_replicas(
+    plan: _Plan, pools: PoolsFile, workers: int, advance: Callable[[int], None]
+) -> list[ReplicaRun]:
+    if workers == 1:
+        kernels = {pool.name: Kernel.build(pool.deployment()) for pool in pools.pools}
+        return [
+            simulate_replica(pool, replica, kernels[pool.name], progress=advance, **job)
+            for pool, replica, job in plan.jobs
+        ]
+    # Replicas are independent and seeded on their own, so processes give the same data.
+    with ProcessPoolExecutor(max_workers=workers) as executor:
+        futures = [
+            executor.submit(_simulate_in_worker, pool, replica, job)
+            for pool, replica, job in plan.jobs
+        ]
+        for future in as_completed(futures):
+            future.result()
+            advance(plan.span_ns)
+        return [future.result() for future in futures]
+
+
+def _write_telemetry(
+    out_dir: Path,
+    pools: PoolsFile,
+    plan: _Plan,
+    run_of: dict[str, ReplicaRun],
+    seed: int,
+    start: datetime,
+    faults: dict[str, float | None],
+    notes: dict[str, str],
+) -> int:
+    """The gateway's and DCGM's files, and the faults applied after simulation; the gateway's
+    line count."""
+    gateway_lines = write_gateway(
+        out_dir, plan.traffic, start, faults.get("missing-context") or 0.0, _rng(seed, _GATEWAY)
+    )
+    if "missing-context" in faults:
+        notes["missing-context"] = f"{faults['missing-context']:g} of requests have no gateway line"
+    activities = [
+        GpuActivity(
+            hostname=replica.hostname,
+            gpu_uuids=list(replica.gpu_uuids),
+            model_name=gpu_model_name(pool.gpu_type),
+            busy_start_ns=run_of[replica.id].gpu_busy_start_ns,
+            busy_end_ns=run_of[replica.id].gpu_busy_end_ns,
+        )
+        for pool in pools.pools
+        for replica in pool.replicas
+    ]
+    write_dcgm(out_dir, activities, start, plan.span_ns, _rng(seed, _DCGM))
+    if "sink-down" in faults:
+        notes["sink-down"] = write_sink(out_dir, int(_fault_value(faults, "sink-down")))
+    target_segments = sorted(run_of[plan.target].segments) if plan.target in run_of else []
+    notes.update(damage_segments(out_dir, plan.target, target_segments, faults))
+    return gateway_lines
+
+
 def simulate(
     out_dir: Path,
     pools: PoolsFile,
@@ -183,32 +309,15 @@ def simulate(
     simulates replicas in that many processes (progress then advances per finished replica).
     """
     out_dir = Path(out_dir)
-    if hours <= 0:
-        raise ValueError(f"hours must be positive, got {hours}")
-    if workers < 1:
-        raise ValueError(f"workers must be at least 1, got {workers}")
-    if start.utcoffset() != timedelta(0):
-        raise ValueError(f"start must be a UTC datetime, got {start!r}")
-    if (start.minute, start.second, start.microsecond) != (0, 0, 0):
-        raise ValueError(f"start must be on the hour, got {start.isoformat()}")
+    _check_arguments(out_dir, hours, workers, start)
     faults = {name: validate_fault(name, value) for name, value in (faults or {}).items()}
-    for existing in ("pools.yaml", "outbox", "gateway", "dcgm"):
-        if (out_dir / existing).exists():
-            raise FileExistsError(
-                f"{out_dir / existing} exists: simulate into a new or empty directory"
-            )
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "pools.yaml").write_text(
         yaml.safe_dump(pools.model_dump(mode="json"), sort_keys=False)
     )
-
-    span_ns = round(hours * 3_600_000_000_000)
-    start_wall_ns = int(start.timestamp()) * 1_000_000_000
-    target, idle = _fault_targets(pools, faults)
     notes: dict[str, str] = {}
-    if idle is not None:
-        notes["idle-replica"] = f"{idle}: receives no traffic"
-    total_s = span_ns / 1e9 * sum(len(p.replicas) for p in pools.pools)
+    plan = _plan(out_dir, pools, hours, seed, start, faults, notes)
+    total_s = plan.span_ns / 1e9 * sum(len(p.replicas) for p in pools.pools)
     done_s = 0.0
 
     def advance(ns: int) -> None:
@@ -217,102 +326,28 @@ def simulate(
         if progress is not None:
             progress(done_s, total_s)
 
-    traffic: list[PoolTraffic] = []
-    jobs: list[tuple[Pool, Replica, dict[str, Any]]] = []
-    for pool_index, pool in enumerate(pools.pools):
-        serving = [i for i, r in enumerate(pool.replicas) if r.id != idle]
-        pool_traffic = generate_pool_traffic(
-            pool, span_ns, _rng(seed, pool_index, _TRAFFIC), serving_replicas=serving
-        )
-        traffic.append(pool_traffic)
-        step_noise = pool.workload.step_noise if pool.workload is not None else 0.0
-        for replica_index, replica in enumerate(pool.replicas):
-            mine = pool_traffic.replica == replica_index
-            jobs.append(
-                (
-                    pool,
-                    replica,
-                    dict(
-                        request_ids=pool_traffic.request_ids[mine],
-                        arrival_ns=pool_traffic.arrival_ns[mine],
-                        prompt_tokens=pool_traffic.prompt_tokens[mine],
-                        output_tokens=pool_traffic.output_tokens[mine],
-                        feature=pool_traffic.feature[mine],
-                        prefix_tokens=pool_traffic.prefix_tokens,
-                        span_ns=span_ns,
-                        start_wall_ns=start_wall_ns,
-                        outbox=out_dir / "outbox" / replica.id,
-                        faults=_replica_faults(replica.id, target, faults, span_ns, notes),
-                        rng=_rng(seed, pool_index, _ENGINE, replica_index),
-                        step_noise=step_noise,
-                    ),
-                )
-            )
-
-    if workers == 1:
-        kernels = {pool.name: Kernel.build(pool.deployment()) for pool in pools.pools}
-        replica_runs = [
-            simulate_replica(pool, replica, kernels[pool.name], progress=advance, **job)
-            for pool, replica, job in jobs
-        ]
-    else:
-        # Replicas are independent and seeded on their own, so processes give the same data.
-        with ProcessPoolExecutor(max_workers=workers) as executor:
-            futures = [
-                executor.submit(_simulate_in_worker, pool, replica, job)
-                for pool, replica, job in jobs
-            ]
-            for future in as_completed(futures):
-                future.result()
-                advance(span_ns)
-            replica_runs = [future.result() for future in futures]
-    runs = [
-        (pool, replica.hostname, run, job["faults"].engine_version)
-        for (pool, replica, job), run in zip(jobs, replica_runs, strict=False)
-    ]
-
-    gateway_lines = write_gateway(
-        out_dir, traffic, start, faults.get("missing-context") or 0.0, _rng(seed, _GATEWAY)
-    )
-    if "missing-context" in faults:
-        notes["missing-context"] = f"{faults['missing-context']:g} of requests have no gateway line"
-    run_of = {run.replica: run for _, _, run, _ in runs}
-    activities = [
-        GpuActivity(
-            hostname=replica.hostname,
-            gpu_uuids=list(replica.gpu_uuids),
-            model_name=gpu_model_name(pool.gpu_type),
-            busy_start_ns=run_of[replica.id].gpu_busy_start_ns,
-            busy_end_ns=run_of[replica.id].gpu_busy_end_ns,
-        )
-        for pool in pools.pools
-        for replica in pool.replicas
-    ]
-    write_dcgm(out_dir, activities, start, span_ns, _rng(seed, _DCGM))
-
-    if "sink-down" in faults:
-        notes["sink-down"] = write_sink(out_dir, int(_fault_value(faults, "sink-down")))
-    target_segments = sorted(run_of[target].segments) if target in run_of else []
-    notes.update(damage_segments(out_dir, target, target_segments, faults))
-
+    replica_runs = _run_replicas(plan, pools, workers, advance)
+    run_of = {replica.id: run for (_, replica, _), run in zip(plan.jobs, replica_runs, strict=True)}
+    gateway_lines = _write_telemetry(out_dir, pools, plan, run_of, seed, start, faults, notes)
     replicas = [
         ReplicaSummary(
             pool=pool.name,
-            hostname=hostname,
-            busy_fraction=run.busy_ns / span_ns,
-            gpu_busy_fraction=int((run.gpu_busy_end_ns - run.gpu_busy_start_ns).sum()) / span_ns,
+            hostname=replica.hostname,
+            busy_fraction=run.busy_ns / plan.span_ns,
+            gpu_busy_fraction=int((run.gpu_busy_end_ns - run.gpu_busy_start_ns).sum())
+            / plan.span_ns,
             segments=len(run.segments),
-            engine_version=version,
+            engine_version=job["faults"].engine_version,
             **{name: getattr(run, name) for name in _FROM_RUN},
         )
-        for pool, hostname, run, version in runs
+        for (pool, replica, job), run in zip(plan.jobs, replica_runs, strict=True)
     ]
     return SimulationSummary(
         out_dir=out_dir,
         start=start,
         hours=hours,
         seed=seed,
-        requests=sum(len(t) for t in traffic),
+        requests=sum(len(t) for t in plan.traffic),
         gateway_lines=gateway_lines,
         steps=sum(r.steps for r in replicas),
         replicas=replicas,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from schemas.config import LengthDistribution, Pool
+from schemas.config import Feature, LengthDistribution, Pool, Tenant
 
 RETRY_CAUSES = ("client_timeout", "platform_timeout")
 # Time between the gateway receiving a request and the engine seeing it.
@@ -68,57 +68,13 @@ def generate_pool_traffic(
     # Only read when there are features, which come from the workload.
     retry_fraction = workload.retry_fraction if workload is not None else 0.0
     platform_timeout_fraction = workload.platform_timeout_fraction if workload is not None else 0.0
-    parts: list[dict[str, np.ndarray]] = []
-    for index, (tenant, feature) in enumerate(features):
-        n = int(rng.poisson(feature.requests_per_s * span_ns / 1e9))
-        received = np.sort(rng.integers(0, span_ns, n))
-        user_tokens = _lengths(rng, feature.prompt_tokens, n)
-        prompt = feature.system_prompt_tokens + user_tokens
-        output = _lengths(rng, feature.output_tokens, n)
-        keys = np.array(tenant.api_keys, dtype=object)[rng.integers(0, len(tenant.api_keys), n)]
-        # A retry repeats the feature's previous request: same key, same lengths.
-        is_retry = rng.random(n) < retry_fraction
-        is_retry[:1] = False
-        previous = np.arange(n) - 1
-        keys[is_retry] = keys[previous[is_retry]]
-        prompt[is_retry] = prompt[previous[is_retry]]
-        output[is_retry] = output[previous[is_retry]]
-        cause = np.where(is_retry, (rng.random(n) < platform_timeout_fraction).astype(np.int8), -1)
-        parts.append(
-            {
-                "received": received,
-                "prompt": prompt,
-                "output": output,
-                "key": keys,
-                "feature": np.full(n, index, np.int64),
-                "retry_local": np.where(is_retry, previous, -1),
-                "cause": cause.astype(np.int8),
-            }
+    parts = [
+        _feature_requests(
+            rng, index, tenant, feature, span_ns, retry_fraction, platform_timeout_fraction
         )
-
-    if parts:
-        offsets = np.cumsum([0] + [p["received"].shape[0] for p in parts[:-1]])
-        received = np.concatenate([p["received"] for p in parts])
-        retry_global = np.concatenate(
-            [
-                np.where(p["retry_local"] >= 0, p["retry_local"] + offset, -1)
-                for p, offset in zip(parts, offsets, strict=False)
-            ]
-        )
-        columns = {
-            k: np.concatenate([p[k] for p in parts])
-            for k in ("prompt", "output", "key", "feature", "cause")
-        }
-    else:
-        received = np.zeros(0, np.int64)
-        retry_global = np.zeros(0, np.int64)
-        columns = {
-            "prompt": np.zeros(0, np.int64),
-            "output": np.zeros(0, np.int64),
-            "key": np.zeros(0, object),
-            "feature": np.zeros(0, np.int64),
-            "cause": np.zeros(0, np.int8),
-        }
+        for index, (tenant, feature) in enumerate(features)
+    ]
+    received, retry_global, columns = _concatenated(parts)
     n_total = received.shape[0]
     arrival = received + rng.integers(*ROUTING_DELAY_NS, n_total)
     replica = (
@@ -153,3 +109,66 @@ def generate_pool_traffic(
         feature_tenants=tuple(t.name for t, _ in features),
         prefix_tokens=np.array([f.system_prompt_tokens for _, f in features], np.int64),
     )
+
+
+def _feature_requests(
+    rng: np.random.Generator,
+    index: int,
+    tenant: Tenant,
+    feature: Feature,
+    span_ns: int,
+    retry_fraction: float,
+    platform_timeout_fraction: float,
+) -> dict[str, np.ndarray]:
+    """One feature's requests over [0, span_ns), in the order they were received."""
+    n = int(rng.poisson(feature.requests_per_s * span_ns / 1e9))
+    received = np.sort(rng.integers(0, span_ns, n))
+    user_tokens = _lengths(rng, feature.prompt_tokens, n)
+    prompt = feature.system_prompt_tokens + user_tokens
+    output = _lengths(rng, feature.output_tokens, n)
+    keys = np.array(tenant.api_keys, dtype=object)[rng.integers(0, len(tenant.api_keys), n)]
+    # A retry repeats the feature's previous request: same key, same lengths.
+    is_retry = rng.random(n) < retry_fraction
+    is_retry[:1] = False
+    previous = np.arange(n) - 1
+    keys[is_retry] = keys[previous[is_retry]]
+    prompt[is_retry] = prompt[previous[is_retry]]
+    output[is_retry] = output[previous[is_retry]]
+    cause = np.where(is_retry, (rng.random(n) < platform_timeout_fraction).astype(np.int8), -1)
+    return {
+        "received": received,
+        "prompt": prompt,
+        "output": output,
+        "key": keys,
+        "feature": np.full(n, index, np.int64),
+        "retry_local": np.where(is_retry, previous, -1),
+        "cause": cause.astype(np.int8),
+    }
+
+
+def _concatenated(
+    parts: list[dict[str, np.ndarray]],
+) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """Every feature's requests in one set of columns; retries point at global indices."""
+    if not parts:
+        empty = {
+            "prompt": np.zeros(0, np.int64),
+            "output": np.zeros(0, np.int64),
+            "key": np.zeros(0, object),
+            "feature": np.zeros(0, np.int64),
+            "cause": np.zeros(0, np.int8),
+        }
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), empty
+    offsets = np.cumsum([0] + [p["received"].shape[0] for p in parts[:-1]])
+    received = np.concatenate([p["received"] for p in parts])
+    retry_global = np.concatenate(
+        [
+            np.where(p["retry_local"] >= 0, p["retry_local"] + offset, -1)
+            for p, offset in zip(parts, offsets, strict=False)
+        ]
+    )
+    columns = {
+        k: np.concatenate([p[k] for p in parts])
+        for k in ("prompt", "output", "key", "feature", "cause")
+    }
+    return received, retry_global, columns
