@@ -77,82 +77,25 @@ def synthetic_log(
     """Steps whose durations follow c0 + sum(a t + b t (L + (t+1)/2)) (ms), slots of a pool of
     requests (some prefill chunks, mostly decodes), holders, and context for most requests."""
     rng = np.random.default_rng(seed)
-    c0, a, b = coefficients
     requests = [f"req-{seed}-{i}" for i in range(60)]
-    steps, slots, holders = [], [], []
+    steps: list[dict[str, Any]] = []
+    slots: list[dict[str, Any]] = []
+    holders: list[dict[str, Any]] = []
     for replica in pool.replicas:
         clock = start_ns
         for seq in range(steps_per_replica):
-            n = int(rng.integers(1, 9))
-            chosen = rng.choice(len(requests), size=n, replace=False)
-            prefill = rng.random(n) < 0.2
-            new = np.where(
-                prefill,
-                rng.integers(16, 1024, n),
-                1 + rng.integers(0, 3, n) * (pool.engine.num_spec_tokens > 0),
+            duration = _synthetic_step(
+                rng,
+                pool,
+                replica.id,
+                seq,
+                clock,
+                requests,
+                coefficients,
+                noise,
+                holders_per_step,
+                (steps, slots, holders),
             )
-            context = rng.integers(0, 6000, n)
-            prompt = np.where(
-                prefill, context + new + rng.integers(0, 200, n), rng.integers(1, 4000, n)
-            )
-            hits = np.where(
-                prefill & (context > 0) & (rng.random(n) < 0.5), np.minimum(context, 256), 0
-            )
-            drafted = np.where(new > 1, new - 1, 0) * (~prefill)
-            accepted = (drafted * rng.random(n)).astype(int)
-            work = c0 + (a * new + b * new * (context + (new + 1) / 2)).sum()
-            duration = int(work * (1 + noise * rng.standard_normal()) * 1_000_000)
-            steps.append(
-                {
-                    "pool": pool.name,
-                    "replica": replica.id,
-                    "segment_id": f"{replica.id}-s0",
-                    "seq": seq,
-                    "start_ns": clock,
-                    "end_ns": clock + duration,
-                    "start_utc_ns": clock,
-                    "end_utc_ns": clock + duration,
-                    "admission_blocked": bool(rng.random() < 0.3),
-                    "free_blocks": 100,
-                    "total_blocks": 6000,
-                    "num_slots": n,
-                    "num_holders": holders_per_step,
-                }
-            )
-            for position, index in enumerate(chosen):
-                slots.append(
-                    {
-                        "pool": pool.name,
-                        "replica": replica.id,
-                        "seq": seq,
-                        "slot_index": position,
-                        "request_id": requests[index],
-                        "new_tokens": int(new[position]),
-                        "context_tokens": int(context[position]),
-                        "kv_blocks": float(
-                            np.ceil((context[position] + new[position]) / 16) / rng.integers(1, 3)
-                        ),
-                        "prompt_tokens": int(prompt[position]),
-                        "prefix_hit_tokens": int(hits[position]),
-                        "spec_drafted": int(drafted[position]),
-                        "spec_accepted": int(accepted[position]),
-                    }
-                )
-            others = [i for i in range(len(requests)) if i not in set(chosen)]
-            for position, index in enumerate(
-                rng.choice(others, size=holders_per_step, replace=False)
-            ):
-                holders.append(
-                    {
-                        "pool": pool.name,
-                        "replica": replica.id,
-                        "seq": seq,
-                        "holder_index": position,
-                        "request_id": requests[index],
-                        "kv_blocks": float(rng.integers(1, 200)),
-                        "state": str(rng.choice(["waiting", "preempted", "swapped"])),
-                    }
-                )
             clock += duration + int(rng.integers(0, gap_ns + 1))
     known = [r for r in requests if rng.random() >= missing_context]
     causes = rng.choice(
@@ -199,3 +142,85 @@ def synthetic_log(
         pl.DataFrame(holders).cast({"seq": pl.Int64, "holder_index": pl.Int32}),
         gateway_context,
     )
+
+
+def _synthetic_step(
+    rng: np.random.Generator,
+    pool: Pool,
+    replica: str,
+    seq: int,
+    clock: int,
+    requests: list[str],
+    coefficients: tuple[float, float, float],
+    noise: float,
+    holders_per_step: int,
+    rows: tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]],
+) -> int:
+    """Append one step's row, slot rows and holder rows to `rows`; the step's duration."""
+    c0, a, b = coefficients
+    steps, slots, holders = rows
+    n = int(rng.integers(1, 9))
+    chosen = rng.choice(len(requests), size=n, replace=False)
+    prefill = rng.random(n) < 0.2
+    new = np.where(
+        prefill,
+        rng.integers(16, 1024, n),
+        1 + rng.integers(0, 3, n) * (pool.engine.num_spec_tokens > 0),
+    )
+    context = rng.integers(0, 6000, n)
+    prompt = np.where(prefill, context + new + rng.integers(0, 200, n), rng.integers(1, 4000, n))
+    hits = np.where(prefill & (context > 0) & (rng.random(n) < 0.5), np.minimum(context, 256), 0)
+    drafted = np.where(new > 1, new - 1, 0) * (~prefill)
+    accepted = (drafted * rng.random(n)).astype(int)
+    work = c0 + (a * new + b * new * (context + (new + 1) / 2)).sum()
+    duration = int(work * (1 + noise * rng.standard_normal()) * 1_000_000)
+    steps.append(
+        {
+            "pool": pool.name,
+            "replica": replica,
+            "segment_id": f"{replica}-s0",
+            "seq": seq,
+            "start_ns": clock,
+            "end_ns": clock + duration,
+            "start_utc_ns": clock,
+            "end_utc_ns": clock + duration,
+            "admission_blocked": bool(rng.random() < 0.3),
+            "free_blocks": 100,
+            "total_blocks": 6000,
+            "num_slots": n,
+            "num_holders": holders_per_step,
+        }
+    )
+    for position, index in enumerate(chosen):
+        slots.append(
+            {
+                "pool": pool.name,
+                "replica": replica,
+                "seq": seq,
+                "slot_index": position,
+                "request_id": requests[index],
+                "new_tokens": int(new[position]),
+                "context_tokens": int(context[position]),
+                "kv_blocks": float(
+                    np.ceil((context[position] + new[position]) / 16) / rng.integers(1, 3)
+                ),
+                "prompt_tokens": int(prompt[position]),
+                "prefix_hit_tokens": int(hits[position]),
+                "spec_drafted": int(drafted[position]),
+                "spec_accepted": int(accepted[position]),
+            }
+        )
+    others = [i for i in range(len(requests)) if i not in set(chosen)]
+    for position, index in enumerate(rng.choice(others, size=holders_per_step, replace=False)):
+        holders.append(
+            {
+                "pool": pool.name,
+                "replica": replica,
+                "seq": seq,
+                "holder_index": position,
+                "request_id": requests[index],
+                "kv_blocks": float(rng.integers(1, 200)),
+                "state": str(rng.choice(["waiting", "preempted", "swapped"])),
+            }
+        )
+    return duration
