@@ -6,12 +6,18 @@ import dataclasses
 import json
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from pipeline.cli.options import directory_option, file_option, workers_option
 from pipeline.simulator.faults import FAULTS, FaultError, parse_fault
-from schemas.config import DEFAULT_POOLS_PATH, ConfigError, load_pools
+from schemas.config import DEFAULT_POOLS_PATH, ConfigError, PoolsFile, load_pools
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from pipeline.simulator.run import SimulationSummary
 
 
 def _fault_help() -> str:
@@ -89,17 +95,6 @@ def simulate_command(
     (idle-replica: the last replica of the first pool with several); the summary names them.
     """
     from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-    from rich.table import Table
-    from rich.text import Text
-
-    from pipeline.simulator import simulate
 
     try:
         faults = dict(parse_fault(text) for text in fault_texts)
@@ -111,6 +106,46 @@ def simulate_command(
     console = Console(stderr=as_json)
     if not console.is_terminal:
         console.width = 160
+    try:
+        summary = _simulate_with_progress(
+            console,
+            out_dir,
+            pools,
+            hours=hours,
+            seed=seed,
+            start=start,
+            faults=faults,
+            workers=workers,
+        )
+    except (FaultError, FileExistsError, ValueError) as err:
+        raise click.ClickException(str(err)) from err
+    if as_json:
+        click.echo(json.dumps(dataclasses.asdict(summary), default=str, indent=2))
+    else:
+        _print_summary(console, summary, out_dir)
+
+
+def _simulate_with_progress(
+    console: Console,
+    out_dir: Path,
+    pools: PoolsFile,
+    *,
+    hours: float,
+    seed: int,
+    start: datetime,
+    faults: dict[str, float | None],
+    workers: int,
+) -> SimulationSummary:
+    from rich.progress import (
+        BarColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    from pipeline.simulator import simulate
+
     columns = (
         TextColumn("simulating"),
         BarColumn(),
@@ -126,23 +161,22 @@ def simulate_command(
         def progress(done: float, total: float) -> None:
             bar.update(task, completed=done, total=total)
 
-        try:
-            summary = simulate(
-                out_dir,
-                pools,
-                hours=hours,
-                seed=seed,
-                start=start,
-                faults=faults,
-                progress=progress,
-                workers=workers,
-            )
-        except (FaultError, FileExistsError, ValueError) as err:
-            raise click.ClickException(str(err)) from err
+        return simulate(
+            out_dir,
+            pools,
+            hours=hours,
+            seed=seed,
+            start=start,
+            faults=faults,
+            progress=progress,
+            workers=workers,
+        )
 
-    if as_json:
-        click.echo(json.dumps(dataclasses.asdict(summary), default=str, indent=2))
-        return
+
+def _print_summary(console: Console, summary: SimulationSummary, out_dir: Path) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
     # Text, not markup, wherever a path or a name from the pools file is shown.
     table = Table(
         title=Text(f"{summary.requests:,} requests, {summary.steps:,} steps -> {out_dir}")
