@@ -110,6 +110,114 @@ def written_by(context: dg.AssetExecutionContext, asset: str, partition: str) ->
     return dict(materialization.metadata[WRITTEN].value)
 
 
+def ingest_step_log(
+    context: dg.AssetExecutionContext,
+    data: StepledgerData,
+    warehouse: DuckDBResource,
+    pools: PoolsFile,
+) -> dg.MaterializeResult[None]:
+
+    pool_names = sorted({pool_hour.pool for pool_hour in pool_hours(context)})
+    replicas = [r.id for name in pool_names for r in pools.pool(name).replicas]
+    with open_warehouse(warehouse) as con:
+        report = ingest_outbox(con, data.outbox, data.lake, replicas=replicas)
+    return dg.MaterializeResult(
+        metadata={
+            "ingested_files": len(report.ingested_files),
+            "duplicate_files": len(report.duplicate_files),
+            "steps": report.steps,
+            "damage": report.damage,
+            "hours": sorted(h for p, h in report.partitions),
+        }
+    )
+
+
+def load_request_context(
+    context: dg.AssetExecutionContext,
+    data: StepledgerData,
+    warehouse: DuckDBResource,
+    pools: PoolsFile,
+) -> dg.MaterializeResult[None]:
+
+    runs = pool_hours(context)
+    # An hour's context comes from its own file and the one before: a range of hours
+    # shares files, each loaded once, oldest first.
+    hours = sorted({run.hour for run in runs})
+    files = list(
+        dict.fromkeys(
+            path for hour in hours for path in gateway.gateway_files_for_hour(data.gateway, hour)
+        )
+    )
+    with open_warehouse(warehouse) as con:
+        report = gateway.load_gateway_files(con, files, gateway.key_salt())
+        for hour, pool_name, key in runs:
+            inputs = gather_inputs(con, data.lake, pools.pool(pool_name), hour)
+            saved = lake.save_inputs(data.lake, inputs)
+            context.add_asset_metadata(
+                {
+                    WRITTEN: dg.MetadataValue.json(lake.written_hashes(data.lake, [saved])),
+                    "requests_of_hour": inputs.context.height,
+                },
+                partition_key=key,
+            )
+    return dg.MaterializeResult(
+        metadata={
+            "loaded_files": len(report.loaded),
+            "unchanged_files": len(report.unchanged),
+            "requests": report.requests,
+        }
+    )
+
+
+def attribute_hours(
+    context: dg.AssetExecutionContext, data: StepledgerData, pools: PoolsFile
+) -> dg.MaterializeResult[None]:
+
+    runs = pool_hours(context)
+    inputs_written = {key: written_by(context, "request_context", key) for *_, key in runs}
+
+    def attribute(hour: datetime, pool_name: str, key: str) -> dict[str, Any]:
+        pool = pools.pool(pool_name)
+        inputs = lake.load_inputs(data.lake, pool_name, hour, inputs_written[key])
+        weights = weight_source(pool, inputs.engine, data.root / CALIBRATION_FILE)
+        result = attribute_pool_hour(data.lake, pool, inputs, weights)
+        lake.save_ledger(data.lake, result)
+        written = lake.written_hashes(data.lake, lake.ledger_files(data.lake, pool_name, hour))
+        return {
+            WRITTEN: dg.MetadataValue.json(written),
+            "invoice_nano": result.amount_nano,
+            "requests": result.request_costs.height,
+            "ledger_lines": result.ledger_lines.height,
+        }
+
+    # Hours are independent and much of their work (numpy, polars, Parquet) runs without
+    # the GIL, so a backfill attributes ATTRIBUTION_THREADS hours at a time.
+    with ThreadPoolExecutor(max_workers=min(ATTRIBUTION_THREADS, len(runs))) as workers:
+        for (*_, key), metadata in zip(
+            runs, workers.map(lambda run: attribute(*run), runs), strict=True
+        ):
+            context.add_asset_metadata(metadata, partition_key=key)
+    return dg.MaterializeResult()
+
+
+def publish_ledgers(
+    context: dg.AssetExecutionContext, data: StepledgerData, warehouse: DuckDBResource
+) -> dg.MaterializeResult[None]:
+
+    with open_warehouse(warehouse) as con:
+        for hour, pool_name, key in pool_hours(context):
+            result = lake.load_ledger(
+                data.lake, pool_name, hour, written_by(context, "attribution", key)
+            )
+            publish_hour(con, result)
+            context.log.info(
+                f"pool {pool_name} hour {hour_key(hour)}: {result.amount_nano} nano-dollars "
+                "published"
+            )
+            context.add_asset_metadata(ledger_metadata(result), partition_key=key)
+    return dg.MaterializeResult()
+
+
 def build_pool_hour_assets(
     partitions: dg.PartitionsDefinition, pools: PoolsFile
 ) -> list[dg.AssetsDefinition]:
@@ -137,19 +245,7 @@ def build_pool_hour_assets(
     ) -> dg.MaterializeResult[None]:
         """New step-log segments of the pool's replicas, decoded into the Parquet lake (each
         segment once, however often it is delivered); damage and drops recorded."""
-        pool_names = sorted({pool_hour.pool for pool_hour in pool_hours(context)})
-        replicas = [r.id for name in pool_names for r in pools.pool(name).replicas]
-        with open_warehouse(warehouse) as con:
-            report = ingest_outbox(con, data.outbox, data.lake, replicas=replicas)
-        return dg.MaterializeResult(
-            metadata={
-                "ingested_files": len(report.ingested_files),
-                "duplicate_files": len(report.duplicate_files),
-                "steps": report.steps,
-                "damage": report.damage,
-                "hours": sorted(h for p, h in report.partitions),
-            }
-        )
+        return ingest_step_log(context, data, warehouse, pools)
 
     @hourly_asset(pool=DUCKDB_POOL, deps=[step_log])
     def request_context(
@@ -157,36 +253,7 @@ def build_pool_hour_assets(
     ) -> dg.MaterializeResult[None]:
         """The gateway's request context for the hour, API keys stored only as keyed hashes;
         then what the hour's attribution needs from the warehouse, saved to the lake."""
-        runs = pool_hours(context)
-        # An hour's context comes from its own file and the one before: a range of hours
-        # shares files, each loaded once, oldest first.
-        hours = sorted({run.hour for run in runs})
-        files = list(
-            dict.fromkeys(
-                path
-                for hour in hours
-                for path in gateway.gateway_files_for_hour(data.gateway, hour)
-            )
-        )
-        with open_warehouse(warehouse) as con:
-            report = gateway.load_gateway_files(con, files, gateway.key_salt())
-            for hour, pool_name, key in runs:
-                inputs = gather_inputs(con, data.lake, pools.pool(pool_name), hour)
-                saved = lake.save_inputs(data.lake, inputs)
-                context.add_asset_metadata(
-                    {
-                        WRITTEN: dg.MetadataValue.json(lake.written_hashes(data.lake, [saved])),
-                        "requests_of_hour": inputs.context.height,
-                    },
-                    partition_key=key,
-                )
-        return dg.MaterializeResult(
-            metadata={
-                "loaded_files": len(report.loaded),
-                "unchanged_files": len(report.unchanged),
-                "requests": report.requests,
-            }
-        )
+        return load_request_context(context, data, warehouse, pools)
 
     # Not in the DuckDB pool: it reads only the lake, so the attribution of one pool-hour runs
     # while another pool-hour holds the warehouse.
@@ -196,31 +263,7 @@ def build_pool_hour_assets(
     ) -> dg.MaterializeResult[None]:
         """Every measured step of the hour split among its requests, idle and headroom
         labelled, under the pool's policies: the hour's ledger, saved to the lake."""
-        runs = pool_hours(context)
-        inputs_written = {key: written_by(context, "request_context", key) for *_, key in runs}
-
-        def attribute(hour: datetime, pool_name: str, key: str) -> dict[str, Any]:
-            pool = pools.pool(pool_name)
-            inputs = lake.load_inputs(data.lake, pool_name, hour, inputs_written[key])
-            weights = weight_source(pool, inputs.engine, data.root / CALIBRATION_FILE)
-            result = attribute_pool_hour(data.lake, pool, inputs, weights)
-            lake.save_ledger(data.lake, result)
-            written = lake.written_hashes(data.lake, lake.ledger_files(data.lake, pool_name, hour))
-            return {
-                WRITTEN: dg.MetadataValue.json(written),
-                "invoice_nano": result.amount_nano,
-                "requests": result.request_costs.height,
-                "ledger_lines": result.ledger_lines.height,
-            }
-
-        # Hours are independent and much of their work (numpy, polars, Parquet) runs without
-        # the GIL, so a backfill attributes ATTRIBUTION_THREADS hours at a time.
-        with ThreadPoolExecutor(max_workers=min(ATTRIBUTION_THREADS, len(runs))) as workers:
-            for (*_, key), metadata in zip(
-                runs, workers.map(lambda run: attribute(*run), runs), strict=True
-            ):
-                context.add_asset_metadata(metadata, partition_key=key)
-        return dg.MaterializeResult()
+        return attribute_hours(context, data, pools)
 
     @hourly_asset(pool=DUCKDB_POOL, deps=[attribution])
     def ledger(
@@ -228,17 +271,6 @@ def build_pool_hour_assets(
     ) -> dg.MaterializeResult[None]:
         """The hour's invoice, ledger lines and request costs in the warehouse, replacing any
         earlier run of the hour in one transaction per hour."""
-        with open_warehouse(warehouse) as con:
-            for hour, pool_name, key in pool_hours(context):
-                result = lake.load_ledger(
-                    data.lake, pool_name, hour, written_by(context, "attribution", key)
-                )
-                publish_hour(con, result)
-                context.log.info(
-                    f"pool {pool_name} hour {hour_key(hour)}: {result.amount_nano} nano-dollars "
-                    "published"
-                )
-                context.add_asset_metadata(ledger_metadata(result), partition_key=key)
-        return dg.MaterializeResult()
+        return publish_ledgers(context, data, warehouse)
 
     return [step_log, request_context, attribution, ledger]
