@@ -26,9 +26,16 @@ WHERE p.hour IS NULL
   AND (r.check_name IS NULL OR (r.blocking AND NOT r.passed))
 GROUP BY i.hour, i.pool, i.amount_nano;
 
+-- The one definition of a line's request count that every view, `stepledger costs` and the
+-- report share: a request is counted once, on the lines that charge it. The cache credit line
+-- names the requests that read the cache, which their usage lines count already.
+CREATE OR REPLACE TEMP VIEW counted_ledger_lines AS
+SELECT *, CASE WHEN line_kind = 'cache_credit' THEN 0 ELSE requests END AS charged_requests
+FROM ledger_lines;
+
 CREATE OR REPLACE TEMP VIEW published_ledger_lines AS
 SELECT l.*
-FROM ledger_lines l
+FROM counted_ledger_lines l
 JOIN published_hours p ON p.hour = l.hour AND p.pool = l.pool;
 
 -- Exact dollars from nano-dollars (DECIMAL(38, 9)), and the unit costs derived from totals.
@@ -37,8 +44,7 @@ CREATE OR REPLACE TEMP MACRO usd_per(nano, units) AS nano_to_usd(nano) / nullif(
 
 -- Totals per tenant (and feature), computed once for every breakdown the views offer.
 -- `tokens` are the tokens the GPUs computed (new_tokens); prefix-cache hits are reported
--- apart as cached_tokens. Unit costs divide the totals. A request is counted once: the cache
--- credit line counts the requests that read the cache, which their usage lines count already.
+-- apart as cached_tokens. Unit costs divide the totals; requests are `charged_requests`.
 CREATE OR REPLACE TEMP VIEW cost_rollup AS
 SELECT hour, pool, day, tenant, feature,
        GROUPING(hour, pool, day, tenant, feature) AS breakdown,
@@ -49,9 +55,7 @@ SELECT hour, pool, day, tenant, feature,
        CAST(sum(cached_tokens) AS BIGINT) AS cached_tokens,
        usd_per(sum(amount_nano), sum(charged_requests)) AS usd_per_request,
        usd_per(sum(amount_nano) * 1000, sum(new_tokens)) AS usd_per_1k_tokens
-FROM (SELECT *, CAST(date_trunc('day', hour) AS DATE) AS day,
-             CASE WHEN line_kind = 'cache_credit' THEN 0 ELSE requests END AS charged_requests
-      FROM published_ledger_lines)
+FROM (SELECT *, CAST(date_trunc('day', hour) AS DATE) AS day FROM published_ledger_lines)
 GROUP BY GROUPING SETS ((hour, pool, tenant), (day, tenant), (day, tenant, feature), (tenant), (tenant, feature));
 
 -- GROUPING() sets one bit per column left out, hour being the highest of the five.
@@ -65,10 +69,10 @@ CREATE OR REPLACE TEMP VIEW tenant_costs_daily AS
 SELECT day, tenant,
        CAST(sum(amount_nano) AS BIGINT) AS amount_nano,
        nano_to_usd(sum(amount_nano)) AS amount_usd,
-       CAST(sum(requests) AS BIGINT) AS requests,
+       CAST(sum(charged_requests) AS BIGINT) AS requests,
        CAST(sum(new_tokens) AS BIGINT) AS tokens,
        CAST(sum(cached_tokens) AS BIGINT) AS cached_tokens,
-       usd_per(sum(amount_nano), sum(requests)) AS usd_per_request,
+       usd_per(sum(amount_nano), sum(charged_requests)) AS usd_per_request,
        usd_per(sum(amount_nano) * 1000, sum(new_tokens)) AS usd_per_1k_tokens
 FROM (SELECT *, CAST(date_trunc('day', hour) AS DATE) AS day FROM published_ledger_lines)
 GROUP BY day, tenant;

@@ -39,14 +39,12 @@ BREAKDOWNS = {
 }
 _COLUMN_ORDER = ("day", "hour", "pool", "tenant", "feature", "line_kind")
 FORMATS = ("table", "csv", "json", "parquet")
-# The cache credit line counts the requests that read the cache, which their usage lines count
-# already: requests are counted once, on the lines that charge them.
+# Requests are counted as every view counts them (`charged_requests`, sql/views.sql).
 _TOTALS = """CAST(sum(amount_nano) AS BIGINT) AS amount_nano,
        nano_to_usd(sum(amount_nano)) AS amount_usd,
-       CAST(coalesce(sum(requests) FILTER (WHERE line_kind <> 'cache_credit'), 0) AS BIGINT) AS requests,
+       CAST(coalesce(sum(charged_requests), 0) AS BIGINT) AS requests,
        CAST(sum(new_tokens) AS BIGINT) AS tokens,
-       usd_per(sum(amount_nano), sum(requests) FILTER (WHERE line_kind <> 'cache_credit'))
-           AS usd_per_request,
+       usd_per(sum(amount_nano), sum(charged_requests)) AS usd_per_request,
        usd_per(sum(amount_nano) * 1000, sum(new_tokens)) AS usd_per_1k_tokens"""
 HELD_BACK = "SELECT hour, pool, amount_nano, reason FROM held_back_hours"
 

@@ -135,8 +135,9 @@ WHERE i.hour >= ? AND i.hour < ?
 ORDER BY i.hour, i.pool
 """
 _LINES = """
-SELECT hour, pool, tenant, feature, line_kind, amount_nano, requests, new_tokens, cached_tokens
-FROM ledger_lines WHERE hour >= ? AND hour < ?
+SELECT hour, pool, tenant, feature, line_kind, amount_nano, charged_requests AS requests,
+       new_tokens, cached_tokens
+FROM counted_ledger_lines WHERE hour >= ? AND hour < ?
 ORDER BY hour, pool, line_kind, tenant, feature
 """
 _TOP_REQUESTS = f"""

@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pipeline import finance
 from pipeline.cli.costs import costs_command
 from pipeline.hours import parse_range_bound
 from pipeline.storage.warehouse import connect
@@ -190,3 +191,35 @@ def test_a_period_read_as_both_bounds_covers_exactly_its_hours(moment: datetime)
         start, end = parse_range_bound(text, end=False), parse_range_bound(text, end=True)
         assert start <= hour < end
         assert end - start == timedelta(hours=hours)
+
+
+# Published: chat on day one (4 + 2 usage, 1 platform retry; the 2 cache-credit requests are
+# counted on their usage lines) and batch on day two (5 usage, 1 unattributed).
+PUBLISHED_REQUESTS = 13
+PUBLISHED_NANO = 1500
+
+
+@pytest.mark.parametrize(
+    "view",
+    [
+        "tenant_costs",
+        "feature_costs",
+        "tenant_costs_daily",
+        "feature_costs_daily",
+        "tenant_costs_hourly",
+    ],
+)
+def test_every_view_counts_the_published_requests_and_money_once(data: Path, view: str) -> None:
+    with finance.connect(data) as con:
+        requests, amount_nano = con.sql(
+            f"SELECT sum(requests), sum(amount_nano) FROM {view}"
+        ).fetchone()
+    assert requests == PUBLISHED_REQUESTS
+    assert amount_nano == PUBLISHED_NANO
+
+
+@pytest.mark.parametrize("by", ["tenant", "feature", "pool", "line-kind", "day", "hour"])
+def test_every_breakdown_of_costs_counts_the_same_requests(data: Path, by: str) -> None:
+    report = costs(data, "--by", by)
+    assert sum(row["requests"] for row in report["costs"]) == PUBLISHED_REQUESTS
+    assert sum(row["amount_nano"] for row in report["costs"]) == PUBLISHED_NANO
