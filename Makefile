@@ -1,7 +1,9 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# The project alone (what `make demo` and `make dev` need), then the test and engine extras.
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: test lint demo bench dev clean
 
@@ -15,19 +17,23 @@ VLLM_TESTS := tests/pipeline/hook/test_vllm_conformance.py tests/pipeline/hook/t
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet -e '.[test,vllm]'
-	$(BIN)/pip install --quiet --no-deps $(VLLM_NO_DEPS)
+	$(BIN)/pip install --quiet -e .
 	touch $(STAMP)
 
-$(VLLM_NEXT_STAMP): $(STAMP)
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -e '.[test,vllm]'
+	$(BIN)/pip install --quiet --no-deps $(VLLM_NO_DEPS)
+	touch $(TEST_STAMP)
+
+$(VLLM_NEXT_STAMP): $(TEST_STAMP)
 	$(BIN)/pip install --quiet --no-deps --upgrade --target $(VLLM_NEXT) vllm==0.34.0
 	touch $(VLLM_NEXT_STAMP)
 
-test: $(STAMP) $(VLLM_NEXT_STAMP)
+test: $(TEST_STAMP) $(VLLM_NEXT_STAMP)
 	PYTHONPATH=$(VLLM_NEXT) $(BIN)/pytest $(VLLM_TESTS)
 	$(BIN)/pytest
 
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 	$(BIN)/mypy
@@ -35,7 +41,7 @@ lint: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/stepledger demo
 
-bench: $(STAMP)
+bench: $(TEST_STAMP)
 	$(BIN)/python -m benchmarks.run $(if $(QUICK),--quick)
 
 dev: $(STAMP)
