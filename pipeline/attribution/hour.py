@@ -107,6 +107,8 @@ STEP_COLUMNS = ("pool", "replica", "seq", "start_utc_ns", "end_utc_ns", "admissi
 # Slot and holder rows allocated at a time: bounds the working memory (the pricing kernel's
 # per-slot terms are a few hundred bytes a row) while keeping per-batch overhead negligible.
 ROWS_PER_BATCH = 1 << 20
+# Each request's work on each of the kernel's resources, as RESOURCE_WORK_SCHEMA names it.
+RESOURCE_COLUMNS = [f"{r}_us" for r in RESOURCES]
 
 
 @dataclass(frozen=True)
@@ -422,11 +424,7 @@ def _attribute_rows(
     ).unique(maintain_order=True)
     slot_layout = lay_out_rows(slots, "slots", "slot_index", keys, n_steps, request_ids)
     holder_layout = lay_out_rows(holders, "holders", "holder_index", keys, n_steps, request_ids)
-    prefix_hits = None
-    if pool.policies.prefix_cache == "first_writer":
-        prefix_hits = largest_per_request(
-            slot_layout, slots["prefix_hit_tokens"].to_numpy(), len(request_ids)
-        )
+    prefix_hits = _prefix_hits(pool, slots, slot_layout, len(request_ids))
     weigher = _BatchWeigher(
         pool, slots, holders, slot_layout, holder_layout, weights, resource_weights, prefix_hits
     )
@@ -470,12 +468,17 @@ def _attribute_rows(
     totals.add_rows(
         holder_request, held["amount"], held["compute"], held["exact"], held["block_seconds"]
     )
-    resource_work = (
-        None
-        if resource_weights is None
-        else totals.work_frame(request_ids, [f"{r}_us" for r in RESOURCES])
-    )
-    return totals.frame(request_ids), resource_work, allocations.frame(hour_steps)
+    work = None if resource_weights is None else totals.work_frame(request_ids, RESOURCE_COLUMNS)
+    return totals.frame(request_ids), work, allocations.frame(hour_steps)
+
+
+def _prefix_hits(
+    pool: Pool, slots: pl.DataFrame, slot_layout: RowLayout, n_requests: int
+) -> np.ndarray | None:
+    """Each request's largest prefix-hit tokens of the hour (policy first_writer), else None."""
+    if pool.policies.prefix_cache != "first_writer":
+        return None
+    return largest_per_request(slot_layout, slots["prefix_hit_tokens"].to_numpy(), n_requests)
 
 
 def _cache_read_charges(requests: pl.DataFrame, fraction: float) -> tuple[pl.DataFrame, int]:
@@ -638,14 +641,7 @@ def attribute_hour(
         amount_nano=replica_price * len(pool.replicas),
     )
 
-    hour_steps, keys = steps_in_hour(start_ns, pool, steps)
-    cost, busy = step_costs_in_hour(
-        hour_steps["start_utc_ns"].to_numpy(),
-        hour_steps["end_utc_ns"].to_numpy(),
-        start_ns,
-        replica_price,
-    )
-    hour_steps = hour_steps.with_columns(pl.Series("cost_nano", cost), pl.Series("busy_ns", busy))
+    hour_steps, keys = _priced_steps(pool, start_ns, steps, replica_price)
     alpha, blocked_fraction = alpha_for_period(
         pool.policies, hour_steps["admission_blocked"].to_numpy()
     )
@@ -661,37 +657,18 @@ def attribute_hour(
         rows_per_batch,
         allocations_of,
     )
-    cache_saving = 0
-    if pool.policies.prefix_cache == "cache_read":
-        requests, cache_saving = _cache_read_charges(requests, pool.policies.cache_read_fraction)
-    else:
-        requests = requests.with_columns(pl.lit(0, dtype=pl.Int64).alias("cache_read_nano"))
-    requests = _classify(requests, context, pool)
+    requests, cache_saving = _charged_requests(pool, requests, context)
     lines = _ledger_lines(pool, invoice, requests, weights.version)
-    by_kind = requests.group_by("line_kind").agg(pl.col("amount_nano").sum(), pl.len())
-    kind_amount = dict(zip(by_kind["line_kind"], by_kind["amount_nano"], strict=False))
-    kind_count = dict(zip(by_kind["line_kind"], by_kind["len"], strict=False))
+    kind_amount, kind_count = _by_line_kind(requests)
     usage_nano = int(requests["amount_nano"].sum())
     cache_read_nano = int(requests["cache_read_nano"].sum())
     return HourAttribution(
-        ledger=HourLedger(
-            hour=hour_start,
-            pool=pool.name,
-            invoice=invoice,
-            ledger_lines=lines,
-            request_costs=_stamped(requests, invoice, REQUEST_COST_SCHEMA).sort("request_id"),
-            resource_work=(
-                pl.DataFrame(schema=RESOURCE_WORK_SCHEMA)
-                if resource_work is None
-                else resource_work.cast(RESOURCE_WORK_SCHEMA)
-            ),
-            decode_contexts=decode_contexts(pool, slots),
-        ),
+        ledger=_hour_ledger(hour_start, pool, invoice, lines, requests, resource_work, slots),
         replicas=_replica_facts(pool, hour_steps, replica_price),
         request_details=_request_details(pool, requests, weights),
         allocations=allocations,
         step_count=hour_steps.height,
-        busy_ns=int(busy.sum()),
+        busy_ns=int(hour_steps["busy_ns"].sum()),
         alpha=alpha,
         admission_blocked_fraction=blocked_fraction,
         usage_nano=usage_nano,
@@ -704,6 +681,69 @@ def attribute_hour(
         headroom_nano=int(lines.filter(pl.col("line_kind") == "headroom")["amount_nano"].sum()),
         weights_version=weights.version,
         policy_version=pool.policies.version(),
+    )
+
+
+def _priced_steps(
+    pool: Pool, start_ns: int, steps: pl.DataFrame, replica_price: int
+) -> tuple[pl.DataFrame, StepKeys]:
+    """The steps overlapping the hour (`steps_in_hour`), each with its cost and busy time
+    inside the hour from the clock (`cost_nano`, `busy_ns`), and the keys of every step."""
+    hour_steps, keys = steps_in_hour(start_ns, pool, steps)
+    cost, busy = step_costs_in_hour(
+        hour_steps["start_utc_ns"].to_numpy(),
+        hour_steps["end_utc_ns"].to_numpy(),
+        start_ns,
+        replica_price,
+    )
+    return hour_steps.with_columns(pl.Series("cost_nano", cost), pl.Series("busy_ns", busy)), keys
+
+
+def _charged_requests(
+    pool: Pool, requests: pl.DataFrame, context: pl.DataFrame
+) -> tuple[pl.DataFrame, int]:
+    """The requests' totals with their prefix-cache read charges (`cache_read_nano`, zero
+    unless policy cache_read) and line kinds; and what the hit tokens saved."""
+    cache_saving = 0
+    if pool.policies.prefix_cache == "cache_read":
+        requests, cache_saving = _cache_read_charges(requests, pool.policies.cache_read_fraction)
+    else:
+        requests = requests.with_columns(pl.lit(0, dtype=pl.Int64).alias("cache_read_nano"))
+    return _classify(requests, context, pool), cache_saving
+
+
+def _by_line_kind(requests: pl.DataFrame) -> tuple[dict[str, int], dict[str, int]]:
+    """The requests' amount and number on each line kind."""
+    by_kind = requests.group_by("line_kind").agg(pl.col("amount_nano").sum(), pl.len())
+    kinds = by_kind["line_kind"].to_list()
+    return (
+        dict(zip(kinds, by_kind["amount_nano"].to_list(), strict=True)),
+        dict(zip(kinds, by_kind["len"].to_list(), strict=True)),
+    )
+
+
+def _hour_ledger(
+    hour_start: datetime,
+    pool: Pool,
+    invoice: Invoice,
+    lines: pl.DataFrame,
+    requests: pl.DataFrame,
+    resource_work: pl.DataFrame | None,
+    slots: pl.DataFrame,
+) -> HourLedger:
+    """The hour's ledger: its invoice, lines, request costs, resource work and decode contexts."""
+    return HourLedger(
+        hour=hour_start,
+        pool=pool.name,
+        invoice=invoice,
+        ledger_lines=lines,
+        request_costs=_stamped(requests, invoice, REQUEST_COST_SCHEMA).sort("request_id"),
+        resource_work=(
+            pl.DataFrame(schema=RESOURCE_WORK_SCHEMA)
+            if resource_work is None
+            else resource_work.cast(RESOURCE_WORK_SCHEMA)
+        ),
+        decode_contexts=decode_contexts(pool, slots),
     )
 
 
