@@ -180,7 +180,7 @@ def attribute_hours(
         pool = pools.pool(pool_name)
         inputs = lake.load_inputs(data.lake, pool_name, hour, inputs_written[key])
         weights = weight_source(pool, inputs.engine, data.root / CALIBRATION_FILE)
-        result = attribute_pool_hour(data.lake, pool, inputs, weights)
+        result = attribute_pool_hour(data.lake, pool, inputs, weights).ledger
         lake.save_ledger(data.lake, result)
         written = lake.written_hashes(data.lake, lake.ledger_files(data.lake, pool_name, hour))
         return {

@@ -120,7 +120,7 @@ def show(title: str, the_pool: Pool, weights=None, **log_options) -> None:
         HOUR, the_pool, *log(**log_options), weights or FittedWeights(SEED_COEFFICIENTS)
     )
     print(f"== {title} (alpha {ledger.alpha:g}, weights {ledger.weights_version})")
-    costs = ledger.request_costs.select(
+    costs = ledger.ledger.request_costs.select(
         "request_id",
         "tenant",
         "compute_nano",
@@ -137,11 +137,13 @@ def show(title: str, the_pool: Pool, weights=None, **log_options) -> None:
             f"{r['amount_nano']:>12} {r['new_tokens']:>11} {r['cached_tokens']:>7} {r['output_tokens']:>7}"
         )
     print("ledger line                                   amount_nano")
-    for r in ledger.ledger_lines.sort("line_kind", "tenant", "feature").iter_rows(named=True):
+    for r in ledger.ledger.ledger_lines.sort("line_kind", "tenant", "feature").iter_rows(
+        named=True
+    ):
         print(
             f"{r['line_kind']:<14} {r['tenant'] + ' / ' + r['feature']:<30} {r['amount_nano']:>12}"
         )
-    print(f"{'invoice':<45} {ledger.invoice['amount_nano']:>12}\n")
+    print(f"{'invoice':<45} {ledger.ledger.amount_nano:>12}\n")
 
 
 def main() -> None:

@@ -1,11 +1,11 @@
-"""Attributing one pool-hour, from the lake to its `HourLedger`.
+"""Attributing one pool-hour, from the lake to its `HourAttribution` and `HourLedger`.
 
 gather_inputs        what the attribution needs from the warehouse (committed batches, the
                      context of the hour's requests, the engine version), taken in one
                      short step; `pipeline.storage.lake.save_inputs` keeps it for the next
 attribute_pool_hour  the hour's steps of the committed batches, their requests' context
-                     and the pool's policies -> the hour's ledger; reads only the lake
-decode_contexts      how many decode slots ran at each context length, for the report
+                     and the pool's policies -> the hour's attribution and its ledger;
+                     reads only the lake
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from pathlib import Path
 import duckdb
 import polars as pl
 
-from pipeline.attribution.hour import attribute_hour
-from pipeline.attribution.ledger import DECODE_CONTEXTS_SCHEMA, RESOURCE_WORK_SCHEMA, HourLedger
+from pipeline.attribution.allocations import RequestSelection
+from pipeline.attribution.hour import HourAttribution, attribute_hour
 from pipeline.attribution.weights import kernel_weights
 from pipeline.attribution.workmodel import WeightSource
-from pipeline.hours import hour_key, to_warehouse, utc_hour
+from pipeline.hours import hour_key, utc_hour
 from pipeline.ingestion.gateway import context_for_requests
 from pipeline.ingestion.ingest import committed_batches
 from pipeline.storage.lake import AttributionInputs, HourInput, load_hour
@@ -63,10 +63,16 @@ def gather_inputs(
 
 
 def attribute_pool_hour(
-    lake: Path, pool: Pool, inputs: AttributionInputs, weights: WeightSource
-) -> HourLedger:
+    lake: Path,
+    pool: Pool,
+    inputs: AttributionInputs,
+    weights: WeightSource,
+    *,
+    allocations_of: RequestSelection = (),
+) -> HourAttribution:
     """Attribute one pool-hour: the hour's steps of the committed batches, their requests'
-    context, the pool's policies. Reads only the lake.
+    context, the pool's policies. Reads only the lake. `allocations_of`: the requests (or
+    "all") whose per-step allocation rows to keep (`attribute_hour`).
 
     Whatever the pool's weights, each request's work on each resource is totalled with the
     kernel (only the kernel knows resources) and kept with the ledger, so that the report
@@ -78,7 +84,7 @@ def attribute_pool_hour(
     # and the hour's slots hold 16 bytes a row less (0.3 GiB in a busy hour).
     data = HourInput(loaded.steps, loaded.slots.drop("pool"), loaded.holders.drop("pool"))
     del loaded
-    attribution = attribute_hour(
+    return attribute_hour(
         inputs.hour,
         pool,
         data.steps,
@@ -87,34 +93,5 @@ def attribute_pool_hour(
         inputs.context,
         weights,
         resource_weights=kernel_weights(pool),
-    )
-    assert attribution.resource_work is not None  # asked for with resource_weights
-    stamp = [
-        pl.lit(to_warehouse(inputs.hour)).cast(pl.Datetime("us")).alias("hour"),
-        pl.lit(pool.name).alias("pool"),
-    ]
-    return HourLedger(
-        hour=inputs.hour,
-        pool=pool.name,
-        invoices=pl.DataFrame([attribution.invoice]).with_columns(stamp),
-        ledger_lines=attribution.ledger_lines.with_columns(stamp),
-        request_costs=attribution.request_costs.with_columns(stamp),
-        resource_work=attribution.resource_work.cast(RESOURCE_WORK_SCHEMA),
-        decode_contexts=decode_contexts(pool, data.slots),
-    )
-
-
-def decode_contexts(pool: Pool, slots: pl.DataFrame) -> pl.DataFrame:
-    """How many decode slots ran at each context length (`DECODE_CONTEXTS_SCHEMA`)."""
-    return (
-        slots.lazy()
-        .filter(
-            (pl.col("context_tokens") >= pl.col("prompt_tokens"))
-            & (pl.col("new_tokens") <= pool.engine.decode_threshold)
-        )
-        .group_by("context_tokens")
-        .agg(pl.len().alias("slots"))
-        .sort("context_tokens")
-        .collect()
-        .cast(DECODE_CONTEXTS_SCHEMA)
+        allocations_of=allocations_of,
     )

@@ -31,10 +31,17 @@ import numpy as np
 import polars as pl
 
 from pipeline.ahead import ordered_ahead
+from pipeline.attribution.allocations import AllocationRows, RequestSelection
 from pipeline.attribution.allocator import blend_and_allocate, largest_remainder, split_compute_kv
 from pipeline.attribution.clock import step_costs_in_hour
 from pipeline.attribution.kv import alpha_for_period, first_writer_blocks, holder_blocks
-from pipeline.attribution.layout import AttributionError, StepKeys, gather, lay_out_rows
+from pipeline.attribution.layout import AttributionError, RowLayout, StepKeys, gather, lay_out_rows
+from pipeline.attribution.ledger import (
+    DECODE_CONTEXTS_SCHEMA,
+    RESOURCE_WORK_SCHEMA,
+    HourLedger,
+    Invoice,
+)
 from pipeline.attribution.rollup import RequestTotals, largest_per_request
 from pipeline.attribution.workmodel import KernelWeights, SlotBatch, WeightSource
 from pipeline.hours import HOUR_NS, hour_start_ns
@@ -100,30 +107,29 @@ STEP_COLUMNS = ("pool", "replica", "seq", "start_utc_ns", "end_utc_ns", "admissi
 # Slot and holder rows allocated at a time: bounds the working memory (the pricing kernel's
 # per-slot terms are a few hundred bytes a row) while keeping per-batch overhead negligible.
 ROWS_PER_BATCH = 1 << 20
+# Each request's work on each of the kernel's resources, as RESOURCE_WORK_SCHEMA names it.
+RESOURCE_COLUMNS = [f"{r}_us" for r in RESOURCES]
 
 
 @dataclass(frozen=True)
 class HourAttribution:
-    """One pool-hour, attributed: its ledger rows and the facts that explain them.
+    """One pool-hour, attributed: its ledger and the facts that explain it.
 
-    `ledger_lines` has exactly the warehouse `ledger_lines` columns and sums to
-    `invoice["amount_nano"]`; `request_costs` has exactly the warehouse `request_costs`
-    columns. `replicas` (REPLICA_FACTS_SCHEMA) and the scalar facts below are what the
-    hourly reconciliation checks.
+    `ledger.ledger_lines` has exactly the warehouse `ledger_lines` columns and sums to
+    `ledger.invoice.amount_nano`; `ledger.request_costs` has exactly the warehouse
+    `request_costs` columns. `replicas` (REPLICA_FACTS_SCHEMA) and the scalar facts below are
+    what the hourly reconciliation checks.
     """
 
-    invoice: dict[str, Any]
-    request_costs: pl.DataFrame
-    ledger_lines: pl.DataFrame
+    ledger: HourLedger
     replicas: pl.DataFrame
     # Per request: request_id, exact_nano (the sum of its exact real shares, beside the
     # integer amount_nano for auditing the rounding), kv_block_seconds (blocks held x time inside
-    # the hour, as charged under the prefix-cache policy) and kv_byte_seconds (kernel weights
-    # only; else null).
+    # the hour, as charged under the prefix-cache policy), kv_byte_seconds (kernel weights
+    # only; else null) and cache_read_nano (its prefix-cache read charge, in its amount_nano).
     request_details: pl.DataFrame
-    # With resource weights: per request with slots in the hour, its slots' kernel work on
-    # each resource (request_id, `<resource>_us`); else None.
-    resource_work: pl.DataFrame | None
+    # The per-step allocation rows (ALLOCATION_SCHEMA) of the requests asked for.
+    allocations: pl.DataFrame
     step_count: int  # steps overlapping the hour
     busy_ns: int  # step time inside the hour, summed over replicas
     alpha: float
@@ -248,16 +254,144 @@ def _slot_kv_blocks(
 @dataclass(frozen=True)
 class _WeighedBatch:
     """A batch of steps first..end-1: its slot rows then its holder rows, each with its step
-    in the batch and its weights; each slot's request, token columns and resource work."""
+    in the batch and its weights; each slot's request, token columns and resource work; each
+    holder's state."""
 
     first: int
     end: int
     slot_columns: dict[str, np.ndarray]
     slot_request: np.ndarray
+    holder_state: np.ndarray
     row_step: np.ndarray
     compute_work: np.ndarray
     kv_weight: np.ndarray
     resource_work: np.ndarray | None
+
+
+@dataclass(frozen=True)
+class _BatchWeigher:
+    """Weighs the hour's rows a batch of steps at a time, from their layouts in the hour."""
+
+    pool: Pool
+    slots: pl.DataFrame
+    holders: pl.DataFrame
+    slot_layout: RowLayout
+    holder_layout: RowLayout
+    weights: WeightSource
+    resource_weights: KernelWeights | None
+    # Each request's largest prefix-hit tokens of the hour (policy first_writer), else None.
+    prefix_hits: np.ndarray | None
+
+    def weigh(self, first: int, end: int) -> _WeighedBatch:
+        """The batch's rows with their compute and KV weights (and resource work)."""
+        fixed_cost = self.pool.policies.fixed_cost
+        slot_rows = self.slot_layout.rows(first, end)
+        holder_rows = self.holder_layout.rows(first, end)
+        slot_columns = gather(self.slots, list(SLOT_COLUMNS), slot_rows)
+        holder_columns = gather(self.holders, ["kv_blocks", "state"], holder_rows)
+        slot_step = self.slot_layout.step[slot_rows] - first
+        slot_request = self.slot_layout.request[slot_rows]
+        batch = SlotBatch.of_slots(slot_step, end - first, slot_columns)
+        priced = None if self.resource_weights is None else self.resource_weights.price(batch)
+        return _WeighedBatch(
+            first=first,
+            end=end,
+            slot_columns=slot_columns,
+            slot_request=slot_request,
+            holder_state=holder_columns["state"],
+            row_step=np.concatenate([slot_step, self.holder_layout.step[holder_rows] - first]),
+            compute_work=np.concatenate(
+                [
+                    self.weights.compute_work(batch, fixed_cost, priced),
+                    np.zeros(holder_columns["kv_blocks"].shape[0]),
+                ]
+            ),
+            kv_weight=np.concatenate(
+                [
+                    _slot_kv_blocks(
+                        self.pool,
+                        slot_columns,
+                        None if self.prefix_hits is None else self.prefix_hits[slot_request],
+                    ),
+                    holder_blocks(holder_columns["kv_blocks"], holder_columns["state"]),
+                ]
+            ),
+            resource_work=None if priced is None else priced.resource_work_us(batch, fixed_cost),
+        )
+
+
+@dataclass(frozen=True)
+class _AllocatedBatch:
+    """A weighed batch's rows split: each row's integer share, its compute and KV parts and
+    exact share, its KV block-seconds, and its step's total compute and KV weights."""
+
+    shares: np.ndarray
+    compute_nano: np.ndarray
+    kv_nano: np.ndarray
+    exact: np.ndarray
+    block_seconds: np.ndarray
+    step_work: np.ndarray
+    step_kv_blocks: np.ndarray
+
+
+def _allocate(
+    weighed: _WeighedBatch, cost: np.ndarray, busy: np.ndarray, alpha: float
+) -> _AllocatedBatch:
+    """Split each step of the batch (`cost`, `busy`: the hour's steps) among its rows."""
+    first, end, row_step = weighed.first, weighed.end, weighed.row_step
+    step_work = np.bincount(row_step, weights=weighed.compute_work, minlength=end - first)
+    step_kv_blocks = np.bincount(row_step, weights=weighed.kv_weight, minlength=end - first)
+    # A step with nobody to carry it (no slot work, no blocks held) is idle time.
+    carried = (step_work > 0) | (step_kv_blocks > 0)
+    split = blend_and_allocate(
+        np.where(carried, cost[first:end], 0),
+        row_step,
+        weighed.compute_work,
+        weighed.kv_weight,
+        alpha,
+    )
+    compute_nano, kv_nano = split_compute_kv(split.shares, *split.parts())
+    return _AllocatedBatch(
+        shares=split.shares,
+        compute_nano=compute_nano,
+        kv_nano=kv_nano,
+        exact=split.exact,
+        block_seconds=weighed.kv_weight * busy[first:end][row_step] / 1e9,
+        step_work=step_work,
+        step_kv_blocks=step_kv_blocks,
+    )
+
+
+def _keep_allocations(
+    allocations: AllocationRows,
+    weighed: _WeighedBatch,
+    holder_request: np.ndarray,
+    allocated: _AllocatedBatch,
+    cost: np.ndarray,
+    busy: np.ndarray,
+) -> None:
+    """Hand the batch's rows, as allocated, to `allocations`."""
+    n_slots, row_step = weighed.slot_request.shape[0], weighed.row_step
+    hour_step = weighed.first + row_step
+    allocations.add(
+        np.concatenate([weighed.slot_request, holder_request]),
+        {
+            "step": hour_step,
+            "role": np.concatenate(
+                [np.full(n_slots, "slot", dtype=object), weighed.holder_state.astype(object)]
+            ),
+            "cost_nano": cost[hour_step],
+            "busy_ns": busy[hour_step],
+            "share_nano": allocated.shares,
+            "compute_nano": allocated.compute_nano,
+            "kv_nano": allocated.kv_nano,
+            "work": weighed.compute_work,
+            "step_work": allocated.step_work[row_step],
+            "kv_blocks": weighed.kv_weight,
+            "step_kv_blocks": allocated.step_kv_blocks[row_step],
+            "kv_block_seconds": allocated.block_seconds,
+        },
+    )
 
 
 def _attribute_rows(
@@ -270,7 +404,8 @@ def _attribute_rows(
     resource_weights: KernelWeights | None,
     alpha: float,
     rows_per_batch: int,
-) -> tuple[pl.DataFrame, pl.DataFrame | None]:
+    allocations_of: RequestSelection,
+) -> tuple[pl.DataFrame, pl.DataFrame | None, pl.DataFrame]:
     """Split every step's cost among its slots and holders and total the rows per request.
 
     Steps are independent, so the hour is processed a batch of steps at a time: memory stays
@@ -279,8 +414,9 @@ def _attribute_rows(
     steps when the hour has them: the kernel sums a lone step's slots in another order than
     several steps' (`slot_work_many`), so its figures would depend on where the batches fall.
     Returns one row per request: request_id, rollup.INTEGER_TOTALS but `rows`, rollup.REAL_TOTALS;
-    and, with `resource_weights`, one row per request with slots: request_id and its slots'
-    work on each of the kernel's RESOURCES (`<resource>_us`, as `PricedBatch.resource_work_us`).
+    with `resource_weights`, one row per request with slots: request_id and its slots'
+    work on each of the kernel's RESOURCES (`<resource>_us`, as `PricedBatch.resource_work_us`);
+    and the allocation rows (ALLOCATION_SCHEMA) of the requests `allocations_of` chooses.
     """
     n_steps = hour_steps.height
     request_ids = pl.concat(
@@ -288,14 +424,14 @@ def _attribute_rows(
     ).unique(maintain_order=True)
     slot_layout = lay_out_rows(slots, "slots", "slot_index", keys, n_steps, request_ids)
     holder_layout = lay_out_rows(holders, "holders", "holder_index", keys, n_steps, request_ids)
-    prefix_hits = None
-    if pool.policies.prefix_cache == "first_writer":
-        prefix_hits = largest_per_request(
-            slot_layout, slots["prefix_hit_tokens"].to_numpy(), len(request_ids)
-        )
+    prefix_hits = _prefix_hits(pool, slots, slot_layout, len(request_ids))
+    weigher = _BatchWeigher(
+        pool, slots, holders, slot_layout, holder_layout, weights, resource_weights, prefix_hits
+    )
     cost = hour_steps["cost_nano"].to_numpy()
     busy = hour_steps["busy_ns"].to_numpy()
     totals = RequestTotals(len(request_ids), 0 if resource_weights is None else len(RESOURCES))
+    allocations = AllocationRows(allocations_of, request_ids)
     # Holder rows are totalled after every slot row, as the rows of the whole hour are ordered.
     n_holders = int(holder_layout.offsets[-1])
     held = {
@@ -304,83 +440,45 @@ def _attribute_rows(
         "exact": np.empty(n_holders),
         "block_seconds": np.empty(n_holders),
     }
-
-    def weigh(first: int, end: int) -> _WeighedBatch:
-        """The batch's rows with their compute and KV weights (and resource work)."""
-        slot_rows, holder_rows = slot_layout.rows(first, end), holder_layout.rows(first, end)
-        slot_columns = gather(slots, list(SLOT_COLUMNS), slot_rows)
-        holder_columns = gather(holders, ["kv_blocks", "state"], holder_rows)
-        slot_step = slot_layout.step[slot_rows] - first
-        slot_request = slot_layout.request[slot_rows]
-        batch = SlotBatch.of_slots(slot_step, end - first, slot_columns)
-        priced = None if resource_weights is None else resource_weights.price(batch)
-        return _WeighedBatch(
-            first=first,
-            end=end,
-            slot_columns=slot_columns,
-            slot_request=slot_request,
-            row_step=np.concatenate([slot_step, holder_layout.step[holder_rows] - first]),
-            compute_work=np.concatenate(
-                [
-                    weights.compute_work(batch, pool.policies.fixed_cost, priced),
-                    np.zeros(holder_columns["kv_blocks"].shape[0]),
-                ]
-            ),
-            kv_weight=np.concatenate(
-                [
-                    _slot_kv_blocks(
-                        pool,
-                        slot_columns,
-                        None if prefix_hits is None else prefix_hits[slot_request],
-                    ),
-                    holder_blocks(holder_columns["kv_blocks"], holder_columns["state"]),
-                ]
-            ),
-            resource_work=(
-                None if priced is None else priced.resource_work_us(batch, pool.policies.fixed_cost)
-            ),
-        )
-
     batches = step_batches(slot_layout.offsets + holder_layout.offsets, rows_per_batch, min_steps=2)
     # Pricing, mostly numpy without the GIL, runs ahead of the allocation, which is in order.
-    for weighed in ordered_ahead(lambda bounds: weigh(*bounds), batches):
-        first, end, slot_request = weighed.first, weighed.end, weighed.slot_request
-        n_slots, row_step = slot_request.shape[0], weighed.row_step
-        compute_work, kv_weight = weighed.compute_work, weighed.kv_weight
+    for weighed in ordered_ahead(lambda bounds: weigher.weigh(*bounds), batches):
+        allocated = _allocate(weighed, cost, busy, alpha)
+        slot_request = weighed.slot_request
+        n_slots = slot_request.shape[0]
         if weighed.resource_work is not None:
             totals.add_slot_work(slot_request, weighed.resource_work)
-        # A step with nobody to carry it (no slot work, no blocks held) is idle time.
-        carried = (np.bincount(row_step, weights=compute_work, minlength=end - first) > 0) | (
-            np.bincount(row_step, weights=kv_weight, minlength=end - first) > 0
+        row_values = (
+            allocated.shares,
+            allocated.compute_nano,
+            allocated.exact,
+            allocated.block_seconds,
         )
-        split = blend_and_allocate(
-            np.where(carried, cost[first:end], 0), row_step, compute_work, kv_weight, alpha
+        totals.add_rows(slot_request, *(values[:n_slots] for values in row_values))
+        totals.add_slot_tokens(slot_request, allocated.compute_nano[:n_slots], weighed.slot_columns)
+        held_rows = slice(
+            int(holder_layout.offsets[weighed.first]), int(holder_layout.offsets[weighed.end])
         )
-        compute_nano, _ = split_compute_kv(split.shares, *split.parts())
-        block_seconds = kv_weight * busy[first:end][row_step] / 1e9
-        totals.add_rows(
-            slot_request,
-            split.shares[:n_slots],
-            compute_nano[:n_slots],
-            split.exact[:n_slots],
-            block_seconds[:n_slots],
-        )
-        totals.add_slot_tokens(slot_request, compute_nano[:n_slots], weighed.slot_columns)
-        held_rows = slice(int(holder_layout.offsets[first]), int(holder_layout.offsets[end]))
-        for name, values in zip(
-            held, (split.shares, compute_nano, split.exact, block_seconds), strict=False
-        ):
+        for name, values in zip(held, row_values, strict=True):
             held[name][held_rows] = values[n_slots:]
+        if allocations.wanted:
+            holder_request = holder_layout.request[holder_layout.rows(weighed.first, weighed.end)]
+            _keep_allocations(allocations, weighed, holder_request, allocated, cost, busy)
     holder_request = holder_layout.request[holder_layout.rows(0, n_steps)]
     totals.add_rows(
         holder_request, held["amount"], held["compute"], held["exact"], held["block_seconds"]
     )
-    resource_work = (
-        None
-        if resource_weights is None
-        else totals.work_frame(request_ids, [f"{r}_us" for r in RESOURCES])
-    )
-    return totals.frame(request_ids), resource_work
+    work = None if resource_weights is None else totals.work_frame(request_ids, RESOURCE_COLUMNS)
+    return totals.frame(request_ids), work, allocations.frame(hour_steps)
+
+
+def _prefix_hits(
+    pool: Pool, slots: pl.DataFrame, slot_layout: RowLayout, n_requests: int
+) -> np.ndarray | None:
+    """Each request's largest prefix-hit tokens of the hour (policy first_writer), else None."""
+    if pool.policies.prefix_cache != "first_writer":
+        return None
+    return largest_per_request(slot_layout, slots["prefix_hit_tokens"].to_numpy(), n_requests)
 
 
 def _cache_read_charges(requests: pl.DataFrame, fraction: float) -> tuple[pl.DataFrame, int]:
@@ -515,6 +613,7 @@ def attribute_hour(
     *,
     resource_weights: KernelWeights | None = None,
     rows_per_batch: int = ROWS_PER_BATCH,
+    allocations_of: RequestSelection = (),
 ) -> HourAttribution:
     """Attribute one pool-hour.
 
@@ -524,7 +623,8 @@ def attribute_hour(
     request_id, tenant, feature, api_key_id, retry_of, retry_cause and may lack requests.
     `resource_weights`: the pool's kernel, to total each request's work per resource (priced
     once with the weights when they are this kernel). `rows_per_batch`: slot and holder rows
-    allocated at a time (a step is never split).
+    allocated at a time (a step is never split). `allocations_of`: the request ids (or "all")
+    whose per-step allocation rows to keep, as billed; none by default.
     """
     start_ns = hour_start_ns(hour_start)
     hour_value = hour_start.astimezone(UTC).replace(tzinfo=None)
@@ -533,9 +633,62 @@ def attribute_hour(
         holders, "holders", ("replica", "seq", "holder_index", "request_id", "kv_blocks", "state")
     )
     replica_price = pool.gpus_per_replica * pool.nano_per_gpu_hour
-    invoice_nano = replica_price * len(pool.replicas)
-    policy_version = pool.policies.version()
+    invoice = Invoice(
+        hour=hour_value,
+        pool=pool.name,
+        gpus=pool.gpus_per_replica * len(pool.replicas),
+        usd_per_gpu_hour=pool.usd_per_gpu_hour,
+        amount_nano=replica_price * len(pool.replicas),
+    )
 
+    hour_steps, keys = _priced_steps(pool, start_ns, steps, replica_price)
+    alpha, blocked_fraction = alpha_for_period(
+        pool.policies, hour_steps["admission_blocked"].to_numpy()
+    )
+    requests, resource_work, allocations = _attribute_rows(
+        pool,
+        hour_steps,
+        keys,
+        slots,
+        holders,
+        weights,
+        resource_weights,
+        alpha,
+        rows_per_batch,
+        allocations_of,
+    )
+    requests, cache_saving = _charged_requests(pool, requests, context)
+    lines = _ledger_lines(pool, invoice, requests, weights.version)
+    kind_amount, kind_count = _by_line_kind(requests)
+    usage_nano = int(requests["amount_nano"].sum())
+    cache_read_nano = int(requests["cache_read_nano"].sum())
+    return HourAttribution(
+        ledger=_hour_ledger(hour_start, pool, invoice, lines, requests, resource_work, slots),
+        replicas=_replica_facts(pool, hour_steps, replica_price),
+        request_details=_request_details(pool, requests, weights),
+        allocations=allocations,
+        step_count=hour_steps.height,
+        busy_ns=int(hour_steps["busy_ns"].sum()),
+        alpha=alpha,
+        admission_blocked_fraction=blocked_fraction,
+        usage_nano=usage_nano,
+        unattributed_nano=int(kind_amount.get("unattributed", 0)),
+        unattributed_requests=int(kind_count.get("unattributed", 0)),
+        platform_retry_nano=int(kind_amount.get("platform_retry", 0)),
+        cache_read_nano=cache_read_nano,
+        cache_saving_nano=cache_saving,
+        idle_nano=invoice.amount_nano - (usage_nano - cache_read_nano),
+        headroom_nano=int(lines.filter(pl.col("line_kind") == "headroom")["amount_nano"].sum()),
+        weights_version=weights.version,
+        policy_version=pool.policies.version(),
+    )
+
+
+def _priced_steps(
+    pool: Pool, start_ns: int, steps: pl.DataFrame, replica_price: int
+) -> tuple[pl.DataFrame, StepKeys]:
+    """The steps overlapping the hour (`steps_in_hour`), each with its cost and busy time
+    inside the hour from the clock (`cost_nano`, `busy_ns`), and the keys of every step."""
     hour_steps, keys = steps_in_hour(start_ns, pool, steps)
     cost, busy = step_costs_in_hour(
         hour_steps["start_utc_ns"].to_numpy(),
@@ -543,24 +696,73 @@ def attribute_hour(
         start_ns,
         replica_price,
     )
-    hour_steps = hour_steps.with_columns(pl.Series("cost_nano", cost), pl.Series("busy_ns", busy))
-    alpha, blocked_fraction = alpha_for_period(
-        pool.policies, hour_steps["admission_blocked"].to_numpy()
-    )
-    requests, resource_work = _attribute_rows(
-        pool, hour_steps, keys, slots, holders, weights, resource_weights, alpha, rows_per_batch
-    )
+    return hour_steps.with_columns(pl.Series("cost_nano", cost), pl.Series("busy_ns", busy)), keys
+
+
+def _charged_requests(
+    pool: Pool, requests: pl.DataFrame, context: pl.DataFrame
+) -> tuple[pl.DataFrame, int]:
+    """The requests' totals with their prefix-cache read charges (`cache_read_nano`, zero
+    unless policy cache_read) and line kinds; and what the hit tokens saved."""
     cache_saving = 0
     if pool.policies.prefix_cache == "cache_read":
         requests, cache_saving = _cache_read_charges(requests, pool.policies.cache_read_fraction)
     else:
         requests = requests.with_columns(pl.lit(0, dtype=pl.Int64).alias("cache_read_nano"))
-    requests = _classify(requests, context, pool)
+    return _classify(requests, context, pool), cache_saving
+
+
+def _by_line_kind(requests: pl.DataFrame) -> tuple[dict[str, int], dict[str, int]]:
+    """The requests' amount and number on each line kind."""
+    by_kind = requests.group_by("line_kind").agg(pl.col("amount_nano").sum(), pl.len())
+    kinds = by_kind["line_kind"].to_list()
+    return (
+        dict(zip(kinds, by_kind["amount_nano"].to_list(), strict=True)),
+        dict(zip(kinds, by_kind["len"].to_list(), strict=True)),
+    )
+
+
+def _hour_ledger(
+    hour_start: datetime,
+    pool: Pool,
+    invoice: Invoice,
+    lines: pl.DataFrame,
+    requests: pl.DataFrame,
+    resource_work: pl.DataFrame | None,
+    slots: pl.DataFrame,
+) -> HourLedger:
+    """The hour's ledger: its invoice, lines, request costs, resource work and decode contexts."""
+    return HourLedger(
+        hour=hour_start,
+        pool=pool.name,
+        invoice=invoice,
+        ledger_lines=lines,
+        request_costs=_stamped(requests, invoice, REQUEST_COST_SCHEMA).sort("request_id"),
+        resource_work=(
+            pl.DataFrame(schema=RESOURCE_WORK_SCHEMA)
+            if resource_work is None
+            else resource_work.cast(RESOURCE_WORK_SCHEMA)
+        ),
+        decode_contexts=decode_contexts(pool, slots),
+    )
+
+
+def _stamped(frame: pl.DataFrame, invoice: Invoice, schema: pl.Schema) -> pl.DataFrame:
+    """The frame with the invoice's hour and pool, as the columns of `schema`."""
+    return frame.with_columns(
+        pl.lit(invoice.hour, dtype=pl.Datetime("us")).alias("hour"),
+        pl.lit(invoice.pool).alias("pool"),
+    ).select(*(pl.col(c).cast(t) for c, t in schema.items()))
+
+
+def _ledger_lines(
+    pool: Pool, invoice: Invoice, requests: pl.DataFrame, weights_version: str
+) -> pl.DataFrame:
+    """The hour's ledger lines (LEDGER_LINE_SCHEMA): the requests' usage lines, the cache
+    credit, then idle and headroom, summing exactly to the invoice (asserted)."""
     usage = _usage_lines(requests, pool)
     cache_read_nano = int(requests["cache_read_nano"].sum())
-    usage_nano = int(requests["amount_nano"].sum())
-    idle_nano = invoice_nano - (usage_nano - cache_read_nano)
-
+    idle_nano = invoice.amount_nano - (int(requests["amount_nano"].sum()) - cache_read_nano)
     extra = []
     if cache_read_nano:
         readers = requests.filter(pl.col("cache_read_nano") > 0)
@@ -574,36 +776,30 @@ def attribute_hour(
                 int(readers["cached_tokens"].sum()),
             )
         )
-    extra += idle_lines(pool, invoice_nano, idle_nano, usage)
+    extra += idle_lines(pool, invoice.amount_nano, idle_nano, usage)
     line_columns = pl.Schema({c: LEDGER_LINE_SCHEMA[c] for c in usage.columns})
-    lines = (
-        pl.concat([usage.cast(line_columns), pl.DataFrame(extra, schema=line_columns)])
-        .with_columns(
-            pl.lit(hour_value, dtype=pl.Datetime("us")).alias("hour"),
-            pl.lit(pool.name).alias("pool"),
-            pl.lit(weights.version).alias("weights_version"),
-            pl.lit(policy_version).alias("policy_version"),
-        )
-        .select(*(pl.col(c).cast(t) for c, t in LEDGER_LINE_SCHEMA.items()))
+    lines = _stamped(
+        pl.concat(
+            [usage.cast(line_columns), pl.DataFrame(extra, schema=line_columns)]
+        ).with_columns(
+            pl.lit(weights_version).alias("weights_version"),
+            pl.lit(pool.policies.version()).alias("policy_version"),
+        ),
+        invoice,
+        LEDGER_LINE_SCHEMA,
     )
-    if int(lines["amount_nano"].sum()) != invoice_nano:
+    if int(lines["amount_nano"].sum()) != invoice.amount_nano:
         raise AssertionError(
-            f"pool {pool.name} hour {hour_value}: ledger lines sum to {int(lines['amount_nano'].sum())}, invoice {invoice_nano}"
+            f"pool {pool.name} hour {invoice.hour}: ledger lines sum to {int(lines['amount_nano'].sum())}, invoice {invoice.amount_nano}"
         )
+    return lines
 
-    request_costs = (
-        requests.with_columns(
-            pl.lit(hour_value, dtype=pl.Datetime("us")).alias("hour"),
-            pl.lit(pool.name).alias("pool"),
-        )
-        .select(*(pl.col(c).cast(t) for c, t in REQUEST_COST_SCHEMA.items()))
-        .sort("request_id")
-    )
 
-    replica_facts = _replica_facts(pool, hour_steps, replica_price)
+def _request_details(pool: Pool, requests: pl.DataFrame, weights: WeightSource) -> pl.DataFrame:
+    """Per request the facts beside its cost (`HourAttribution.request_details`)."""
     bytes_per_token = weights.kv_bytes_per_token()
     bytes_per_block = None if bytes_per_token is None else bytes_per_token * pool.kv_block_size
-    request_details = requests.select(
+    return requests.select(
         "request_id",
         "exact_nano",
         "kv_block_seconds",
@@ -612,38 +808,23 @@ def attribute_hour(
             if bytes_per_block
             else pl.lit(None, dtype=pl.Float64)
         ).alias("kv_byte_seconds"),
+        "cache_read_nano",
     ).sort("request_id")
-    headroom = int(lines.filter(pl.col("line_kind") == "headroom")["amount_nano"].sum())
-    by_kind = requests.group_by("line_kind").agg(pl.col("amount_nano").sum(), pl.len())
-    kind_amount = dict(zip(by_kind["line_kind"], by_kind["amount_nano"], strict=False))
-    kind_count = dict(zip(by_kind["line_kind"], by_kind["len"], strict=False))
-    return HourAttribution(
-        invoice={
-            "hour": hour_value,
-            "pool": pool.name,
-            "gpus": pool.gpus_per_replica * len(pool.replicas),
-            "usd_per_gpu_hour": pool.usd_per_gpu_hour,
-            "amount_nano": invoice_nano,
-        },
-        request_costs=request_costs,
-        ledger_lines=lines,
-        replicas=replica_facts,
-        request_details=request_details,
-        resource_work=resource_work,
-        step_count=hour_steps.height,
-        busy_ns=int(busy.sum()),
-        alpha=alpha,
-        admission_blocked_fraction=blocked_fraction,
-        usage_nano=usage_nano,
-        unattributed_nano=int(kind_amount.get("unattributed", 0)),
-        unattributed_requests=int(kind_count.get("unattributed", 0)),
-        platform_retry_nano=int(kind_amount.get("platform_retry", 0)),
-        cache_read_nano=cache_read_nano,
-        cache_saving_nano=cache_saving,
-        idle_nano=idle_nano,
-        headroom_nano=headroom,
-        weights_version=weights.version,
-        policy_version=policy_version,
+
+
+def decode_contexts(pool: Pool, slots: pl.DataFrame) -> pl.DataFrame:
+    """How many decode slots ran at each context length (`DECODE_CONTEXTS_SCHEMA`)."""
+    return (
+        slots.lazy()
+        .filter(
+            (pl.col("context_tokens") >= pl.col("prompt_tokens"))
+            & (pl.col("new_tokens") <= pool.engine.decode_threshold)
+        )
+        .group_by("context_tokens")
+        .agg(pl.len().alias("slots"))
+        .sort("context_tokens")
+        .collect()
+        .cast(DECODE_CONTEXTS_SCHEMA)
     )
 
 

@@ -25,7 +25,7 @@ COMMANDS: dict[str, str] = {
     "inspect": "pipeline.cli.inspect:inspect_command",
     "price": "pipeline.cli.price:price_command",
     "calibrate": "pipeline.cli.calibrate:calibrate_command",
-    "explain": "pipeline.cli.explain:explain_command",
+    "explain": "pipeline.cli.explain_request:explain_command",
     "whatif": "pipeline.cli.whatif:whatif_command",
     "explain-step": "pipeline.cli.explain_step:explain_step_command",
 }

@@ -26,7 +26,7 @@ def explain_step_command(file: Path, as_json: bool) -> None:
     (model, chip, tp, ...) instead of "coefficients" to weigh work with the pricing kernel.
     """
     from pipeline.attribution.allocator import AllocationError
-    from pipeline.attribution.explain import ExplainError, explain_steps, parse_steps
+    from pipeline.attribution.explain_step import ExplainError, explain_steps, parse_steps
 
     try:
         document = json.loads(file.read_text())

@@ -103,7 +103,7 @@ def what_if(data_dir: Path, start: datetime, end: datetime, settings: dict[str, 
                 inputs, weights = saved_inputs(data_dir, pool, hour)
             except SavedInputsMissing as err:
                 raise WhatIfError(str(err)) from err
-            ledger = attribute_pool_hour(lake, pool, inputs, weights)
+            ledger = attribute_pool_hour(lake, pool, inputs, weights).ledger
             before = con.execute(_LINES, [stored, pool_name]).pl()
             after = ledger.ledger_lines.group_by("tenant", "feature").agg(
                 pl.col("amount_nano").sum()

@@ -17,7 +17,7 @@ import duckdb
 import numpy as np
 import polars as pl
 
-from pipeline.attribution.allocator import largest_remainder
+from pipeline.attribution.ledger import split_by_resource
 from pipeline.attribution.weights import kernel_weights
 from pipeline.hours import from_warehouse, hour_key, parse_hour_key, to_warehouse
 from pipeline.storage.lake import load_ledger
@@ -294,13 +294,9 @@ def _resource_breakdown(
         }
         return pl.DataFrame(schema=empty), _medians(decode_contexts)
     rows = pl.concat(frames).sort("tenant", "request_id")
-    work = rows.select(f"{r}_us" for r in RESOURCES).to_numpy()
-    shares, _ = largest_remainder(
-        rows["compute_nano"].to_numpy(),
-        np.repeat(np.arange(rows.height), len(RESOURCES)),
-        work.reshape(-1),
+    shares = split_by_resource(
+        rows["compute_nano"].to_numpy(), rows.select(f"{r}_us" for r in RESOURCES).to_numpy()
     )
-    shares = shares.reshape(-1, len(RESOURCES))
     split = rows.with_columns(pl.Series(f"{r}_nano", shares[:, i]) for i, r in enumerate(RESOURCES))
     by_tenant = (
         split.group_by("tenant", maintain_order=True)

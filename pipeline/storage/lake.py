@@ -31,7 +31,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.attribution.ledger import STORED_TABLES, HourLedger
+from pipeline.attribution.ledger import STORED_TABLES, HourLedger, Invoice
 from pipeline.hours import hour_key, hour_start_ns, utc_hour
 from pipeline.ingestion.ingest import LAKE_TABLES, STEP_KEY, batch_of, partition_dir
 
@@ -336,4 +336,5 @@ def load_ledger(
         )
     verify(lake, files, hashes)
     frames = {f.stem: pl.read_parquet(f, glob=False) for f in files}
-    return HourLedger(hour=hour, pool=pool, **frames)
+    invoice = Invoice.from_frame(frames.pop("invoices"))
+    return HourLedger(hour=hour, pool=pool, invoice=invoice, **frames)

@@ -105,7 +105,7 @@ def build_fleet(root: Path) -> Path:
             )
             inputs = gather_inputs(con, lake, pool, hour)
             weights = weight_source(pool, inputs.engine, root / CALIBRATION_FILE)
-            ledger = attribute_pool_hour(lake, pool, inputs, weights)
+            ledger = attribute_pool_hour(lake, pool, inputs, weights).ledger
             save_ledger(lake, ledger)
             publish_hour(con, ledger)
             record_alerts(con, reconcile_hour(con, lake, root / "dcgm", pool, hour, pools.settings))

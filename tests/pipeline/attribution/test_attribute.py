@@ -12,8 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from polars.testing import assert_frame_equal
 
-from pipeline.attribution.attribute import decode_contexts
-from pipeline.attribution.hour import attribute_hour, step_batches
+from pipeline.attribution.hour import attribute_hour, decode_contexts, step_batches
 from pipeline.attribution.ledger import DECODE_CONTEXTS_SCHEMA, RESOURCE_WORK_SCHEMA
 from pipeline.attribution.synthetic import HOUR, HOUR_START_NS, synthetic_log, synthetic_pool
 from pipeline.attribution.weights import kernel_weights
@@ -81,8 +80,7 @@ def test_any_batch_size_and_row_order_give_the_whole_hours_resource_work(
             resource_weights=kernel_weights(pool),
             rows_per_batch=rows_per_batch,
         )
-        assert attributed.resource_work is not None
-        got = attributed.resource_work.cast(RESOURCE_WORK_SCHEMA).sort("request_id")
+        got = attributed.ledger.resource_work.sort("request_id")
         assert_frame_equal(got, expected, check_exact=True)
 
 
@@ -92,7 +90,7 @@ def test_without_resource_weights_no_resource_work_is_totalled():
     attributed = attribute_hour(
         HOUR, pool, log.steps, log.slots, log.holders, log.context, kernel_weights(pool)
     )
-    assert attributed.resource_work is None
+    assert_frame_equal(attributed.ledger.resource_work, pl.DataFrame(schema=RESOURCE_WORK_SCHEMA))
 
 
 @settings(max_examples=30, deadline=None)

@@ -117,34 +117,36 @@ def test_every_hour_sums_to_its_invoice(seed, prefix_cache, idle, fixed_cost, al
     log = synthetic_log(
         pool, steps_per_replica=40, seed=seed, gap_ns=gap_ns, start_ns=HOUR_START_NS - gap_ns
     )
-    ledger = _attribute(pool, log)
-    assert ledger.invoice["amount_nano"] == 2 * PER_HOUR
-    assert int(ledger.ledger_lines["amount_nano"].sum()) == 2 * PER_HOUR
-    costs = ledger.request_costs
+    attributed = _attribute(pool, log)
+    assert attributed.ledger.amount_nano == 2 * PER_HOUR
+    assert int(attributed.ledger.ledger_lines["amount_nano"].sum()) == 2 * PER_HOUR
+    costs = attributed.ledger.request_costs
     assert (costs["compute_nano"] + costs["kv_nano"] == costs["amount_nano"]).all()
-    assert int(costs["amount_nano"].sum()) - ledger.cache_read_nano == int(
-        ledger.replicas["step_cost_nano"].sum()
+    assert int(costs["amount_nano"].sum()) - attributed.cache_read_nano == int(
+        attributed.replicas["step_cost_nano"].sum()
     )
-    assert set(ledger.ledger_lines["line_kind"]) <= set(LINE_KINDS)
+    assert set(attributed.ledger.ledger_lines["line_kind"]) <= set(LINE_KINDS)
 
 
 def test_frames_have_exactly_the_warehouse_columns():
     pool = make_pool()
-    ledger = _attribute(pool, synthetic_log(pool, steps_per_replica=20))
-    assert dict(ledger.ledger_lines.schema) == LEDGER_LINE_SCHEMA
-    assert dict(ledger.request_costs.schema) == REQUEST_COST_SCHEMA
-    assert ledger.ledger_lines["hour"].unique().to_list() == [HOUR.replace(tzinfo=None)]
-    assert ledger.ledger_lines["weights_version"].unique().to_list() == [WEIGHTS.version]
-    assert ledger.ledger_lines["policy_version"].unique().to_list() == [pool.policies.version()]
-    assert ledger.ledger_lines.null_count().sum_horizontal().item() == 0
+    attributed = _attribute(pool, synthetic_log(pool, steps_per_replica=20))
+    assert dict(attributed.ledger.ledger_lines.schema) == LEDGER_LINE_SCHEMA
+    assert dict(attributed.ledger.request_costs.schema) == REQUEST_COST_SCHEMA
+    assert attributed.ledger.ledger_lines["hour"].unique().to_list() == [HOUR.replace(tzinfo=None)]
+    assert attributed.ledger.ledger_lines["weights_version"].unique().to_list() == [WEIGHTS.version]
+    assert attributed.ledger.ledger_lines["policy_version"].unique().to_list() == [
+        pool.policies.version()
+    ]
+    assert attributed.ledger.ledger_lines.null_count().sum_horizontal().item() == 0
 
 
 def test_one_step_split_with_idle_spread_and_headroom():
     # alpha 1: compute only. a: 512-token prefill, b: decode; 50 ms on 1 GPU = 50_000 nano.
     pool = make_pool(alpha=1.0, idle="spread_then_headroom", prefix_cache="split_by_holders")
     log = _one_step_log(pool, slots=[("a", 512, 0, 32, 0), ("b", 1, 3800, 238, 0)])
-    ledger = _attribute(pool, log)
-    costs = {r["request_id"]: r for r in ledger.request_costs.iter_rows(named=True)}
+    attributed = _attribute(pool, log)
+    costs = {r["request_id"]: r for r in attributed.ledger.request_costs.iter_rows(named=True)}
     # work a = 6 + 32.1664 ms, b = 6 + 0.24005 ms: a gets 50_000 x 38.1664 / 44.40645.
     assert costs["a"]["amount_nano"] == 42_974 and costs["b"]["amount_nano"] == 7_026
     assert (
@@ -152,7 +154,9 @@ def test_one_step_split_with_idle_spread_and_headroom():
     )
     exact = dict(
         zip(
-            ledger.request_details["request_id"], ledger.request_details["exact_nano"], strict=False
+            attributed.request_details["request_id"],
+            attributed.request_details["exact_nano"],
+            strict=False,
         )
     )
     assert exact["a"] == pytest.approx(50_000 * 38.1664 / 44.40645) and exact["a"] + exact[
@@ -163,13 +167,13 @@ def test_one_step_split_with_idle_spread_and_headroom():
     spread_cap = int(invoice * (1 - 0.7))
     lines = {
         (r["line_kind"], r["tenant"], r["feature"]): r["amount_nano"]
-        for r in ledger.ledger_lines.iter_rows(named=True)
+        for r in attributed.ledger.ledger_lines.iter_rows(named=True)
     }
     assert lines[("usage", "acme", "chat")] == 50_000
     assert lines[("idle", "acme", "chat")] == spread_cap
     assert lines[("headroom", "support", "(headroom)")] == idle - spread_cap
-    assert ledger.headroom_nano == idle - spread_cap and ledger.idle_nano == idle
-    assert ledger.busy_ns == 50_000_000 and ledger.step_count == 1
+    assert attributed.headroom_nano == idle - spread_cap and attributed.idle_nano == idle
+    assert attributed.busy_ns == 50_000_000 and attributed.step_count == 1
 
 
 def test_holders_pay_memory_time_and_swapped_ones_do_not():
@@ -180,21 +184,25 @@ def test_holders_pay_memory_time_and_swapped_ones_do_not():
         holders=[("b", 10, "preempted"), ("c", 20, "swapped")],
         context_ids=("a", "b", "c"),
     )
-    ledger = _attribute(pool, log)
+    attributed = _attribute(pool, log)
     amounts = dict(
-        zip(ledger.request_costs["request_id"], ledger.request_costs["amount_nano"], strict=False)
+        zip(
+            attributed.ledger.request_costs["request_id"],
+            attributed.ledger.request_costs["amount_nano"],
+            strict=False,
+        )
     )
     # a: 0.5 compute + 0.5 x 10/20 KV; b: 0.5 x 10/20 KV; c swapped out: nothing.
     assert amounts == {"a": 37_500, "b": 12_500, "c": 0}
     memory = dict(
         zip(
-            ledger.request_details["request_id"],
-            ledger.request_details["kv_block_seconds"],
+            attributed.request_details["request_id"],
+            attributed.request_details["kv_block_seconds"],
             strict=False,
         )
     )
     assert memory == pytest.approx({"a": 0.5, "b": 0.5, "c": 0.0})
-    lines = ledger.ledger_lines.filter(pl.col("line_kind") == "idle")
+    lines = attributed.ledger.ledger_lines.filter(pl.col("line_kind") == "idle")
     assert (
         lines.rows(named=True)[0]["tenant"] == "platform"
         and lines["amount_nano"].sum() == 2 * PER_HOUR - 50_000
@@ -209,8 +217,8 @@ def test_platform_timeout_retries_and_missing_context():
         context_ids=("a",),
         retry_cause="platform_timeout",
     )
-    ledger = _attribute(pool, log)
-    kinds = {r["line_kind"]: r for r in ledger.ledger_lines.iter_rows(named=True)}
+    attributed = _attribute(pool, log)
+    kinds = {r["line_kind"]: r for r in attributed.ledger.ledger_lines.iter_rows(named=True)}
     assert (
         kinds["platform_retry"]["tenant"] == "platform"
         and kinds["platform_retry"]["amount_nano"] == 25_000
@@ -219,9 +227,9 @@ def test_platform_timeout_retries_and_missing_context():
         kinds["unattributed"]["tenant"] == "(unattributed)"
         and kinds["unattributed"]["amount_nano"] == 25_000
     )
-    assert ledger.unattributed_fraction == 0.5 and ledger.unattributed_requests == 1
+    assert attributed.unattributed_fraction == 0.5 and attributed.unattributed_requests == 1
     caller_pays = make_pool(idle="capacity_owner", platform_pays_platform_retries=False)
-    kinds = set(_attribute(caller_pays, log).ledger_lines["line_kind"])
+    kinds = set(_attribute(caller_pays, log).ledger.ledger_lines["line_kind"])
     assert "platform_retry" not in kinds and "usage" in kinds
 
 
@@ -231,19 +239,21 @@ def test_cache_read_charges_hits_and_credits_them_back():
     )
     # a computes 100 prompt tokens (its whole prefill); b hit 400 cached tokens and decodes.
     log = _one_step_log(pool, slots=[("a", 100, 0, 7, 0), ("b", 1, 400, 26, 400)])
-    ledger = _attribute(pool, log)
-    costs = {r["request_id"]: r for r in ledger.request_costs.iter_rows(named=True)}
+    attributed = _attribute(pool, log)
+    costs = {r["request_id"]: r for r in attributed.ledger.request_costs.iter_rows(named=True)}
     prefill_rate = costs["a"]["compute_nano"] / 100  # a is the hour's only prefill
     charge = round(400 * prefill_rate * 0.1)
-    assert ledger.cache_read_nano == charge and costs["b"]["cached_tokens"] == 400
-    assert ledger.cache_saving_nano == round(400 * prefill_rate) - charge
-    credit = ledger.ledger_lines.filter(pl.col("line_kind") == "cache_credit").row(0, named=True)
+    assert attributed.cache_read_nano == charge and costs["b"]["cached_tokens"] == 400
+    assert attributed.cache_saving_nano == round(400 * prefill_rate) - charge
+    credit = attributed.ledger.ledger_lines.filter(pl.col("line_kind") == "cache_credit").row(
+        0, named=True
+    )
     assert (
         credit["amount_nano"] == -charge
         and credit["tenant"] == "platform"
         and credit["cached_tokens"] == 400
     )
-    assert int(ledger.ledger_lines["amount_nano"].sum()) == 2 * PER_HOUR
+    assert int(attributed.ledger.ledger_lines["amount_nano"].sum()) == 2 * PER_HOUR
 
 
 def test_a_step_across_the_boundary_is_billed_in_both_hours_exactly():
@@ -259,8 +269,8 @@ def test_a_step_across_the_boundary_is_billed_in_both_hours_exactly():
     r0_after = (first["end_utc_ns"] - HOUR_START_NS) * PER_HOUR // 3_600_000_000_000
     assert abs(r0_before + r0_after - whole) < 1
     assert (
-        int(before.ledger_lines["amount_nano"].sum())
-        == int(this.ledger_lines["amount_nano"].sum())
+        int(before.ledger.ledger_lines["amount_nano"].sum())
+        == int(this.ledger.ledger_lines["amount_nano"].sum())
         == 2 * PER_HOUR
     )
 
@@ -269,7 +279,7 @@ def test_an_idle_replica_is_all_idle():
     pool = make_pool(replicas=3, idle="capacity_owner")
     log = synthetic_log(pool, steps_per_replica=10)
     steps = log.steps.filter(pl.col("replica") != "r2")
-    ledger = attribute_hour(
+    attributed = attribute_hour(
         HOUR,
         pool,
         steps,
@@ -278,7 +288,7 @@ def test_an_idle_replica_is_all_idle():
         log.context,
         WEIGHTS,
     )
-    r2 = ledger.replicas.filter(pl.col("replica") == "r2").row(0, named=True)
+    r2 = attributed.replicas.filter(pl.col("replica") == "r2").row(0, named=True)
     assert r2["steps"] == 0 and r2["idle_nano"] == PER_HOUR
 
 
@@ -343,24 +353,28 @@ def test_kernel_weights_split_fixed_per_policy_and_price_bytes():
 
     pool = make_pool(alpha=1.0)
     log = _one_step_log(pool, slots=[("a", 10, 0, 1, 0), ("b", 1, 4000, 250, 0)])
-    ledger = _attribute(pool, log, weights=KernelWeights(_FakeKernel(), "kernel-test"))
+    attributed = _attribute(pool, log, weights=KernelWeights(_FakeKernel(), "kernel-test"))
     amounts = dict(
-        zip(ledger.request_costs["request_id"], ledger.request_costs["amount_nano"], strict=False)
+        zip(
+            attributed.ledger.request_costs["request_id"],
+            attributed.ledger.request_costs["amount_nano"],
+            strict=False,
+        )
     )
     assert amounts == {"a": 31_250, "b": 18_750}  # 35 : 21
-    assert ledger.request_details.filter(pl.col("request_id") == "b")[
+    assert attributed.request_details.filter(pl.col("request_id") == "b")[
         "kv_byte_seconds"
     ].item() == pytest.approx(250 * 0.05 * 16 * 131072)
-    assert ledger.weights_version == "kernel-test"
+    assert attributed.weights_version == "kernel-test"
 
 
 def test_an_hour_without_steps_is_all_idle_and_still_sums():
     pool = make_pool(idle="spread")
     log = synthetic_log(pool, steps_per_replica=3)
-    ledger = attribute_hour(
+    attributed = attribute_hour(
         HOUR, pool, log.steps.head(0), log.slots.head(0), log.holders.head(0), log.context, WEIGHTS
     )
-    assert ledger.request_costs.height == 0 and ledger.step_count == 0
-    assert ledger.ledger_lines.select("tenant", "feature", "line_kind", "amount_nano").rows() == [
-        ("platform", "(idle)", "idle", 2 * PER_HOUR)
-    ]
+    assert attributed.ledger.request_costs.height == 0 and attributed.step_count == 0
+    assert attributed.ledger.ledger_lines.select(
+        "tenant", "feature", "line_kind", "amount_nano"
+    ).rows() == [("platform", "(idle)", "idle", 2 * PER_HOUR)]

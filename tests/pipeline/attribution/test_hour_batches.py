@@ -33,7 +33,12 @@ def _attribute(pool, log, *, rows_per_batch: int = ROWS_PER_BATCH):
 
 
 def _assert_same_ledger(expected, actual) -> None:
-    for name in ("request_costs", "ledger_lines", "replicas", "request_details"):
+    for name in ("request_costs", "ledger_lines", "resource_work", "decode_contexts"):
+        assert_frame_equal(
+            getattr(expected.ledger, name), getattr(actual.ledger, name), check_exact=True
+        )
+    assert expected.ledger.invoice == actual.ledger.invoice
+    for name in ("replicas", "request_details"):
         assert_frame_equal(getattr(expected, name), getattr(actual, name), check_exact=True)
     for name in (
         "step_count",

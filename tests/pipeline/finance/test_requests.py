@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 from assets.cli import main
 from pipeline import finance
+from pipeline.finance.explain_request import explain_requests
 from tests.helpers.fleets import simulate_small, small_pools
 
 HOUR = "2026-11-30T00"
@@ -96,6 +97,27 @@ def test_explain_reproduces_a_request_charge(billed: Path) -> None:
     assert table.exit_code == 0 and "reproduced" in table.output
     missing = CliRunner().invoke(main, ["explain", "no-such-request", "--data", str(billed)])
     assert missing.exit_code == 1 and "'no-such-request': not charged" in missing.output
+
+
+def test_explain_reproduces_every_request_of_the_hour(billed: Path) -> None:
+    with finance.connect(billed) as con:
+        charged = con.execute(
+            "SELECT request_id, amount_nano, compute_nano, kv_nano FROM request_costs "
+            "ORDER BY request_id"
+        ).fetchall()
+    explanations = explain_requests(billed, [request_id for request_id, *_ in charged])
+    cache_reads = 0
+    for (request_id, amount, compute, kv), explanation in zip(charged, explanations, strict=True):
+        assert explanation.request_id == request_id
+        (hour,) = explanation.hours
+        steps = hour.steps
+        assert int(steps["share_nano"].sum()) + hour.cache_read_nano == amount, request_id
+        assert int(steps["compute_nano"].sum()) + hour.cache_read_nano == compute, request_id
+        assert int(steps["kv_nano"].sum()) == kv, request_id
+        assert explanation.reproduced, request_id
+        cache_reads += hour.cache_read_nano > 0
+    # The hour charges prefix-cache reads, so some charges are not only steps' shares.
+    assert cache_reads > 0
 
 
 def test_whatif_changes_costs_without_publishing(billed: Path) -> None:

@@ -72,13 +72,13 @@ def simulate_and_check(out_dir: Path, faults: dict[str, float | None]) -> Run:
     )
     ledger = attribute_hour(
         SIMULATED_HOUR, pool, steps, slots, holders, context, KernelWeights.for_pool(pool)
-    )
+    ).ledger
     stamp = [
         pl.lit(SIMULATED_HOUR.replace(tzinfo=None)).cast(pl.Datetime("us")).alias("hour"),
         pl.lit(pool.name).alias("pool"),
     ]
     lines = ledger.ledger_lines.with_columns(stamp)
-    invoices = pl.DataFrame([ledger.invoice]).with_columns(stamp)
+    invoices = ledger.invoices.with_columns(stamp)
     settings = pools.settings
     # What a calibration sweep of the fleet before the hour stored (as `stepledger demo` does).
     known = {(pool.model, pool.gpu_type, ENGINE_VERSION, DRIVER_VERSION)}

@@ -101,7 +101,7 @@ def test_the_ledger_comes_from_the_lake_alone(data: Path) -> None:
     (data / "warehouse.duckdb").unlink()
     ledger = attribute_pool_hour(
         data / "lake", POOL, inputs, weight_source(POOL, inputs.engine, data / CALIBRATION_FILE)
-    )
+    ).ledger
     costs = dict(
         zip(ledger.request_costs["request_id"], ledger.request_costs["tenant"], strict=True)
     )

@@ -40,7 +40,9 @@ UNITS = {"micro": MICRO_PER_USD, "nano": NANO_PER_USD}
 
 
 class ExplainError(ValueError):
-    """The step file is invalid; the message names the file, step and field."""
+    """A step or a request cannot be explained: a step file is invalid (the message names the
+    file, step and field) or a request's hour is not there to read (the message says what is
+    missing and where)."""
 
 
 class _Strict(BaseModel):

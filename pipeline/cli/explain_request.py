@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -11,9 +12,45 @@ from pipeline.cli.costs import print_wide
 from pipeline.cli.options import data_dir_option
 from pipeline.storage.warehouse import WarehouseError
 
+if TYPE_CHECKING:  # imported when the command runs, to keep the command line quick to start
+    from pipeline.finance.explain_request import RequestHour
+
 
 def _usd(nano: int) -> str:
     return f"{nano / 1e9:.9f}"
+
+
+def _facts(hour: RequestHour) -> list[tuple[str, str]]:
+    """The hour's facts of the request, as (name, value) rows."""
+    return [
+        ("hour, pool", f"{hour.hour:%Y-%m-%dT%H} {hour.pool}"),
+        ("published", "yes" if hour.published else "no (held back)"),
+        ("tenant, feature", f"{hour.tenant or '-'} / {hour.feature or '-'}"),
+        ("line, paid by", f"{hour.line_kind or '-'}, {hour.paid_by or '-'}"),
+        (
+            "charged",
+            f"{hour.amount_nano:,} (compute {hour.compute_nano:,}, KV {hour.kv_nano:,})",
+        ),
+        ("weights", hour.weights_version),
+        ("policies", f"{hour.policy_version}: {json.dumps(hour.policies, sort_keys=True)}"),
+        ("alpha", f"{hour.alpha:.4f}"),
+        ("retry", hour.retry_handling),
+        (
+            "prefix cache",
+            f"{hour.prefix_cache}, {hour.cached_tokens:,} cached tokens, "
+            f"read charge {hour.cache_read_nano:,}",
+        ),
+        (
+            "resources",
+            ", ".join(f"{r} {n:,}" for r, n in hour.resources.items()) or "no stored work",
+        ),
+        (
+            "reproduced",
+            "yes: the steps' shares and the cache read charge sum to the charge"
+            if hour.reproduced
+            else "NO: the lake no longer gives the published charge; re-run the hour",
+        ),
+    ]
 
 
 def print_explanation(explanation: object) -> None:
@@ -21,7 +58,7 @@ def print_explanation(explanation: object) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    from pipeline.finance.explain import Explanation
+    from pipeline.finance.explain_request import Explanation
 
     assert isinstance(explanation, Explanation)
     console = Console()
@@ -35,35 +72,7 @@ def print_explanation(explanation: object) -> None:
         facts = Table.grid(padding=(0, 2))
         facts.add_column()
         facts.add_column()
-        for name, value in (
-            ("hour, pool", f"{hour.hour:%Y-%m-%dT%H} {hour.pool}"),
-            ("published", "yes" if hour.published else "no (held back)"),
-            ("tenant, feature", f"{hour.tenant or '-'} / {hour.feature or '-'}"),
-            ("line, paid by", f"{hour.line_kind or '-'}, {hour.paid_by or '-'}"),
-            (
-                "charged",
-                f"{hour.amount_nano:,} (compute {hour.compute_nano:,}, KV {hour.kv_nano:,})",
-            ),
-            ("weights", hour.weights_version),
-            ("policies", f"{hour.policy_version}: {json.dumps(hour.policies, sort_keys=True)}"),
-            ("alpha", f"{hour.alpha:.4f}"),
-            ("retry", hour.retry_handling),
-            (
-                "prefix cache",
-                f"{hour.prefix_cache}, {hour.cached_tokens:,} cached tokens, "
-                f"read charge {hour.cache_read_nano:,}",
-            ),
-            (
-                "resources",
-                ", ".join(f"{r} {n:,}" for r, n in hour.resources.items()) or "no stored work",
-            ),
-            (
-                "reproduced",
-                "yes: the steps' shares and the cache read charge sum to the charge"
-                if hour.reproduced
-                else "NO: the lake no longer gives the published charge; re-run the hour",
-            ),
-        ):
+        for name, value in _facts(hour):
             facts.add_row(Text(name), Text(value))
         console.print(facts)
         table = Table(title=f"steps of {hour.pool} {hour.hour:%Y-%m-%dT%H}")
@@ -110,7 +119,8 @@ def explain_command(request_id: str, data_dir: Path, as_json: bool) -> None:
     slot's work and KV memory-time, the weights and policies in force, the prefix-cache
     charge, how a retry was handled and the compute charge per resource. (explain-step
     splits a single hand-written step.)"""
-    from pipeline.finance.explain import ExplainError, explain_request
+    from pipeline.attribution.explain_step import ExplainError
+    from pipeline.finance.explain_request import explain_request
 
     try:
         explanation = explain_request(data_dir, request_id)
