@@ -5,12 +5,10 @@ from __future__ import annotations
 import struct
 import zlib
 from collections.abc import Sequence
-from itertools import chain
+from itertools import chain, repeat
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 
 from schemas.records import (
     DROP_STRUCT,
@@ -20,6 +18,7 @@ from schemas.records import (
     FRAME_MARKER,
     FRAME_PREFIX,
     HOLDER_DTYPE,
+    HOLDER_STATES,
     INT32_MAX,
     MAX_FRAME_PAYLOAD,
     PREAMBLE,
@@ -29,9 +28,9 @@ from schemas.records import (
     FrameKind,
     HeaderFrame,
 )
-from schemas.tables import HOLDER_STATES
 
-_HOLDER_STATE_VALUES = pa.array(HOLDER_STATES, pa.string())
+_HOLDER_STATE_CODES = {state: code for code, state in enumerate(HOLDER_STATES)}
+_UNKNOWN_STATE = -1
 
 
 class InvalidStep(ValueError):
@@ -56,7 +55,7 @@ def frame(kind: FrameKind, payload: bytes) -> bytes:
 
 
 def header_frame(header: HeaderFrame) -> bytes:
-    return frame(FrameKind.HEADER, header.model_dump_json().encode())
+    return frame(FrameKind.HEADER, header.to_json())
 
 
 def drop_frame(first_seq: int, last_seq: int) -> bytes:
@@ -90,19 +89,37 @@ def _blocks(name: str, values: object, n: int) -> np.ndarray:
     return array
 
 
+def _utf8_ids(ids: Sequence[str]) -> tuple[np.ndarray, bytes]:
+    """Byte length of each id and the ids' UTF-8 concatenated, without a Python loop per id.
+    Raises TypeError for an id that is no string, UnicodeEncodeError for one that is no text."""
+    text = "".join(ids)
+    blob = text.encode()
+    # Where every character is one byte (ASCII ids, the rule), lengths in characters are bytes.
+    lengths = map(len, ids) if len(blob) == len(text) else map(len, map(str.encode, ids))
+    return np.fromiter(lengths, np.int64, len(ids)), blob
+
+
 def _ids(name: str, values: Sequence[str]) -> tuple[np.ndarray, bytes]:
-    """Byte length of each id and the concatenated UTF-8, without a Python loop per id."""
+    if isinstance(values, (str, bytes)):
+        raise InvalidStep(
+            f"{name}: a sequence of strings required, got one {type(values).__name__}"
+        )
     try:
-        array = pa.array(values, pa.string())
-    except (pa.ArrowException, TypeError) as err:
+        return _utf8_ids(values)
+    except TypeError as err:
+        given: list[object] = list(values)
+        nones = given.count(None)
+        if nones:
+            raise InvalidStep(f"{name}: {nones} ids are None") from err
         raise InvalidStep(f"{name}: strings required ({err})") from err
-    if array.null_count:
-        raise InvalidStep(f"{name}: {array.null_count} ids are None")
-    n = len(array)
-    offsets = np.frombuffer(array.buffers()[1], np.int32, count=n + 1, offset=array.offset * 4)
-    data = array.buffers()[2]
-    blob = data[offsets[0] : offsets[-1]].to_pybytes() if data is not None else b""
-    return np.diff(offsets), blob
+    except UnicodeEncodeError as err:
+        raise InvalidStep(f"{name}: ids must be valid text ({err})") from err
+
+
+def _state_codes(states: Sequence[str]) -> np.ndarray:
+    """Each holder state's code, _UNKNOWN_STATE for a state the recorder does not write."""
+    codes = map(_HOLDER_STATE_CODES.get, states, repeat(_UNKNOWN_STATE))
+    return np.fromiter(codes, np.int64, len(states))
 
 
 def step_frame(
@@ -159,15 +176,13 @@ def step_frame(
     if len(holder_states) != n_holders:
         raise InvalidStep(f"holder_states: expected {n_holders} values, got {len(holder_states)}")
     if n_holders:
-        codes = pc.index_in(pa.array(holder_states, pa.string()), value_set=_HOLDER_STATE_VALUES)
-        if codes.null_count:
-            unknown = sorted(
-                {s for s, c in zip(holder_states, codes.to_pylist(), strict=False) if c is None}
-            )
+        codes = _state_codes(holder_states)
+        if np.any(codes == _UNKNOWN_STATE):
+            unknown = sorted({s for s in holder_states if s not in _HOLDER_STATE_CODES}, key=str)
             raise InvalidStep(
                 f"holder_states: unknown states {unknown}; expected one of {HOLDER_STATES}"
             )
-        holders["state"] = codes.to_numpy()
+        holders["state"] = codes
 
     try:
         fixed = STEP_STRUCT.pack(
@@ -241,18 +256,14 @@ def _batch_ids(columns: Sequence[Any]) -> tuple[np.ndarray, np.ndarray, memoryvi
     """Entries per step, byte offsets of the ids of all steps in order, and their UTF-8."""
     if not all(type(ids) is list or type(ids) is tuple for ids in columns):
         return None
-    array = pa.array(list(chain.from_iterable(columns)), pa.string())
-    # Arrow returns a chunked array when the ids overflow 32-bit offsets.
-    if not isinstance(array, pa.Array) or array.null_count:
+    try:
+        lengths, blob = _utf8_ids(list(chain.from_iterable(columns)))
+    except (TypeError, UnicodeEncodeError):
         return None
     entries = np.fromiter(map(len, columns), np.int64, len(columns))
-    offsets = np.frombuffer(
-        array.buffers()[1], np.int32, count=len(array) + 1, offset=array.offset * 4
-    )
-    offsets = offsets.astype(np.int64)
-    data = array.buffers()[2]
-    blob = memoryview(data if data is not None else b"")
-    return entries, offsets, blob
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return entries, offsets, memoryview(blob)
 
 
 def _in_int32_range(values: np.ndarray) -> bool:
@@ -268,7 +279,7 @@ def _batch_frames(steps: Sequence[tuple[Any, ...]]) -> list[bytes | Exception] |
     try:
         return _pack_batch(steps)
     except (TypeError, ValueError, OverflowError):
-        # Values numpy or Arrow cannot take whole (ValueError covers ArrowInvalid).
+        # Values numpy cannot take whole.
         return None
 
 
@@ -313,12 +324,10 @@ def _pack_batch(steps: Sequence[tuple[Any, ...]]) -> list[bytes | Exception] | N
         or list(map(len, states)) != holder_lengths
     ):
         return None
-    codes = pc.index_in(
-        pa.array(list(chain.from_iterable(states)), pa.string()), value_set=_HOLDER_STATE_VALUES
-    )
-    if codes.null_count:
+    codes = _state_codes(list(chain.from_iterable(states)))
+    if np.any(codes == _UNKNOWN_STATE):
         return None
-    holders["state"] = codes.to_numpy(zero_copy_only=False)
+    holders["state"] = codes
 
     fixed = np.empty(len(steps), STEP_DTYPE)
     for field, position in (("seq", _SEQ), ("start_ns", _START), ("end_ns", _END)):
@@ -337,8 +346,8 @@ def _pack_batch(steps: Sequence[tuple[Any, ...]]) -> list[bytes | Exception] | N
         fixed[field] = values
     slot_bounds = np.concatenate(([0], np.cumsum(entries)))
     holder_bounds = np.concatenate(([0], np.cumsum(holder_entries)))
-    id_bounds = id_offsets[slot_bounds] - id_offsets[0]
-    holder_id_bounds = holder_offsets[holder_bounds] - holder_offsets[0]
+    id_bounds = id_offsets[slot_bounds]
+    holder_id_bounds = holder_offsets[holder_bounds]
     fixed["num_slots"] = entries
     fixed["num_holders"] = holder_entries
     fixed["request_id_bytes"] = np.diff(id_bounds)
@@ -361,8 +370,6 @@ def _pack_batch(steps: Sequence[tuple[Any, ...]]) -> list[bytes | Exception] | N
     fixed_view = memoryview(fixed.tobytes())
     slot_view = memoryview(slots.tobytes())
     holder_view = memoryview(holders.tobytes())
-    id_blob = id_blob[int(id_offsets[0]) :]
-    holder_blob = holder_blob[int(holder_offsets[0]) :]
     slot_cuts = (slot_bounds * SLOT_DTYPE.itemsize).tolist()
     holder_cuts = (holder_bounds * HOLDER_DTYPE.itemsize).tolist()
     id_cuts, holder_id_cuts = id_bounds.tolist(), holder_id_bounds.tolist()

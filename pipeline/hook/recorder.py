@@ -420,7 +420,7 @@ class StepRecorder:
         mono = self._mono_clock()
         wall = self._wall_clock()
         header = HeaderFrame(
-            **self.header.model_dump(),
+            **self.header.as_dict(),
             format_version=FORMAT_VERSION,
             segment_id=uuid.uuid4().hex,
             first_seq=first_seq,
