@@ -98,7 +98,9 @@ def _encoder_figures(quick: bool) -> list[Figure]:
     if not all(isinstance(frame, bytes) for frame in frames):
         raise RuntimeError("the encoder benchmark's steps were rejected")
     per_step = float(np.median(durations)) / len(batch)
-    return [Figure("encode_step_us_median", per_step / 1e3, "us", 100, "max")]
+    # A GPU decodes a 256-request batch in tens of milliseconds: at 200 us a step, the writer
+    # holds the interpreter lock for about 1% of the engine's time.
+    return [Figure("encode_step_us_median", per_step / 1e3, "us", 200, "max")]
 
 
 def _decoder_figures(quick: bool, outbox: Path) -> list[Figure]:
