@@ -1,8 +1,10 @@
-"""Step log: StepRecorder cost on the engine thread, and decoder throughput.
+"""Step log: StepRecorder cost on the engine thread, the writer thread's encoding cost, and
+decoder throughput.
 
 The recorder is timed per call with its writer thread running, at an engine-like cadence
 (the engine sleeps between steps the way it waits on the GPU, which is when the writer
-works). The decoder is timed on segments written by the real recorder.
+works). The encoder is timed on the batches the writer encodes at once, with the columns as
+the vLLM adapter passes them. The decoder is timed on segments written by the real recorder.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.figure import Figure
-from pipeline.hook.recorder import StepRecorder
+from pipeline.hook.format import step_frames
+from pipeline.hook.recorder import ENCODE_BATCH_STEPS, StepRecorder
 from pipeline.ingestion.decoder import read_segments
+from schemas.records import SLOT_COLUMNS
 from tests.helpers.steplog_samples import HEADER
 
 SLOTS_PER_STEP = 256
@@ -68,6 +72,37 @@ def _recorder_figures(quick: bool, outbox: Path) -> list[Figure]:
     ]
 
 
+def _encoder_figures(quick: bool) -> list[Figure]:
+    rng = np.random.default_rng(13)
+    batch = []
+    for step in range(ENCODE_BATCH_STEPS):
+        ids, *counts = _step_arguments(rng, step)
+        # The adapter's columns: lists, but the KV blocks it computes with numpy.
+        columns = [
+            values if name == "kv_blocks" else values.tolist()
+            for name, values in zip(SLOT_COLUMNS, counts, strict=True)
+        ]
+        holders = (
+            ["cmpl-waiting-0001", "cmpl-waiting-0002"],
+            np.array([3.0, 5.5]),
+            ["waiting"] * 2,
+        )
+        batch.append(
+            (step, step * 1000, step * 1000 + 900, ids, *columns, *holders, False, 100, 6000)
+        )
+    durations = []
+    for _ in range(5 if quick else 40):
+        began = time.perf_counter_ns()
+        frames = step_frames(batch)
+        durations.append(time.perf_counter_ns() - began)
+    if not all(isinstance(frame, bytes) for frame in frames):
+        raise RuntimeError("the encoder benchmark's steps were rejected")
+    per_step = float(np.median(durations)) / len(batch)
+    # A GPU decodes a 256-request batch in tens of milliseconds: at 200 us a step, the writer
+    # holds the interpreter lock for about 1% of the engine's time.
+    return [Figure("encode_step_us_median", per_step / 1e3, "us", 200, "max")]
+
+
 def _decoder_figures(quick: bool, outbox: Path) -> list[Figure]:
     rng = np.random.default_rng(11)
     steps = 1000 if quick else 10000
@@ -98,6 +133,8 @@ def figures(quick: bool) -> list[Figure]:
         tempfile.TemporaryDirectory() as recorder_dir,
         tempfile.TemporaryDirectory() as decoder_dir,
     ):
-        return _recorder_figures(quick, Path(recorder_dir)) + _decoder_figures(
-            quick, Path(decoder_dir)
+        return (
+            _recorder_figures(quick, Path(recorder_dir))
+            + _encoder_figures(quick)
+            + _decoder_figures(quick, Path(decoder_dir))
         )

@@ -51,7 +51,12 @@ def hook_cost(adapter: Any, steps: int) -> tuple[np.ndarray, np.ndarray]:
 
     from pipeline.hook.recorder import StepRecorder
     from tests.helpers.steplog_samples import HEADER
-    from tests.pipeline.hook.vllm_engine import Engine, build_scheduler, request_factory, vllm_config
+    from tests.pipeline.hook.vllm_engine import (
+        Engine,
+        build_scheduler,
+        request_factory,
+        vllm_config,
+    )
 
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(scratch)

@@ -5,15 +5,24 @@ a 16-byte prefix (marker, kind, payload length, CRC32) and a payload. The first 
 segment header (JSON, so it can name its own field layout); the others are steps and drops.
 Fixed-size packed records (little-endian) carry the numbers, so the decoder can read a whole
 segment's slots with one `np.frombuffer`. `schemas/STEP_RECORDS.md` describes it byte by byte.
+
+The engine's process loads this module with the hook (pipeline/hook), so it imports the
+standard library and numpy only (tests/test_layering.py): the header is a checked dataclass,
+not a pydantic model.
 """
 
 from __future__ import annotations
 
+import json
+import reprlib
 import struct
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, field, fields
 from enum import IntEnum
+from types import MappingProxyType
+from typing import Any, Self, TypeGuard
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
 
 FILE_MAGIC = b"STEPLOG\x00"
 FORMAT_VERSION = 1
@@ -108,37 +117,141 @@ LAYOUT = {
 
 INT32_MAX = 2**31 - 1
 
+# A holder's state is stored as its code, the position in DECODED_HOLDER_STATES. A recorder
+# writes HOLDER_STATES only: vLLM frees a preempted request's blocks, so a preempted request
+# holds nothing. "preempted" (code 1) is legacy, read from segments already written and never
+# written again.
+HOLDER_STATES = ("waiting",)
+DECODED_HOLDER_STATES = (*HOLDER_STATES, "preempted")
 
-class SegmentHeader(BaseModel):
+
+class FieldError(ValueError):
+    """A JSON record (segment header, replica descriptor) misses a field, has one it does not
+    know, or holds a value of the wrong kind; the message names the field."""
+
+
+@dataclass(frozen=True)
+class FieldKind:
+    """What a field of a JSON record must hold, and how its error says so."""
+
+    wanted: str
+    accepts: Callable[[object], bool]
+
+
+def _is_text(value: object) -> bool:
+    # Lone surrogates decode from JSON escapes but cannot be written back as UTF-8.
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _is_integer(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_layout(value: object) -> bool:
+    return isinstance(value, dict) and all(
+        isinstance(part, str)
+        and isinstance(pairs, list)
+        and all(isinstance(p, list) and all(isinstance(s, str) for s in p) for p in pairs)
+        for part, pairs in value.items()
+    )
+
+
+def field_kind(wanted: str, accepts: Callable[[object], bool]) -> Mapping[str, FieldKind]:
+    """`dataclasses.field` metadata giving a JSON record's field its kind."""
+    return MappingProxyType({"kind": FieldKind(wanted, accepts)})
+
+
+NAME = field_kind("a non-empty string", lambda v: _is_text(v) and v != "")
+TEXT = field_kind("a string", _is_text)
+OPTIONAL_TEXT = field_kind("a string or null", lambda v: v is None or _is_text(v))
+COUNT = field_kind(
+    f"an integer in [1, {INT32_MAX}]", lambda v: _is_integer(v) and 0 < v <= INT32_MAX
+)
+INTEGER = field_kind("an integer", _is_integer)
+LAYOUT_OBJECT = field_kind("an object of lists of [name, code] pairs", _is_layout)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JsonRecord:
+    """A frozen record written and read as one compact JSON object, each field checked against
+    the kind in its metadata (see `field_kind`) whether built in Python or read from JSON."""
+
+    def __post_init__(self) -> None:
+        for spec in fields(self):
+            kind: FieldKind = spec.metadata["kind"]
+            value = getattr(self, spec.name)
+            if not kind.accepts(value):
+                raise FieldError(
+                    f"field {spec.name}: expected {kind.wanted}, got {reprlib.repr(value)}"
+                )
+
+    @classmethod
+    def from_mapping(cls, data: object) -> Self:
+        """The record of a decoded JSON object: every field it requires, none it does not know."""
+        if not isinstance(data, dict):
+            raise FieldError(f"expected a JSON object, got {type(data).__name__}")
+        specs = fields(cls)
+        known = {spec.name for spec in specs}
+        unknown = [name for name in data if name not in known]
+        if unknown:
+            raise FieldError(f"field {unknown[0]}: not a field of {cls.__name__}")
+        missing = [s.name for s in specs if s.name not in data and s.default is MISSING]
+        if missing:
+            raise FieldError(f"field {missing[0]}: required")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> Self:
+        try:
+            decoded = json.loads(data)
+        except ValueError as err:  # JSONDecodeError, or bytes that are not UTF-8
+            raise FieldError(f"not JSON: {err}") from err
+        return cls.from_mapping(decoded)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {spec.name: getattr(self, spec.name) for spec in fields(self)}
+
+    def to_json(self) -> bytes:
+        """Compact JSON, fields in declaration order, text as UTF-8 (not escaped)."""
+        return json.dumps(self.as_dict(), ensure_ascii=False, separators=(",", ":")).encode()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SegmentHeader(JsonRecord):
     """What a replica says about itself once per segment."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    pool: str = Field(min_length=1)
-    replica: str = Field(min_length=1)
-    engine_name: str
-    engine_version: str
-    driver_version: str
-    model: str
-    gpu_type: str
-    gpus_per_replica: int = Field(gt=0, le=INT32_MAX)
-    kv_block_size: int = Field(gt=0, le=INT32_MAX)
+    pool: str = field(metadata=NAME)
+    replica: str = field(metadata=NAME)
+    engine_name: str = field(metadata=TEXT)
+    engine_version: str = field(metadata=TEXT)
+    driver_version: str = field(metadata=TEXT)
+    model: str = field(metadata=TEXT)
+    gpu_type: str = field(metadata=TEXT)
+    gpus_per_replica: int = field(metadata=COUNT)
+    kv_block_size: int = field(metadata=COUNT)
     # What the engine itself reports, beside the pool's names above (which pricing and
     # calibration key on): the model it loaded and its GPU (None where it names none, and in
     # segments written before these fields existed).
-    engine_model: str | None = None
-    engine_device: str | None = None
+    engine_model: str | None = field(default=None, metadata=OPTIONAL_TEXT)
+    engine_device: str | None = field(default=None, metadata=OPTIONAL_TEXT)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
 class HeaderFrame(SegmentHeader):
     """The header frame's JSON: the replica's header plus what identifies and anchors the segment."""
 
-    format_version: int
-    segment_id: str = Field(min_length=1)
+    format_version: int = field(metadata=INTEGER)
+    segment_id: str = field(metadata=NAME)
     # Sequence number of the segment's first frame (step or drop): bounds damage at its start.
-    first_seq: int
+    first_seq: int = field(metadata=INTEGER)
     # Read from the monotonic and wall clocks together when the segment opened: a step's UTC
     # time is wall_anchor_ns + (start_ns - mono_anchor_ns).
-    mono_anchor_ns: int
-    wall_anchor_ns: int
-    layout: dict[str, list[list[str]]]
+    mono_anchor_ns: int = field(metadata=INTEGER)
+    wall_anchor_ns: int = field(metadata=INTEGER)
+    layout: dict[str, list[list[str]]] = field(metadata=LAYOUT_OBJECT)

@@ -49,12 +49,8 @@ SLOTS = pa.schema(
     ]
 )
 
-# One row per (step, request holding KV blocks outside the batch). A holder's state is stored
-# as its code, the position in DECODED_HOLDER_STATES. A recorder writes HOLDER_STATES only:
-# vLLM frees a preempted request's blocks, so a preempted request holds nothing. "preempted"
-# (code 1) is legacy, read from segments already written and never written again.
-HOLDER_STATES = ("waiting",)
-DECODED_HOLDER_STATES = (*HOLDER_STATES, "preempted")
+# One row per (step, request holding KV blocks outside the batch); its state is one of
+# schemas.records.DECODED_HOLDER_STATES.
 HOLDERS = pa.schema(
     [
         ("pool", pa.string()),

@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "migrate": "pipeline.cli.migrate:migrate_command",
     "report": "pipeline.cli.report:report_command",
     "inspect": "pipeline.cli.inspect:inspect_command",
+    "hook-config": "pipeline.cli.hook_config:hook_config_command",
     "price": "pipeline.cli.price:price_command",
     "calibrate": "pipeline.cli.calibrate:calibrate_command",
     "explain": "pipeline.cli.explain_request:explain_command",
@@ -42,8 +43,9 @@ Environment:
   STEPLEDGER_ALERT_FORMAT         pagerduty or slack
   STEPLEDGER_PAGERDUTY_ROUTING_KEY  PagerDuty Events v2 routing key (never logged)
   STEPLEDGER_ALERT_FILE           JSON-lines file for alerts when no webhook is set (default stdout)
-  STEPLEDGER_OUTBOX, STEPLEDGER_REPLICA, STEPLEDGER_POOLS, STEPLEDGER_DRIVER_VERSION
-                                  the vLLM hook's outbox, replica id, pools file and driver version
+  STEPLEDGER_OUTBOX, STEPLEDGER_HOOK_CONFIG, STEPLEDGER_DRIVER_VERSION
+                                  the vLLM hook's outbox, replica descriptor (written by
+                                  `stepledger hook-config`) and driver version
 
 Documentation: docs/README.md. Every command takes --help."""
 

@@ -5,12 +5,10 @@ from __future__ import annotations
 import struct
 import zlib
 from collections.abc import Sequence
-from itertools import chain
+from itertools import chain, repeat
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 
 from schemas.records import (
     DROP_STRUCT,
@@ -20,6 +18,7 @@ from schemas.records import (
     FRAME_MARKER,
     FRAME_PREFIX,
     HOLDER_DTYPE,
+    HOLDER_STATES,
     INT32_MAX,
     MAX_FRAME_PAYLOAD,
     PREAMBLE,
@@ -29,9 +28,9 @@ from schemas.records import (
     FrameKind,
     HeaderFrame,
 )
-from schemas.tables import HOLDER_STATES
 
-_HOLDER_STATE_VALUES = pa.array(HOLDER_STATES, pa.string())
+_HOLDER_STATE_CODES = {state: code for code, state in enumerate(HOLDER_STATES)}
+_UNKNOWN_STATE = -1
 
 
 class InvalidStep(ValueError):
@@ -56,7 +55,7 @@ def frame(kind: FrameKind, payload: bytes) -> bytes:
 
 
 def header_frame(header: HeaderFrame) -> bytes:
-    return frame(FrameKind.HEADER, header.model_dump_json().encode())
+    return frame(FrameKind.HEADER, header.to_json())
 
 
 def drop_frame(first_seq: int, last_seq: int) -> bytes:
@@ -90,19 +89,45 @@ def _blocks(name: str, values: object, n: int) -> np.ndarray:
     return array
 
 
+def _id_lengths(ids: Sequence[str]) -> np.ndarray:
+    """Byte length of each id's UTF-8, without a Python loop per id: the ids are joined by NUL,
+    which UTF-8 encodes as the byte 0 and as no part of another character, so the gaps between
+    the 0 bytes are the lengths. Raises TypeError for an id that is no string and
+    UnicodeEncodeError for one that is no text."""
+    separated = "\0".join(ids).encode()
+    ends = np.flatnonzero(np.frombuffer(separated, np.uint8) == 0)
+    if len(ids) == 0 or len(ends) != len(ids) - 1:
+        # No ids, or an id holds a NUL itself.
+        return np.fromiter(map(len, map(str.encode, ids)), np.int64, len(ids))
+    offsets = np.empty(len(ids) + 1, np.int64)
+    offsets[0] = 0
+    offsets[1:-1] = ends - np.arange(len(ends))
+    offsets[-1] = len(separated) - len(ends)
+    return np.diff(offsets)
+
+
 def _ids(name: str, values: Sequence[str]) -> tuple[np.ndarray, bytes]:
-    """Byte length of each id and the concatenated UTF-8, without a Python loop per id."""
+    """Byte length of each id and the ids' UTF-8 concatenated; InvalidStep names the field."""
+    if isinstance(values, (str, bytes)):
+        raise InvalidStep(
+            f"{name}: a sequence of strings required, got one {type(values).__name__}"
+        )
     try:
-        array = pa.array(values, pa.string())
-    except (pa.ArrowException, TypeError) as err:
+        return _id_lengths(values), "".join(values).encode()
+    except TypeError as err:
+        given: list[object] = list(values)
+        nones = given.count(None)
+        if nones:
+            raise InvalidStep(f"{name}: {nones} ids are None") from err
         raise InvalidStep(f"{name}: strings required ({err})") from err
-    if array.null_count:
-        raise InvalidStep(f"{name}: {array.null_count} ids are None")
-    n = len(array)
-    offsets = np.frombuffer(array.buffers()[1], np.int32, count=n + 1, offset=array.offset * 4)
-    data = array.buffers()[2]
-    blob = data[offsets[0] : offsets[-1]].to_pybytes() if data is not None else b""
-    return np.diff(offsets), blob
+    except UnicodeEncodeError as err:
+        raise InvalidStep(f"{name}: ids must be valid text ({err})") from err
+
+
+def _state_codes(states: Sequence[str]) -> np.ndarray:
+    """Each holder state's code, _UNKNOWN_STATE for a state the recorder does not write."""
+    codes = map(_HOLDER_STATE_CODES.get, states, repeat(_UNKNOWN_STATE))
+    return np.fromiter(codes, np.int64, len(states))
 
 
 def step_frame(
@@ -159,15 +184,13 @@ def step_frame(
     if len(holder_states) != n_holders:
         raise InvalidStep(f"holder_states: expected {n_holders} values, got {len(holder_states)}")
     if n_holders:
-        codes = pc.index_in(pa.array(holder_states, pa.string()), value_set=_HOLDER_STATE_VALUES)
-        if codes.null_count:
-            unknown = sorted(
-                {s for s, c in zip(holder_states, codes.to_pylist(), strict=False) if c is None}
-            )
+        codes = _state_codes(holder_states)
+        if np.any(codes == _UNKNOWN_STATE):
+            unknown = sorted({s for s in holder_states if s not in _HOLDER_STATE_CODES}, key=str)
             raise InvalidStep(
                 f"holder_states: unknown states {unknown}; expected one of {HOLDER_STATES}"
             )
-        holders["state"] = codes.to_numpy()
+        holders["state"] = codes
 
     try:
         fixed = STEP_STRUCT.pack(
@@ -204,6 +227,10 @@ _COUNT_COLUMNS = (
 _KV_BLOCKS, _HOLDER_IDS, _HOLDER_BLOCKS, _HOLDER_STATES = 6, 11, 12, 13
 _ADMISSION_BLOCKED, _FREE_BLOCKS, _TOTAL_BLOCKS = 14, 15, 16
 _STEP_PAYLOAD_FIXED = STEP_STRUCT.size
+# Steps whose ids are measured together: their joined ids stay small enough (some hundred
+# kilobytes) for the allocator to hand out again, where a whole batch's would fault in fresh
+# pages on every batch, which costs more than measuring them.
+_ID_CHUNK_STEPS = 16
 
 
 def step_frames(steps: Sequence[tuple[Any, ...]]) -> list[bytes | Exception]:
@@ -237,22 +264,21 @@ def _batch_column(columns: Sequence[Any], lengths: list[int], kinds: str) -> np.
     return np.concatenate(arrays)
 
 
-def _batch_ids(columns: Sequence[Any]) -> tuple[np.ndarray, np.ndarray, memoryview] | None:
-    """Entries per step, byte offsets of the ids of all steps in order, and their UTF-8."""
+def _batch_ids(columns: Sequence[Any]) -> tuple[np.ndarray, np.ndarray, list[bytes]] | None:
+    """Entries per step, the byte length of every id of the steps in order, and each step's
+    ids as UTF-8."""
     if not all(type(ids) is list or type(ids) is tuple for ids in columns):
         return None
-    array = pa.array(list(chain.from_iterable(columns)), pa.string())
-    # Arrow returns a chunked array when the ids overflow 32-bit offsets.
-    if not isinstance(array, pa.Array) or array.null_count:
+    try:
+        blobs = list(map(str.encode, map("".join, columns)))
+    except (TypeError, UnicodeEncodeError):
         return None
+    lengths = [
+        _id_lengths(list(chain.from_iterable(columns[first : first + _ID_CHUNK_STEPS])))
+        for first in range(0, len(columns), _ID_CHUNK_STEPS)
+    ]
     entries = np.fromiter(map(len, columns), np.int64, len(columns))
-    offsets = np.frombuffer(
-        array.buffers()[1], np.int32, count=len(array) + 1, offset=array.offset * 4
-    )
-    offsets = offsets.astype(np.int64)
-    data = array.buffers()[2]
-    blob = memoryview(data if data is not None else b"")
-    return entries, offsets, blob
+    return entries, np.concatenate(lengths) if lengths else np.zeros(0, np.int64), blobs
 
 
 def _in_int32_range(values: np.ndarray) -> bool:
@@ -268,7 +294,7 @@ def _batch_frames(steps: Sequence[tuple[Any, ...]]) -> list[bytes | Exception] |
     try:
         return _pack_batch(steps)
     except (TypeError, ValueError, OverflowError):
-        # Values numpy or Arrow cannot take whole (ValueError covers ArrowInvalid).
+        # Values numpy cannot take whole.
         return None
 
 
@@ -281,12 +307,12 @@ def _pack_batch(steps: Sequence[tuple[Any, ...]]) -> list[bytes | Exception] | N
     holder_ids = _batch_ids(columns[_HOLDER_IDS])
     if ids is None or holder_ids is None:
         return None
-    entries, id_offsets, id_blob = ids
-    holder_entries, holder_offsets, holder_blob = holder_ids
+    entries, id_lengths, id_blobs = ids
+    holder_entries, holder_id_lengths, holder_blobs = holder_ids
     lengths, holder_lengths = entries.tolist(), holder_entries.tolist()
 
-    slots = np.empty(len(id_offsets) - 1, SLOT_DTYPE)
-    slots["request_id_len"] = np.diff(id_offsets)
+    slots = np.empty(len(id_lengths), SLOT_DTYPE)
+    slots["request_id_len"] = id_lengths
     for position, name in _COUNT_COLUMNS:
         values = _batch_column(columns[position], lengths, "iu")
         if values is None or not _in_int32_range(values):
@@ -301,8 +327,8 @@ def _pack_batch(steps: Sequence[tuple[Any, ...]]) -> list[bytes | Exception] | N
     ):
         return None
 
-    holders = np.empty(len(holder_offsets) - 1, HOLDER_DTYPE)
-    holders["request_id_len"] = np.diff(holder_offsets)
+    holders = np.empty(len(holder_id_lengths), HOLDER_DTYPE)
+    holders["request_id_len"] = holder_id_lengths
     holder_blocks = _batch_column(columns[_HOLDER_BLOCKS], holder_lengths, "iuf")
     if not _valid_blocks(holder_blocks):
         return None
@@ -313,12 +339,10 @@ def _pack_batch(steps: Sequence[tuple[Any, ...]]) -> list[bytes | Exception] | N
         or list(map(len, states)) != holder_lengths
     ):
         return None
-    codes = pc.index_in(
-        pa.array(list(chain.from_iterable(states)), pa.string()), value_set=_HOLDER_STATE_VALUES
-    )
-    if codes.null_count:
+    codes = _state_codes(list(chain.from_iterable(states)))
+    if np.any(codes == _UNKNOWN_STATE):
         return None
-    holders["state"] = codes.to_numpy(zero_copy_only=False)
+    holders["state"] = codes
 
     fixed = np.empty(len(steps), STEP_DTYPE)
     for field, position in (("seq", _SEQ), ("start_ns", _START), ("end_ns", _END)):
@@ -337,12 +361,12 @@ def _pack_batch(steps: Sequence[tuple[Any, ...]]) -> list[bytes | Exception] | N
         fixed[field] = values
     slot_bounds = np.concatenate(([0], np.cumsum(entries)))
     holder_bounds = np.concatenate(([0], np.cumsum(holder_entries)))
-    id_bounds = id_offsets[slot_bounds] - id_offsets[0]
-    holder_id_bounds = holder_offsets[holder_bounds] - holder_offsets[0]
+    id_bytes = np.fromiter(map(len, id_blobs), np.int64, len(steps))
+    holder_id_bytes = np.fromiter(map(len, holder_blobs), np.int64, len(steps))
     fixed["num_slots"] = entries
     fixed["num_holders"] = holder_entries
-    fixed["request_id_bytes"] = np.diff(id_bounds)
-    fixed["holder_id_bytes"] = np.diff(holder_id_bounds)
+    fixed["request_id_bytes"] = id_bytes
+    fixed["holder_id_bytes"] = holder_id_bytes
     fixed["admission_blocked"] = np.fromiter(
         map(bool, columns[_ADMISSION_BLOCKED]), np.bool_, len(steps)
     )
@@ -350,9 +374,9 @@ def _pack_batch(steps: Sequence[tuple[Any, ...]]) -> list[bytes | Exception] | N
     payload_bytes = (
         _STEP_PAYLOAD_FIXED
         + entries * SLOT_DTYPE.itemsize
-        + np.diff(id_bounds)
+        + id_bytes
         + holder_entries * HOLDER_DTYPE.itemsize
-        + np.diff(holder_id_bounds)
+        + holder_id_bytes
     )
     if int(payload_bytes.max()) > MAX_FRAME_PAYLOAD:
         return None
@@ -361,20 +385,17 @@ def _pack_batch(steps: Sequence[tuple[Any, ...]]) -> list[bytes | Exception] | N
     fixed_view = memoryview(fixed.tobytes())
     slot_view = memoryview(slots.tobytes())
     holder_view = memoryview(holders.tobytes())
-    id_blob = id_blob[int(id_offsets[0]) :]
-    holder_blob = holder_blob[int(holder_offsets[0]) :]
     slot_cuts = (slot_bounds * SLOT_DTYPE.itemsize).tolist()
     holder_cuts = (holder_bounds * HOLDER_DTYPE.itemsize).tolist()
-    id_cuts, holder_id_cuts = id_bounds.tolist(), holder_id_bounds.tolist()
     frames: list[bytes | Exception] = []
     for i in range(len(steps)):
         payload = b"".join(
             (
                 fixed_view[i * _STEP_PAYLOAD_FIXED : (i + 1) * _STEP_PAYLOAD_FIXED],
                 slot_view[slot_cuts[i] : slot_cuts[i + 1]],
-                id_blob[id_cuts[i] : id_cuts[i + 1]],
+                id_blobs[i],
                 holder_view[holder_cuts[i] : holder_cuts[i + 1]],
-                holder_blob[holder_id_cuts[i] : holder_id_cuts[i + 1]],
+                holder_blobs[i],
             )
         )
         frames.append(frame(FrameKind.STEP, payload))

@@ -45,7 +45,7 @@ _WRITE_CHUNK = 1 << 20
 _LOGGED_REJECTIONS = 10
 # Steps the writer takes off the queue and encodes together: enough to spread numpy's cost
 # per call thinly, few enough that the steps in hand add little to the bounded buffer.
-_ENCODE_BATCH_STEPS = 256
+ENCODE_BATCH_STEPS = 256
 # Keeps a segment's request-id bytes within Arrow's 32-bit string offsets when decoded.
 MAX_SEGMENT_BYTES = 1 << 30
 _UNSAFE_NAME = re.compile(r"[^A-Za-z0-9_.-]")
@@ -356,7 +356,7 @@ class StepRecorder:
     def _drain(self) -> None:
         queue = self._queue
         while queue:
-            batch = [queue.popleft() for _ in range(min(len(queue), _ENCODE_BATCH_STEPS))]
+            batch = [queue.popleft() for _ in range(min(len(queue), ENCODE_BATCH_STEPS))]
             if self._block:
                 with self._room:
                     self._room.notify()
@@ -420,7 +420,7 @@ class StepRecorder:
         mono = self._mono_clock()
         wall = self._wall_clock()
         header = HeaderFrame(
-            **self.header.model_dump(),
+            **self.header.as_dict(),
             format_version=FORMAT_VERSION,
             segment_id=uuid.uuid4().hex,
             first_seq=first_seq,

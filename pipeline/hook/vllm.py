@@ -18,9 +18,9 @@ request's KV blocks from the outputs and builds the step (`RequestMirror`).
 
 Use: `vllm serve ... --async-scheduling --scheduler-cls pipeline.hook.vllm.AsyncRecordingScheduler`
 (or `RecordingScheduler` with synchronous scheduling), with STEPLEDGER_OUTBOX (directory for
-segments), STEPLEDGER_REPLICA (replica id in the pools file) and optionally STEPLEDGER_POOLS
-(pools file) and STEPLEDGER_DRIVER_VERSION set. vLLM is imported only when one of those two
-classes is requested.
+segments), STEPLEDGER_HOOK_CONFIG (the replica descriptor `stepledger hook-config` writes) and
+optionally STEPLEDGER_DRIVER_VERSION set. vLLM is imported only when one of those two classes
+is requested; the rest is the standard library and numpy, loaded into the engine's process.
 """
 
 from __future__ import annotations
@@ -41,7 +41,12 @@ from typing import Any
 import numpy as np
 
 from pipeline.hook.recorder import StepColumns, StepRecorder
-from schemas.config import DEFAULT_POOLS_PATH, ConfigError, Pool, load_pools
+from pipeline.hook.replica import (
+    HOOK_CONFIG_ENV,
+    HookConfigError,
+    ReplicaDescriptor,
+    read_descriptor,
+)
 from schemas.records import SegmentHeader
 
 log = logging.getLogger(__name__)
@@ -55,7 +60,7 @@ SUPPORTED_RANGE = ">=0.33.0,<0.35.0"
 _MAX_OUTSTANDING_STEPS = 8
 
 
-class UnsupportedVllmVersion(ConfigError):
+class UnsupportedVllmVersion(HookConfigError):
     """The installed vLLM is outside SUPPORTED_RANGE."""
 
 
@@ -430,8 +435,7 @@ def _name_tokens(name: str) -> set[str]:
 
 
 def header_for(
-    pool: Pool,
-    replica: str,
+    replica: ReplicaDescriptor,
     vllm_config: Any,
     device: str | None,
     engine_version: str,
@@ -444,42 +448,41 @@ def header_for(
     "h100" in "NVIDIA H100 80GB HBM3"). Pricing, calibration and reconciliation key on the
     pool's names, so an engine serving anything else would be billed as the wrong model or
     chip: refused before it serves. The engine's own names go in the header beside them."""
-    if replica not in {r.id for r in pool.replicas}:
-        raise ConfigError(f"replica {replica!r} is not listed in pool {pool.name!r}")
+    name, pool = replica.replica, replica.pool
     gpus = gpus_per_replica(vllm_config.parallel_config)
-    if gpus != pool.gpus_per_replica:
-        raise ConfigError(
-            f"replica {replica!r} runs on {gpus} GPUs but pool {pool.name!r} declares gpus_per_replica={pool.gpus_per_replica}"
+    if gpus != replica.gpus_per_replica:
+        raise HookConfigError(
+            f"replica {name!r} runs on {gpus} GPUs but pool {pool!r} declares gpus_per_replica={replica.gpus_per_replica}"
         )
     model_config = vllm_config.model_config
-    if pool.model.lower() not in model_names(model_config):
-        raise ConfigError(
-            f"replica {replica!r} serves {model_config.served_model_name!r} "
-            f"(model {model_config.model!r}) but pool {pool.name!r} declares model "
-            f"{pool.model!r}: serve it as --served-model-name {pool.model}, or put the "
+    if replica.model.lower() not in model_names(model_config):
+        raise HookConfigError(
+            f"replica {name!r} serves {model_config.served_model_name!r} "
+            f"(model {model_config.model!r}) but pool {pool!r} declares model "
+            f"{replica.model!r}: serve it as --served-model-name {replica.model}, or put the "
             "replica in the pool of the model it serves"
         )
     if device is None:
         log.warning(
             "vLLM's platform names no GPU here: replica %r is recorded with gpu_type %r from "
             "pool %r, unchecked",
-            replica,
-            pool.gpu_type,
-            pool.name,
+            name,
+            replica.gpu_type,
+            pool,
         )
-    elif not _name_tokens(pool.gpu_type) <= _name_tokens(device):
-        raise ConfigError(
-            f"replica {replica!r} runs on {device!r} but pool {pool.name!r} declares gpu_type "
-            f"{pool.gpu_type!r}: put the replica in the pool of its GPU"
+    elif not _name_tokens(replica.gpu_type) <= _name_tokens(device):
+        raise HookConfigError(
+            f"replica {name!r} runs on {device!r} but pool {pool!r} declares gpu_type "
+            f"{replica.gpu_type!r}: put the replica in the pool of its GPU"
         )
     return SegmentHeader(
-        pool=pool.name,
-        replica=replica,
+        pool=pool,
+        replica=name,
         engine_name=ENGINE_NAME,
         engine_version=engine_version,
         driver_version=driver,
-        model=pool.model,
-        gpu_type=pool.gpu_type,
+        model=replica.model,
+        gpu_type=replica.gpu_type,
         gpus_per_replica=gpus,
         kv_block_size=kv_block_size,
         engine_model=str(model_config.model),
@@ -488,24 +491,14 @@ def header_for(
 
 
 def recorder_from_environment(scheduler: Any) -> StepRecorder:
-    """A StepRecorder for the replica named by STEPLEDGER_REPLICA in STEPLEDGER_POOLS."""
+    """A StepRecorder for the replica described by the file STEPLEDGER_HOOK_CONFIG names."""
     import vllm
 
-    missing = [
-        name for name in ("STEPLEDGER_OUTBOX", "STEPLEDGER_REPLICA") if not os.environ.get(name)
-    ]
+    missing = [name for name in ("STEPLEDGER_OUTBOX", HOOK_CONFIG_ENV) if not os.environ.get(name)]
     if missing:
-        raise ConfigError(f"the step-recording scheduler needs environment variables {missing}")
-    replica = os.environ["STEPLEDGER_REPLICA"]
-    pools = load_pools(os.environ.get("STEPLEDGER_POOLS", DEFAULT_POOLS_PATH))
-    pool = next((p for p in pools.pools if replica in {r.id for r in p.replicas}), None)
-    if pool is None:
-        raise ConfigError(
-            f"replica {replica!r} (STEPLEDGER_REPLICA) is in no pool of the pools file"
-        )
+        raise HookConfigError(f"the step-recording scheduler needs environment variables {missing}")
     header = header_for(
-        pool,
-        replica,
+        read_descriptor(Path(os.environ[HOOK_CONFIG_ENV])),
         scheduler.vllm_config,
         gpu_name(),
         vllm.__version__,

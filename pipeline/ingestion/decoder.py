@@ -8,7 +8,6 @@ Python handles what is rare: the header, drop frames and damage.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import stat
@@ -20,10 +19,10 @@ from typing import Any, BinaryIO
 
 import numpy as np
 import pyarrow as pa
-from pydantic import ValidationError
 
 from pipeline.ingestion import frames
 from schemas.records import (
+    DECODED_HOLDER_STATES,
     DROP_STRUCT,
     FILE_MAGIC,
     FORMAT_VERSION,
@@ -33,12 +32,12 @@ from schemas.records import (
     PREAMBLE,
     SLOT_DTYPE,
     STEP_DTYPE,
+    FieldError,
     FrameKind,
     HeaderFrame,
 )
 from schemas.tables import (
     DAMAGE,
-    DECODED_HOLDER_STATES,
     DROPS,
     HOLDERS,
     SEGMENTS,
@@ -238,15 +237,10 @@ def _read_header(decoded: _File, data: bytes) -> int | None:
         )
         return None
     try:
-        header = HeaderFrame.model_validate(
-            json.loads(data[PREAMBLE.size + FRAME_PREFIX.size : end])
-        )
-    except (ValueError, ValidationError) as err:
-        reason = (
-            str(err).splitlines()[0] if not isinstance(err, ValidationError) else _first_error(err)
-        )
+        header = HeaderFrame.from_json(data[PREAMBLE.size + FRAME_PREFIX.size : end])
+    except FieldError as err:
         decoded.damage.append(
-            _Damage("bad_header", PREAMBLE.size, size - PREAMBLE.size, f"segment header: {reason}")
+            _Damage("bad_header", PREAMBLE.size, size - PREAMBLE.size, f"segment header: {err}")
         )
         return None
     if header.format_version != FORMAT_VERSION or header.layout != LAYOUT:
@@ -281,11 +275,6 @@ def _frames_follow(decoded: _File, pos: int) -> bool:
         return _next_frame(decoded, pos) is not None
     except _ResyncGaveUp:
         return True
-
-
-def _first_error(err: ValidationError) -> str:
-    first = err.errors()[0]
-    return f"field {'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
 
 
 def _read_body(decoded: _File, pos: int) -> None:
@@ -746,7 +735,7 @@ def read_segments(paths: Iterable[Path], following: Iterable[Path] = ()) -> Deco
         segment_rows.append(
             {
                 "path": str(decoded.path),
-                **header.model_dump(include=set(SEGMENTS.names)),
+                **{k: v for k, v in header.as_dict().items() if k in SEGMENTS.names},
                 "first_seq": first,
                 "last_seq": last,
                 "steps": decoded.step_count,

@@ -26,8 +26,9 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.hook.recorder import StepRecorder
+from pipeline.hook.vllm import ENGINE_NAME
 from pipeline.simulator.engine import FINISHED, N_STEP_FEATURES, Engine, EngineConfig, StepBatch
-from pipeline.simulator.faults import DRIVER_VERSION, ENGINE_NAME, ReplicaFaults
+from pipeline.simulator.faults import DRIVER_VERSION, ReplicaFaults
 from pricing import Kernel, Slots
 from schemas.config import Pool, Replica
 from schemas.records import SegmentHeader

@@ -139,6 +139,8 @@ def record_again(
     (same header and sequence numbers). `reboot_wall_shift_ns`: as if the host rebooted just
     before the segment (its monotonic clock restarted at one second) with the wall clock set
     that far off, so nothing in the log says the segment's wall clock is wrong."""
+    from dataclasses import fields
+
     import numpy as np
 
     from pipeline.hook.recorder import MAX_SEGMENT_BYTES, StepRecorder
@@ -148,9 +150,8 @@ def record_again(
     decoded = read_segments([path])
     assert decoded.damage.num_rows == 0 and decoded.drops.num_rows == 0, path
     (segment,) = decoded.segments.to_pylist()
-    header = SegmentHeader.model_validate(
-        {k: segment[k] for k in SegmentHeader.model_fields if k in segment}
-    )
+    names = {field.name for field in fields(SegmentHeader)}
+    header = SegmentHeader.from_mapping({k: v for k, v in segment.items() if k in names})
     steps = decoded.steps.to_pylist()
     slots = decoded.slots.to_pydict()
     holders = decoded.holders.to_pydict()

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.hook.format import InvalidStep, _batch_frames, step_frame, step_frames
-from schemas.tables import HOLDER_STATES
+from schemas.records import HOLDER_STATES
 
 # A step is valid unless one of these spoils it; step_frame names the field either way.
 FLAWS = (

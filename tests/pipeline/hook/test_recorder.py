@@ -218,7 +218,7 @@ import os, sys, time
 from pathlib import Path
 from schemas.records import SegmentHeader
 from pipeline.hook.recorder import StepRecorder
-header = SegmentHeader.model_validate_json(sys.argv[2])
+header = SegmentHeader.from_json(sys.argv[2])
 recorder = StepRecorder(Path(sys.argv[1]), header)
 for i in range(5):
     recorder.record_step(i, i + 1, [f"r{i}"], [1], [i], [0.5], [4], [0], [0], [0])
@@ -233,7 +233,7 @@ os._exit(0)
 def test_segment_of_a_crashed_process_is_shipped_by_the_next_recorder(tmp_path, header):
     outbox = tmp_path / "outbox"
     subprocess.run(
-        [sys.executable, "-c", CRASHING_PRODUCER, str(outbox), header.model_dump_json()],
+        [sys.executable, "-c", CRASHING_PRODUCER, str(outbox), header.to_json().decode()],
         check=True,
         cwd=REPO,
         timeout=60,

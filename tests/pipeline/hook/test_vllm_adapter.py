@@ -2,6 +2,8 @@
 attribute that moved between vLLM releases. The mapping from the scheduler's state is tested
 on vLLM's real scheduler in test_vllm_conformance.py."""
 
+# vLLM is imported after the skip that says it is missing.
+# ruff: noqa: E402
 from __future__ import annotations
 
 import logging
@@ -11,7 +13,11 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import vllm
+
+vllm = pytest.importorskip(
+    "vllm", reason="the vLLM adapter's tests need vLLM (make test installs it)"
+)
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from vllm import SamplingParams
@@ -22,8 +28,8 @@ from vllm.v1.request import Request
 
 import pipeline.hook.vllm as adapter
 from pipeline.hook.recorder import StepRecorder
+from pipeline.hook.replica import HookConfigError, ReplicaDescriptor, read_descriptor
 from pipeline.ingestion.decoder import read_segments
-from schemas.config import ConfigError, load_pools
 from tests.pipeline.hook.vllm_engine import HAS_REQ_ID_TO_INDEX, HAS_RESUMED_REQ_IDS, vllm_config
 
 
@@ -173,16 +179,18 @@ def engine_configs(tmp_path_factory):
     }
 
 
-def test_the_header_keeps_the_pools_names_and_the_engines_own(engine_configs, caplog):
-    pool = load_pools().pools[0]
-    replica = pool.replicas[0].id
+@pytest.fixture(scope="module")
+def replica(descriptor_path) -> ReplicaDescriptor:
+    """chat-8b-r0 of the default pools file: pool chat-8b, llama-3.1-8b-instruct on one h100."""
+    return read_descriptor(descriptor_path)
+
+
+def test_the_header_keeps_the_pools_names_and_the_engines_own(replica, engine_configs, caplog):
     config = engine_configs["pool's model"]
-    header = adapter.header_for(
-        pool, replica, config, "NVIDIA H100 80GB HBM3", "0.33.0", "550.54.15", 16
-    )
+    header = adapter.header_for(replica, config, "NVIDIA H100 80GB HBM3", "0.33.0", "550.54.15", 16)
     assert (header.pool, header.replica, header.model, header.gpu_type) == (
-        pool.name,
-        replica,
+        "chat-8b",
+        "chat-8b-r0",
         "llama-3.1-8b-instruct",
         "h100",
     )
@@ -192,7 +200,7 @@ def test_the_header_keeps_the_pools_names_and_the_engines_own(engine_configs, ca
     )
     # Where the platform names no GPU (the CPU), the pool's gpu_type stands, and it is said.
     with caplog.at_level(logging.WARNING):
-        header = adapter.header_for(pool, replica, config, None, "0.33.0", "550", 16)
+        header = adapter.header_for(replica, config, None, "0.33.0", "550", 16)
     assert (header.gpu_type, header.engine_device) == ("h100", None)
     assert (
         "names no GPU here: replica 'chat-8b-r0' is recorded with gpu_type 'h100' from pool "
@@ -200,13 +208,9 @@ def test_the_header_keeps_the_pools_names_and_the_engines_own(engine_configs, ca
     )
 
 
-def test_an_engine_that_runs_other_than_its_pool_declares_is_refused(engine_configs):
-    pool = load_pools().pools[0]
-    replica = pool.replicas[0].id
-    with pytest.raises(ConfigError) as refused:
-        adapter.header_for(
-            pool, replica, engine_configs["another model"], None, "0.33.0", "550", 16
-        )
+def test_an_engine_that_runs_other_than_its_pool_declares_is_refused(replica, engine_configs):
+    with pytest.raises(HookConfigError) as refused:
+        adapter.header_for(replica, engine_configs["another model"], None, "0.33.0", "550", 16)
     assert str(refused.value).startswith("replica 'chat-8b-r0' serves '") and str(
         refused.value
     ).endswith(
@@ -214,9 +218,8 @@ def test_an_engine_that_runs_other_than_its_pool_declares_is_refused(engine_conf
         "--served-model-name llama-3.1-8b-instruct, or put the replica in the pool of the "
         "model it serves"
     )
-    with pytest.raises(ConfigError, match="runs on 'NVIDIA A100-SXM4-80GB' but pool 'chat-8b'"):
+    with pytest.raises(HookConfigError, match="runs on 'NVIDIA A100-SXM4-80GB' but pool 'chat-8b'"):
         adapter.header_for(
-            pool,
             replica,
             engine_configs["pool's model"],
             "NVIDIA A100-SXM4-80GB",
@@ -224,10 +227,8 @@ def test_an_engine_that_runs_other_than_its_pool_declares_is_refused(engine_conf
             "550",
             16,
         )
-    with pytest.raises(ConfigError, match="runs on 2 GPUs"):
-        adapter.header_for(pool, replica, engine_configs["tensor parallel"], None, "0.33", "5", 16)
-    with pytest.raises(ConfigError, match="not listed in pool"):
-        adapter.header_for(pool, "nope", engine_configs["pool's model"], None, "0.33", "5", 16)
+    with pytest.raises(HookConfigError, match="runs on 2 GPUs"):
+        adapter.header_for(replica, engine_configs["tensor parallel"], None, "0.33", "5", 16)
 
 
 def test_gpu_name_is_none_where_vllms_platform_names_no_gpu():

@@ -4,16 +4,23 @@ scheduler's state at the moment it scheduled the step."""
 
 from __future__ import annotations
 
+# vLLM is imported after the skip that says it is missing.
+# ruff: noqa: E402
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
-import vllm
+
+vllm = pytest.importorskip(
+    "vllm", reason="the conformance test drives vLLM's real scheduler (make test installs it)"
+)
+
 from vllm.v1.request import RequestStatus
 
 import pipeline.hook.vllm as adapter
 from pipeline.hook import recorder
+from pipeline.hook.replica import HookConfigError, ReplicaDescriptor
 from pipeline.ingestion.decoder import read_segments
 from schemas.config import load_pools
 from schemas.records import FRAME_PREFIX, HeaderFrame
@@ -27,7 +34,6 @@ from tests.pipeline.hook.vllm_engine import (
     vllm_config,
 )
 
-REPLICA = "chat-8b-r0"
 # 13 usable blocks (one is vLLM's null block): too few for the scenario's requests to decode
 # side by side, so a running request is preempted, and the last arrival waits for blocks.
 NUM_GPU_BLOCKS = 14
@@ -145,16 +151,15 @@ def run_scenario(scheduler: Any, async_scheduling: bool, make_request: Any) -> l
 
 
 @pytest.fixture
-def environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, descriptor_path: Path) -> Path:
     """The recorder's environment, its writer thread idle until the recorder closes: every
     step is built after the whole scenario ran, so nothing it reads may have changed since
     its step was scheduled."""
     monkeypatch.setattr(recorder, "_POLL_SECONDS", 600.0)
     outbox = tmp_path / "outbox"
     monkeypatch.setenv("STEPLEDGER_OUTBOX", str(outbox))
-    monkeypatch.setenv("STEPLEDGER_REPLICA", REPLICA)
+    monkeypatch.setenv("STEPLEDGER_HOOK_CONFIG", str(descriptor_path))
     monkeypatch.setenv("STEPLEDGER_DRIVER_VERSION", "550.54.15")
-    monkeypatch.delenv("STEPLEDGER_POOLS", raising=False)
     return outbox
 
 
@@ -204,7 +209,7 @@ def test_recorded_steps_match_the_real_scheduler(
     # The engine's own names are in the header frame (not in the decoded segments table).
     data = Path(header["path"]).read_bytes()
     start, end = frame_spans(data)[0]
-    frame = HeaderFrame.model_validate_json(data[start + FRAME_PREFIX.size : end])
+    frame = HeaderFrame.from_json(data[start + FRAME_PREFIX.size : end])
     assert (frame.engine_model, frame.engine_device) == (config.model_config.model, None)
     steps = log.steps.to_pylist()
     assert [s["seq"] for s in steps] == list(range(len(expected)))
@@ -249,3 +254,42 @@ def test_recorded_steps_match_the_real_scheduler(
     ]
     assert session_waits, "the session never waited with its KV"
     assert "b" not in {h["request_id"] for h in holders if h["seq"] >= len(expected) - 1}
+
+
+def test_an_engine_that_runs_other_than_its_descriptor_declares_does_not_start(
+    environment: Path,
+    tmp_path: Path,
+    tmp_path_factory: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    config = vllm_config(
+        tmp_path_factory.getbasetemp() / "tiny-llama",
+        num_gpu_blocks=NUM_GPU_BLOCKS,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        async_scheduling=True,
+        served_model_name="llama-3.1-8b-instruct",
+    )
+    two_gpus = tmp_path / "two-gpus.json"
+    two_gpus.write_bytes(
+        ReplicaDescriptor(
+            pool="chat-8b",
+            replica="chat-8b-r0",
+            model="llama-3.1-8b-instruct",
+            gpu_type="h100",
+            gpus_per_replica=2,
+        ).to_json()
+    )
+    monkeypatch.setenv("STEPLEDGER_HOOK_CONFIG", str(two_gpus))
+    with pytest.raises(HookConfigError) as refused:
+        build_scheduler(adapter.AsyncRecordingScheduler, config)
+    assert str(refused.value) == (
+        "replica 'chat-8b-r0' runs on 1 GPUs but pool 'chat-8b' declares gpus_per_replica=2"
+    )
+    monkeypatch.delenv("STEPLEDGER_HOOK_CONFIG")
+    with pytest.raises(HookConfigError) as refused:
+        build_scheduler(adapter.RecordingScheduler, config)
+    assert str(refused.value) == (
+        "the step-recording scheduler needs environment variables ['STEPLEDGER_HOOK_CONFIG']"
+    )
+    assert not environment.exists()

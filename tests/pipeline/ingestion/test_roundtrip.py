@@ -10,8 +10,7 @@ from hypothesis import given, settings
 
 from pipeline.hook.recorder import StepRecorder
 from pipeline.ingestion.decoder import read_segments
-from schemas.records import SLOT_COLUMNS
-from schemas.tables import HOLDER_STATES
+from schemas.records import HOLDER_STATES, SLOT_COLUMNS
 
 INT32 = 2**31 - 1
 counts = st.integers(0, INT32)
