@@ -38,7 +38,8 @@ from typing import Any, Literal, Protocol, TextIO
 import duckdb
 
 from pipeline.hours import hour_key, parse_hour_key, to_warehouse
-from pipeline.reconcile import CheckResult
+from pipeline.reconcile.findings import NOT_RECONCILED, UNDELIVERED
+from pipeline.reconcile.result import CheckResult, failed
 from pipeline.storage.warehouse import transaction
 from schemas.config import Settings
 
@@ -459,21 +460,6 @@ def hour_alerts(
     ]
 
 
-def _overdue(
-    check_name: str,
-    finding: str,
-    where: tuple[datetime, str, str | None],
-    expected: str,
-    observed: str,
-    detail: str,
-) -> CheckResult:
-    """The failed result of a deadline the dead-man checks watch, at `where` (hour, pool,
-    replica): an ERROR for on-call that never blocks the hour's publication."""
-    return CheckResult(
-        *where, check_name, False, expected, observed, detail, "ERROR", False, finding
-    )
-
-
 def undelivered(
     con: duckdb.DuckDBPyConnection, now: datetime, settings: Settings
 ) -> list[CheckResult]:
@@ -489,14 +475,16 @@ def undelivered(
     for text, attempts, last_error, enqueued_at in rows:
         alert = _alert_from_json(text)
         results.append(
-            _overdue(
-                "alert_delivery",
-                "undelivered",
+            failed(
                 (alert.hour, alert.pool, alert.replica),
                 f"every alert delivered within {settings.deadman_minutes} min",
                 f"{attempts} failed attempt(s) since {enqueued_at.isoformat()} UTC",
-                f"the {alert.kind} alert for {alert.pool} hour {hour_key(alert.hour)} "
-                f"({alert.dedup_key}) is still undelivered: {last_error}",
+                [
+                    UNDELIVERED.found(
+                        f"the {alert.kind} alert for {alert.pool} hour {hour_key(alert.hour)} "
+                        f"({alert.dedup_key}) is still undelivered: {last_error}"
+                    )
+                ],
             )
         )
     return results
@@ -530,14 +518,16 @@ def deadman(
         overdue = (newest_due - oldest) // hour + 1
         span = hour_key(oldest) if overdue == 1 else f"{hour_key(oldest)} to {hour_key(newest_due)}"
         results.append(
-            _overdue(
-                "deadman",
-                "not_reconciled",
+            failed(
                 (oldest, pool, None),
                 f"every hour reconciled within {settings.deadman_minutes} min of its end",
                 f"last reconciled hour {hour_key(last_utc)}",
-                f"pool {pool}: {overdue} hour(s) not reconciled within {settings.deadman_minutes} min "
-                f"of their end ({span}): the scheduler, its daemon or the hourly run is not running",
+                [
+                    NOT_RECONCILED.found(
+                        f"pool {pool}: {overdue} hour(s) not reconciled within {settings.deadman_minutes} min "
+                        f"of their end ({span}): the scheduler, its daemon or the hourly run is not running"
+                    )
+                ],
             )
         )
     return results
