@@ -4,7 +4,7 @@ whether it holds the hour back from the finance views, what it means and what on
 A check builds its findings only from these kinds (`GAP.found("...")`), so a finding's severity
 and blocking are stated once, here. The table in `docs/production.md` and the Dagster asset
 checks' descriptions (`assets/reconciliation.py`) are generated from it;
-`python -m pipeline.reconcile.findings docs/production.md` rewrites the table after a change.
+`python -m pipeline.reconcile.findings_doc docs/production.md` rewrites the table after a change.
 
 ERROR pages on-call, WARN is recorded and pages nobody. The findings that block say the numbers
 are incomplete or inexact; the others say they may be unfair (host stalls charged to customers,
@@ -15,13 +15,13 @@ counted twice.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 Severity = Literal["ERROR", "WARN"]
 Weights = Literal["kernel", "fitted"]
+# Where a finding is placed: a replica, the pool, or the alert it is about.
+Scope = Literal["replica", "pool", "alert"]
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class FindingKind:
     code: str
     severity: Severity
     blocks: bool
-    scope: Literal["replica", "pool"]
+    scope: Scope
     description: str
     runbook: str
     weights: Weights | None = None
@@ -83,7 +83,7 @@ def _kind(
     code: str,
     severity: Severity,
     blocks: bool,
-    scope: Literal["replica", "pool"],
+    scope: Scope,
     description: str,
     runbook: str,
     weights: Weights | None = None,
@@ -269,7 +269,7 @@ NOT_RECONCILED = _kind(
     "check `dagster-daemon` and the schedule's status, then run the missing hours",
 )  # fmt: skip
 UNDELIVERED = _kind(
-    "alert_delivery", "undelivered", "ERROR", False, "pool",
+    "alert_delivery", "undelivered", "ERROR", False, "alert",
     "an alert the sink has refused for longer than `deadman_minutes`",
     "check the sink the environment configures and `alert_outbox`'s `last_error`; the "
     "`deliver_alerts` sensor keeps retrying",
@@ -340,43 +340,3 @@ def kinds_of(check: str, weights: Weights | None = None) -> tuple[FindingKind, .
         for kind in FINDINGS
         if kind.check == check and (weights is None or kind.weights in (None, weights))
     )
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|")
-
-
-def findings_table() -> str:
-    """The registry as a markdown table, one row per finding kind."""
-    header = (
-        "| check | finding | scope | severity | holds the hour back | what it means | what to do |\n"
-        "|---|---|---|---|---|---|---|\n"
-    )
-    rows = [
-        f"| {kind.check} | `{kind.code}` | {kind.scope}"
-        + (f" (`weights: {kind.weights}`)" if kind.weights else "")
-        + f" | {kind.severity} | {'yes' if kind.blocks else 'no'} | {_cell(kind.description)}"
-        f" | {_cell(kind.runbook)} |"
-        for kind in FINDINGS
-    ]
-    return header + "\n".join(rows) + "\n"
-
-
-TABLE_BEGIN = (
-    "<!-- findings table: generated from pipeline/reconcile/findings.py "
-    "(python -m pipeline.reconcile.findings docs/production.md) -->\n"
-)
-TABLE_END = "<!-- end of findings table -->\n"
-
-
-def with_findings_table(document: str) -> str:
-    """`document` with the text between the table's markers replaced by `findings_table()`."""
-    begin = document.index(TABLE_BEGIN) + len(TABLE_BEGIN)
-    end = document.index(TABLE_END, begin)
-    return document[:begin] + findings_table() + document[end:]
-
-
-if __name__ == "__main__":
-    for name in sys.argv[1:]:
-        path = Path(name)
-        path.write_text(with_findings_table(path.read_text()))
