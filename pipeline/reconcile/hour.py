@@ -62,24 +62,35 @@ def attributed_hours(con: duckdb.DuckDBPyConnection, pool: Pool, hour: datetime)
     return {hour_key(from_warehouse(row[0])) for row in rows} | {hour_key(hour)}
 
 
-def gather_facts(
+def reconcile_hour(
     con: duckdb.DuckDBPyConnection,
     lake: Path,
     dcgm_dir: Path,
     pool: Pool,
     hour: datetime,
     settings: Settings,
-    store: CalibrationStore,
-) -> HourFacts:
-    """Read everything the checks need about one pool-hour (`hour` aware UTC, on the hour),
-    once, from the committed batches of the lake, the warehouse and the DCGM scrapes."""
+    *,
+    calibration_file: Path | None = None,
+) -> list[CheckResult]:
+    """Run the CHECKS on one published pool-hour and record them in the warehouse's
+    `reconciliation` table (`pipeline.reconcile.alerts.record_alerts` adds the failures to `alerts`).
+
+    Everything the checks read is read once, from the committed batches of the lake, the
+    warehouse and the DCGM scrapes, before any check runs. `calibration_file`: the calibration
+    store (`<data dir>/calibration.yaml`); without one no engine version has been calibrated."""
+    hour = utc_hour(hour)
+    store = (
+        CalibrationStore.load(calibration_file)
+        if calibration_file is not None
+        else CalibrationStore()
+    )
     batches = committed_batches(con)
     # The checks read the steps; only a fitted pool's drift check reads their slots.
     tables = ("steps", "slots") if pool.policies.weights == "fitted" else ("steps",)
     data = load_hour(lake, pool.name, hour, batches, tables=tables)
     at_hour = [to_warehouse(hour), pool.name]
     segments = _pool_rows(con, "segments", pool)
-    return HourFacts(
+    facts = HourFacts(
         hour=hour,
         pool=pool,
         settings=settings,
@@ -97,30 +108,6 @@ def gather_facts(
         elsewhere=steps_of_other_hours(lake, pool.name, attributed_hours(con, pool, hour), batches),
         calibration=calibration.calibration_facts(pool, segments, data, store),
     )
-
-
-def reconcile_hour(
-    con: duckdb.DuckDBPyConnection,
-    lake: Path,
-    dcgm_dir: Path,
-    pool: Pool,
-    hour: datetime,
-    settings: Settings,
-    *,
-    calibration_file: Path | None = None,
-) -> list[CheckResult]:
-    """Run the CHECKS on one published pool-hour and record them in the warehouse's
-    `reconciliation` table (`pipeline.reconcile.alerts.record_alerts` adds the failures to `alerts`).
-
-    `calibration_file`: the calibration store (`<data dir>/calibration.yaml`); without one no
-    engine version has been calibrated."""
-    hour = utc_hour(hour)
-    store = (
-        CalibrationStore.load(calibration_file)
-        if calibration_file is not None
-        else CalibrationStore()
-    )
-    facts = gather_facts(con, lake, dcgm_dir, pool, hour, settings, store)
     results = [result for check in REGISTRY for result in check(facts)]
     record_checks(con, hour, pool.name, list(CHECKS), results)
     return results

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime
 
 import polars as pl
@@ -11,7 +12,7 @@ from pipeline.reconcile.facts import HourFacts
 from pipeline.reconcile.findings import DCGM_MISSING, GPU_BUSIER, HOST_STALL
 from pipeline.reconcile.frames import steps_of_hour
 from pipeline.reconcile.result import CheckResult, fold
-from schemas.config import Pool, Settings
+from schemas.config import Pool, Replica, Settings
 
 
 def run(facts: HourFacts) -> list[CheckResult]:
@@ -47,54 +48,65 @@ def check_plausibility(
         .agg(pl.col("value").mean(), pl.len())
         .iter_rows()
     }
-    results = []
-    for replica in pool.replicas:
-        busy_fraction = busy.get(replica.id, 0) / HOUR_NS
-        seen = [uuid for uuid in replica.gpu_uuids if uuid in activity]
-        missing = [uuid for uuid in replica.gpu_uuids if uuid not in activity]
-        expected = f"DCGM_FI_PROF_GR_ENGINE_ACTIVE mean within ±{band:.2f} of engine busy {busy_fraction:.3f}"
-        findings = []
-        if missing:
-            findings.append(
-                DCGM_MISSING.found(
-                    f"no DCGM samples for GPU {', '.join(missing)} in hour {hour_key(hour)} "
-                    f"(host {replica.hostname}): engine activity cannot be cross-checked"
-                )
-            )
-        if not seen:
-            observed = "no DCGM samples"
-            passed_detail = ""
-        else:
-            active = sum(activity[uuid][0] for uuid in seen) / len(seen)
-            samples = sum(activity[uuid][1] for uuid in seen)
-            observed = f"DCGM mean {active:.3f} over {samples} samples of {len(seen)} GPUs"
-            comparison = f"engine busy {busy_fraction:.1%} vs DCGM_FI_PROF_GR_ENGINE_ACTIVE mean {active:.1%} (band ±{band:.0%})"
-            if busy_fraction - active > band:
-                findings.append(
-                    HOST_STALL.found(
-                        f"{comparison}: steps are stalling on the host, and customers would be "
-                        "charged for CPU waits"
-                    )
-                )
-            elif active - busy_fraction > band:
-                findings.append(
-                    GPU_BUSIER.found(
-                        f"{comparison}: the GPU is busier than the engine's log, so steps went "
-                        "unlogged or another process shares the GPU"
-                    )
-                )
-            passed_detail = (
-                f"replica idle (no steps): {comparison}" if replica.id not in busy else comparison
-            )
-        results.append(
-            fold(
-                (hour, pool.name, replica.id),
-                "plausibility",
-                expected,
-                observed,
-                findings,
-                passed_detail=passed_detail,
-                weights=pool.policies.weights,
+    return [
+        _plausibility_of_replica(hour, pool, replica, busy.get(replica.id), activity, band)
+        for replica in pool.replicas
+    ]
+
+
+def _plausibility_of_replica(
+    hour: datetime,
+    pool: Pool,
+    replica: Replica,
+    busy_ns: int | None,
+    activity: Mapping[str, tuple[float, int]],
+    band: float,
+) -> CheckResult:
+    """The replica's result: its step time in the hour (`busy_ns`, None without steps) against
+    the mean activity of its GPUs (`activity`: uuid -> mean, samples)."""
+    busy_fraction = (busy_ns or 0) / HOUR_NS
+    seen = [uuid for uuid in replica.gpu_uuids if uuid in activity]
+    missing = [uuid for uuid in replica.gpu_uuids if uuid not in activity]
+    expected = (
+        f"DCGM_FI_PROF_GR_ENGINE_ACTIVE mean within ±{band:.2f} of engine busy {busy_fraction:.3f}"
+    )
+    findings = []
+    if missing:
+        findings.append(
+            DCGM_MISSING.found(
+                f"no DCGM samples for GPU {', '.join(missing)} in hour {hour_key(hour)} "
+                f"(host {replica.hostname}): engine activity cannot be cross-checked"
             )
         )
-    return results
+    if not seen:
+        observed = "no DCGM samples"
+        passed_detail = ""
+    else:
+        active = sum(activity[uuid][0] for uuid in seen) / len(seen)
+        samples = sum(activity[uuid][1] for uuid in seen)
+        observed = f"DCGM mean {active:.3f} over {samples} samples of {len(seen)} GPUs"
+        comparison = f"engine busy {busy_fraction:.1%} vs DCGM_FI_PROF_GR_ENGINE_ACTIVE mean {active:.1%} (band ±{band:.0%})"
+        if busy_fraction - active > band:
+            findings.append(
+                HOST_STALL.found(
+                    f"{comparison}: steps are stalling on the host, and customers would be "
+                    "charged for CPU waits"
+                )
+            )
+        elif active - busy_fraction > band:
+            findings.append(
+                GPU_BUSIER.found(
+                    f"{comparison}: the GPU is busier than the engine's log, so steps went "
+                    "unlogged or another process shares the GPU"
+                )
+            )
+        passed_detail = f"replica idle (no steps): {comparison}" if busy_ns is None else comparison
+    return fold(
+        (hour, pool.name, replica.id),
+        "plausibility",
+        expected,
+        observed,
+        findings,
+        passed_detail=passed_detail,
+        weights=pool.policies.weights,
+    )

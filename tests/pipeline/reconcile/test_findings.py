@@ -19,7 +19,6 @@ from pipeline.reconcile import (
     check_conservation,
     check_money,
     check_plausibility,
-    check_sequence,
     check_silence,
     check_time,
     check_unattributed,
@@ -29,13 +28,11 @@ from pipeline.reconcile.findings import CHECK_SPECS, FINDINGS, FindingKind
 from pipeline.reconcile.findings_doc import findings_table, with_findings_table
 from pipeline.storage.warehouse import STATE_SQL
 from schemas.config import Settings
-from schemas.tables import DAMAGE, DROPS
 from tests.helpers.hours import HOUR
 from tests.helpers.reconcile_builders import (
     HOUR_START_NS,
     S,
     clean_steps,
-    empty,
     make_damage,
     make_dcgm,
     make_drops,
@@ -43,6 +40,7 @@ from tests.helpers.reconcile_builders import (
     make_ledger,
     make_pool,
     make_segments,
+    sequence,
     shift_utc,
     without_seq,
 )
@@ -57,21 +55,6 @@ UUID0, UUID1 = "GPU-0000-0000", "GPU-0001-0000"
 INVOICE_NANO = 7_200_000_000
 KEY = ("llama-3.1-8b-instruct", "h100", "0.25.0", "570.86")
 FITS = {"stored_fit": {"c0_ms": 4.0}, "fresh_fit": {"c0_ms": 8.0}}
-
-
-def sequence(
-    steps: pl.DataFrame,
-    drops: pl.DataFrame | None = None,
-    damage: pl.DataFrame | None = None,
-) -> list[CheckResult]:
-    return check_sequence(
-        HOUR,
-        POOL,
-        steps,
-        empty(DROPS) if drops is None else drops,
-        empty(DAMAGE) if damage is None else damage,
-        make_segments(POOL),
-    )
 
 
 def with_repeats(steps: pl.DataFrame, replica: str, first: int, last: int) -> pl.DataFrame:

@@ -21,24 +21,13 @@ from tests.helpers.reconcile_builders import (
     make_pool,
     make_segments,
     make_steps,
+    sequence,
     shift_utc,
     without_seq,
 )
 
 POOL = make_pool()
 SETTINGS = Settings()
-
-
-def sequence(steps, drops=None, damage=None, **kwargs):
-    return check_sequence(
-        HOUR,
-        POOL,
-        steps,
-        empty(DROPS) if drops is None else drops,
-        empty(DAMAGE) if damage is None else damage,
-        make_segments(POOL),
-        **kwargs,
-    )
 
 
 def time_check(steps, replica):
