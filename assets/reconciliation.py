@@ -54,6 +54,8 @@ def results_table(results: list[CheckResult]) -> str:
 def build_reconciliation_checks(
     pools: PoolsFile, partitions: dg.PartitionsDefinition
 ) -> list[dg.AssetChecksDefinition]:
+    """The reconciliation asset checks on the ledger: one spec per check of the registry,
+    evaluated for every pool-hour partition of `partitions`."""
     # Partitioned checks are a preview API in Dagster 1.13 (pinned); the tests assert one
     # evaluation per pool-hour, which is what it gives.
     with warnings.catch_warnings():

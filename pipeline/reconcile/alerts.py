@@ -66,6 +66,8 @@ class AlertDeliveryError(RuntimeError):
 
 @dataclass(frozen=True)
 class Alert:
+    """What on-call is told of one finding: a failed result, when it was raised and its dedup key."""
+
     raised_at: datetime
     severity: str
     kind: str
@@ -78,10 +80,12 @@ class Alert:
 
     @property
     def summary(self) -> str:
+        """One line: severity, check, where, hour and the detail."""
         where = self.pool if self.replica is None else f"{self.pool}/{self.replica}"
         return f"[{self.severity}] stepledger {self.kind} failed for {where} hour {hour_key(self.hour)}: {self.detail}"
 
     def as_json(self) -> dict[str, Any]:
+        """The alert as JSON values (times as ISO strings, the hour as its key)."""
         return {
             "raised_at": self.raised_at.astimezone(UTC).isoformat(),
             "severity": self.severity,
@@ -106,6 +110,7 @@ _FROM_RESULT = ("severity", "hour", "pool", "replica", "finding", "detail")
 
 
 def alert_for(result: CheckResult, raised_at: datetime) -> Alert:
+    """The alert of a failed result, raised at `raised_at`; a passed result is refused."""
     if result.passed:
         raise ValueError(
             f"{result.check_name} for {result.pool} passed; only failed results are alerts"
@@ -153,7 +158,8 @@ class SentKeys(Protocol):
 
     def __contains__(self, key: object) -> bool: ...
 
-    def add(self, key: str) -> None: ...
+    def add(self, key: str) -> None:
+        """Remember `key` as sent."""
 
 
 class SentKeysFile:
@@ -170,6 +176,7 @@ class SentKeysFile:
         return key in self._keys
 
     def add(self, key: str) -> None:
+        """Record `key` as sent, on disk before in memory."""
         if key in self._keys:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -184,7 +191,10 @@ class SentKeysFile:
 
 
 class AlertSink(Protocol):
-    def send(self, alert: Alert) -> None: ...
+    """Where alerts go; `send` raises AlertDeliveryError when one is not accepted."""
+
+    def send(self, alert: Alert) -> None:
+        """Deliver one alert."""
 
 
 class JsonLinesSink:
@@ -194,6 +204,7 @@ class JsonLinesSink:
         self.target = Path(target) if isinstance(target, (str, os.PathLike)) else target
 
     def send(self, alert: Alert) -> None:
+        """Write the alert as one JSON line."""
         line = json.dumps(alert.as_json(), sort_keys=True) + "\n"
         if isinstance(self.target, Path):
             self.target.parent.mkdir(parents=True, exist_ok=True)
@@ -249,6 +260,7 @@ class WebhookSink:
         return f"WebhookSink({self.format} -> {self.destination}/…)"
 
     def payload(self, alert: Alert) -> dict[str, Any]:
+        """The JSON body posted for the alert in this sink's format."""
         if self.format == "slack":
             return {"text": alert.summary}
         return {
@@ -280,6 +292,7 @@ class WebhookSink:
         return text
 
     def send(self, alert: Alert) -> None:
+        """POST the alert; AlertDeliveryError (with the URL and key redacted) unless accepted."""
         request = urllib.request.Request(
             self._url,
             data=json.dumps(self.payload(alert)).encode(),

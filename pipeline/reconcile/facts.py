@@ -61,4 +61,5 @@ class HourFacts:
 class Check(Protocol):
     """A reconciliation check: one result per replica or for the pool, from the hour's facts."""
 
-    def __call__(self, facts: HourFacts) -> list[CheckResult]: ...
+    def __call__(self, facts: HourFacts) -> list[CheckResult]:
+        """The check's results of the pool-hour the facts describe."""
