@@ -7,9 +7,12 @@ gathered facts (`facts.Check`). Each returns `CheckResult`s that map one to one 
 the `reconciliation` table; the failed ones also become `alerts` rows
 (`pipeline.reconcile.alerts.record_alerts`).
 
-- `findings`: the registry of every finding (severity, blocks publication, what to do);
+- `findings`: the registry of every finding (severity, blocks publication, what to do), and
+  `findings_doc`, the table of it in `docs/production.md`;
 - `hour`: `reconcile_hour` reads a pool-hour's facts once and runs every check on them;
-- `ranges`: the algebra of sequence-number ranges;
+- `facts`: what the checks read about a pool-hour, and the protocol they follow;
+- `result`: a check's result, folded from its findings;
+- `ranges`: the algebra of sequence-number ranges; `frames`: what several checks read alike;
 - `sequence`, `timing`, `money`, `plausibility`, `silence`, `clock`, `conservation`,
   `unattributed`, `calibration`: the checks;
 - `alerts`: paging on-call, and the dead-man checks that run outside the hourly run.
