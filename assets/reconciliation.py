@@ -2,7 +2,8 @@
 and pool-hour partition.
 
 Every result is a row of the `reconciliation` table. The checks whose failure holds the hour
-back from the finance views (sequence, time, money, silence, conservation) are Dagster's blocking checks. Any ERROR
+back from the finance views (those with a blocking finding in `pipeline.reconcile.findings`)
+are Dagster's blocking checks. Any ERROR
 failure fails the run, so that the run-failure sensor pages on-call: for a blocking check
 Dagster fails it, for the others the check step raises once every result is recorded (a failed
 non-blocking check alone would leave the run green and page nobody). WARN failures never fail
@@ -24,36 +25,11 @@ from assets.resources import StepledgerData, open_warehouse
 from pipeline.hours import hour_key
 from pipeline.reconcile import CHECKS, CheckResult, reconcile_hour
 from pipeline.reconcile.alerts import record_alerts
+from pipeline.reconcile.findings import CHECK_SPECS
 from schemas.config import PoolsFile
 
-# What each check asserts, shown with it in the Dagster UI (docs/production.md says what to do
-# when one fails).
-DESCRIPTIONS = {
-    "sequence": "Every step of each replica's log arrived once: no missing, dropped, repeated "
-    "or damaged sequence numbers. A failure holds the hour back.",
-    "time": "Per replica, step time plus measured gaps add up to the wall-clock hour within "
-    "time_tolerance_fraction (no lost records, overlapping steps or clock skew). A failure "
-    "holds the hour back.",
-    "money": "The ledger lines add up to the invoice to the nano-dollar, and the invoice is the "
-    "pools file's GPU-hour price. A failure holds the hour back.",
-    "plausibility": "Per replica, the engine's busy fraction agrees with DCGM's "
-    "GR_ENGINE_ACTIVE for its GPUs. The hour is published either way.",
-    "unattributed": "The share of the hour's usage without gateway context stays under the "
-    "pool's unattributed_alert_fraction. The hour is published either way.",
-    "calibration": "The engine and driver versions in the segment headers have coefficients, "
-    "measured or fitted. The hour is published either way.",
-    "calibration_drift": "For fitted weights, a fresh fit of the hour's steps stays within "
-    "calibration_drift_fraction of the stored fit. The hour is published either way.",
-    "clock": "Per replica, segment wall-clock anchors agree with the monotonic clock; steps of "
-    "a segment whose wall clock jumped are placed by the monotonic clock. The hour is "
-    "published either way.",
-    "silence": "Per replica, a replica whose GPUs DCGM shows busy logged steps: silence is "
-    "missing logs, not idle time. A failure holds the hour back.",
-    "conservation": "Per replica, every step ingested up to the hour lies in a published or "
-    "held-back hour: none is billed to nobody. A failure holds the hour back.",
-}
-# The checks whose failure keeps the hour out of the finance views (pipeline.reconcile).
-HOLDS_HOUR_BACK = frozenset({"sequence", "time", "money", "silence", "conservation"})
+# The checks that hold the hour back from the finance views.
+HOLDS_HOUR_BACK = frozenset(spec.name for spec in CHECK_SPECS if spec.blocks_publication)
 
 
 def _cell(text: str) -> str:
@@ -78,19 +54,22 @@ def results_table(results: list[CheckResult]) -> str:
 def build_reconciliation_checks(
     pools: PoolsFile, partitions: dg.PartitionsDefinition
 ) -> list[dg.AssetChecksDefinition]:
+    """The reconciliation asset checks on the ledger: one spec per check of the registry,
+    evaluated for every pool-hour partition of `partitions`."""
     # Partitioned checks are a preview API in Dagster 1.13 (pinned); the tests assert one
     # evaluation per pool-hour, which is what it gives.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", dg.PreviewWarning)
         specs = [
             dg.AssetCheckSpec(
-                name,
+                spec.name,
                 asset="ledger",
-                blocking=name in HOLDS_HOUR_BACK,
-                description=DESCRIPTIONS[name],
+                blocking=spec.blocks_publication,
+                # What the check asserts and can find, shown with it in the Dagster UI.
+                description=spec.description(),
                 partitions_def=partitions,
             )
-            for name in CHECKS
+            for spec in CHECK_SPECS
         ]
 
     @dg.multi_asset_check(specs=specs, name="reconciliation", pool=DUCKDB_POOL)

@@ -38,7 +38,8 @@ from typing import Any, Literal, Protocol, TextIO
 import duckdb
 
 from pipeline.hours import hour_key, parse_hour_key, to_warehouse
-from pipeline.reconcile import CheckResult
+from pipeline.reconcile.findings import NOT_RECONCILED, UNDELIVERED
+from pipeline.reconcile.result import CheckResult, failed
 from pipeline.storage.warehouse import transaction
 from schemas.config import Settings
 
@@ -65,6 +66,8 @@ class AlertDeliveryError(RuntimeError):
 
 @dataclass(frozen=True)
 class Alert:
+    """What on-call is told of one finding: a failed result, when it was raised and its dedup key."""
+
     raised_at: datetime
     severity: str
     kind: str
@@ -77,10 +80,12 @@ class Alert:
 
     @property
     def summary(self) -> str:
+        """One line: severity, check, where, hour and the detail."""
         where = self.pool if self.replica is None else f"{self.pool}/{self.replica}"
         return f"[{self.severity}] stepledger {self.kind} failed for {where} hour {hour_key(self.hour)}: {self.detail}"
 
     def as_json(self) -> dict[str, Any]:
+        """The alert as JSON values (times as ISO strings, the hour as its key)."""
         return {
             "raised_at": self.raised_at.astimezone(UTC).isoformat(),
             "severity": self.severity,
@@ -105,6 +110,7 @@ _FROM_RESULT = ("severity", "hour", "pool", "replica", "finding", "detail")
 
 
 def alert_for(result: CheckResult, raised_at: datetime) -> Alert:
+    """The alert of a failed result, raised at `raised_at`; a passed result is refused."""
     if result.passed:
         raise ValueError(
             f"{result.check_name} for {result.pool} passed; only failed results are alerts"
@@ -152,7 +158,8 @@ class SentKeys(Protocol):
 
     def __contains__(self, key: object) -> bool: ...
 
-    def add(self, key: str) -> None: ...
+    def add(self, key: str) -> None:
+        """Remember `key` as sent."""
 
 
 class SentKeysFile:
@@ -169,6 +176,7 @@ class SentKeysFile:
         return key in self._keys
 
     def add(self, key: str) -> None:
+        """Record `key` as sent, on disk before in memory."""
         if key in self._keys:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -183,7 +191,10 @@ class SentKeysFile:
 
 
 class AlertSink(Protocol):
-    def send(self, alert: Alert) -> None: ...
+    """Where alerts go; `send` raises AlertDeliveryError when one is not accepted."""
+
+    def send(self, alert: Alert) -> None:
+        """Deliver one alert."""
 
 
 class JsonLinesSink:
@@ -193,6 +204,7 @@ class JsonLinesSink:
         self.target = Path(target) if isinstance(target, (str, os.PathLike)) else target
 
     def send(self, alert: Alert) -> None:
+        """Write the alert as one JSON line."""
         line = json.dumps(alert.as_json(), sort_keys=True) + "\n"
         if isinstance(self.target, Path):
             self.target.parent.mkdir(parents=True, exist_ok=True)
@@ -248,6 +260,7 @@ class WebhookSink:
         return f"WebhookSink({self.format} -> {self.destination}/…)"
 
     def payload(self, alert: Alert) -> dict[str, Any]:
+        """The JSON body posted for the alert in this sink's format."""
         if self.format == "slack":
             return {"text": alert.summary}
         return {
@@ -279,6 +292,7 @@ class WebhookSink:
         return text
 
     def send(self, alert: Alert) -> None:
+        """POST the alert; AlertDeliveryError (with the URL and key redacted) unless accepted."""
         request = urllib.request.Request(
             self._url,
             data=json.dumps(self.payload(alert)).encode(),
@@ -459,21 +473,6 @@ def hour_alerts(
     ]
 
 
-def _overdue(
-    check_name: str,
-    finding: str,
-    where: tuple[datetime, str, str | None],
-    expected: str,
-    observed: str,
-    detail: str,
-) -> CheckResult:
-    """The failed result of a deadline the dead-man checks watch, at `where` (hour, pool,
-    replica): an ERROR for on-call that never blocks the hour's publication."""
-    return CheckResult(
-        *where, check_name, False, expected, observed, detail, "ERROR", False, finding
-    )
-
-
 def undelivered(
     con: duckdb.DuckDBPyConnection, now: datetime, settings: Settings
 ) -> list[CheckResult]:
@@ -489,14 +488,16 @@ def undelivered(
     for text, attempts, last_error, enqueued_at in rows:
         alert = _alert_from_json(text)
         results.append(
-            _overdue(
-                "alert_delivery",
-                "undelivered",
+            failed(
                 (alert.hour, alert.pool, alert.replica),
                 f"every alert delivered within {settings.deadman_minutes} min",
                 f"{attempts} failed attempt(s) since {enqueued_at.isoformat()} UTC",
-                f"the {alert.kind} alert for {alert.pool} hour {hour_key(alert.hour)} "
-                f"({alert.dedup_key}) is still undelivered: {last_error}",
+                [
+                    UNDELIVERED.found(
+                        f"the {alert.kind} alert for {alert.pool} hour {hour_key(alert.hour)} "
+                        f"({alert.dedup_key}) is still undelivered: {last_error}"
+                    )
+                ],
             )
         )
     return results
@@ -530,14 +531,16 @@ def deadman(
         overdue = (newest_due - oldest) // hour + 1
         span = hour_key(oldest) if overdue == 1 else f"{hour_key(oldest)} to {hour_key(newest_due)}"
         results.append(
-            _overdue(
-                "deadman",
-                "not_reconciled",
+            failed(
                 (oldest, pool, None),
                 f"every hour reconciled within {settings.deadman_minutes} min of its end",
                 f"last reconciled hour {hour_key(last_utc)}",
-                f"pool {pool}: {overdue} hour(s) not reconciled within {settings.deadman_minutes} min "
-                f"of their end ({span}): the scheduler, its daemon or the hourly run is not running",
+                [
+                    NOT_RECONCILED.found(
+                        f"pool {pool}: {overdue} hour(s) not reconciled within {settings.deadman_minutes} min "
+                        f"of their end ({span}): the scheduler, its daemon or the hourly run is not running"
+                    )
+                ],
             )
         )
     return results

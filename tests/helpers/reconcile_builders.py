@@ -8,6 +8,7 @@ import polars as pl
 from pipeline.attribution.synthetic import synthetic_pool
 from pipeline.hours import hour_bounds_ns
 from pipeline.ingestion.dcgm import DCGM_SCHEMA
+from pipeline.reconcile import CheckResult, check_sequence
 from schemas.config import Pool
 from schemas.tables import DAMAGE, DROPS, SEGMENTS, STEPS
 from tests.helpers.hours import HOUR
@@ -245,4 +246,26 @@ def make_invoice(pool: Pool, amount_nano: int) -> pl.DataFrame:
             "usd_per_gpu_hour": pl.Float64,
             "amount_nano": pl.Int64,
         },
+    )
+
+
+def sequence(
+    steps: pl.DataFrame,
+    drops: pl.DataFrame | None = None,
+    damage: pl.DataFrame | None = None,
+    *,
+    pool: Pool | None = None,
+    **kwargs,
+) -> list[CheckResult]:
+    """The sequence check of the hour's `steps` for `pool` (the default pool), its segments
+    as `make_segments` gives them, with no drops or damage unless given."""
+    pool = pool or make_pool()
+    return check_sequence(
+        HOUR,
+        pool,
+        steps,
+        empty(DROPS) if drops is None else drops,
+        empty(DAMAGE) if damage is None else damage,
+        make_segments(pool),
+        **kwargs,
     )

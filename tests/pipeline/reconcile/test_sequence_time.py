@@ -5,14 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.reconcile import (
-    _intersect,
-    _merge,
-    _subtract,
-    check_sequence,
-    check_time,
-    compact_ranges,
-)
+from pipeline.reconcile import check_sequence, check_time
+from pipeline.reconcile.ranges import compact_ranges, intersect, merge, subtract
 from schemas.config import Settings
 from schemas.tables import DAMAGE, DROPS
 from tests.helpers.hours import HOUR
@@ -27,24 +21,13 @@ from tests.helpers.reconcile_builders import (
     make_pool,
     make_segments,
     make_steps,
+    sequence,
     shift_utc,
     without_seq,
 )
 
 POOL = make_pool()
 SETTINGS = Settings()
-
-
-def sequence(steps, drops=None, damage=None, **kwargs):
-    return check_sequence(
-        HOUR,
-        POOL,
-        steps,
-        empty(DROPS) if drops is None else drops,
-        empty(DAMAGE) if damage is None else damage,
-        make_segments(POOL),
-        **kwargs,
-    )
 
 
 def time_check(steps, replica):
@@ -244,7 +227,7 @@ def test_compact_ranges_lists_then_counts():
 
 
 range_lists = st.lists(st.tuples(st.integers(0, 200), st.integers(0, 20)), max_size=12).map(
-    lambda pairs: _merge((a, a + n) for a, n in pairs)
+    lambda pairs: merge((a, a + n) for a, n in pairs)
 )
 
 
@@ -255,9 +238,9 @@ def _as_set(ranges):
 @settings(max_examples=200, deadline=None)
 @given(range_lists, range_lists)
 def test_range_algebra_matches_set_algebra(left, right):
-    assert _as_set(_intersect(left, right)) == _as_set(left) & _as_set(right)
-    assert _as_set(_subtract(left, right)) == _as_set(left) - _as_set(right)
-    assert _subtract(left, right) == _merge(_subtract(left, right))
+    assert _as_set(intersect(left, right)) == _as_set(left) & _as_set(right)
+    assert _as_set(subtract(left, right)) == _as_set(left) - _as_set(right)
+    assert subtract(left, right) == merge(subtract(left, right))
 
 
 @settings(max_examples=40, deadline=None)
