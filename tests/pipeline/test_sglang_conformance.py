@@ -1,0 +1,231 @@
+"""The SGLang step tracker on SGLang's real scheduling code (batches, schedule policy, prefill
+adder, radix cache, memory pools; see tests/pipeline/sglang_engine.py for what is driven and
+what is not), on the CPU; every recorded value is checked against SGLang's own state at the
+moment the batch was launched: its KV row of every request (`req_to_token` up to
+`kv_allocated_len`), its cached-prefix count (`Req.cached_tokens`), its allocator and tree."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.pipeline.sglang_torchvision import declare_torchvision_operators
+
+declare_torchvision_operators()
+pytest.importorskip(
+    "sglang.srt.managers.schedule_batch",
+    reason="SGLang is not installed (make test installs it beside the venv)",
+)
+
+import sglang  # noqa: E402
+
+import pipeline.sglang_adapter as adapter  # noqa: E402
+from pipeline.steplog import StepRecorder, read_segments, recorder  # noqa: E402
+from schemas.config import load_pools  # noqa: E402
+from tests.pipeline.sglang_engine import Engine, server_args  # noqa: E402
+
+REPLICA = "chat-8b-r0"
+# Too few KV slots for the two long decodes side by side: SGLang retracts one of them.
+KV_TOKENS = 330
+CHUNKED_PREFILL = 64
+
+
+def expected_step(engine: Engine, batch: Any, cached_seen: dict[str, int]) -> dict[str, Any]:
+    """What the step record must say, from SGLang's state right before the batch runs: KV
+    shares counted from every request's row of req_to_token (not from the tree)."""
+    rows = {
+        req.rid: engine.req_to_token_pool.req_to_token[
+            req.kv.req_pool_idx, : req.kv.kv_allocated_len
+        ].tolist()
+        for req in engine.requests.values()
+        if req.kv.req_pool_idx is not None
+    }
+    holders_of = Counter(slot for row in rows.values() for slot in row)
+
+    def share(request_id: str) -> float:
+        # Rounded: the tracker sums the same fractions in another order.
+        return round(sum(1 / holders_of[slot] for slot in rows.get(request_id, ())), 9)
+
+    extend = batch.forward_mode.is_extend()
+    slots = []
+    for req in batch.reqs:
+        new_tokens = req.extend_len if extend else 1
+        hit = req.cached_tokens - cached_seen.get(req.rid, 0) if extend else 0
+        cached_seen[req.rid] = req.cached_tokens
+        slots.append(
+            {
+                "request_id": req.rid,
+                "new_tokens": new_tokens,
+                "context_tokens": req.kv.kv_allocated_len - new_tokens,
+                "kv_blocks": share(req.rid),
+                "prompt_tokens": len(req.origin_input_ids),
+                "prefix_hit_tokens": hit,
+                "spec_drafted": 0,
+                "spec_accepted": 0,
+            }
+        )
+    scheduled = {req.rid for req in batch.reqs}
+    allocator = engine.token_to_kv_pool_allocator
+    return {
+        "slots": slots,
+        "holders": sorted(
+            (request_id, share(request_id), "waiting")
+            for request_id in rows
+            if request_id not in scheduled and share(request_id) > 0
+        ),
+        "admission_blocked": bool(engine.retracted)
+        or (
+            not extend
+            and bool(engine.waiting_queue)
+            and len(batch.reqs) < engine.max_running_requests
+        ),
+        "free_blocks": allocator.available_size() + engine.tree_cache.evictable_size(),
+        "total_blocks": allocator.size,
+        "mode": batch.forward_mode.name,
+        "retracted": sorted(req.rid for req in engine.retracted),
+        "chunked": engine.chunked_req is not None,
+    }
+
+
+def run_scenario(engine: Engine, tracker: adapter.StepTracker) -> list[dict]:
+    """Chunked prefill, a radix-cache hit, an abort, requests waiting for KV, and a retraction
+    under KV pressure whose request comes back."""
+    expected: list[dict] = []
+    cached_seen: dict[str, int] = {}
+    launched: list[Any] = []
+
+    def on_launch(engine: Engine, batch: Any) -> None:
+        expected.append(expected_step(engine, batch, cached_seen))
+        allocator = engine.token_to_kv_pool_allocator
+        tracker.launched(
+            batch,
+            engine.running_batch,
+            engine.chunked_req,
+            bool(engine.retracted),
+            len(engine.waiting_queue),
+            engine.max_running_requests,
+            allocator.available_size() + engine.tree_cache.evictable_size(),
+        )
+
+    engine.on_launch = on_launch
+    engine.on_result = lambda engine, batch: launched.append(tracker.result_arrived())
+    engine.after_result = lambda engine, batch: tracker.result_processed(launched.pop())
+
+    engine.add_request("a", list(range(100, 200)), 30)
+    engine.step()
+    # Shares a's first 64 prompt tokens, which a's first chunk put in the radix tree.
+    engine.add_request("b", list(range(100, 164)) + [900] * 20, 30)
+    for _ in range(4):
+        engine.step()
+    engine.add_request("c", list(range(400, 440)), 200)
+    engine.add_request("d", list(range(500, 540)), 200)
+    for _ in range(2):
+        engine.step()
+    engine.abort("b")
+    for _ in range(400):
+        if not engine.has_requests():
+            break
+        engine.step()
+    assert not engine.has_requests(), "the scenario did not finish"
+    return expected
+
+
+@pytest.fixture
+def environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The writer thread idle until the recorder closes: every step is built after the whole
+    scenario ran, so nothing it reads may have changed since its batch was launched. SGLang
+    admits requests as if each running one would use 5% of its remaining max_new_tokens, so
+    KV runs out while they decode and a request is retracted."""
+    monkeypatch.setattr(recorder, "_POLL_SECONDS", 600.0)
+    monkeypatch.setenv("SGLANG_INIT_NEW_TOKEN_RATIO", "0.05")
+    return tmp_path / "outbox"
+
+
+def test_recorded_steps_match_sglangs_own_state(
+    environment: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    args = server_args(
+        tmp_path_factory.getbasetemp() / "tiny-llama",
+        chunked_prefill_size=CHUNKED_PREFILL,
+        max_running_requests=4,
+    )
+    engine = Engine(args, KV_TOKENS)
+    pool = load_pools().pools[0]
+    header = adapter.header_for(
+        pool,
+        REPLICA,
+        adapter.parallelism(),
+        pool.model,
+        args.model_path,
+        None,
+        sglang.__version__,
+        "550.54.15",
+        engine.page_size,
+    )
+    step_recorder = StepRecorder(environment, header)
+    tracker = adapter.StepTracker(
+        step_recorder,
+        engine.req_to_token_pool.req_to_token,
+        engine.page_size,
+        engine.token_to_kv_pool_allocator.size,
+    )
+    expected = run_scenario(engine, tracker)
+    step_recorder.close()
+    assert (step_recorder.dropped_steps, step_recorder.rejected_steps) == (0, 0)
+
+    log = read_segments(environment.glob("*.seg"))
+    segment = log.segments.to_pylist()[0]
+    assert (segment["engine_name"], segment["engine_version"]) == ("sglang", "0.5.23")
+    assert (segment["gpus_per_replica"], segment["kv_block_size"]) == (1, 1)
+    steps = log.steps.to_pylist()
+    assert [s["seq"] for s in steps] == list(range(len(expected)))
+    slots, holders = log.slots.to_pylist(), log.holders.to_pylist()
+    for seq, (step, want) in enumerate(zip(steps, expected, strict=True)):
+        recorded_slots = [
+            {key: slot[key] for key in want["slots"][0]}
+            | {"kv_blocks": round(slot["kv_blocks"], 9)}
+            for slot in slots
+            if slot["seq"] == seq
+        ]
+        assert recorded_slots == want["slots"], f"step {seq}"
+        recorded_holders = sorted(
+            (h["request_id"], round(h["kv_blocks"], 9), h["state"])
+            for h in holders
+            if h["seq"] == seq
+        )
+        assert recorded_holders == want["holders"], f"step {seq}"
+        assert (step["free_blocks"], step["total_blocks"]) == (
+            want["free_blocks"],
+            want["total_blocks"],
+        ), f"step {seq}"
+        assert step["admission_blocked"] == want["admission_blocked"], f"step {seq}"
+
+    # The scenario reached every case it is meant to check.
+    first = {}
+    for slot in slots:
+        first.setdefault(slot["request_id"], slot)
+    assert (first["a"]["new_tokens"], first["a"]["prompt_tokens"]) == (64, 100)
+    assert [s["new_tokens"] for s in slots if s["request_id"] == "a"][:2] == [64, 36]
+    assert (first["a"]["prefix_hit_tokens"], first["b"]["prefix_hit_tokens"]) == (0, 64)
+    assert sum(s["prefix_hit_tokens"] for s in slots) == 64
+    # b and a hold the same 64 prompt slots: half of them counts to each.
+    assert first["b"]["kv_blocks"] == pytest.approx(32 + 20)
+    assert any(want["chunked"] for want in expected)
+    retractions = [seq for seq, want in enumerate(expected) if want["retracted"]]
+    assert retractions, "no request was retracted"
+    retracted = expected[retractions[0]]["retracted"][0]
+    # The retracted request comes back with a prefill of what it had, and no new cache hit.
+    readmitted = [
+        s
+        for s in slots
+        if s["request_id"] == retracted and s["seq"] > retractions[0] and s["new_tokens"] > 1
+    ]
+    assert readmitted and readmitted[0]["prefix_hit_tokens"] == 0
+    assert any(want["admission_blocked"] and not want["retracted"] for want in expected)
+    b_steps = [s["seq"] for s in slots if s["request_id"] == "b"]
+    assert len(b_steps) < 30, "b ran to max_new_tokens instead of being aborted"
+    assert {want["mode"] for want in expected} == {"EXTEND", "DECODE"}
+    assert any(h["request_id"] for h in holders)
