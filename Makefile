@@ -50,7 +50,7 @@ lint: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/stepledger demo
 
-bench: $(STAMP)
+bench: $(STAMP) $(SGLANG_STAMP)
 	$(BIN)/python -m benchmarks.run $(if $(QUICK),--quick)
 
 dev: $(STAMP)
