@@ -85,7 +85,6 @@ FAULTS: dict[str, tuple[float | None, str | None, str]] = {
 }
 
 # What a replica's engine reports normally, and under `new-engine-version`.
-ENGINE_NAME = "vllm"
 ENGINE_VERSION = "0.11.0"
 UNCALIBRATED_ENGINE_VERSION = "0.12.0rc2"
 DRIVER_VERSION = "570.172.08"

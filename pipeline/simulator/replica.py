@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.simulator.engine import FINISHED, N_STEP_FEATURES, Engine, EngineConfig, StepBatch
-from pipeline.simulator.faults import DRIVER_VERSION, ENGINE_NAME, ReplicaFaults
+from pipeline.simulator.faults import DRIVER_VERSION, ReplicaFaults
 from pipeline.steplog import SegmentHeader, StepRecorder
 from pricing import Kernel, Slots
 from schemas.config import Pool, Replica
@@ -141,7 +141,7 @@ def simulate_replica(
     header = SegmentHeader(
         pool=pool.name,
         replica=replica.id,
-        engine_name=ENGINE_NAME,
+        engine_name=engine_settings.name,
         engine_version=faults.engine_version,
         driver_version=DRIVER_VERSION,
         model=pool.model,
