@@ -2,9 +2,10 @@
 
 256 requests decode side by side in SGLang 0.5.23's batches, radix cache and memory pools
 (CPU, a tiny model config, driven as tests/pipeline/sglang_engine.py does; every request
-shares a 64-token system prompt held in the radix tree). Timed per step: the three calls the
-recording scheduler adds around `run_batch` and `process_batch_result` (what it keeps of the
-batch, queueing it to the recorder), with the recorder's writer thread running. The loop's own
+shares a 64-token system prompt held in the radix tree). Timed per step: everything the
+recording scheduler adds to `run_batch` and `process_batch_result` (what it keeps of the
+batch, queueing it to the recorder), as the time of each call less that of the loop's own
+method inside it, with the recorder's writer thread running. The loop's own
 step time (SGLang's scheduling and KV bookkeeping, hook included) is reported beside it.
 
 SGLang lives beside the venv (`make test` installs it into .venv/sglang-0.5.23, see the
@@ -21,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -32,8 +34,30 @@ SLOTS_PER_STEP = 256
 SHARED_PROMPT = list(range(1000, 1064))
 
 
+def _timed_scheduler(base: type, durations: dict[str, list[int]]) -> type:
+    """`base` with the wall time of each run_batch() and process_batch_result() call appended
+    to `durations` under the method's name."""
+
+    class Timed(base):  # type: ignore[misc,valid-type]
+        def run_batch(self, *args: Any, **kwargs: Any) -> Any:
+            began = time.perf_counter_ns()
+            result = super().run_batch(*args, **kwargs)
+            durations["run_batch"].append(time.perf_counter_ns() - began)
+            return result
+
+        def process_batch_result(self, *args: Any, **kwargs: Any) -> Any:
+            began = time.perf_counter_ns()
+            processed = super().process_batch_result(*args, **kwargs)
+            durations["process_batch_result"].append(time.perf_counter_ns() - began)
+            return processed
+
+    return Timed
+
+
 def hook_cost(steps: int) -> tuple[np.ndarray, np.ndarray]:
-    """Nanoseconds the hook adds on the engine thread per decode step, and per loop step."""
+    """Nanoseconds the recording scheduler adds on the engine thread per decode step (its
+    run_batch() and process_batch_result() less the loop's own, timed inside), and per loop
+    step (hook included)."""
     from pipeline import sglang_adapter as adapter
     from pipeline.steplog import StepRecorder
     from tests.helpers.steplog_samples import HEADER
@@ -46,46 +70,13 @@ def hook_cost(steps: int) -> tuple[np.ndarray, np.ndarray]:
             chunked_prefill_size=8192,
             max_running_requests=SLOTS_PER_STEP,
         )
-        engine = Engine(args, kv_tokens=SLOTS_PER_STEP * 512)
-        recorder = StepRecorder(root / "outbox", HEADER)
-        tracker = adapter.StepTracker(
-            recorder,
-            engine.req_to_token_pool.req_to_token,
-            engine.page_size,
-            engine.token_to_kv_pool_allocator.size,
+        inner: dict[str, list[int]] = {"run_batch": [], "process_batch_result": []}
+        outer: dict[str, list[int]] = {"run_batch": [], "process_batch_result": []}
+        recording = adapter.recording_scheduler_class(
+            _timed_scheduler(Engine, inner),
+            lambda scheduler: StepRecorder(root / "outbox", HEADER),
         )
-        hook_ns: list[int] = []
-        launched: list[adapter.LaunchedStep] = []
-
-        def on_launch(engine: Engine, batch: object) -> None:
-            began = time.perf_counter_ns()
-            allocator = engine.token_to_kv_pool_allocator
-            tracker.launched(
-                batch,
-                engine.running_batch,
-                engine.chunked_req,
-                bool(engine.retracted),
-                len(engine.waiting_queue),
-                engine.max_running_requests,
-                allocator.available_size() + engine.tree_cache.evictable_size(),
-            )
-            hook_ns.append(time.perf_counter_ns() - began)
-
-        def on_result(engine: Engine, batch: object) -> None:
-            began = time.perf_counter_ns()
-            launched.append(tracker.result_arrived())
-            hook_ns[-1] += time.perf_counter_ns() - began
-
-        def after_result(engine: Engine, batch: object) -> None:
-            began = time.perf_counter_ns()
-            tracker.result_processed(launched.pop())
-            hook_ns[-1] += time.perf_counter_ns() - began
-
-        engine.on_launch, engine.on_result, engine.after_result = (
-            on_launch,
-            on_result,
-            after_result,
-        )
+        engine = _timed_scheduler(recording, outer)(args, SLOTS_PER_STEP * 512)
         for index in range(SLOTS_PER_STEP):
             prompt = SHARED_PROMPT + [2000 + index] * (16 + index % 48)
             engine.add_request(f"cmpl-{index:04d}", prompt, max_new_tokens=400)
@@ -93,7 +84,9 @@ def hook_cost(steps: int) -> tuple[np.ndarray, np.ndarray]:
             engine.step()
         for _ in range(8):
             engine.step()
-        hook_ns.clear()
+        for durations in (inner, outer):
+            for calls in durations.values():
+                calls.clear()
         loop_ns = []
         for _ in range(steps):
             began = time.perf_counter_ns()
@@ -102,13 +95,19 @@ def hook_cost(steps: int) -> tuple[np.ndarray, np.ndarray]:
             if batch is None or len(batch.reqs) != SLOTS_PER_STEP:
                 raise RuntimeError("the benchmark's requests stopped decoding side by side")
             time.sleep(0.0005)
-        recorder.close()
+        recorder = engine.step_tracker.recorder
+        engine.release_host_resources()
         if recorder.dropped_steps or recorder.rejected_steps:
             raise RuntimeError(
                 f"the recorder dropped {recorder.dropped_steps} and rejected "
                 f"{recorder.rejected_steps} steps"
             )
-    return np.asarray(hook_ns, np.int64), np.asarray(loop_ns, np.int64)
+    added = {
+        name: np.asarray(outer[name], np.int64) - np.asarray(inner[name], np.int64)
+        for name in outer
+    }
+    per_step = added["run_batch"] + added["process_batch_result"]
+    return per_step, np.asarray(loop_ns, np.int64)
 
 
 def measure(steps: int) -> dict[str, list[float]]:

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 from array import array
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -83,29 +81,27 @@ def server_args(model_dir: Path, *, chunked_prefill_size: int, max_running_reque
     return args
 
 
-@dataclass
 class Engine:
-    """The scheduler's state and loop over SGLang's pieces (see the module doc).
-
-    `on_launch(engine, batch)` sees each batch right before it is handed to the model, and
-    `on_result(engine, batch)` / `after_result(engine, batch)` right before and after its
-    result is processed, as `Scheduler.run_batch` and `process_batch_result` would.
+    """The scheduler's state and loop over SGLang's pieces (see the module doc), with the
+    attribute and method names of `Scheduler` that the recording scheduler uses, so that
+    `pipeline.sglang_adapter.recording_scheduler_class(Engine)` records it: `run_batch` hands
+    a batch to the (absent) model, `process_batch_result` processes its result,
+    `_add_request_to_queue` queues a new or retracted request.
     """
 
-    args: Any
-    kv_tokens: int
-    on_launch: Callable[[Engine, Any], None] = lambda engine, batch: None
-    on_result: Callable[[Engine, Any], None] = lambda engine, batch: None
-    after_result: Callable[[Engine, Any], None] = lambda engine, batch: None
-    waiting_queue: list[Any] = field(default_factory=list)
-    chunked_req: Any = None
-    last_batch: Any = None
-    # Requests retracted since the last batch was launched.
-    retracted: list[Any] = field(default_factory=list)
+    def __init__(self, server_args: Any, kv_tokens: int) -> None:
+        self.server_args = server_args
+        self.kv_tokens = kv_tokens
+        self.waiting_queue: list[Any] = []
+        self.chunked_req: Any = None
+        self.last_batch: Any = None
+        # Requests retracted since the last batch was launched.
+        self.retracted: list[Any] = []
+        self._build()
 
-    def __post_init__(self) -> None:
+    def _build(self) -> None:
         self.page_size = 1
-        self.max_running_requests = self.args.max_running_requests
+        self.max_running_requests = self.server_args.max_running_requests
         self.req_to_token_pool = ReqToTokenPool(
             size=self.max_running_requests,
             max_context_len=512,
@@ -138,7 +134,7 @@ class Engine:
                 page_size=1,
             )
         )
-        self.model_config = ModelConfig(model_path=self.args.model_path)
+        self.model_config = ModelConfig(model_path=self.server_args.model_path)
         self.policy = SchedulePolicy("lpm", self.tree_cache, False, False, False)
         self.new_token_ratio = NewTokenRatioTracker.from_config()
         self.running_batch = ScheduleBatch(reqs=[], batch_is_full=False)
@@ -149,6 +145,11 @@ class Engine:
         params.normalize(None)
         req = Req(rid, "", array("q", prompt), params, vocab_size=TINY_LLAMA["vocab_size"])
         self.requests[rid] = req
+        self._add_request_to_queue(req)
+
+    def _add_request_to_queue(self, req: Any, is_retracted: bool = False) -> None:
+        if is_retracted:
+            self.retracted.append(req)
         self.waiting_queue.append(req)
 
     def abort(self, rid: str) -> None:
@@ -199,8 +200,8 @@ class Engine:
             self.token_to_kv_pool_allocator,
             running,
             self.new_token_ratio.current,
-            self.args.max_prefill_tokens,
-            self.args.chunked_prefill_size,
+            self.server_args.max_prefill_tokens,
+            self.server_args.chunked_prefill_size,
             max_running_requests=self.max_running_requests,
             waiting_queue_len=len(self.waiting_queue),
         )
@@ -249,8 +250,8 @@ class Engine:
             retracted, ratio, to_abort = batch.retract_decode()
             assert not to_abort
             self.new_token_ratio.current = ratio
-            self.retracted.extend(retracted)
-            self.waiting_queue.extend(retracted)  # _add_request_to_queue(is_retracted=True)
+            for req in retracted:
+                self._add_request_to_queue(req, is_retracted=True)
             batch.batch_is_full = False
         else:
             self.new_token_ratio.decay_step()
@@ -259,22 +260,30 @@ class Engine:
         batch.prepare_for_decode()
         return batch
 
-    # --- Scheduler.process_batch_result ------------------------------------------------
-    def process_result(self, batch: Any) -> None:
-        """The KV bookkeeping of `process_batch_result_prefill` and `_decode` for a model that
-        samples SAMPLED_TOKEN: a middle chunk only counts down; a finished request releases
-        its KV into the tree, a prefilled one checkpoints what it computed."""
+    # --- Scheduler.run_batch and process_batch_result ---------------------------------
+    def run_batch(self, batch: Any) -> Any:
+        """The model's forward pass, absent: it samples SAMPLED_TOKEN for every request."""
+        self.retracted.clear()
+        return SAMPLED_TOKEN
+
+    def process_batch_result(self, batch: Any, result: Any) -> None:
+        """The KV bookkeeping of `process_batch_result_prefill` and `_decode`: a middle chunk
+        only counts down; a finished request releases its KV into the tree, a prefilled one
+        checkpoints what it computed."""
         prefill = batch.forward_mode.is_extend()
         for req in batch.reqs:
             if prefill and req.inflight_middle_chunks > 0:
                 req.inflight_middle_chunks -= 1
                 continue
-            req.output_ids.append(SAMPLED_TOKEN)
+            req.output_ids.append(result)
             req.update_finish_state()
             if req.finished():
                 release_kv_cache(req, self.tree_cache, checkpoint=True)
             elif prefill:
                 checkpoint_kv_cache(req, self.tree_cache)
+
+    def release_host_resources(self) -> None:
+        """What a scheduler process calls when it exits gracefully; nothing to release here."""
 
     def step(self) -> Any:
         """One iteration of `Scheduler.event_loop_normal`; the batch run, or None."""
@@ -282,10 +291,7 @@ class Engine:
         if batch is not None and batch.is_empty():
             batch = None
         if batch is not None:
-            self.on_launch(self, batch)
-            self.retracted.clear()
-            self.on_result(self, batch)
-            self.process_result(batch)
-            self.after_result(self, batch)
+            result = self.run_batch(batch)
+            self.process_batch_result(batch, result)
         self.last_batch = batch
         return batch

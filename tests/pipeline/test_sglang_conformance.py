@@ -1,4 +1,4 @@
-"""The SGLang step tracker on SGLang's real scheduling code (batches, schedule policy, prefill
+"""The recording scheduler on SGLang's real scheduling code (batches, schedule policy, prefill
 adder, radix cache, memory pools; see tests/pipeline/sglang_engine.py for what is driven and
 what is not), on the CPU; every recorded value is checked against SGLang's own state at the
 moment the batch was launched: its KV row of every request (`req_to_token` up to
@@ -90,30 +90,21 @@ def expected_step(engine: Engine, batch: Any, cached_seen: dict[str, int]) -> di
     }
 
 
-def run_scenario(engine: Engine, tracker: adapter.StepTracker) -> list[dict]:
+def checked_engine(expected: list[dict]) -> type:
+    """Engine, noting each batch's expected record when it is handed to the model."""
+    cached_seen: dict[str, int] = {}
+
+    class CheckedEngine(Engine):
+        def run_batch(self, batch: Any) -> Any:
+            expected.append(expected_step(self, batch, cached_seen))
+            return super().run_batch(batch)
+
+    return CheckedEngine
+
+
+def run_scenario(engine: Engine) -> None:
     """Chunked prefill, a radix-cache hit, an abort, requests waiting for KV, and a retraction
     under KV pressure whose request comes back."""
-    expected: list[dict] = []
-    cached_seen: dict[str, int] = {}
-    launched: list[Any] = []
-
-    def on_launch(engine: Engine, batch: Any) -> None:
-        expected.append(expected_step(engine, batch, cached_seen))
-        allocator = engine.token_to_kv_pool_allocator
-        tracker.launched(
-            batch,
-            engine.running_batch,
-            engine.chunked_req,
-            bool(engine.retracted),
-            len(engine.waiting_queue),
-            engine.max_running_requests,
-            allocator.available_size() + engine.tree_cache.evictable_size(),
-        )
-
-    engine.on_launch = on_launch
-    engine.on_result = lambda engine, batch: launched.append(tracker.result_arrived())
-    engine.after_result = lambda engine, batch: tracker.result_processed(launched.pop())
-
     engine.add_request("a", list(range(100, 200)), 30)
     engine.step()
     # Shares a's first 64 prompt tokens, which a's first chunk put in the radix tree.
@@ -130,7 +121,6 @@ def run_scenario(engine: Engine, tracker: adapter.StepTracker) -> list[dict]:
             break
         engine.step()
     assert not engine.has_requests(), "the scenario did not finish"
-    return expected
 
 
 @pytest.fixture
@@ -152,28 +142,28 @@ def test_recorded_steps_match_sglangs_own_state(
         chunked_prefill_size=CHUNKED_PREFILL,
         max_running_requests=4,
     )
-    engine = Engine(args, KV_TOKENS)
     pool = load_pools().pools[0]
-    header = adapter.header_for(
-        pool,
-        REPLICA,
-        adapter.parallelism(),
-        pool.model,
-        args.model_path,
-        None,
-        sglang.__version__,
-        "550.54.15",
-        engine.page_size,
-    )
-    step_recorder = StepRecorder(environment, header)
-    tracker = adapter.StepTracker(
-        step_recorder,
-        engine.req_to_token_pool.req_to_token,
-        engine.page_size,
-        engine.token_to_kv_pool_allocator.size,
-    )
-    expected = run_scenario(engine, tracker)
-    step_recorder.close()
+
+    def recorder_for(scheduler: Any) -> StepRecorder:
+        header = adapter.header_for(
+            pool,
+            REPLICA,
+            adapter.parallelism(),
+            pool.model,
+            scheduler.server_args.model_path,
+            None,
+            sglang.__version__,
+            "550.54.15",
+            scheduler.page_size,
+        )
+        return StepRecorder(environment, header)
+
+    expected: list[dict] = []
+    recording = adapter.recording_scheduler_class(checked_engine(expected), recorder_for)
+    engine = recording(args, KV_TOKENS)
+    run_scenario(engine)
+    step_recorder = engine.step_tracker.recorder
+    engine.release_host_resources()
     assert (step_recorder.dropped_steps, step_recorder.rejected_steps) == (0, 0)
 
     log = read_segments(environment.glob("*.seg"))
