@@ -36,6 +36,7 @@ from sglang.srt.managers.schedule_policy import (  # noqa: E402
 from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import (  # noqa: E402
     NewTokenRatioTracker,
 )
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
 from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache  # noqa: E402
@@ -64,7 +65,9 @@ TINY_LLAMA = {
 }
 
 
-def server_args(model_dir: Path, *, chunked_prefill_size: int, max_running_requests: int) -> Any:
+def server_args(
+    model_dir: Path, *, chunked_prefill_size: int, max_running_requests: int, page_size: int = 1
+) -> Any:
     """The ServerArgs `python -m sglang.launch_server` would build for the model config in
     model_dir on the CPU, published as a scheduler process publishes it."""
     model_dir.mkdir(parents=True, exist_ok=True)
@@ -75,7 +78,7 @@ def server_args(model_dir: Path, *, chunked_prefill_size: int, max_running_reque
         skip_tokenizer_init=True,
         chunked_prefill_size=chunked_prefill_size,
         max_running_requests=max_running_requests,
-        page_size=1,
+        page_size=page_size,
     )
     publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0))
     return args
@@ -100,7 +103,7 @@ class Engine:
         self._build()
 
     def _build(self) -> None:
-        self.page_size = 1
+        self.page_size = self.server_args.page_size
         self.max_running_requests = self.server_args.max_running_requests
         self.req_to_token_pool = ReqToTokenPool(
             size=self.max_running_requests,
@@ -110,7 +113,7 @@ class Engine:
         )
         kv_cache = MHATokenToKVPool(
             size=self.kv_tokens,
-            page_size=1,
+            page_size=self.page_size,
             dtype=torch.float32,
             head_num=1,
             head_dim=4,
@@ -119,19 +122,31 @@ class Engine:
             enable_memory_saver=False,
             enable_alt_stream=False,
         )
-        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(
-            size=self.kv_tokens,
-            dtype=torch.float32,
-            device="cpu",
-            kvcache=kv_cache,
-            need_sort=False,
-        )
+        # The allocator SGLang builds for its page size (`kv_cache_configurator`): slots one by
+        # one, or page-aligned runs of them.
+        if self.page_size == 1:
+            self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(
+                size=self.kv_tokens,
+                dtype=torch.float32,
+                device="cpu",
+                kvcache=kv_cache,
+                need_sort=False,
+            )
+        else:
+            self.token_to_kv_pool_allocator = PagedTokenToKVPoolAllocator(
+                size=self.kv_tokens,
+                page_size=self.page_size,
+                dtype=torch.float32,
+                device="cpu",
+                kvcache=kv_cache,
+                need_sort=False,
+            )
         self.tree_cache = RadixCache(
             CacheInitParams(
                 disable=False,
                 req_to_token_pool=self.req_to_token_pool,
                 token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
-                page_size=1,
+                page_size=self.page_size,
             )
         )
         self.model_config = ModelConfig(model_path=self.server_args.model_path)

@@ -36,18 +36,22 @@ CHUNKED_PREFILL = 64
 def expected_step(engine: Engine, batch: Any, cached_seen: dict[str, int]) -> dict[str, Any]:
     """What the step record must say, from SGLang's state right before the batch runs: KV
     shares counted from every request's row of req_to_token (not from the tree)."""
-    rows = {
-        req.rid: engine.req_to_token_pool.req_to_token[
-            req.kv.req_pool_idx, : req.kv.kv_allocated_len
-        ].tolist()
+    page = engine.page_size
+    pages = {
+        req.rid: {
+            slot // page
+            for slot in engine.req_to_token_pool.req_to_token[
+                req.kv.req_pool_idx, : req.kv.kv_allocated_len
+            ].tolist()
+        }
         for req in engine.requests.values()
         if req.kv.req_pool_idx is not None
     }
-    holders_of = Counter(slot for row in rows.values() for slot in row)
+    holders_of = Counter(p for held in pages.values() for p in held)
 
     def share(request_id: str) -> float:
         # Rounded: the tracker sums the same fractions in another order.
-        return round(sum(1 / holders_of[slot] for slot in rows.get(request_id, ())), 9)
+        return round(sum(1 / holders_of[p] for p in pages.get(request_id, ())), 9)
 
     extend = batch.forward_mode.is_extend()
     slots = []
@@ -73,7 +77,7 @@ def expected_step(engine: Engine, batch: Any, cached_seen: dict[str, int]) -> di
         "slots": slots,
         "holders": sorted(
             (request_id, share(request_id), "waiting")
-            for request_id in rows
+            for request_id in pages
             if request_id not in scheduled and share(request_id) > 0
         ),
         "admission_blocked": bool(engine.retracted)
@@ -82,8 +86,8 @@ def expected_step(engine: Engine, batch: Any, cached_seen: dict[str, int]) -> di
             and bool(engine.waiting_queue)
             and len(batch.reqs) < engine.max_running_requests
         ),
-        "free_blocks": allocator.available_size() + engine.tree_cache.evictable_size(),
-        "total_blocks": allocator.size,
+        "free_blocks": (allocator.available_size() + engine.tree_cache.evictable_size()) // page,
+        "total_blocks": allocator.size // page,
         "mode": batch.forward_mode.name,
         "retracted": sorted(req.rid for req in engine.retracted),
         "chunked": engine.chunked_req is not None,
@@ -134,13 +138,17 @@ def environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "outbox"
 
 
+# SGLang's default page of one token, and pages of 4 (a KV page shared by requests holds
+# their common prefix's whole pages).
+@pytest.mark.parametrize("page_size", [1, 4])
 def test_recorded_steps_match_sglangs_own_state(
-    environment: Path, tmp_path_factory: pytest.TempPathFactory
+    page_size: int, environment: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     args = server_args(
         tmp_path_factory.getbasetemp() / "tiny-llama",
         chunked_prefill_size=CHUNKED_PREFILL,
         max_running_requests=4,
+        page_size=page_size,
     )
     pool = load_pools().pools[0]
 
@@ -169,7 +177,7 @@ def test_recorded_steps_match_sglangs_own_state(
     log = read_segments(environment.glob("*.seg"))
     segment = log.segments.to_pylist()[0]
     assert (segment["engine_name"], segment["engine_version"]) == ("sglang", "0.5.23")
-    assert (segment["gpus_per_replica"], segment["kv_block_size"]) == (1, 1)
+    assert (segment["gpus_per_replica"], segment["kv_block_size"]) == (1, page_size)
     steps = log.steps.to_pylist()
     assert [s["seq"] for s in steps] == list(range(len(expected)))
     slots, holders = log.slots.to_pylist(), log.holders.to_pylist()
@@ -201,8 +209,8 @@ def test_recorded_steps_match_sglangs_own_state(
     assert [s["new_tokens"] for s in slots if s["request_id"] == "a"][:2] == [64, 36]
     assert (first["a"]["prefix_hit_tokens"], first["b"]["prefix_hit_tokens"]) == (0, 64)
     assert sum(s["prefix_hit_tokens"] for s in slots) == 64
-    # b and a hold the same 64 prompt slots: half of them counts to each.
-    assert first["b"]["kv_blocks"] == pytest.approx(32 + 20)
+    # b and a hold the same 64 prompt slots: half of their pages count to each.
+    assert first["b"]["kv_blocks"] == pytest.approx((32 + 20) / page_size)
     assert any(want["chunked"] for want in expected)
     retractions = [seq for seq, want in enumerate(expected) if want["retracted"]]
     assert retractions, "no request was retracted"
