@@ -184,12 +184,15 @@ def launched_step(
     max_running_requests: int,
     free_blocks: int,
     req_to_token: Any,
+    in_flight: Sequence[Any] = (),
 ) -> LaunchedStep:
     """The engine thread's part of a launched batch: per request it touches only the prefill
     rows (nothing in a batch of decoding requests). admission_blocked: requests were retracted
     for KV since the last batch, or a decode batch ran while requests waited although the
     batch was below `max_running_requests`: SGLang runs a prefill whenever one fits, so free
-    KV stopped them (its other admission limits, such as LoRA slots, are counted here too)."""
+    KV stopped them (its other admission limits, such as LoRA slots, are counted here too).
+    `in_flight`: the requests of the batch launched before whose result is not processed yet
+    (the overlap loop)."""
     reqs = list(batch.reqs)
     decoding = batch.forward_mode.is_decode()
     if decoding:
@@ -214,6 +217,13 @@ def launched_step(
     )
     if chunked_req is not None and chunked_req not in reqs:
         holders.append(chunked_req)
+    if in_flight and in_flight != reqs:
+        # Under overlap, requests whose queued result will finish them are left out of the
+        # batch but keep their KV until that result is processed.
+        scheduled = set(reqs)
+        holders.extend(
+            req for req in in_flight if req not in scheduled and req.kv.req_pool_idx is not None
+        )
     return LaunchedStep(
         index,
         start_ns,
@@ -402,6 +412,7 @@ class StepTracker:
             max_running_requests,
             free_tokens // self.page_size,
             self.req_to_token,
+            self._outstanding[-1].reqs if self._outstanding else (),
         )
         if len(self._outstanding) >= _MAX_OUTSTANDING_STEPS:
             # Never raised into the scheduler: the oldest batch is counted as a drop.

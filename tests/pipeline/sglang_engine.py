@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from array import array
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -92,9 +93,13 @@ class Engine:
     `_add_request_to_queue` queues a new or retracted request.
     """
 
-    def __init__(self, server_args: Any, kv_tokens: int) -> None:
+    def __init__(self, server_args: Any, kv_tokens: int, overlap: bool = False) -> None:
         self.server_args = server_args
         self.kv_tokens = kv_tokens
+        # `Scheduler.event_loop_overlap`: a batch is launched before the previous one's
+        # result is processed.
+        self.enable_overlap = overlap
+        self.result_queue: deque[tuple[Any, Any]] = deque()
         self.waiting_queue: list[Any] = []
         self.chunked_req: Any = None
         self.last_batch: Any = None
@@ -170,9 +175,6 @@ class Engine:
     def abort(self, rid: str) -> None:
         """`Scheduler.abort_request` for a running request: it finishes at its next result."""
         self.requests[rid].to_finish = FINISH_ABORT()
-
-    def has_requests(self) -> bool:
-        return bool(self.waiting_queue or self.chunked_req or not self.running_batch.is_empty())
 
     # --- Scheduler.get_next_batch_to_run -----------------------------------------------
     def next_batch(self) -> Any:
@@ -251,7 +253,7 @@ class Engine:
             self.token_to_kv_pool_allocator,
             self.tree_cache,
             self.model_config,
-            False,
+            self.enable_overlap,
             SpeculativeAlgorithm.NONE,
             chunked_req=self.chunked_req,
         )
@@ -260,7 +262,17 @@ class Engine:
         return batch
 
     def update_running_batch(self, batch: Any) -> Any:
-        """`Scheduler.update_running_batch`: retract under KV pressure, then prepare decode."""
+        """`Scheduler.update_running_batch`: leave out requests whose queued result finishes
+        them, retract under KV pressure, then prepare decode."""
+        finishing = self.reqs_finishing_inflight(batch)
+        batch.filter_batch(reqs_to_exclude=finishing)
+        if batch.is_empty():
+            batch.batch_is_full = False
+            return None
+        if not batch.check_decode_mem() and finishing:
+            # The queued result frees the finishing requests' KV at the end of this step.
+            batch.batch_is_full = False
+            return None
         if not batch.check_decode_mem():
             retracted, ratio, to_abort = batch.retract_decode()
             assert not to_abort
@@ -275,6 +287,14 @@ class Engine:
         batch.prepare_for_decode()
         return batch
 
+    def reqs_finishing_inflight(self, batch: Any) -> list[Any]:
+        """`Scheduler._reqs_finishing_inflight`: under overlap, the requests the queued
+        result finishes by length."""
+        if not self.result_queue:
+            return []
+        queued = set(self.result_queue[0][0].reqs)
+        return [req for req in batch.reqs if req in queued and req.next_output_finishes_by_length()]
+
     # --- Scheduler.run_batch and process_batch_result ---------------------------------
     def run_batch(self, batch: Any) -> Any:
         """The model's forward pass, absent: it samples SAMPLED_TOKEN for every request."""
@@ -287,6 +307,9 @@ class Engine:
         checkpoints what it computed."""
         prefill = batch.forward_mode.is_extend()
         for req in batch.reqs:
+            if req.is_retracted or (req.finished() and req.inflight_middle_chunks <= 0):
+                # Under overlap a request retracted or finished since reappears once.
+                continue
             if prefill and req.inflight_middle_chunks > 0:
                 req.inflight_middle_chunks -= 1
                 continue
@@ -301,12 +324,27 @@ class Engine:
         """What a scheduler process calls when it exits gracefully; nothing to release here."""
 
     def step(self) -> Any:
-        """One iteration of `Scheduler.event_loop_normal`; the batch run, or None."""
+        """One iteration of `Scheduler.event_loop_normal`, or of `event_loop_overlap`; the
+        batch launched, or None."""
         batch = self.next_batch()
         if batch is not None and batch.is_empty():
             batch = None
-        if batch is not None:
-            result = self.run_batch(batch)
-            self.process_batch_result(batch, result)
+        if not self.enable_overlap:
+            if batch is not None:
+                self.process_batch_result(batch, self.run_batch(batch))
+        else:
+            if batch is not None:
+                result = self.run_batch(batch)
+                self.result_queue.append((batch.copy(), result))
+            if self.last_batch is not None:
+                self.process_batch_result(*self.result_queue.popleft())
         self.last_batch = batch
         return batch
+
+    def has_requests(self) -> bool:
+        return bool(
+            self.waiting_queue
+            or self.chunked_req
+            or not self.running_batch.is_empty()
+            or self.result_queue
+        )

@@ -91,6 +91,13 @@ def expected_step(engine: Engine, batch: Any, cached_seen: dict[str, int]) -> di
         "mode": batch.forward_mode.name,
         "retracted": sorted(req.rid for req in engine.retracted),
         "chunked": engine.chunked_req is not None,
+        # Left out of the batch by the overlap loop because their queued result finishes them.
+        "finishing_in_flight": sorted(
+            req.rid
+            for queued, _ in engine.result_queue
+            for req in queued.reqs
+            if req.rid not in scheduled and req.kv.req_pool_idx is not None
+        ),
     }
 
 
@@ -107,8 +114,8 @@ def checked_engine(expected: list[dict]) -> type:
 
 
 def run_scenario(engine: Engine) -> None:
-    """Chunked prefill, a radix-cache hit, an abort, requests waiting for KV, and a retraction
-    under KV pressure whose request comes back."""
+    """Chunked prefill, a radix-cache hit, an abort, requests waiting for KV, a short request
+    finishing beside long ones, and a retraction under KV pressure whose request comes back."""
     engine.add_request("a", list(range(100, 200)), 30)
     engine.step()
     # Shares a's first 64 prompt tokens, which a's first chunk put in the radix tree.
@@ -117,6 +124,8 @@ def run_scenario(engine: Engine) -> None:
         engine.step()
     engine.add_request("c", list(range(400, 440)), 200)
     engine.add_request("d", list(range(500, 540)), 200)
+    # Finishes while the others decode with KV to spare.
+    engine.add_request("e", list(range(600, 608)), 3)
     for _ in range(2):
         engine.step()
     engine.abort("b")
@@ -140,9 +149,12 @@ def environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 # SGLang's default page of one token, and pages of 4 (a KV page shared by requests holds
 # their common prefix's whole pages).
+# The normal event loop, and the overlap one (SGLang's default): there a batch is launched
+# before the previous one's result is processed.
 @pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("overlap", [False, True])
 def test_recorded_steps_match_sglangs_own_state(
-    page_size: int, environment: Path, tmp_path_factory: pytest.TempPathFactory
+    overlap: bool, page_size: int, environment: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     args = server_args(
         tmp_path_factory.getbasetemp() / "tiny-llama",
@@ -168,7 +180,7 @@ def test_recorded_steps_match_sglangs_own_state(
 
     expected: list[dict] = []
     recording = adapter.recording_scheduler_class(checked_engine(expected), recorder_for)
-    engine = recording(args, KV_TOKENS)
+    engine = recording(args, KV_TOKENS, overlap)
     run_scenario(engine)
     step_recorder = engine.step_tracker.recorder
     engine.release_host_resources()
@@ -226,4 +238,5 @@ def test_recorded_steps_match_sglangs_own_state(
     b_steps = [s["seq"] for s in slots if s["request_id"] == "b"]
     assert len(b_steps) < 30, "b ran to max_new_tokens instead of being aborted"
     assert {want["mode"] for want in expected} == {"EXTEND", "DECODE"}
+    assert any(want["finishing_in_flight"] for want in expected) == overlap
     assert any(h["request_id"] for h in holders)
