@@ -1,7 +1,8 @@
 """SGLang's real scheduling code on the CPU: its request and batch objects (`Req`,
 `ScheduleBatch`), schedule policy and prefill adder (`SchedulePolicy`, `PrefillAdder`), radix
 cache (`RadixCache`), memory pools (`ReqToTokenPool`, `MHATokenToKVPool`,
-`TokenToKVPoolAllocator`) and KV release and checkpoint functions, published from a
+`TokenToKVPoolAllocator`, `PagedTokenToKVPoolAllocator`), new-token ratio tracker and KV
+release and checkpoint functions, published from a
 `ServerArgs` for a tiny hand-written model config (no weights).
 
 `Scheduler` itself is not built: its constructor starts the model worker (weights, the
@@ -9,8 +10,9 @@ attention backend, distributed groups) and its result processing needs the outpu
 metrics and detokenizer channels. `Engine` calls SGLang's pieces in the order
 `Scheduler.get_next_batch_to_run`, `update_running_batch` and `process_batch_result_prefill` /
 `_decode` (sglang/srt/managers/scheduler.py, scheduler_components/batch_result_processor.py)
-call them in the normal event loop, without mixed chunks, LoRA, grammars, hierarchical cache,
-disaggregation or speculative decoding, and samples a fixed token in place of the model.
+call them in the normal and the overlap event loop, without mixed chunks, LoRA, grammars,
+hierarchical cache, disaggregation or speculative decoding, and samples a fixed token in place
+of the model.
 """
 
 from __future__ import annotations
