@@ -141,7 +141,6 @@ class LaunchedStep:
     object every step, which SGLang does not change afterwards) and copies of the little that
     may change before the writer thread reads it."""
 
-    index: int
     start_ns: int
     reqs: list[Any]
     decoding: bool
@@ -161,7 +160,6 @@ class Checkpointed:
     """After a batch's result: the tree-owned part of its prefill rows, which
     `checkpoint_kv_cache` extended over what they computed."""
 
-    index: int
     tree_owned: Sequence[TreeOwned]
 
 
@@ -174,7 +172,6 @@ def tree_owned(req: Any, req_to_token: Any) -> TreeOwned:
 
 
 def launched_step(
-    index: int,
     start_ns: int,
     batch: Any,
     running_batch: Any,
@@ -225,7 +222,6 @@ def launched_step(
             req for req in in_flight if req not in scheduled and req.kv.req_pool_idx is not None
         )
     return LaunchedStep(
-        index,
         start_ns,
         reqs,
         decoding,
@@ -244,7 +240,6 @@ def checkpointed(step: LaunchedStep, req_to_token: Any) -> Checkpointed:
     still hold KV (finished ones released theirs)."""
     rows = step.reqs[: len(step.extend_rows)]
     return Checkpointed(
-        step.index,
         [tree_owned(req, req_to_token) for req in rows if req.kv.req_pool_idx is not None],
     )
 
@@ -385,7 +380,6 @@ class StepTracker:
         self._follow = self.mirror.follow
         self._columns = self.mirror.columns
         self._record_later = recorder.record_step_later
-        self._launches = 0
         # Results are processed in launch order (the overlap loop queues them).
         self._outstanding: deque[LaunchedStep] = deque()
 
@@ -400,9 +394,7 @@ class StepTracker:
         free_tokens: int,
     ) -> None:
         start_ns = time.monotonic_ns()
-        self._launches += 1
         step = launched_step(
-            self._launches,
             start_ns,
             batch,
             running_batch,
