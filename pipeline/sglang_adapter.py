@@ -142,7 +142,7 @@ class LaunchedStep:
     may change before the writer thread reads it."""
 
     start_ns: int
-    reqs: list[Any]
+    reqs: Sequence[Any]
     decoding: bool
     # Each a new object per batch: row sequence lengths after this step's KV is allocated,
     # and, for extend and mixed batches, the rows' cached lengths and tokens computed.
@@ -190,7 +190,9 @@ def launched_step(
     KV stopped them (its other admission limits, such as LoRA slots, are counted here too).
     `in_flight`: the requests of the batch launched before whose result is not processed yet
     (the overlap loop)."""
-    reqs = list(batch.reqs)
+    # SGLang 0.5.23 rebinds a batch's request list rather than change it (filter_batch,
+    # merge_batch), so the lists are kept as they are, not copied.
+    reqs = batch.reqs
     decoding = batch.forward_mode.is_decode()
     if decoding:
         extend_rows: Sequence[ExtendRow] = _NO_ROWS
@@ -209,18 +211,17 @@ def launched_step(
             for req in reqs[:prefill_rows]
         ]
         prefix_lens, extend_lens = batch.prefix_lens, batch.extend_lens
-    holders: list[Any] = (
-        list(running_batch.reqs) if running_batch is not batch and running_batch.reqs else []
-    )
+    holders: Sequence[Any] = running_batch.reqs if running_batch is not batch else _NO_ROWS
     if chunked_req is not None and chunked_req not in reqs:
-        holders.append(chunked_req)
-    if in_flight and in_flight != reqs:
+        holders = [*holders, chunked_req]
+    if in_flight and in_flight is not reqs and in_flight != reqs:
         # Under overlap, requests whose queued result will finish them are left out of the
         # batch but keep their KV until that result is processed.
         scheduled = set(reqs)
-        holders.extend(
-            req for req in in_flight if req not in scheduled and req.kv.req_pool_idx is not None
-        )
+        holders = [
+            *holders,
+            *(req for req in in_flight if req not in scheduled and req.kv.req_pool_idx is not None),
+        ]
     return LaunchedStep(
         start_ns,
         reqs,
