@@ -14,6 +14,16 @@ VLLM_NO_DEPS := vllm==0.33.0 xgrammar==0.2.8
 VLLM_NEXT := $(VENV)/vllm-0.34
 VLLM_NEXT_STAMP := $(VLLM_NEXT)/.installed
 VLLM_TESTS := tests/pipeline/hook/test_vllm_conformance.py tests/pipeline/hook/test_vllm_adapter.py
+# SGLang beside the venv, for its conformance test, with only what importing its scheduler
+# needs: its full requirements pull a CUDA torch, flashinfer and its GPU kernels. triton and
+# torchvision are imported by SGLang at import time (kept out of the venv: PyPI's torchvision
+# is a CUDA build, and transformers would import it for the vLLM tests too).
+SGLANG := $(VENV)/sglang-0.5.23
+SGLANG_STAMP := $(SGLANG)/.installed
+SGLANG_NO_DEPS := sglang==0.5.23 triton==3.9.0 torchvision==0.28.0 orjson==3.13.0 \
+	ipython==9.18.1 traitlets==5.16.1 setproctitle==1.3.8 dill==0.4.1 sentencepiece==0.2.3 \
+	compressed-tensors==0.20.1 gguf==0.19.0 loguru==0.7.3
+SGLANG_TESTS := tests/pipeline/hook/test_sglang_conformance.py tests/pipeline/hook/test_sglang_adapter.py
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -29,8 +39,13 @@ $(VLLM_NEXT_STAMP): $(TEST_STAMP)
 	$(BIN)/pip install --quiet --no-deps --upgrade --target $(VLLM_NEXT) vllm==0.34.0
 	touch $(VLLM_NEXT_STAMP)
 
-test: $(TEST_STAMP) $(VLLM_NEXT_STAMP)
+$(SGLANG_STAMP): $(TEST_STAMP)
+	$(BIN)/pip install --quiet --no-deps --upgrade --target $(SGLANG) $(SGLANG_NO_DEPS)
+	touch $(SGLANG_STAMP)
+
+test: $(TEST_STAMP) $(VLLM_NEXT_STAMP) $(SGLANG_STAMP)
 	PYTHONPATH=$(VLLM_NEXT) $(BIN)/pytest $(VLLM_TESTS)
+	PYTHONPATH=$(SGLANG) $(BIN)/pytest $(SGLANG_TESTS)
 	$(BIN)/pytest
 
 lint: $(TEST_STAMP)
@@ -41,7 +56,7 @@ lint: $(TEST_STAMP)
 demo: $(STAMP)
 	$(BIN)/stepledger demo
 
-bench: $(TEST_STAMP)
+bench: $(TEST_STAMP) $(SGLANG_STAMP)
 	$(BIN)/python -m benchmarks.run $(if $(QUICK),--quick)
 
 dev: $(STAMP)

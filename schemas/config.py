@@ -45,6 +45,9 @@ class Replica(_Strict):
 class EngineSettings(_Strict):
     """How the engine batches: the pricing kernel and the simulator both need these."""
 
+    # The engine serving the pool, as its step hook names it in segment headers (the
+    # simulator writes it into the headers it makes).
+    name: Literal["vllm", "sglang"] = "vllm"
     max_num_seqs: int = Field(default=256, gt=0)
     max_num_batched_tokens: int = Field(default=8192, gt=0)
     cudagraph_mode: CudagraphMode = "FULL_AND_PIECEWISE"

@@ -32,7 +32,11 @@ HOOK_MODULES = (
 HOOK_MAY_IMPORT = ("numpy", "pipeline.hook", "schemas.records")
 # An engine adapter imports its engine inside functions only, when the engine asks for the
 # recording class: importing the adapter must not import the engine.
-ENGINE_IMPORTED_LAZILY = {"pipeline/hook/vllm.py": "vllm"}
+# SGLang's adapter reads the GPU's name through torch, which SGLang has loaded already.
+ENGINE_IMPORTED_LAZILY = {
+    "pipeline/hook/vllm.py": ("vllm",),
+    "pipeline/hook/sglang.py": ("sglang", "torch"),
+}
 
 
 def _within(module: str, package: str) -> bool:
@@ -76,13 +80,17 @@ def imported_packages(path: Path) -> set[str]:
 
 def hook_violations(path: Path, relative: str) -> list[str]:
     """Imports of `path` the engine's process must not make."""
-    lazy_engine = ENGINE_IMPORTED_LAZILY.get(relative)
+    engines = ENGINE_IMPORTED_LAZILY.get(relative, ())
+
+    def engine(module: str) -> bool:
+        return any(_within(module, name) for name in engines)
+
     return [
-        f"{module}{' (at module level)' if lazy_engine and _within(module, lazy_engine) else ''}"
+        f"{module}{' (at module level)' if engine(module) else ''}"
         for module, in_function in imports(path)
         if module.split(".")[0] not in sys.stdlib_module_names
         and not any(_within(module, allowed) for allowed in HOOK_MAY_IMPORT)
-        and not (lazy_engine and in_function and _within(module, lazy_engine))
+        and not (in_function and engine(module))
     ]
 
 

@@ -9,10 +9,15 @@ the adapter reads that with `json` alone, from the path in STEPLEDGER_HOOK_CONFI
 
 from __future__ import annotations
 
+import logging
+import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from schemas.records import COUNT, NAME, TEXT, FieldError, JsonRecord
+from schemas.records import COUNT, NAME, TEXT, FieldError, JsonRecord, SegmentHeader
+
+log = logging.getLogger(__name__)
 
 HOOK_CONFIG_ENV = "STEPLEDGER_HOOK_CONFIG"
 
@@ -48,3 +53,94 @@ def read_descriptor(path: Path) -> ReplicaDescriptor:
             f"{path}: not a replica descriptor ({err}); write it with "
             "`stepledger hook-config --replica REPLICA`"
         ) from err
+
+
+def driver_version() -> str:
+    """The NVIDIA kernel driver version, from STEPLEDGER_DRIVER_VERSION or /proc."""
+    configured = os.environ.get("STEPLEDGER_DRIVER_VERSION")
+    if configured:
+        return configured
+    try:
+        text = Path("/proc/driver/nvidia/version").read_text()
+    except OSError:
+        return "unknown"
+    for word in text.split():
+        if word.count(".") >= 1 and word.replace(".", "").isdigit():
+            return word
+    return "unknown"
+
+
+def model_names(*names: str) -> set[str]:
+    """Names an engine knows its model by, lower-cased: each of `names` (its served name, the
+    model's path or repository) and the last path component of each."""
+    return {n.lower() for name in names for n in (name, name.rstrip("/").rpartition("/")[2])}
+
+
+def _name_tokens(name: str) -> set[str]:
+    return set(re.findall(r"[a-z0-9]+", name.lower()))
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the engine says it runs, read when its scheduler is built."""
+
+    engine_name: str
+    engine_version: str
+    driver_version: str
+    gpus: int
+    # How the GPU count came about, for the refusal (e.g. "2 GPUs (tp_size=2, pp_size=1)").
+    gpus_described: str
+    served_model_name: str
+    model: str
+    # The GPU the platform names, or None where it names none (a CPU platform).
+    device: str | None
+    kv_block_size: int
+
+
+def checked_header(replica: ReplicaDescriptor, engine: EngineFacts) -> SegmentHeader:
+    """The segment header of `replica`, refused unless the engine runs what its pool declares:
+    its GPU count, its model (the pool's name among the engine's `model_names`) and, where the
+    platform names it, its GPU (every word of the pool's gpu_type in the device name, as
+    "h100" in "NVIDIA H100 80GB HBM3"). Pricing, calibration and reconciliation key on the
+    pool's names, so an engine serving anything else would be billed as the wrong model or
+    chip: refused before it serves. The engine's own names go in the header beside them."""
+    name, pool = replica.replica, replica.pool
+    if engine.gpus != replica.gpus_per_replica:
+        raise HookConfigError(
+            f"replica {name!r} runs on {engine.gpus_described} but pool {pool!r} declares "
+            f"gpus_per_replica={replica.gpus_per_replica}"
+        )
+    if replica.model.lower() not in model_names(engine.served_model_name, engine.model):
+        raise HookConfigError(
+            f"replica {name!r} serves {engine.served_model_name!r} (model {engine.model!r}) "
+            f"but pool {pool!r} declares model {replica.model!r}: serve it as "
+            f"--served-model-name {replica.model}, or put the replica in the pool of the model "
+            "it serves"
+        )
+    if engine.device is None:
+        log.warning(
+            "%s's platform names no GPU here: replica %r is recorded with gpu_type %r from "
+            "pool %r, unchecked",
+            engine.engine_name,
+            name,
+            replica.gpu_type,
+            pool,
+        )
+    elif not _name_tokens(replica.gpu_type) <= _name_tokens(engine.device):
+        raise HookConfigError(
+            f"replica {name!r} runs on {engine.device!r} but pool {pool!r} declares gpu_type "
+            f"{replica.gpu_type!r}: put the replica in the pool of its GPU"
+        )
+    return SegmentHeader(
+        pool=pool,
+        replica=name,
+        engine_name=engine.engine_name,
+        engine_version=engine.engine_version,
+        driver_version=engine.driver_version,
+        model=replica.model,
+        gpu_type=replica.gpu_type,
+        gpus_per_replica=engine.gpus,
+        kv_block_size=engine.kv_block_size,
+        engine_model=engine.model,
+        engine_device=engine.device,
+    )

@@ -43,8 +43,11 @@ import numpy as np
 from pipeline.hook.recorder import StepColumns, StepRecorder
 from pipeline.hook.replica import (
     HOOK_CONFIG_ENV,
+    EngineFacts,
     HookConfigError,
     ReplicaDescriptor,
+    checked_header,
+    driver_version,
     read_descriptor,
 )
 from schemas.records import SegmentHeader
@@ -394,29 +397,6 @@ class RequestMirror:
         )
 
 
-def driver_version() -> str:
-    """The NVIDIA kernel driver version, from STEPLEDGER_DRIVER_VERSION or /proc."""
-    configured = os.environ.get("STEPLEDGER_DRIVER_VERSION")
-    if configured:
-        return configured
-    try:
-        text = Path("/proc/driver/nvidia/version").read_text()
-    except OSError:
-        return "unknown"
-    for word in text.split():
-        if word.count(".") >= 1 and word.replace(".", "").isdigit():
-            return word
-    return "unknown"
-
-
-def model_names(model_config: Any) -> set[str]:
-    """Names the engine knows its model by, lower-cased: its served name (vLLM keeps the first
-    of `--served-model-name`, else the model), the model's path or repository, and the last
-    path component of each."""
-    names = {str(model_config.served_model_name), str(model_config.model)}
-    return {n.lower() for name in names for n in (name, name.rstrip("/").rpartition("/")[2])}
-
-
 def gpu_name() -> str | None:
     """The GPU vLLM's platform reports for this engine's first device, or None where it reports
     none (the CPU platform, or no accelerator detected)."""
@@ -430,10 +410,6 @@ def gpu_name() -> str | None:
         return None
 
 
-def _name_tokens(name: str) -> set[str]:
-    return set(re.findall(r"[a-z0-9]+", name.lower()))
-
-
 def header_for(
     replica: ReplicaDescriptor,
     vllm_config: Any,
@@ -442,52 +418,23 @@ def header_for(
     driver: str,
     kv_block_size: int,
 ) -> SegmentHeader:
-    """The segment header of `replica`, refused unless the engine runs what its pool declares:
-    its parallelism, its model (the pool's name among the engine's `model_names`) and, where
-    the platform names it, its GPU (every word of the pool's gpu_type in the device name, as
-    "h100" in "NVIDIA H100 80GB HBM3"). Pricing, calibration and reconciliation key on the
-    pool's names, so an engine serving anything else would be billed as the wrong model or
-    chip: refused before it serves. The engine's own names go in the header beside them."""
-    name, pool = replica.replica, replica.pool
+    """The segment header of `replica`, refused unless the engine runs what its pool declares
+    (`checked_header`). vLLM knows its model by the first of `--served-model-name` (else the
+    model) and by the model's path or repository."""
     gpus = gpus_per_replica(vllm_config.parallel_config)
-    if gpus != replica.gpus_per_replica:
-        raise HookConfigError(
-            f"replica {name!r} runs on {gpus} GPUs but pool {pool!r} declares gpus_per_replica={replica.gpus_per_replica}"
-        )
     model_config = vllm_config.model_config
-    if replica.model.lower() not in model_names(model_config):
-        raise HookConfigError(
-            f"replica {name!r} serves {model_config.served_model_name!r} "
-            f"(model {model_config.model!r}) but pool {pool!r} declares model "
-            f"{replica.model!r}: serve it as --served-model-name {replica.model}, or put the "
-            "replica in the pool of the model it serves"
-        )
-    if device is None:
-        log.warning(
-            "vLLM's platform names no GPU here: replica %r is recorded with gpu_type %r from "
-            "pool %r, unchecked",
-            name,
-            replica.gpu_type,
-            pool,
-        )
-    elif not _name_tokens(replica.gpu_type) <= _name_tokens(device):
-        raise HookConfigError(
-            f"replica {name!r} runs on {device!r} but pool {pool!r} declares gpu_type "
-            f"{replica.gpu_type!r}: put the replica in the pool of its GPU"
-        )
-    return SegmentHeader(
-        pool=pool,
-        replica=name,
+    engine = EngineFacts(
         engine_name=ENGINE_NAME,
         engine_version=engine_version,
         driver_version=driver,
-        model=replica.model,
-        gpu_type=replica.gpu_type,
-        gpus_per_replica=gpus,
+        gpus=gpus,
+        gpus_described=f"{gpus} GPUs",
+        served_model_name=str(model_config.served_model_name),
+        model=str(model_config.model),
+        device=device,
         kv_block_size=kv_block_size,
-        engine_model=str(model_config.model),
-        engine_device=device,
     )
+    return checked_header(replica, engine)
 
 
 def recorder_from_environment(scheduler: Any) -> StepRecorder:

@@ -84,8 +84,7 @@ FAULTS: dict[str, tuple[float | None, str | None, str]] = {
     "new-engine-version": (None, None, "the log reports an engine version with no calibration"),
 }
 
-# What a replica's engine (vLLM, pipeline.hook.vllm.ENGINE_NAME) reports normally, and under
-# `new-engine-version`.
+# What a replica's engine reports normally, and under `new-engine-version`.
 ENGINE_VERSION = "0.11.0"
 UNCALIBRATED_ENGINE_VERSION = "0.12.0rc2"
 DRIVER_VERSION = "570.172.08"

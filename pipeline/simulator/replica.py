@@ -26,7 +26,6 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.hook.recorder import StepRecorder
-from pipeline.hook.vllm import ENGINE_NAME
 from pipeline.simulator.engine import FINISHED, N_STEP_FEATURES, Engine, EngineConfig, StepBatch
 from pipeline.simulator.faults import DRIVER_VERSION, ReplicaFaults
 from pricing import Kernel, Slots
@@ -210,7 +209,7 @@ def _header(pool: Pool, replica: Replica, faults: ReplicaFaults) -> SegmentHeade
     return SegmentHeader(
         pool=pool.name,
         replica=replica.id,
-        engine_name=ENGINE_NAME,
+        engine_name=pool.engine.name,
         engine_version=faults.engine_version,
         driver_version=DRIVER_VERSION,
         model=pool.model,

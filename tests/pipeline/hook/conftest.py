@@ -1,4 +1,4 @@
-"""The replica descriptor the vLLM tests start their engines with, written by the real
+"""The replica descriptor the engine hooks' tests start their engines with, written by the real
 `stepledger hook-config` from the default pools file."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import main
+from pipeline.hook.replica import ReplicaDescriptor, read_descriptor
 
 REPLICA = "chat-8b-r0"
 
@@ -22,3 +23,9 @@ def write_descriptor(path: Path, replica: str = REPLICA) -> Path:
 @pytest.fixture(scope="session")
 def descriptor_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_descriptor(tmp_path_factory.mktemp("hook-config") / f"{REPLICA}.json")
+
+
+@pytest.fixture(scope="session")
+def replica(descriptor_path: Path) -> ReplicaDescriptor:
+    """chat-8b-r0 of the default pools file: pool chat-8b, llama-3.1-8b-instruct on one h100."""
+    return read_descriptor(descriptor_path)

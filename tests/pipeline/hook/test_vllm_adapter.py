@@ -28,7 +28,7 @@ from vllm.v1.request import Request
 
 import pipeline.hook.vllm as adapter
 from pipeline.hook.recorder import StepRecorder
-from pipeline.hook.replica import HookConfigError, ReplicaDescriptor, read_descriptor
+from pipeline.hook.replica import HookConfigError
 from pipeline.ingestion.decoder import read_segments
 from tests.pipeline.hook.vllm_engine import HAS_REQ_ID_TO_INDEX, HAS_RESUMED_REQ_IDS, vllm_config
 
@@ -177,12 +177,6 @@ def engine_configs(tmp_path_factory):
             models / "meta-llama" / "Llama-3.1-8B-Instruct", tensor_parallel_size=2
         ),
     }
-
-
-@pytest.fixture(scope="module")
-def replica(descriptor_path) -> ReplicaDescriptor:
-    """chat-8b-r0 of the default pools file: pool chat-8b, llama-3.1-8b-instruct on one h100."""
-    return read_descriptor(descriptor_path)
 
 
 def test_the_header_keeps_the_pools_names_and_the_engines_own(replica, engine_configs, caplog):

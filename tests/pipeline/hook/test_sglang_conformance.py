@@ -1,0 +1,246 @@
+"""The recording scheduler on SGLang's real scheduling code (batches, schedule policy, prefill
+adder, radix cache, memory pools; see tests/pipeline/hook/sglang_engine.py for what is driven and
+what is not), on the CPU; every recorded value is checked against SGLang's own state at the
+moment the batch was launched: its KV row of every request (`req_to_token` up to
+`kv_allocated_len`), its cached-prefix count (`Req.cached_tokens`), its allocator and tree."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.pipeline.hook.sglang_torchvision import declare_torchvision_operators
+
+declare_torchvision_operators()
+pytest.importorskip(
+    "sglang.srt.managers.schedule_batch",
+    reason="SGLang is not installed (make test installs it beside the venv)",
+)
+
+import sglang  # noqa: E402
+
+import pipeline.hook.sglang as adapter  # noqa: E402
+from pipeline.hook import recorder  # noqa: E402
+from pipeline.hook.recorder import StepRecorder  # noqa: E402
+from pipeline.hook.replica import ReplicaDescriptor  # noqa: E402
+from pipeline.ingestion.decoder import read_segments  # noqa: E402
+from tests.pipeline.hook.sglang_engine import Engine, server_args  # noqa: E402
+
+REPLICA = "chat-8b-r0"
+# Too few KV slots for the two long decodes side by side: SGLang retracts one of them.
+KV_TOKENS = 330
+CHUNKED_PREFILL = 64
+
+
+def expected_step(engine: Engine, batch: Any, cached_seen: dict[str, int]) -> dict[str, Any]:
+    """What the step record must say, from SGLang's state right before the batch runs: KV
+    shares counted from every request's row of req_to_token (not from the tree)."""
+    page = engine.page_size
+    pages = {
+        req.rid: {
+            slot // page
+            for slot in engine.req_to_token_pool.req_to_token[
+                req.kv.req_pool_idx, : req.kv.kv_allocated_len
+            ].tolist()
+        }
+        for req in engine.requests.values()
+        if req.kv.req_pool_idx is not None
+    }
+    holders_of = Counter(p for held in pages.values() for p in held)
+
+    def share(request_id: str) -> float:
+        # Rounded: the tracker sums the same fractions in another order.
+        return round(sum(1 / holders_of[p] for p in pages.get(request_id, ())), 9)
+
+    extend = batch.forward_mode.is_extend()
+    slots = []
+    for req in batch.reqs:
+        new_tokens = req.extend_len if extend else 1
+        hit = req.cached_tokens - cached_seen.get(req.rid, 0) if extend else 0
+        cached_seen[req.rid] = req.cached_tokens
+        slots.append(
+            {
+                "request_id": req.rid,
+                "new_tokens": new_tokens,
+                "context_tokens": req.kv.kv_allocated_len - new_tokens,
+                "kv_blocks": share(req.rid),
+                "prompt_tokens": len(req.origin_input_ids),
+                "prefix_hit_tokens": hit,
+                "spec_drafted": 0,
+                "spec_accepted": 0,
+            }
+        )
+    scheduled = {req.rid for req in batch.reqs}
+    allocator = engine.token_to_kv_pool_allocator
+    return {
+        "slots": slots,
+        "holders": sorted(
+            (request_id, share(request_id), "waiting")
+            for request_id in pages
+            if request_id not in scheduled and share(request_id) > 0
+        ),
+        "admission_blocked": bool(engine.retracted)
+        or (
+            not extend
+            and bool(engine.waiting_queue)
+            and len(batch.reqs) < engine.max_running_requests
+        ),
+        "free_blocks": (allocator.available_size() + engine.tree_cache.evictable_size()) // page,
+        "total_blocks": allocator.size // page,
+        "mode": batch.forward_mode.name,
+        "retracted": sorted(req.rid for req in engine.retracted),
+        "chunked": engine.chunked_req is not None,
+        # Left out of the batch by the overlap loop because their queued result finishes them.
+        "finishing_in_flight": sorted(
+            req.rid
+            for queued, _ in engine.result_queue
+            for req in queued.reqs
+            if req.rid not in scheduled and req.kv.req_pool_idx is not None
+        ),
+    }
+
+
+def checked_engine(expected: list[dict]) -> type:
+    """Engine, noting each batch's expected record when it is handed to the model."""
+    cached_seen: dict[str, int] = {}
+
+    class CheckedEngine(Engine):
+        def run_batch(self, batch: Any) -> Any:
+            expected.append(expected_step(self, batch, cached_seen))
+            return super().run_batch(batch)
+
+    return CheckedEngine
+
+
+def run_scenario(engine: Engine) -> None:
+    """Chunked prefill, a radix-cache hit, an abort, requests waiting for KV, a short request
+    finishing beside long ones, and a retraction under KV pressure whose request comes back."""
+    engine.add_request("a", list(range(100, 200)), 30)
+    engine.step()
+    # Shares a's first 64 prompt tokens, which a's first chunk put in the radix tree.
+    engine.add_request("b", list(range(100, 164)) + [900] * 20, 30)
+    for _ in range(4):
+        engine.step()
+    engine.add_request("c", list(range(400, 440)), 200)
+    engine.add_request("d", list(range(500, 540)), 200)
+    # Finishes while the others decode with KV to spare.
+    engine.add_request("e", list(range(600, 608)), 3)
+    for _ in range(2):
+        engine.step()
+    engine.abort("b")
+    for _ in range(400):
+        if not engine.has_requests():
+            break
+        engine.step()
+    assert not engine.has_requests(), "the scenario did not finish"
+
+
+@pytest.fixture
+def environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The writer thread idle until the recorder closes: every step is built after the whole
+    scenario ran, so nothing it reads may have changed since its batch was launched. SGLang
+    admits requests as if each running one would use 5% of its remaining max_new_tokens, so
+    KV runs out while they decode and a request is retracted."""
+    monkeypatch.setattr(recorder, "_POLL_SECONDS", 600.0)
+    monkeypatch.setenv("SGLANG_INIT_NEW_TOKEN_RATIO", "0.05")
+    return tmp_path / "outbox"
+
+
+# SGLang's default page of one token, and pages of 4 (a KV page shared by requests holds
+# their common prefix's whole pages).
+# The normal event loop, and the overlap one (SGLang's default): there a batch is launched
+# before the previous one's result is processed.
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_recorded_steps_match_sglangs_own_state(
+    overlap: bool,
+    page_size: int,
+    environment: Path,
+    replica: ReplicaDescriptor,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    args = server_args(
+        tmp_path_factory.getbasetemp() / "tiny-llama",
+        chunked_prefill_size=CHUNKED_PREFILL,
+        max_running_requests=4,
+        page_size=page_size,
+    )
+
+    def recorder_for(scheduler: Any) -> StepRecorder:
+        header = adapter.header_for(
+            replica,
+            adapter.parallelism(),
+            replica.model,
+            scheduler.server_args.model_path,
+            None,
+            sglang.__version__,
+            "550.54.15",
+            scheduler.page_size,
+        )
+        return StepRecorder(environment, header)
+
+    expected: list[dict] = []
+    recording = adapter.recording_scheduler_class(checked_engine(expected), recorder_for)
+    engine = recording(args, KV_TOKENS, overlap)
+    run_scenario(engine)
+    step_recorder = engine.step_tracker.recorder
+    engine.release_host_resources()
+    assert (step_recorder.dropped_steps, step_recorder.rejected_steps) == (0, 0)
+
+    log = read_segments(environment.glob("*.seg"))
+    segment = log.segments.to_pylist()[0]
+    assert (segment["engine_name"], segment["engine_version"]) == ("sglang", "0.5.23")
+    assert (segment["gpus_per_replica"], segment["kv_block_size"]) == (1, page_size)
+    steps = log.steps.to_pylist()
+    assert [s["seq"] for s in steps] == list(range(len(expected)))
+    slots, holders = log.slots.to_pylist(), log.holders.to_pylist()
+    for seq, (step, want) in enumerate(zip(steps, expected, strict=True)):
+        recorded_slots = [
+            {key: slot[key] for key in want["slots"][0]}
+            | {"kv_blocks": round(slot["kv_blocks"], 9)}
+            for slot in slots
+            if slot["seq"] == seq
+        ]
+        assert recorded_slots == want["slots"], f"step {seq}"
+        recorded_holders = sorted(
+            (h["request_id"], round(h["kv_blocks"], 9), h["state"])
+            for h in holders
+            if h["seq"] == seq
+        )
+        assert recorded_holders == want["holders"], f"step {seq}"
+        assert (step["free_blocks"], step["total_blocks"]) == (
+            want["free_blocks"],
+            want["total_blocks"],
+        ), f"step {seq}"
+        assert step["admission_blocked"] == want["admission_blocked"], f"step {seq}"
+
+    # The scenario reached every case it is meant to check.
+    first = {}
+    for slot in slots:
+        first.setdefault(slot["request_id"], slot)
+    assert (first["a"]["new_tokens"], first["a"]["prompt_tokens"]) == (64, 100)
+    assert [s["new_tokens"] for s in slots if s["request_id"] == "a"][:2] == [64, 36]
+    assert (first["a"]["prefix_hit_tokens"], first["b"]["prefix_hit_tokens"]) == (0, 64)
+    assert sum(s["prefix_hit_tokens"] for s in slots) == 64
+    # b and a hold the same 64 prompt slots: half of their pages count to each.
+    assert first["b"]["kv_blocks"] == pytest.approx((32 + 20) / page_size)
+    assert any(want["chunked"] for want in expected)
+    retractions = [seq for seq, want in enumerate(expected) if want["retracted"]]
+    assert retractions, "no request was retracted"
+    retracted = expected[retractions[0]]["retracted"][0]
+    # The retracted request comes back with a prefill of what it had, and no new cache hit.
+    readmitted = [
+        s
+        for s in slots
+        if s["request_id"] == retracted and s["seq"] > retractions[0] and s["new_tokens"] > 1
+    ]
+    assert readmitted and readmitted[0]["prefix_hit_tokens"] == 0
+    assert any(want["admission_blocked"] and not want["retracted"] for want in expected)
+    b_steps = [s["seq"] for s in slots if s["request_id"] == "b"]
+    assert len(b_steps) < 30, "b ran to max_new_tokens instead of being aborted"
+    assert {want["mode"] for want in expected} == {"EXTEND", "DECODE"}
+    assert any(want["finishing_in_flight"] for want in expected) == overlap
+    assert any(h["request_id"] for h in holders)
