@@ -1,8 +1,9 @@
 """FOCUS 1.2 export: the `focus_costs` view written as Parquet or CSV that FinOps tools accept.
 
-Open months come from the latest snapshot; a closed month (`stepledger close`) from the
-snapshot frozen when it was closed, with its invoice numbers, so an export reproduces what was
-invoiced even after an hour of the month was re-billed.
+Open months come from the latest snapshot, on their tenants' provisional invoices; a closed
+month (`stepledger close`) from the snapshot frozen when it was closed, with its invoice
+numbers, so an export reproduces what was invoiced even after an hour of the month was
+re-billed.
 """
 
 from __future__ import annotations
