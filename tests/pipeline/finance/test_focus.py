@@ -69,6 +69,7 @@ FOCUS_ALLOWED = {
     "BillingCurrency": {"USD"},
 }
 NEXT = datetime(2026, 11, 30, 6, tzinfo=UTC)
+DECEMBER = datetime(2026, 12, 1, 5, tzinfo=UTC)
 # The price the test ledger's pool is invoiced at (tests.pipeline.storage.test_warehouse).
 PRICE = Decimal("3.6")
 
@@ -104,6 +105,11 @@ def export(data: Path, out: Path, *options: str) -> None:
         main, ["export", "focus", "--data", str(data), "--out", str(out), *options]
     )
     assert result.exit_code == 0, result.output
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open() as f:
+        return list(csv.DictReader(f))
 
 
 def close_november(data: Path) -> list[str]:
@@ -178,8 +184,7 @@ def test_focus_export_follows_the_1_2_spec(focus_data: Path, tmp_path: Path) -> 
         "Idle GPU time on pool chat, spread by usage",
         "Idle GPU time on pool chat, charged to its capacity owner",
     }
-    with (tmp_path / "focus.csv").open() as f:
-        csv_rows = list(csv.DictReader(f))
+    csv_rows = read_csv(tmp_path / "focus.csv")
     assert [r["ChargePeriodStart"] for r in csv_rows[:1]] == ["2026-11-30T05:00:00Z"]
     # Decimals as plain numbers: no exponent, no trailing zeros, one decimal place.
     assert [(r["ConsumedQuantity"], r["BilledCost"]) for r in csv_rows] == [
@@ -303,15 +308,32 @@ def validate(packages: Path, data_file: Path, report: Path) -> dict[str, str]:
     return outcomes
 
 
-@pytest.mark.parametrize(("month", "fmt"), [("open", "csv"), ("closed", "parquet")])
+@pytest.mark.parametrize(("months", "fmt"), [("open", "csv"), ("closed, then open", "parquet")])
 def test_the_focus_validator_passes_every_rule(
-    focus_data: Path, tmp_path: Path, month: str, fmt: str
+    focus_data: Path, tmp_path: Path, months: str, fmt: str
 ) -> None:
     packages = validator_packages()
-    if month == "closed":
-        close_november(focus_data)
     out = tmp_path / f"focus.{fmt}"
-    export(focus_data, out, "--format", fmt)
+    if months == "open":
+        export(focus_data, out, "--format", fmt)
+        assert {r["InvoiceId"] for r in read_csv(out)} == {
+            "SL-202611-provisional-acme",
+            "SL-202611-provisional-globex",
+            "SL-202611-provisional-platform",
+        }
+    else:
+        # November closed, December open: issued and provisional invoices in one file.
+        close_november(focus_data)
+        with connect(focus_data / STATE_FILE) as con:
+            publish(con, "chat", [("acme", "bot", "usage", 900, 3, 30)], 900, hour=DECEMBER)
+        export(focus_data, out, "--format", fmt)
+        invoices = set(pq.read_table(out, columns=["InvoiceId"]).column(0).to_pylist())
+        assert invoices == {
+            "SL-202611-0001",
+            "SL-202611-0002",
+            "SL-202611-0003",
+            "SL-202612-provisional-acme",
+        }
     outcomes = validate(packages, out, tmp_path / "report.xml")
     failed = {rule for rule, outcome in outcomes.items() if outcome == "failed"}
     # InvoiceId-C-003-C holds when one of its two alternatives does, and the validator reports
