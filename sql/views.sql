@@ -117,12 +117,34 @@ JOIN published_hours p ON p.hour = c.hour AND p.pool = c.pool
 LEFT JOIN (SELECT hour, pool, tenant, feature FROM ledger_lines WHERE line_kind = 'platform_retry') r
        ON r.hour = c.hour AND r.pool = c.pool;
 
+-- The price list FOCUS publishes as SKUs: one SKU per pool, GPU time on it, priced per
+-- GPU-hour at the pool's usd_per_gpu_hour (a new price is a new SkuPriceId of the same SKU).
+-- The price is turned into integer nano-dollars once, here, so a line's GPU-hours come from
+-- integers: the invoice column is a DOUBLE of a price with at most 9 decimals.
+CREATE OR REPLACE TEMP VIEW gpu_hour_prices AS
+SELECT hour, pool,
+       CAST(round(usd_per_gpu_hour * 1000000000) AS BIGINT) AS price_nano,
+       pool || '/gpu-hour'                                  AS sku_id
+FROM invoices;
+
+-- GPU-hours that `nano` buys at `price_nano` per GPU-hour, to 18 decimal places (truncated):
+-- FinOps tools check ListUnitPrice x PricingQuantity = ListCost to 1e-9, which a quantity
+-- of 9 places misses by up to half a nano-dollar times the price.
+CREATE OR REPLACE TEMP MACRO gpu_hours(nano, price_nano) AS
+    CAST(CAST(nano AS HUGEINT) * 1000000000000000000 // price_nano AS DECIMAL(38, 0))
+    * CAST(0.000000000000000001 AS DECIMAL(38, 18));
+
 -- The ledger as a FOCUS 1.2 cost and usage dataset: all mandatory columns, the conditional
 -- ones that apply to an internal chargeback (sub account = feature, resource = pool, consumed
--- quantity = tokens), and stepledger's own columns with the x_ prefix. Nothing is discounted,
--- so BilledCost = EffectiveCost = ListCost = ContractedCost. Times carry their zone (UTC);
--- quantities are decimals; InvoiceId is the invoice number of a closed month (stepledger
--- close), null while the month is open. `stepledger export focus` writes it to a file.
+-- quantity = tokens, unit pricing = the pool's price per GPU-hour as a SKU), and stepledger's
+-- own columns with the x_ prefix. Nothing is discounted, so BilledCost = EffectiveCost =
+-- ListCost = ContractedCost, and a line's PricingQuantity is the GPU time its cost buys at
+-- the list price. The cache credit is a Credit: no SKU, no quantity. Times carry their zone
+-- (UTC); quantities are decimals. Every line is on an invoice: the number `stepledger close`
+-- gave it, or, while its month is open, the provisional invoice of its tenant and month
+-- (SL-YYYYMM-provisional-TENANT). CommitmentDiscountStatus is there, always null, because
+-- FinOps validators test ConsumedQuantity's nullability against it. `stepledger export
+-- focus` writes the view to a file.
 CREATE OR REPLACE TEMP VIEW focus_costs AS
 SELECT
     nano_to_usd(amount_nano)                                            AS BilledCost,
@@ -132,7 +154,7 @@ SELECT
     'USD'                                                               AS BillingCurrency,
     timezone('UTC', date_trunc('month', hour) + INTERVAL 1 MONTH)       AS BillingPeriodEnd,
     timezone('UTC', date_trunc('month', hour))                          AS BillingPeriodStart,
-    CASE WHEN line_kind = 'cache_credit' THEN 'Credit' ELSE 'Usage' END AS ChargeCategory,
+    CASE WHEN priced THEN 'Usage' ELSE 'Credit' END                     AS ChargeCategory,
     CAST(NULL AS VARCHAR)                                               AS ChargeClass,
     CASE line_kind
         WHEN 'usage'          THEN 'GPU inference on pool ' || pool || ', measured engine steps'
@@ -149,18 +171,24 @@ SELECT
     'Usage-Based'                                                       AS ChargeFrequency,
     timezone('UTC', hour + INTERVAL 1 HOUR)                             AS ChargePeriodEnd,
     timezone('UTC', hour)                                               AS ChargePeriodStart,
-    CASE WHEN line_kind = 'cache_credit' THEN NULL ELSE CAST(new_tokens AS DECIMAL(38, 9)) END
-                                                                        AS ConsumedQuantity,
-    CASE WHEN line_kind = 'cache_credit' THEN NULL ELSE 'Tokens' END    AS ConsumedUnit,
+    CAST(NULL AS VARCHAR)                                               AS CommitmentDiscountStatus,
+    CASE WHEN priced THEN CAST(new_tokens AS DECIMAL(38, 9)) END        AS ConsumedQuantity,
+    CASE WHEN priced THEN 'Tokens' END                                  AS ConsumedUnit,
     nano_to_usd(amount_nano)                                            AS ContractedCost,
+    CASE WHEN priced THEN nano_to_usd(price_nano) END                   AS ContractedUnitPrice,
     nano_to_usd(amount_nano)                                            AS EffectiveCost,
     'stepledger'                                                        AS InvoiceIssuerName,
-    invoice_id                                                          AS InvoiceId,
+    coalesce(invoice_id, strftime(hour, 'SL-%Y%m-provisional-') || tenant)
+                                                                        AS InvoiceId,
     nano_to_usd(amount_nano)                                            AS ListCost,
-    CASE WHEN line_kind = 'cache_credit' THEN NULL ELSE 'Standard' END  AS PricingCategory,
-    CASE WHEN line_kind = 'cache_credit' THEN NULL ELSE CAST(new_tokens AS DECIMAL(38, 9)) END
-                                                                        AS PricingQuantity,
-    CASE WHEN line_kind = 'cache_credit' THEN NULL ELSE 'Tokens' END    AS PricingUnit,
+    CASE WHEN priced THEN nano_to_usd(price_nano) END                   AS ListUnitPrice,
+    CASE WHEN priced THEN 'Standard' END                                AS PricingCategory,
+    CASE WHEN priced THEN gpu_hours(amount_nano, price_nano) END        AS PricingQuantity,
+    CASE WHEN priced THEN 'GPU-Hours' END                               AS PricingUnit,
+    'USD'                                                               AS PricingCurrency,
+    CASE WHEN priced THEN nano_to_usd(price_nano) END                   AS PricingCurrencyContractedUnitPrice,
+    nano_to_usd(amount_nano)                                            AS PricingCurrencyEffectiveCost,
+    CASE WHEN priced THEN nano_to_usd(price_nano) END                   AS PricingCurrencyListUnitPrice,
     'stepledger'                                                        AS ProviderName,
     'stepledger'                                                        AS PublisherName,
     pool                                                                AS ResourceId,
@@ -169,6 +197,11 @@ SELECT
     'AI and Machine Learning'                                           AS ServiceCategory,
     'Generative AI'                                                     AS ServiceSubcategory,
     'LLM inference'                                                     AS ServiceName,
+    CASE WHEN priced THEN sku_id END                                    AS SkuId,
+    CASE WHEN priced THEN 'GPU Hours' END                               AS SkuMeter,
+    CAST(NULL AS VARCHAR)                                               AS SkuPriceDetails,
+    CASE WHEN priced THEN sku_id || '@' || rtrim(rtrim(CAST(nano_to_usd(price_nano) AS VARCHAR), '0'), '.') END
+                                                                        AS SkuPriceId,
     tenant || '/' || feature                                            AS SubAccountId,
     feature                                                             AS SubAccountName,
     'Feature'                                                           AS SubAccountType,
@@ -181,6 +214,8 @@ SELECT
     cached_tokens                                                       AS x_CachedTokens,
     policy_version                                                      AS x_PolicyVersion,
     weights_version                                                     AS x_WeightsVersion
-FROM published_ledger_lines
+FROM (SELECT l.*, p.price_nano, p.sku_id, l.line_kind <> 'cache_credit' AS priced
+      FROM published_ledger_lines l
+      JOIN gpu_hour_prices p ON p.hour = l.hour AND p.pool = l.pool)
 LEFT JOIN (SELECT month AS invoice_month, tenant AS invoice_tenant, invoice_id FROM invoice_numbers)
        ON invoice_month = CAST(date_trunc('month', hour) AS DATE) AND invoice_tenant = tenant;

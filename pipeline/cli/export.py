@@ -50,7 +50,9 @@ def focus_command(
     """Write the published ledger as a FOCUS 1.2 cost and usage dataset.
 
     Closed months (`stepledger close`) are exported as they were invoiced, with their invoice
-    numbers; open months as they stand now, with InvoiceId empty.
+    numbers; open months as they stand now, on provisional invoices
+    (InvoiceId SL-YYYYMM-provisional-TENANT). Each pool's price per GPU-hour is its SKU's list
+    price, and each line's PricingQuantity the GPU-hours its cost buys at it.
 
     \b
     Examples:

@@ -1,8 +1,9 @@
 """FOCUS 1.2 export: the `focus_costs` view written as Parquet or CSV that FinOps tools accept.
 
-Open months come from the latest snapshot; a closed month (`stepledger close`) from the
-snapshot frozen when it was closed, with its invoice numbers, so an export reproduces what was
-invoiced even after an hour of the month was re-billed.
+Open months come from the latest snapshot, on their tenants' provisional invoices; a closed
+month (`stepledger close`) from the snapshot frozen when it was closed, with its invoice
+numbers, so an export reproduces what was invoiced even after an hour of the month was
+re-billed.
 """
 
 from __future__ import annotations
@@ -75,22 +76,33 @@ def focus_table(data_dir: str | Path, start: datetime, end: datetime) -> pa.Tabl
     return ordered.cast(utc)
 
 
+def _csv_text(column: str, kind: pa.DataType) -> str | None:
+    """The SQL that writes a column as CSV text, or None to leave it to the CSV writer: times
+    as ISO 8601 with Z; decimals as plain numbers with no exponent and no trailing zeros but
+    one decimal place (Arrow writes a zero DECIMAL(38, 9) as 0E-9, which FinOps tools read as
+    text; and a column of whole numbers, token counts, written without a decimal point is
+    read as integers, not the decimals FOCUS requires)."""
+    if column in _TIME_COLUMNS:
+        return f"strftime({column}, '%Y-%m-%dT%H:%M:%SZ')"
+    if pa.types.is_decimal(kind) and kind.scale > 0:
+        return f"regexp_replace(CAST({column} AS VARCHAR), '(\\.[0-9]+?)0+$', '\\1')"
+    return None
+
+
 def write_focus(table: pa.Table, out: Path, fmt: str) -> None:
     """Write the rows: Parquet keeps the types (decimals, UTC timestamps); CSV writes times
-    as ISO 8601 with Z and quantities with their decimal places."""
+    as ISO 8601 with Z and decimals as plain numbers (0.0, 2.5, 0.000000005)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial")
     if fmt == "parquet":
         pq.write_table(table, partial)
     elif fmt == "csv":
+        texts = {f.name: _csv_text(f.name, f.type) for f in table.schema}
+        replaced = ", ".join(f"{sql} AS {name}" for name, sql in texts.items() if sql)
         with duckdb.connect() as con:
             con.execute("SET TimeZone = 'UTC'")
             con.register("focus_rows", table)
-            text = con.execute(
-                "SELECT * REPLACE ("
-                + ", ".join(f"strftime({c}, '%Y-%m-%dT%H:%M:%SZ') AS {c}" for c in _TIME_COLUMNS)
-                + ") FROM focus_rows"
-            ).to_arrow_table()
+            text = con.execute(f"SELECT * REPLACE ({replaced}) FROM focus_rows").to_arrow_table()
         pa_csv.write_csv(text, partial)
     else:
         raise ValueError(f"format {fmt!r} is not one of {FORMATS}")
