@@ -20,11 +20,11 @@ from pipeline.attribution.hour import attribute_hour
 from pipeline.attribution.ledger import DECODE_CONTEXTS_SCHEMA, RESOURCE_WORK_SCHEMA, HourLedger
 from pipeline.attribution.weights import kernel_weights
 from pipeline.attribution.workmodel import WeightSource
-from pipeline.hours import hour_key, to_warehouse, utc_hour
 from pipeline.ingestion.gateway import context_for_requests
 from pipeline.ingestion.ingest import committed_batches
 from pipeline.storage.lake import AttributionInputs, HourInput, load_hour
 from schemas.config import Pool
+from schemas.units import hour_key, to_warehouse, utc_hour
 
 
 def lake_hashes(con: duckdb.DuckDBPyConnection, pool: str, hour: datetime) -> dict[str, str]:

@@ -36,11 +36,12 @@ from pipeline.attribution.workmodel import (
     attention_pairs,
 )
 from schemas.config import Pool
+from schemas.errors import DataError
 
 _KEY_FIELDS = ("model", "gpu_type", "engine_version", "driver_version")
 
 
-class CalibrationError(ValueError):
+class CalibrationError(DataError):
     """A calibration fit or store cannot be used; the message names the file, key or field."""
 
 

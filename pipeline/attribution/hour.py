@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import numpy as np
@@ -37,10 +37,10 @@ from pipeline.attribution.kv import alpha_for_period, first_writer_blocks, holde
 from pipeline.attribution.layout import AttributionError, StepKeys, gather, lay_out_rows
 from pipeline.attribution.rollup import RequestTotals, largest_per_request
 from pipeline.attribution.workmodel import KernelWeights, SlotBatch, WeightSource
-from pipeline.hours import HOUR_NS, hour_start_ns
 from pricing import RESOURCES
 from schemas.config import Pool
 from schemas.records import SLOT_COLUMNS
+from schemas.units import HOUR_NS, hour_start_ns, to_warehouse
 
 UNATTRIBUTED = "(unattributed)"
 PLATFORM_RETRY_FEATURE = "(platform-retry)"
@@ -527,7 +527,7 @@ def attribute_hour(
     allocated at a time (a step is never split).
     """
     start_ns = hour_start_ns(hour_start)
-    hour_value = hour_start.astimezone(UTC).replace(tzinfo=None)
+    hour_value = to_warehouse(hour_start)
     _require_columns(slots, "slots", ("replica", "seq", "slot_index", "request_id", *SLOT_COLUMNS))
     _require_columns(
         holders, "holders", ("replica", "seq", "holder_index", "request_id", "kv_blocks", "state")

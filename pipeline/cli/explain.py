@@ -9,7 +9,6 @@ import click
 
 from pipeline.cli.costs import print_wide
 from pipeline.cli.options import data_dir_option
-from pipeline.storage.warehouse import WarehouseError
 
 
 def _usd(nano: int) -> str:
@@ -110,12 +109,9 @@ def explain_command(request_id: str, data_dir: Path, as_json: bool) -> None:
     slot's work and KV memory-time, the weights and policies in force, the prefix-cache
     charge, how a retry was handled and the compute charge per resource. (explain-step
     splits a single hand-written step.)"""
-    from pipeline.finance.explain import ExplainError, explain_request
+    from pipeline.finance.explain import explain_request
 
-    try:
-        explanation = explain_request(data_dir, request_id)
-    except (ExplainError, WarehouseError) as err:
-        raise click.ClickException(str(err)) from err
+    explanation = explain_request(data_dir, request_id)
     if as_json:
         click.echo(json.dumps(explanation.as_json(), indent=2))
     else:

@@ -11,7 +11,7 @@ import click
 
 from pipeline.cli.options import directory_option, file_option, workers_option
 from pipeline.simulator.faults import FAULTS, FaultError, parse_fault
-from schemas.config import DEFAULT_POOLS_PATH, ConfigError, load_pools
+from schemas.config import DEFAULT_POOLS_PATH, load_pools
 
 
 def _fault_help() -> str:
@@ -101,11 +101,8 @@ def simulate_command(
 
     from pipeline.simulator import simulate
 
-    try:
-        faults = dict(parse_fault(text) for text in fault_texts)
-        pools = load_pools(pools_path)
-    except (FaultError, ConfigError) as err:
-        raise click.ClickException(str(err)) from err
+    faults = dict(parse_fault(text) for text in fault_texts)
+    pools = load_pools(pools_path)
 
     # With --json, standard output carries only the JSON; the progress bar goes to stderr.
     console = Console(stderr=as_json)

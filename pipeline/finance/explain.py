@@ -24,16 +24,17 @@ from pipeline.attribution.hour import steps_in_hour
 from pipeline.attribution.kv import alpha_for_period, first_writer_blocks, holder_blocks
 from pipeline.attribution.weights import SavedInputsMissing, saved_inputs
 from pipeline.attribution.workmodel import SlotBatch
-from pipeline.datadir import pools_file
-from pipeline.hours import from_warehouse, hour_key, hour_start_ns
+from pipeline.datadir import DataDir
 from pipeline.storage.lake import load_hour, load_ledger
 from pricing import RESOURCES
 from schemas.config import Pool, load_pools
+from schemas.errors import InputError
+from schemas.units import from_warehouse, hour_key, hour_start_ns
 
 _STEP_KEY = ["replica", "seq"]
 
 
-class ExplainError(ValueError):
+class ExplainError(InputError):
     """The request cannot be explained; the message says what is missing and where."""
 
 
@@ -128,14 +129,15 @@ def explain_request(data_dir: Path, request_id: str) -> Explanation:
         charges = con.execute(_CHARGES, [request_id]).pl()
     if not charges.height:
         raise ExplainError(f"request {request_id!r}: not charged in the warehouse of {data_dir}")
-    pools = load_pools(pools_file(data_dir))
+    pools_path = DataDir(data_dir).pools_file
+    pools = load_pools(pools_path)
     known = {p.name: p for p in pools.pools}
     hours = []
     for charge in charges.iter_rows(named=True):
         pool = known.get(charge["pool"])
         if pool is None:
             raise ExplainError(
-                f"request {request_id!r}: pool {charge['pool']!r} is not in {pools_file(data_dir)}"
+                f"request {request_id!r}: pool {charge['pool']!r} is not in {pools_path}"
             )
         hours.append(_explain_hour(data_dir, pool, request_id, charge))
     return Explanation(request_id, hours)
@@ -147,7 +149,7 @@ def _explain_hour(
     stored_hour = charge["hour"]
     assert isinstance(stored_hour, datetime)
     hour = from_warehouse(stored_hour)
-    lake = data_dir / "lake"
+    lake = DataDir(data_dir).lake
     try:
         inputs, weights = saved_inputs(data_dir, pool, hour)
     except SavedInputsMissing as err:

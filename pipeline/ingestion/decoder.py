@@ -23,6 +23,7 @@ import pyarrow as pa
 from pydantic import ValidationError
 
 from pipeline.ingestion import frames
+from schemas.errors import DataError
 from schemas.records import (
     DROP_STRUCT,
     FILE_MAGIC,
@@ -65,7 +66,7 @@ _FILE_TYPES = {
 _NO_STEPS = np.zeros(0, np.int64)
 
 
-class UnreadableSegment(OSError):
+class UnreadableSegment(DataError, OSError):
     """A path named like a segment that is not a readable regular file; the message says why."""
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from pipeline.datadir import DataDir
 from pipeline.simulator.faults import (
     ENGINE_VERSION,
     UNCALIBRATED_ENGINE_VERSION,
@@ -37,6 +38,7 @@ from pipeline.simulator.telemetry import GpuActivity, gpu_model_name, write_dcgm
 from pipeline.simulator.workload import PoolTraffic, generate_pool_traffic
 from pricing import Kernel
 from schemas.config import Pool, PoolsFile, Replica
+from schemas.units import HOUR_NS, NS_PER_SECOND
 
 DEFAULT_START = datetime(2026, 11, 30, tzinfo=UTC)
 # Purposes of the seeded random streams.
@@ -192,18 +194,15 @@ def simulate(
     if (start.minute, start.second, start.microsecond) != (0, 0, 0):
         raise ValueError(f"start must be on the hour, got {start.isoformat()}")
     faults = {name: validate_fault(name, value) for name, value in (faults or {}).items()}
-    for existing in ("pools.yaml", "outbox", "gateway", "dcgm"):
-        if (out_dir / existing).exists():
-            raise FileExistsError(
-                f"{out_dir / existing} exists: simulate into a new or empty directory"
-            )
+    layout = DataDir(out_dir)
+    for existing in (layout.own_pools_file, layout.outbox, layout.gateway, layout.dcgm):
+        if existing.exists():
+            raise FileExistsError(f"{existing} exists: simulate into a new or empty directory")
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "pools.yaml").write_text(
-        yaml.safe_dump(pools.model_dump(mode="json"), sort_keys=False)
-    )
+    layout.own_pools_file.write_text(yaml.safe_dump(pools.model_dump(mode="json"), sort_keys=False))
 
-    span_ns = round(hours * 3_600_000_000_000)
-    start_wall_ns = int(start.timestamp()) * 1_000_000_000
+    span_ns = round(hours * HOUR_NS)
+    start_wall_ns = int(start.timestamp()) * NS_PER_SECOND
     target, idle = _fault_targets(pools, faults)
     notes: dict[str, str] = {}
     if idle is not None:
@@ -241,7 +240,7 @@ def simulate(
                         prefix_tokens=pool_traffic.prefix_tokens,
                         span_ns=span_ns,
                         start_wall_ns=start_wall_ns,
-                        outbox=out_dir / "outbox" / replica.id,
+                        outbox=layout.replica_outbox(replica.id),
                         faults=_replica_faults(replica.id, target, faults, span_ns, notes),
                         rng=_rng(seed, pool_index, _ENGINE, replica_index),
                         step_noise=step_noise,

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.hours import (
+from schemas.units import (
     HOUR_NS,
     from_warehouse,
     hour_bounds_ns,
