@@ -50,7 +50,7 @@ def usd_to_nano(usd: Decimal) -> NanoUSD:
     """`usd` dollars as whole nano-dollars; a value with a fraction of a nano-dollar is refused."""
     nano = nano_of_usd(usd)
     if nano != nano.to_integral_value():
-        raise ValueError(f"{usd} USD is not a whole number of nano-dollars")
+        raise ValueError(f"{usd:f} USD is not a whole number of nano-dollars")
     return NanoUSD(int(nano))
 
 
