@@ -40,7 +40,7 @@ from pipeline.attribution.workmodel import KernelWeights, SlotBatch, WeightSourc
 from pricing import RESOURCES
 from schemas.config import Pool
 from schemas.records import SLOT_COLUMNS
-from schemas.units import HOUR_NS, hour_start_ns, to_warehouse
+from schemas.units import HOUR_NS, NS_PER_SECOND, hour_start_ns, to_warehouse
 
 UNATTRIBUTED = "(unattributed)"
 PLATFORM_RETRY_FEATURE = "(platform-retry)"
@@ -357,7 +357,7 @@ def _attribute_rows(
             np.where(carried, cost[first:end], 0), row_step, compute_work, kv_weight, alpha
         )
         compute_nano, _ = split_compute_kv(split.shares, *split.parts())
-        block_seconds = kv_weight * busy[first:end][row_step] / 1e9
+        block_seconds = kv_weight * busy[first:end][row_step] / NS_PER_SECOND
         totals.add_rows(
             slot_request,
             split.shares[:n_slots],

@@ -9,10 +9,7 @@ import click
 
 from pipeline.cli.costs import print_wide
 from pipeline.cli.options import data_dir_option
-
-
-def _usd(nano: int) -> str:
-    return f"{nano / 1e9:.9f}"
+from schemas.units import nano_to_usd
 
 
 def print_explanation(explanation: object) -> None:
@@ -27,7 +24,7 @@ def print_explanation(explanation: object) -> None:
     console.print(
         Text(
             f"request {explanation.request_id}: {explanation.amount_nano:,} nano-dollars "
-            f"(${_usd(explanation.amount_nano)})"
+            f"(${nano_to_usd(explanation.amount_nano):.9f})"
         )
     )
     for hour in explanation.hours:

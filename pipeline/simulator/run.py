@@ -125,7 +125,7 @@ def _replica_faults(
         first = int(0.4 * span_ns)
         drop_window = (first, first + int(fraction * span_ns))
         notes["drop-records"] = (
-            f"{replica}: steps starting {drop_window[0] / 1e9:.0f}-{drop_window[1] / 1e9:.0f} s "
+            f"{replica}: steps starting {drop_window[0] / NS_PER_SECOND:.0f}-{drop_window[1] / NS_PER_SECOND:.0f} s "
             "into the span recorded as counted drops"
         )
     wall_rate = 1.0
@@ -137,7 +137,7 @@ def _replica_faults(
     wall_jump = None
     if "clock-jump" in faults:
         jump_s = faults["clock-jump"] or 0.0
-        wall_jump = (span_ns // 2, round(jump_s * 1e9))
+        wall_jump = (span_ns // 2, round(jump_s * NS_PER_SECOND))
         notes["clock-jump"] = (
             f"{replica}: wall clock steps by {jump_s:+g} s at {span_ns / 2e9:.0f} s into the span"
         )
@@ -207,12 +207,12 @@ def simulate(
     notes: dict[str, str] = {}
     if idle is not None:
         notes["idle-replica"] = f"{idle}: receives no traffic"
-    total_s = span_ns / 1e9 * sum(len(p.replicas) for p in pools.pools)
+    total_s = span_ns / NS_PER_SECOND * sum(len(p.replicas) for p in pools.pools)
     done_s = 0.0
 
     def advance(ns: int) -> None:
         nonlocal done_s
-        done_s += ns / 1e9
+        done_s += ns / NS_PER_SECOND
         if progress is not None:
             progress(done_s, total_s)
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from schemas.config import LengthDistribution, Pool
+from schemas.units import NS_PER_SECOND
 
 RETRY_CAUSES = ("client_timeout", "platform_timeout")
 # Time between the gateway receiving a request and the engine seeing it.
@@ -70,7 +71,7 @@ def generate_pool_traffic(
     platform_timeout_fraction = workload.platform_timeout_fraction if workload is not None else 0.0
     parts: list[dict[str, np.ndarray]] = []
     for index, (tenant, feature) in enumerate(features):
-        n = int(rng.poisson(feature.requests_per_s * span_ns / 1e9))
+        n = int(rng.poisson(feature.requests_per_s * span_ns / NS_PER_SECOND))
         received = np.sort(rng.integers(0, span_ns, n))
         user_tokens = _lengths(rng, feature.prompt_tokens, n)
         prompt = feature.system_prompt_tokens + user_tokens
