@@ -21,7 +21,7 @@ from pricing.spec import load_chip
 
 # load_pools raises it: its callers may take it from here.
 from schemas.errors import ConfigError as ConfigError
-from schemas.units import HOUR_NS, nano_of_usd, nano_to_usd, usd_to_nano
+from schemas.units import HOUR_NS, NanoUSD, nano_of_usd, nano_to_usd, usd_to_nano
 
 # The largest price per replica-hour the allocator bills exactly: its clock
 # (pipeline.attribution.clock) multiplies a price by an instant of the hour (< 2**42 ns) split
@@ -215,7 +215,7 @@ class Pool(_Strict):
         raise ValueError(f"pool {self.name!r}: usd_per_gpu_hour {self.usd_per_gpu_hour!r} {why}")
 
     @property
-    def nano_per_gpu_hour(self) -> int:
+    def nano_per_gpu_hour(self) -> NanoUSD:
         """The GPU-hour price in integer nano-dollars: exact, as `_price_bills_exactly` admits
         only prices that are whole nano-dollars as written."""
         return usd_to_nano(Decimal(repr(self.usd_per_gpu_hour)))
