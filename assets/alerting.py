@@ -19,13 +19,13 @@ from dagster_duckdb import DuckDBResource
 
 from assets.partitions import pool_hours_of_run
 from assets.resources import open_warehouse
-from pipeline.hours import hour_key
 from pipeline.reconcile import alerts, failed_checks
 from schemas.config import Settings
+from schemas.errors import ExternalError
+from schemas.units import hour_key
 
 # Dedup keys of the dead-man pages already delivered, in the data directory (the dead-man
 # sensor reads while a run holds the pipeline's state, so it cannot use the outbox).
-SENT_KEYS_FILE = "alerts_sent.keys"
 
 
 def build_failure_pager(partitions: dg.MultiPartitionsDefinition) -> dg.SensorDefinition:
@@ -55,7 +55,7 @@ def build_failure_pager(partitions: dg.MultiPartitionsDefinition) -> dg.SensorDe
     return page_on_call
 
 
-class AlertsUndelivered(RuntimeError):
+class AlertsUndelivered(ExternalError):
     """Alerts the sink has refused for longer than the dead-man delay."""
 
 

@@ -22,13 +22,12 @@ import duckdb
 import polars as pl
 from dagster_duckdb import DuckDBResource
 
-from assets.alerting import SENT_KEYS_FILE
 from assets.partitions import first_hour
 from assets.resources import StepledgerData
-from pipeline.hours import hour_key
 from pipeline.reconcile import alerts
 from pipeline.storage.warehouse import WarehouseError, connect_read_only, query_frame
 from schemas.config import PoolsFile
+from schemas.units import hour_key, instant_to_warehouse
 
 DEADMAN_INTERVAL_SECONDS = 300
 ONE_HOUR = timedelta(hours=1)
@@ -93,13 +92,13 @@ def build_deadman_sensor(
             # A run holds the file open for writing (another process locks it, this process
             # refuses a second configuration): try again at the next tick.
             return dg.SkipReason(f"warehouse busy, not read this tick: {err}")
-        owed = reconciled.filter(pl.col("hour") >= owed_from.replace(tzinfo=None))
+        owed = reconciled.filter(pl.col("hour") >= instant_to_warehouse(owed_from))
         last = last_reconciled_hours(owed, pool_names, owed_from - ONE_HOUR)
         findings = alerts.deadman(last, now, settings)
         sent = alerts.page(
             findings,
             alerts.sink_from_env(),
-            alerts.SentKeysFile(data.root / SENT_KEYS_FILE),
+            alerts.SentKeysFile(data.layout.sent_alert_keys),
             raised_at=now,
         )
         status = ", ".join(

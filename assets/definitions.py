@@ -19,7 +19,7 @@ from assets.reconciliation import build_reconciliation_checks
 from assets.resources import build_resources, data_dir_from_env
 from assets.schedules import build_hourly_schedule
 from assets.sensors import build_new_segments_sensor
-from pipeline.datadir import pools_file
+from pipeline.datadir import DataDir
 from schemas.config import PoolsFile, load_pools
 
 
@@ -47,4 +47,4 @@ def build_definitions(
 @dg.definitions
 def defs() -> dg.Definitions:
     data_dir = data_dir_from_env()
-    return build_definitions(load_pools(pools_file(data_dir)), data_dir)
+    return build_definitions(load_pools(DataDir(data_dir).pools_file), data_dir)

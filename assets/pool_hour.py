@@ -24,14 +24,13 @@ from assets.resources import StepledgerData, open_warehouse
 from pipeline.attribution.attribute import attribute_pool_hour, gather_inputs
 from pipeline.attribution.ledger import LINE_KINDS, HourLedger
 from pipeline.attribution.weights import weight_source
-from pipeline.datadir import CALIBRATION_FILE
-from pipeline.hours import hour_key
 from pipeline.ingestion import gateway
 from pipeline.ingestion.ingest import ingest_outbox
 from pipeline.report.money import usd
 from pipeline.storage import lake
 from pipeline.storage.publish import publish_hour
 from schemas.config import PoolsFile
+from schemas.units import hour_key
 
 GROUP = "pool_hour"
 DUCKDB_POOL = "duckdb"
@@ -120,7 +119,7 @@ def ingest_step_log(
     pool_names = sorted({pool_hour.pool for pool_hour in pool_hours(context)})
     replicas = [r.id for name in pool_names for r in pools.pool(name).replicas]
     with open_warehouse(warehouse) as con:
-        report = ingest_outbox(con, data.outbox, data.lake, replicas=replicas)
+        report = ingest_outbox(con, data.layout.outbox, data.layout.lake, replicas=replicas)
     return dg.MaterializeResult(
         metadata={
             "ingested_files": len(report.ingested_files),
@@ -145,17 +144,19 @@ def load_request_context(
     hours = sorted({run.hour for run in runs})
     files = list(
         dict.fromkeys(
-            path for hour in hours for path in gateway.gateway_files_for_hour(data.gateway, hour)
+            path
+            for hour in hours
+            for path in gateway.gateway_files_for_hour(data.layout.gateway, hour)
         )
     )
     with open_warehouse(warehouse) as con:
         report = gateway.load_gateway_files(con, files, gateway.key_salt())
         for hour, pool_name, key in runs:
-            inputs = gather_inputs(con, data.lake, pools.pool(pool_name), hour)
-            saved = lake.save_inputs(data.lake, inputs)
+            inputs = gather_inputs(con, data.layout.lake, pools.pool(pool_name), hour)
+            saved = lake.save_inputs(data.layout.lake, inputs)
             context.add_asset_metadata(
                 {
-                    WRITTEN: dg.MetadataValue.json(lake.written_hashes(data.lake, [saved])),
+                    WRITTEN: dg.MetadataValue.json(lake.written_hashes(data.layout.lake, [saved])),
                     "requests_of_hour": inputs.context.height,
                 },
                 partition_key=key,
@@ -178,11 +179,13 @@ def attribute_hours(
 
     def attribute(hour: datetime, pool_name: str, key: str) -> dict[str, Any]:
         pool = pools.pool(pool_name)
-        inputs = lake.load_inputs(data.lake, pool_name, hour, inputs_written[key])
-        weights = weight_source(pool, inputs.engine, data.root / CALIBRATION_FILE)
-        result = attribute_pool_hour(data.lake, pool, inputs, weights).ledger
-        lake.save_ledger(data.lake, result)
-        written = lake.written_hashes(data.lake, lake.ledger_files(data.lake, pool_name, hour))
+        inputs = lake.load_inputs(data.layout.lake, pool_name, hour, inputs_written[key])
+        weights = weight_source(pool, inputs.engine, data.layout.calibration_file)
+        result = attribute_pool_hour(data.layout.lake, pool, inputs, weights).ledger
+        lake.save_ledger(data.layout.lake, result)
+        written = lake.written_hashes(
+            data.layout.lake, lake.ledger_files(data.layout.lake, pool_name, hour)
+        )
         return {
             WRITTEN: dg.MetadataValue.json(written),
             "invoice_nano": result.amount_nano,
@@ -207,7 +210,7 @@ def publish_ledgers(
     with open_warehouse(warehouse) as con:
         for hour, pool_name, key in pool_hours(context):
             result = lake.load_ledger(
-                data.lake, pool_name, hour, written_by(context, "attribution", key)
+                data.layout.lake, pool_name, hour, written_by(context, "attribution", key)
             )
             publish_hour(con, result)
             context.log.info(

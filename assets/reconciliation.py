@@ -22,11 +22,11 @@ from dagster_duckdb import DuckDBResource
 from assets.partitions import pool_hours
 from assets.pool_hour import DUCKDB_POOL
 from assets.resources import StepledgerData, open_warehouse
-from pipeline.hours import hour_key
 from pipeline.reconcile import CHECKS, CheckResult, reconcile_hour
 from pipeline.reconcile.alerts import record_alerts
 from pipeline.reconcile.findings import CHECK_SPECS
 from schemas.config import PoolsFile
+from schemas.units import hour_key
 
 # The checks that hold the hour back from the finance views.
 HOLDS_HOUR_BACK = frozenset(spec.name for spec in CHECK_SPECS if spec.blocks_publication)
@@ -81,12 +81,12 @@ def build_reconciliation_checks(
             for hour, pool_name, key in pool_hours(context):
                 results = reconcile_hour(
                     con,
-                    data.lake,
-                    data.dcgm,
+                    data.layout.lake,
+                    data.layout.dcgm,
                     pools.pool(pool_name),
                     hour,
                     pools.settings,
-                    calibration_file=data.calibration_file,
+                    calibration_file=data.layout.calibration_file,
                 )
                 record_alerts(con, results)
                 for name in CHECKS:

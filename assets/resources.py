@@ -14,10 +14,9 @@ import dagster as dg
 import duckdb
 from dagster_duckdb import DuckDBResource
 
-from pipeline.datadir import CALIBRATION_FILE, pools_file
-from pipeline.storage.warehouse import STATE_FILE, WRITER_CONFIG, apply_schema
+from pipeline.datadir import DATA_ENV, DataDir
+from pipeline.storage.warehouse import WRITER_CONFIG, apply_schema
 
-DATA_ENV = "STEPLEDGER_DATA"
 WAREHOUSE_ENV = "STEPLEDGER_WAREHOUSE"
 DEFAULT_DATA_DIR = "demo-run"
 
@@ -28,32 +27,8 @@ class StepledgerData(dg.ConfigurableResource["StepledgerData"]):
     data_dir: str
 
     @property
-    def root(self) -> Path:
-        return Path(self.data_dir)
-
-    @property
-    def outbox(self) -> Path:
-        return self.root / "outbox"
-
-    @property
-    def gateway(self) -> Path:
-        return self.root / "gateway"
-
-    @property
-    def dcgm(self) -> Path:
-        return self.root / "dcgm"
-
-    @property
-    def lake(self) -> Path:
-        return self.root / "lake"
-
-    @property
-    def pools_file(self) -> Path:
-        return pools_file(self.root)
-
-    @property
-    def calibration_file(self) -> Path:
-        return self.root / CALIBRATION_FILE
+    def layout(self) -> DataDir:
+        return DataDir(Path(self.data_dir))
 
 
 def data_dir_from_env() -> Path:
@@ -61,7 +36,7 @@ def data_dir_from_env() -> Path:
 
 
 def warehouse_path(data_dir: Path) -> Path:
-    return Path(os.environ.get(WAREHOUSE_ENV, data_dir / STATE_FILE)).resolve()
+    return Path(os.environ.get(WAREHOUSE_ENV, DataDir(data_dir).state_file)).resolve()
 
 
 def build_resources(

@@ -24,9 +24,9 @@ import dagster as dg
 
 from assets.definitions import build_definitions
 from assets.partitions import partition_key
-from pipeline.datadir import pools_file
-from pipeline.hours import hour_key, parse_hour_key
+from pipeline.datadir import DataDir
 from schemas.config import load_pools
+from schemas.units import hour_key, parse_hour_key
 
 # Dagster's console logger prints every step event; the caller reports per pool-hour instead.
 QUIET_RUN_CONFIG = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
@@ -73,7 +73,7 @@ def execute_pool_hours(
     """Run the pool-hour job of every pool for each of `hours` in turn, in-process on
     `instance` and quietly; yields each run's hour, pool and result."""
     warnings.filterwarnings("ignore", module="dagster")
-    pools = load_pools(pools_file(data_dir))
+    pools = load_pools(DataDir(data_dir).pools_file)
     defs = build_definitions(pools, data_dir.resolve(), warehouse.resolve() if warehouse else None)
     job = defs.resolve_job_def("pool_hour_job")
     for hour in hours:

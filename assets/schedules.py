@@ -10,8 +10,8 @@ import dagster as dg
 
 from assets.jobs import POOL_HOUR_JOB
 from assets.partitions import completed_hour, partition_key
-from pipeline.hours import hour_key
 from schemas.config import PoolsFile
+from schemas.units import hour_key
 
 
 def build_hourly_schedule(pools: PoolsFile) -> dg.ScheduleDefinition:

@@ -32,7 +32,7 @@ def build_new_segments_sensor(pools: PoolsFile) -> dg.SensorDefinition:
     ) -> dg.SensorResult | dg.SkipReason:
         seen_ns = int(context.cursor or 0)
         newest_by_pool: dict[str, int] = {}
-        for path in segment_files(data.outbox, pool_of_replica):
+        for path in segment_files(data.layout.outbox, pool_of_replica):
             # lstat: a dangling symlink or a loop named like a segment is damage for ingestion
             # to report, not a reason for the sensor to fail.
             mtime_ns = path.lstat().st_mtime_ns

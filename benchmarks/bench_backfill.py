@@ -88,7 +88,7 @@ _LANE = textwrap.dedent(
     import dagster as dg
     from benchmarks.bench_backfill import backfill_job
     from assets.partitions import range_tags
-    from pipeline.hours import parse_hour_key
+    from schemas.units import parse_hour_key
 
     failures = []
     with dg.DagsterInstance.get() as instance:
@@ -112,11 +112,14 @@ def backfill_job():
     Module level, so `dg.reconstructable` can rebuild it in every launcher.
     """
     from assets.definitions import build_definitions
-    from assets.resources import data_dir_from_env, pools_file
+    from assets.resources import data_dir_from_env
+    from pipeline.datadir import DataDir
     from schemas.config import load_pools
 
     data = data_dir_from_env()
-    return build_definitions(load_pools(pools_file(data)), data).resolve_job_def("pool_hour_job")
+    return build_definitions(load_pools(DataDir(data).pools_file), data).resolve_job_def(
+        "pool_hour_job"
+    )
 
 
 def simulated_input(hours: int) -> Path:
@@ -162,11 +165,12 @@ def _children_cpu_s() -> float:
 def backfill(data: Path, hours: int) -> tuple[float, float, int]:
     """Run every pool-hour of `data` in a fresh copy of its outputs; (wall seconds, CPU seconds
     of the launchers, peak bytes)."""
-    from pipeline.hours import hour_key
+    from pipeline.datadir import DataDir
     from pipeline.simulator import DEFAULT_START
     from schemas.config import load_pools
+    from schemas.units import hour_key
 
-    pools = load_pools(data / "pools.yaml")
+    pools = load_pools(DataDir(data).own_pools_file)
     # The runs Dagster's backfill plans (BACKFILL_POLICY, tests/assets/test_pool_hour.py): one
     # per pool over all the hours, dealt to the lanes in turn.
     first, last = (hour_key(DEFAULT_START + timedelta(hours=h)) for h in (0, hours - 1))
@@ -175,8 +179,9 @@ def backfill(data: Path, hours: int) -> tuple[float, float, int]:
     with tempfile.TemporaryDirectory(prefix="bench-backfill-") as tmp:
         run = Path(tmp) / "run"
         run.mkdir()
-        for name in ("outbox", "gateway", "dcgm", "pools.yaml"):
-            (run / name).symlink_to(data / name)
+        source, copy = DataDir(data), DataDir(run)
+        for name in ("outbox", "gateway", "dcgm", "own_pools_file"):
+            getattr(copy, name).symlink_to(getattr(source, name))
         home = Path(tmp) / "dagster_home"
         home.mkdir()
         (home / "dagster.yaml").write_text(_INSTANCE_YAML)

@@ -19,7 +19,8 @@ import polars as pl
 
 from benchmarks.figure import Figure
 from pipeline import finance
-from pipeline.storage.warehouse import STATE_FILE, connect, insert_frame, transaction
+from pipeline.datadir import DataDir
+from pipeline.storage.warehouse import connect, insert_frame, transaction
 
 DAYS = 30
 POOLS = ("chat-8b", "reason-dsv3")
@@ -61,7 +62,7 @@ def build(root: Path, *, commits: int) -> None:
     """30 days in `commits` snapshots."""
     days = [_day_rows(day) for day in range(DAYS)]
     per_commit = -(-DAYS // commits)
-    with connect(root / STATE_FILE) as con:
+    with connect(DataDir(root).state_file) as con:
         for first in range(0, DAYS, per_commit):
             batch = days[first : first + per_commit]
             with transaction(con):

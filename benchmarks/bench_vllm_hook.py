@@ -49,6 +49,7 @@ def hook_cost(adapter: Any, steps: int) -> tuple[np.ndarray, np.ndarray]:
     engine step (schedule + update_from_output, hook included)."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
+    from pipeline.datadir import DataDir
     from pipeline.hook.recorder import StepRecorder
     from tests.helpers.steplog_samples import HEADER
     from tests.pipeline.hook.vllm_engine import (
@@ -72,7 +73,7 @@ def hook_cost(adapter: Any, steps: int) -> tuple[np.ndarray, np.ndarray]:
         outer: dict[str, list[int]] = {"schedule": [], "update_from_output": []}
         recording = adapter.recording_scheduler_class(
             _timed_scheduler(AsyncScheduler, inner),
-            lambda scheduler: StepRecorder(root / "outbox", HEADER),
+            lambda scheduler: StepRecorder(DataDir(root).outbox, HEADER),
         )
         scheduler = build_scheduler(_timed_scheduler(recording, outer), config)
         make_request = request_factory(config)

@@ -19,14 +19,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pricing.deployment import All2AllBackend, CudagraphMode, Deployment
 from pricing.spec import load_chip
 
+# load_pools raises it: its callers may take it from here.
+from schemas.errors import ConfigError as ConfigError
+from schemas.units import HOUR_NS, NanoUSD, nano_of_usd, nano_to_usd, usd_to_nano
+
 # The largest price per replica-hour the allocator bills exactly: its clock
 # (pipeline.attribution.clock) multiplies a price by an instant of the hour (< 2**42 ns) split
 # at bit 20, so every product stays below 2**63 (halved for the sum of two products).
-MAX_PRICE_PER_HOUR_NANO = (1 << 63) // ((3_600 * 1_000_000_000) >> 20) // 2
-
-
-class ConfigError(ValueError):
-    """A configuration file is unreadable or invalid; the message names file, line and field."""
+MAX_PRICE_PER_HOUR_NANO = (1 << 63) // (HOUR_NS >> 20) // 2
 
 
 class _Strict(BaseModel):
@@ -200,7 +200,7 @@ class Pool(_Strict):
         its int64 arithmetic can hold: a price it could only bill rounded, as nothing, or
         wrapped around is refused here rather than billed wrong."""
         price = self.usd_per_gpu_hour
-        exact = Decimal(repr(price)) * 1_000_000_000 if math.isfinite(price) else None
+        exact = nano_of_usd(Decimal(repr(price))) if math.isfinite(price) else None
         if exact is None:
             why = "is not a finite number"
         elif exact.to_integral_value() == 0:
@@ -209,7 +209,7 @@ class Pool(_Strict):
             why = (
                 f"makes {price * self.gpus_per_replica:g} USD per replica-hour "
                 f"({self.gpus_per_replica} GPUs), above the "
-                f"{Decimal(MAX_PRICE_PER_HOUR_NANO).scaleb(-9)} USD the allocator bills exactly"
+                f"{nano_to_usd(MAX_PRICE_PER_HOUR_NANO)} USD the allocator bills exactly"
             )
         elif exact != exact.to_integral_value():
             why = f"is not a whole number of nano-dollars ({exact.normalize():f})"
@@ -218,9 +218,10 @@ class Pool(_Strict):
         raise ValueError(f"pool {self.name!r}: usd_per_gpu_hour {self.usd_per_gpu_hour!r} {why}")
 
     @property
-    def nano_per_gpu_hour(self) -> int:
-        """The GPU-hour price in integer nano-dollars (rounded once, here)."""
-        return round(self.usd_per_gpu_hour * 1_000_000_000)
+    def nano_per_gpu_hour(self) -> NanoUSD:
+        """The GPU-hour price in integer nano-dollars: exact, as `_price_bills_exactly` admits
+        only prices that are whole nano-dollars as written."""
+        return usd_to_nano(Decimal(repr(self.usd_per_gpu_hour)))
 
     def deployment(self) -> Deployment:
         """The deployment this pool serves: chip = gpu_type, TP = gpus_per_replica over its
@@ -284,7 +285,7 @@ class PoolsFile(_Strict):
         raise KeyError(f"no pool named {name!r}; the pools file has {[p.name for p in self.pools]}")
 
 
-DEFAULT_POOLS_PATH = Path(__file__).resolve().parent.parent / "pipeline" / "data" / "pools.yaml"
+DEFAULT_POOLS_PATH = Path(__file__).resolve().parent.parent / "pipeline/data/pools.yaml"
 
 
 def _line_of(text: str, loc: tuple[int | str, ...]) -> int | None:

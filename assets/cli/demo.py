@@ -23,8 +23,7 @@ from pipeline.cli.dagster_instance import (
     print_outcome,
 )
 from pipeline.cli.options import DEMO_DIR, directory_option, workers_option
-from pipeline.datadir import CALIBRATION_FILE, hours_in_data
-from pipeline.storage.warehouse import STATE_FILE
+from pipeline.datadir import DataDir
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -82,7 +81,9 @@ def calibrate_fleet(
     simulate(
         sweep, pools, hours=min(hours, CALIBRATION_SWEEP_HOURS), seed=seed + 1, workers=workers
     )
-    return calibrate_from_segments(sorted(sweep.glob("outbox/*/*.seg")), out / CALIBRATION_FILE)
+    return calibrate_from_segments(
+        sorted(DataDir(sweep).outbox.glob("*/*.seg")), DataDir(out).calibration_file
+    )
 
 
 def bill_through_dagster(
@@ -188,7 +189,7 @@ def demo_command(
     )
     for name, what in summary.faults.items():
         console.print(Text.assemble("  ", ("fault", "yellow"), f" {name}: {what}"))
-    runs = bill_through_dagster(out, hours_in_data(out), pools, console)
+    runs = bill_through_dagster(out, DataDir(out).hours(), pools, console)
     costs = cost_report(out, "tenant")
     if not as_json:
         print_report(costs, "costs by tenant (published hours)")
@@ -200,7 +201,8 @@ def demo_command(
     )
     report = out / "report.html"
     with console.status("writing the report"):
-        write_report(out / STATE_FILE, pools, out / "lake", Scope.everything(), report)
+        layout = DataDir(out)
+        write_report(layout.state_file, pools, layout.lake, Scope.everything(), report)
     if as_json:
         click.echo(
             json.dumps(

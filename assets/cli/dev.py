@@ -24,12 +24,12 @@ import click
 
 from pipeline.cli.dagster_instance import (
     CODE_LOCATION,
-    DATA_ENV,
     INSTANCE_TEMPLATE,
     instance_dir,
     prepare_instance,
 )
 from pipeline.cli.options import data_dir_option
+from pipeline.datadir import DATA_ENV
 
 # `dagster dev` stops its webserver, daemon and code server within a few seconds of SIGTERM.
 STOP_GRACE_SECONDS = 20.0

@@ -21,11 +21,12 @@ from assets.resources import warehouse_path
 from assets.runner import execute_pool_hours, pool_hour_outcome
 from pipeline.cli.dagster_instance import print_outcome
 from pipeline.cli.options import data_dir_option, file_option
-from pipeline.datadir import hours_in_data, pools_file
-from pipeline.hours import hour_key, parse_hour_key
+from pipeline.datadir import DataDir
 from pipeline.reconcile import alerts, failed_checks
 from pipeline.storage.warehouse import connect
 from schemas.config import load_pools
+from schemas.errors import StepledgerError
+from schemas.units import hour_key, parse_hour_key
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class PoolHourRun:
     error: str | None  # the root cause of the first step failure that is not a failed check
 
 
-class RunStopped(Exception):
+class RunStopped(StepledgerError):
     """SIGTERM or SIGINT stopped `run_pool_hours` between pool-hours, or in one, which Dagster
     interrupted: its step in flight failed and rolled back, so the hour is as before the run or
     as its last finished step left it. `runs`: the pool-hours done, then the interrupted one
@@ -120,7 +121,7 @@ def run_pool_hours(
     if keep_stdout and isinstance(sink, alerts.JsonLinesSink) and sink.target is None:
         # Standard output is the caller's (run --json): pages printed go to stderr instead.
         sink = alerts.JsonLinesSink(sys.stderr)
-    pools = load_pools(pools_file(data_dir)).pools
+    pools = load_pools(DataDir(data_dir).pools_file).pools
     pool_hours = [(hour, pool.name) for hour in hours for pool in pools]
     runs: list[PoolHourRun] = []
     with dg.DagsterInstance.ephemeral() as instance, _stop_signals() as stop_signal:
@@ -168,7 +169,7 @@ def run_with_progress(
 
     # Quiet runs keep standard output for machine-readable results: the bar goes to stderr.
     console = Console(stderr=quiet)
-    total = len(hours) * len(load_pools(pools_file(data_dir)).pools)
+    total = len(hours) * len(load_pools(DataDir(data_dir).pools_file).pools)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("ledger", total=total)
 
@@ -209,13 +210,15 @@ def run_command(
     """Ingest, attribute, publish and reconcile every pool-hour of DATA."""
     try:
         hours = (
-            sorted({parse_hour_key(k) for k in hour_keys}) if hour_keys else hours_in_data(data_dir)
+            sorted({parse_hour_key(k) for k in hour_keys})
+            if hour_keys
+            else DataDir(data_dir).hours()
         )
     except ValueError as err:
         raise click.BadParameter(str(err), param_hint="--hour") from err
     if not hours:
         raise click.ClickException(
-            f"{data_dir / 'gateway'}: no hourly gateway files, so no hours to run"
+            f"{DataDir(data_dir).gateway}: no hourly gateway files, so no hours to run"
         )
     try:
         runs = run_with_progress(data_dir, hours, warehouse, quiet=as_json)

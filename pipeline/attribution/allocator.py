@@ -21,9 +21,9 @@ from typing import Protocol
 import numba
 import numpy as np
 
-MICRO_PER_USD = 1_000_000
-NANO_PER_USD = 1_000_000_000
-MS_PER_HOUR = 3_600_000
+from schemas.errors import InputError
+from schemas.units import MS_PER_HOUR
+
 # Kernel return code for a negative or non-finite weight (group indices are >= 0, -1 is success).
 _BAD_VALUE = -2
 # Boundary buckets of up to this many rows are ranked in place; bigger ones (many rows with
@@ -31,7 +31,7 @@ _BAD_VALUE = -2
 _INSERTION_SORT_ROWS = 32
 
 
-class AllocationError(ValueError):
+class AllocationError(InputError):
     """A group cannot be split: a positive total with no positive weight, or bad inputs."""
 
 

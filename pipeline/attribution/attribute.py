@@ -20,11 +20,11 @@ from pipeline.attribution.allocations import RequestSelection
 from pipeline.attribution.hour import HourAttribution, attribute_hour
 from pipeline.attribution.weights import kernel_weights
 from pipeline.attribution.workmodel import WeightSource
-from pipeline.hours import hour_key, utc_hour
 from pipeline.ingestion.gateway import context_for_requests
 from pipeline.ingestion.ingest import committed_batches
 from pipeline.storage.lake import AttributionInputs, HourInput, load_hour
 from schemas.config import Pool
+from schemas.units import hour_key, utc_hour
 
 
 def lake_hashes(con: duckdb.DuckDBPyConnection, pool: str, hour: datetime) -> dict[str, str]:

@@ -36,11 +36,13 @@ from pipeline.attribution.workmodel import (
     attention_pairs,
 )
 from schemas.config import Pool
+from schemas.errors import DataError
+from schemas.units import NS_PER_MS
 
 _KEY_FIELDS = ("model", "gpu_type", "engine_version", "driver_version")
 
 
-class CalibrationError(ValueError):
+class CalibrationError(DataError):
     """A calibration fit or store cannot be used; the message names the file, key or field."""
 
 
@@ -81,7 +83,7 @@ def _step_features(steps: pl.DataFrame, slots: pl.DataFrame) -> pl.DataFrame:
     return steps.select(
         "replica",
         "seq",
-        ((pl.col("end_ns") - pl.col("start_ns")).cast(pl.Float64) / 1e6).alias("step_ms"),
+        ((pl.col("end_ns") - pl.col("start_ns")).cast(pl.Float64) / NS_PER_MS).alias("step_ms"),
     ).join(per_step, on=["replica", "seq"], how="inner")
 
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.hours import HOUR_NS
 from schemas.config import MAX_PRICE_PER_HOUR_NANO
+from schemas.units import HOUR_NS
 
 # t < 2**42 within an hour; splitting t = high * 2**20 + low keeps every product below 2**63.
 _LOW_BITS = 20

@@ -20,12 +20,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from pipeline.attribution.allocator import (
-    MICRO_PER_USD,
-    NANO_PER_USD,
-    blend_and_allocate,
-    step_total_units,
-)
+from pipeline.attribution.allocator import blend_and_allocate, step_total_units
 from pipeline.attribution.workmodel import (
     Coefficients,
     KernelWeights,
@@ -35,11 +30,13 @@ from pipeline.attribution.workmodel import (
     split_fixed,
 )
 from pricing import Deployment
+from schemas.errors import InputError
+from schemas.units import MICRO_PER_USD, NANO_PER_USD
 
 UNITS = {"micro": MICRO_PER_USD, "nano": NANO_PER_USD}
 
 
-class ExplainError(ValueError):
+class ExplainError(InputError):
     """A step or a request cannot be explained: a step file is invalid (the message names the
     file, step and field) or a request's hour is not there to read (the message says what is
     missing and where)."""

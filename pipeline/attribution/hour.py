@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import numpy as np
@@ -44,10 +44,10 @@ from pipeline.attribution.ledger import (
 )
 from pipeline.attribution.rollup import RequestTotals, largest_per_request
 from pipeline.attribution.workmodel import KernelWeights, SlotBatch, WeightSource
-from pipeline.hours import HOUR_NS, hour_start_ns
 from pricing import RESOURCES
 from schemas.config import Pool
 from schemas.records import SLOT_COLUMNS
+from schemas.units import HOUR_NS, NS_PER_SECOND, hour_start_ns, to_warehouse
 
 UNATTRIBUTED = "(unattributed)"
 PLATFORM_RETRY_FEATURE = "(platform-retry)"
@@ -356,7 +356,7 @@ def _allocate(
         compute_nano=compute_nano,
         kv_nano=kv_nano,
         exact=split.exact,
-        block_seconds=weighed.kv_weight * busy[first:end][row_step] / 1e9,
+        block_seconds=weighed.kv_weight * busy[first:end][row_step] / NS_PER_SECOND,
         step_work=step_work,
         step_kv_blocks=step_kv_blocks,
     )
@@ -627,7 +627,7 @@ def attribute_hour(
     whose per-step allocation rows to keep, as billed; none by default.
     """
     start_ns = hour_start_ns(hour_start)
-    hour_value = hour_start.astimezone(UTC).replace(tzinfo=None)
+    hour_value = to_warehouse(hour_start)
     _require_columns(slots, "slots", ("replica", "seq", "slot_index", "request_id", *SLOT_COLUMNS))
     _require_columns(
         holders, "holders", ("replica", "seq", "holder_index", "request_id", "kv_blocks", "state")

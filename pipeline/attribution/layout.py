@@ -17,12 +17,13 @@ import numpy as np
 import polars as pl
 
 from pipeline.ahead import ordered_ahead
+from schemas.errors import DataError
 
 # Rows mapped per pass: bounds the transient copies of the key columns.
 _LOOKUP_ROWS = 1 << 22
 
 
-class AttributionError(ValueError):
+class AttributionError(DataError):
     """The hour's tables cannot be attributed; the message names the table, row and field."""
 
 

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from pipeline.hours import hour_start_ns
 from schemas.config import Policies, Pool, Replica
+from schemas.units import hour_start_ns
 
 HOUR = datetime(2026, 11, 30, 5, tzinfo=UTC)
 HOUR_START_NS = hour_start_ns(HOUR)

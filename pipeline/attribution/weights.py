@@ -10,10 +10,11 @@ from pathlib import Path
 
 from pipeline.attribution.calibration import CalibrationStore
 from pipeline.attribution.workmodel import FittedWeights, KernelWeights, WeightSource
-from pipeline.datadir import CALIBRATION_FILE
-from pipeline.hours import hour_key
+from pipeline.datadir import DataDir
 from pipeline.storage.lake import AttributionInputs, load_inputs
 from schemas.config import Pool
+from schemas.errors import DataError
+from schemas.units import hour_key
 
 
 def kernel_weights(pool: Pool) -> KernelWeights:
@@ -33,7 +34,7 @@ def weight_source(
 ) -> WeightSource:
     """The pool's work weights. `engine`: the (engine_version, driver_version) that logged
     most of the pool's steps, None before any segment; `calibration_file`: the store of the
-    calibrated coefficients (`pipeline.datadir.CALIBRATION_FILE`)."""
+    calibrated coefficients (`pipeline.datadir.DataDir.calibration_file`)."""
     if pool.policies.weights == "kernel":
         return kernel_weights(pool)
     if engine is None:
@@ -44,7 +45,7 @@ def weight_source(
     return FittedWeights(store.require(pool.model, pool.gpu_type, *engine))
 
 
-class SavedInputsMissing(LookupError):
+class SavedInputsMissing(DataError, LookupError):
     """A pool-hour's saved attribution inputs, or the calibration its weights need, are gone;
     the message names which."""
 
@@ -54,12 +55,13 @@ def saved_inputs(
 ) -> tuple[AttributionInputs, WeightSource]:
     """What the pool-hour is attributed again from: the inputs its attribution saved to the
     data directory's lake, and the pool's weights for them."""
+    layout = DataDir(data_dir)
     try:
-        inputs = load_inputs(data_dir / "lake", pool.name, hour)
+        inputs = load_inputs(layout.lake, pool.name, hour)
     except FileNotFoundError as err:
         raise SavedInputsMissing(str(err)) from err
     try:
-        weights = weight_source(pool, inputs.engine, data_dir / CALIBRATION_FILE)
+        weights = weight_source(pool, inputs.engine, layout.calibration_file)
     except ValueError as err:  # the fitted weights' calibration is gone
         raise SavedInputsMissing(f"{hour_key(hour)} {pool.name}: {err}") from err
     return inputs, weights

@@ -3,15 +3,23 @@
 
 Each command lives in its own module and is imported only when it runs, so `stepledger
 --help` stays fast and one command's heavy imports (Dagster, the kernel) do not slow another.
+
+A `schemas.errors.StepledgerError` ends the command with its kind's exit code and its message
+in one line on stderr; any other exception is a bug, reported with its traceback and exit code
+70 (`EXIT_BUG`). `--debug` shows the traceback of every error. The codes are documented in
+docs/getting-started.md ("Exit codes").
 """
 
 from __future__ import annotations
 
 import importlib
+import traceback
 from collections.abc import Mapping
 from typing import Any
 
 import click
+
+from schemas.errors import StepledgerError
 
 # command name -> "module:attribute" of its click command, in the order --help lists them.
 COMMANDS: dict[str, str] = {
@@ -50,6 +58,10 @@ Environment:
 Documentation: docs/README.md. Every command takes --help."""
 
 
+# BSD sysexits' EX_SOFTWARE: an internal software error.
+EXIT_BUG = 70
+
+
 class _LazyGroup(click.Group):
     def __init__(self, *args: Any, lazy_commands: Mapping[str, str], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -66,6 +78,27 @@ class _LazyGroup(click.Group):
         command: click.Command = getattr(importlib.import_module(module_name), attribute)
         return command
 
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except StepledgerError as err:
+            if ctx.params.get("debug"):
+                raise
+            # As click reports its own errors: "Error: <message>" on stderr.
+            click.echo(f"Error: {err}", err=True)
+            ctx.exit(err.exit_code)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except Exception:
+            if ctx.params.get("debug"):
+                raise
+            traceback.print_exc()
+            click.echo(
+                "Error: this is a bug in stepledger (the traceback above); please report it",
+                err=True,
+            )
+            ctx.exit(EXIT_BUG)
+
 
 def command_line(commands: Mapping[str, str]) -> click.Group:
     """The `stepledger` group over `commands` (name -> "module:attribute" of each command)."""
@@ -77,7 +110,10 @@ def command_line(commands: Mapping[str, str]) -> click.Group:
         epilog=EPILOG,
     )
     @click.version_option(package_name="stepledger")
-    def main() -> None:
+    @click.option(
+        "--debug", is_flag=True, help="show the Python traceback of an error, not just its message"
+    )
+    def main(debug: bool) -> None:
         """stepledger: what each tenant, feature and request cost on shared inference GPUs.
 
         An engine hook writes binary step records; stepledger decodes them, prices each slot's

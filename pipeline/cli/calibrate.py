@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from pipeline.cli.options import data_dir_option, file_option
+from schemas.errors import InputError
 
 DEFAULT_STORE = Path("calibration.yaml")
 
@@ -37,11 +38,11 @@ def calibrate_command(
 ) -> None:
     """Fit the work model on the steps in DIR, one fit per model, GPU type, engine version and
     driver version found in the segment headers, and store the coefficients with a version."""
-    from pipeline.attribution.calibration import CalibrationError, CalibrationStore, fit_decoded_log
+    from pipeline.attribution.calibration import CalibrationStore, fit_decoded_log
 
     segment_paths = sorted(data_dir.rglob("*.seg"))
     if not segment_paths:
-        raise click.ClickException(f"{data_dir}: no *.seg step-log segments found")
+        raise InputError(f"{data_dir}: no *.seg step-log segments found")
     try:
         from pipeline.ingestion.decoder import read_segments
     except ImportError as err:
@@ -49,11 +50,8 @@ def calibrate_command(
             f"the step-log decoder (pipeline.ingestion.decoder) is not available: {err}"
         ) from err
     log = read_segments(segment_paths)
-    try:
-        store = CalibrationStore.load(store_path)
-        fits = fit_decoded_log(log.steps, log.slots, log.segments)
-    except CalibrationError as err:
-        raise click.ClickException(str(err)) from err
+    store = CalibrationStore.load(store_path)
+    fits = fit_decoded_log(log.steps, log.slots, log.segments)
 
     report = []
     for (model, gpu_type, engine_version, driver_version), fit in fits.items():

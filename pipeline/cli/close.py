@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from datetime import datetime
-from decimal import Decimal
 from pathlib import Path
 
 import click
 
 from pipeline.cli.options import data_dir_option
 from pipeline.finance import close_month
-from pipeline.storage.warehouse import WarehouseError
+from schemas.units import nano_to_usd
 
 
 @click.command("close")
@@ -22,9 +21,6 @@ def close_command(data_dir: Path, month: datetime) -> None:
     """Close a month: one numbered invoice per tenant, and the warehouse snapshot they were
     computed from frozen for its FOCUS export. Refused while any hour of the month is held
     back, and for a month closed before."""
-    try:
-        invoices = close_month(data_dir, month.date())
-    except WarehouseError as err:
-        raise click.ClickException(str(err)) from err
+    invoices = close_month(data_dir, month.date())
     for invoice_id, tenant, amount in invoices:
-        click.echo(f"{invoice_id}  {tenant}  {Decimal(amount).scaleb(-9):,.9f} USD")
+        click.echo(f"{invoice_id}  {tenant}  {nano_to_usd(amount):,.9f} USD")

@@ -20,9 +20,8 @@ import pyarrow.parquet as pq
 
 from pipeline import finance
 from pipeline.cli.options import data_dir_option, file_option
-from pipeline.datadir import OutputPathError, check_output
-from pipeline.hours import parse_range_bound, to_warehouse
-from pipeline.storage.warehouse import WarehouseError
+from pipeline.datadir import check_output
+from schemas.units import parse_range_bound, to_warehouse
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -311,14 +310,11 @@ def costs_command(
     where = CostFilter(first, after, tenants, pools, features)
     if fmt == "table" and out is not None:
         raise click.UsageError("--out writes csv, json or parquet: give --format")
-    try:
-        if out is not None:
-            check_output(out, data_dir)
-        tables = cost_tables(
-            data_dir, by or ("tenant",), where=where, as_of=parse_as_of(as_of) if as_of else None
-        )
-    except (WarehouseError, OutputPathError) as err:
-        raise click.ClickException(str(err)) from err
+    if out is not None:
+        check_output(out, data_dir)
+    tables = cost_tables(
+        data_dir, by or ("tenant",), where=where, as_of=parse_as_of(as_of) if as_of else None
+    )
     if fmt == "parquet":
         assert out is not None
         pq.write_table(tables["costs"], out)

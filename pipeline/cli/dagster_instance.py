@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from pipeline.hours import hour_key
+from pipeline.datadir import DATA_ENV
+from schemas.units import hour_key
 
 if TYPE_CHECKING:
     from rich.console import Console
 
 # The code location (assets.definitions) reads the data directory from this variable.
-DATA_ENV = "STEPLEDGER_DATA"
 CODE_LOCATION = "assets.definitions"
 INSTANCE_TEMPLATE = Path(__file__).resolve().parents[2] / "dagster_home" / "dagster.yaml"
 INSTANCE_DIR_NAME = "dagster"

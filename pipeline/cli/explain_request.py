@@ -10,14 +10,14 @@ import click
 
 from pipeline.cli.costs import print_wide
 from pipeline.cli.options import data_dir_option
-from pipeline.storage.warehouse import WarehouseError
+from schemas.units import nano_to_usd
 
 if TYPE_CHECKING:  # imported when the command runs, to keep the command line quick to start
     from pipeline.finance.explain_request import RequestHour
 
 
 def _usd(nano: int) -> str:
-    return f"{nano / 1e9:.9f}"
+    return f"{nano_to_usd(nano):.9f}"
 
 
 def _facts(hour: RequestHour) -> list[tuple[str, str]]:
@@ -65,7 +65,7 @@ def print_explanation(explanation: object) -> None:
     console.print(
         Text(
             f"request {explanation.request_id}: {explanation.amount_nano:,} nano-dollars "
-            f"(${_usd(explanation.amount_nano)})"
+            f"(${nano_to_usd(explanation.amount_nano):.9f})"
         )
     )
     for hour in explanation.hours:
@@ -119,13 +119,9 @@ def explain_command(request_id: str, data_dir: Path, as_json: bool) -> None:
     slot's work and KV memory-time, the weights and policies in force, the prefix-cache
     charge, how a retry was handled and the compute charge per resource. (explain-step
     splits a single hand-written step.)"""
-    from pipeline.attribution.explain_step import ExplainError
     from pipeline.finance.explain_request import explain_request
 
-    try:
-        explanation = explain_request(data_dir, request_id)
-    except (ExplainError, WarehouseError) as err:
-        raise click.ClickException(str(err)) from err
+    explanation = explain_request(data_dir, request_id)
     if as_json:
         click.echo(json.dumps(explanation.as_json(), indent=2))
     else:

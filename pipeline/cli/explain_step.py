@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from schemas.errors import InputError
+
 
 @click.command("explain-step")
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
@@ -25,22 +27,17 @@ def explain_step_command(file: Path, as_json: bool) -> None:
     "context": 0, "kv_blocks": 32}, ...]}. Use "weights": "kernel" with a "deployment"
     (model, chip, tp, ...) instead of "coefficients" to weigh work with the pricing kernel.
     """
-    from pipeline.attribution.allocator import AllocationError
-    from pipeline.attribution.explain_step import ExplainError, explain_steps, parse_steps
+    from pipeline.attribution.explain_step import explain_steps, parse_steps
 
     try:
         document = json.loads(file.read_text())
     except OSError as err:
-        raise click.ClickException(f"{file}: cannot read: {err.strerror}") from err
+        raise InputError(f"{file}: cannot read: {err.strerror}") from err
     except json.JSONDecodeError as err:
-        raise click.ClickException(
-            f"{file}:{err.lineno}:{err.colno}: not valid JSON: {err.msg}"
-        ) from err
+        raise InputError(f"{file}:{err.lineno}:{err.colno}: not valid JSON: {err.msg}") from err
     try:
         steps, was_array = parse_steps(document, str(file))
         explained = explain_steps(steps)
-    except (ExplainError, AllocationError) as err:
-        raise click.ClickException(str(err)) from err
     except ImportError as err:
         raise click.ClickException(
             f"{file}: kernel weights need the pricing package: {err}"

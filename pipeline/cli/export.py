@@ -8,9 +8,8 @@ from pathlib import Path
 import click
 
 from pipeline.cli.options import data_dir_option, file_option
-from pipeline.datadir import OutputPathError, check_output
+from pipeline.datadir import check_output
 from pipeline.finance.focus import FORMATS, focus_table, write_focus
-from pipeline.storage.warehouse import WarehouseError
 
 # Before and after any charge the ledger can hold.
 _EARLIEST = datetime(1970, 1, 1, tzinfo=UTC)
@@ -59,10 +58,7 @@ def focus_command(
       stepledger export focus --data demo-run --out focus.parquet
       stepledger export focus --data demo-run --out nov.csv --format csv --from 2026-11-01 --to 2026-12-01
     """
-    try:
-        check_output(out, data_dir)
-        table = focus_table(data_dir, _day(start, _EARLIEST), _day(end, _LATEST))
-    except (WarehouseError, OutputPathError) as err:
-        raise click.ClickException(str(err)) from err
+    check_output(out, data_dir)
+    table = focus_table(data_dir, _day(start, _EARLIEST), _day(end, _LATEST))
     write_focus(table, out, fmt)
     click.echo(f"{out}: {table.num_rows:,} FOCUS rows")

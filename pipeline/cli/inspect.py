@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from pipeline.ingestion.decoder import read_segments, segment_paths
+from schemas.units import NS_PER_SECOND
 
 # Ranges printed per cell before the rest are summarised; --json always lists them all.
 _SHOWN_RANGES = 6
@@ -119,7 +120,7 @@ def build_report(paths: list[Path]) -> dict[str, Any]:
 
 def _utc(ns: int) -> str:
     return (
-        datetime.fromtimestamp(ns / 1e9, UTC)
+        datetime.fromtimestamp(ns / NS_PER_SECOND, UTC)
         .isoformat(timespec="milliseconds")
         .replace("+00:00", "Z")
     )

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from pipeline.storage.warehouse import SCHEMA_VERSION, WarehouseError, migrate_previous_layout
+from pipeline.storage.warehouse import SCHEMA_VERSION, migrate_previous_layout
 
 
 @click.command("migrate")
@@ -21,10 +21,7 @@ def migrate_command(data_dir: Path) -> None:
     """Move DATA/warehouse.duckdb (schema version 1) to the DuckLake warehouse DATA/warehouse/
     and the pipeline's state file DATA/pipeline.duckdb; the old file is kept, renamed
     warehouse.duckdb.migrated. Stop the pipeline (and close sessions on the old file) first."""
-    try:
-        moved = migrate_previous_layout(data_dir)
-    except WarehouseError as err:
-        raise click.ClickException(str(err)) from err
+    moved = migrate_previous_layout(data_dir)
     for table, rows in moved.items():
         click.echo(f"{table}: {rows:,} rows")
     click.echo(f"{data_dir}: migrated to schema version {SCHEMA_VERSION}")

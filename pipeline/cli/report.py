@@ -40,10 +40,9 @@ def report_command(
       stepledger report --day 2026-11-30 --out nov30.html
       stepledger report --data /srv/ledger --hour 2026-11-30T05
     """
-    from pipeline.datadir import OutputPathError, check_output, pools_file
-    from pipeline.report import ReportError, Scope, write_report
-    from pipeline.storage.warehouse import STATE_FILE, WarehouseError
-    from schemas.config import ConfigError, load_pools
+    from pipeline.datadir import DataDir, check_output
+    from pipeline.report import Scope, write_report
+    from schemas.config import load_pools
 
     if hour and day:
         raise click.UsageError("give --hour or --day, not both")
@@ -53,13 +52,11 @@ def report_command(
         raise click.BadParameter(str(err), param_hint="--hour" if hour else "--day") from err
     if data_dir is None:
         data_dir = warehouse.parent if warehouse else Path("demo-run")
-    warehouse = warehouse or data_dir / STATE_FILE
+    layout = DataDir(data_dir)
+    warehouse = warehouse or layout.state_file
     period = hour or day or "all"
     out = out or data_dir / f"report-{period}.html"
-    try:
-        check_output(out, data_dir, [warehouse, pools_file(data_dir)])
-        pools = load_pools(pools_file(data_dir))
-        write_report(warehouse, pools, data_dir / "lake", scope, out)
-    except (ReportError, WarehouseError, ConfigError, OutputPathError) as err:
-        raise click.ClickException(str(err)) from err
+    check_output(out, data_dir, [warehouse, layout.pools_file])
+    pools = load_pools(layout.pools_file)
+    write_report(warehouse, pools, layout.lake, scope, out)
     click.echo(out.resolve())

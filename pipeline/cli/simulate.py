@@ -12,7 +12,7 @@ import click
 
 from pipeline.cli.options import directory_option, file_option, workers_option
 from pipeline.simulator.faults import FAULTS, FaultError, parse_fault
-from schemas.config import DEFAULT_POOLS_PATH, ConfigError, PoolsFile, load_pools
+from schemas.config import DEFAULT_POOLS_PATH, PoolsFile, load_pools
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -96,11 +96,8 @@ def simulate_command(
     """
     from rich.console import Console
 
-    try:
-        faults = dict(parse_fault(text) for text in fault_texts)
-        pools = load_pools(pools_path)
-    except (FaultError, ConfigError) as err:
-        raise click.ClickException(str(err)) from err
+    faults = dict(parse_fault(text) for text in fault_texts)
+    pools = load_pools(pools_path)
 
     # With --json, standard output carries only the JSON; the progress bar goes to stderr.
     console = Console(stderr=as_json)

@@ -9,7 +9,6 @@ import click
 
 from pipeline.cli.costs import parse_range, print_wide
 from pipeline.cli.options import data_dir_option
-from pipeline.storage.warehouse import WarehouseError
 
 
 def _percent(value: float | None) -> str:
@@ -45,20 +44,17 @@ def whatif_command(
     \b
     stepledger whatif --hour 2026-11-30T00 --set idle=capacity_owner --set alpha=0.5
     """
-    from pipeline.finance.whatif import WhatIfError, parse_settings, what_if
+    from pipeline.finance.whatif import parse_settings, what_if
 
     if hour is not None and (start or end):
         raise click.UsageError("give --hour or --from/--to, not both")
     first, after = parse_range(hour or start, hour or end)
     if first is None or after is None:
         raise click.UsageError("give --hour, or both --from and --to")
-    try:
-        settings = parse_settings(list(pairs))
-        if not settings:
-            raise click.UsageError("give at least one --set NAME=VALUE")
-        result = what_if(data_dir, first, after, settings)
-    except (WhatIfError, WarehouseError) as err:
-        raise click.ClickException(str(err)) from err
+    settings = parse_settings(list(pairs))
+    if not settings:
+        raise click.UsageError("give at least one --set NAME=VALUE")
+    result = what_if(data_dir, first, after, settings)
     if as_json:
         click.echo(
             json.dumps(

@@ -22,9 +22,9 @@ from pipeline import finance
 from pipeline.attribution.attribute import attribute_pool_hour
 from pipeline.attribution.explain_step import ExplainError
 from pipeline.attribution.weights import SavedInputsMissing, saved_inputs
-from pipeline.datadir import pools_file
-from pipeline.hours import from_warehouse, hour_key
+from pipeline.datadir import DataDir
 from schemas.config import Pool, load_pools
+from schemas.units import from_warehouse, hour_key
 
 # The columns of a request's step shown for each of its allocation rows.
 STEP_COLUMNS = (
@@ -145,14 +145,14 @@ def explain_requests(data_dir: Path, request_ids: Sequence[str]) -> list[Explana
     missing = [r for r in request_ids if r not in charged]
     if missing:
         raise ExplainError(f"request {missing[0]!r}: not charged in the warehouse of {data_dir}")
-    pools = {p.name: p for p in load_pools(pools_file(data_dir)).pools}
+    pools = {p.name: p for p in load_pools(DataDir(data_dir).pools_file).pools}
     hours: dict[str, list[RequestHour]] = {r: [] for r in request_ids}
     for (_, pool_name), hour_charges in charges.group_by("hour", "pool", maintain_order=True):
         pool = pools.get(str(pool_name))
         if pool is None:
             raise ExplainError(
                 f"request {hour_charges['request_id'][0]!r}: pool {pool_name!r} is not in "
-                f"{pools_file(data_dir)}"
+                f"{DataDir(data_dir).pools_file}"
             )
         for request_id, request_hour in _explain_hour(data_dir, pool, hour_charges).items():
             hours[request_id].append(request_hour)
@@ -169,7 +169,7 @@ def _explain_hour(data_dir: Path, pool: Pool, charges: pl.DataFrame) -> dict[str
         raise ExplainError(str(err)) from err
     request_ids = charges["request_id"].to_list()
     attribution = attribute_pool_hour(
-        data_dir / "lake", pool, inputs, weights, allocations_of=request_ids
+        DataDir(data_dir).lake, pool, inputs, weights, allocations_of=request_ids
     )
     steps = _by_request(attribution.allocations)
     details = _by_request(attribution.request_details)

@@ -15,15 +15,16 @@ from pydantic import ValidationError
 from pipeline import finance
 from pipeline.attribution.attribute import attribute_pool_hour
 from pipeline.attribution.weights import SavedInputsMissing, saved_inputs
-from pipeline.datadir import pools_file
-from pipeline.hours import from_warehouse, hour_key, to_warehouse
+from pipeline.datadir import DataDir
 from schemas.config import Policies, Pool, load_pools
+from schemas.errors import InputError
+from schemas.units import from_warehouse, hour_key, to_warehouse
 
 # The policies --set may change (names as in the pools file).
 SETTINGS = ("idle", "prefix_cache", "alpha", "weights")
 
 
-class WhatIfError(ValueError):
+class WhatIfError(InputError):
     """A scenario that cannot be computed; the message names the setting or hour."""
 
 
@@ -83,8 +84,9 @@ FROM ledger_lines WHERE hour = ? AND pool = ? GROUP BY tenant, feature
 
 def what_if(data_dir: Path, start: datetime, end: datetime, settings: dict[str, object]) -> WhatIf:
     """Attribute every billed pool-hour in [start, end) again with `settings` changed."""
-    pools = {p.name: p for p in load_pools(pools_file(data_dir)).pools}
-    lake = data_dir / "lake"
+    layout = DataDir(data_dir)
+    pools = {p.name: p for p in load_pools(layout.pools_file).pools}
+    lake = layout.lake
     befores, afters, hours = [], [], []
     with finance.connect(data_dir) as con:
         billed = con.execute(_BILLED_HOURS, [to_warehouse(start), to_warehouse(end)]).pl()
@@ -96,7 +98,7 @@ def what_if(data_dir: Path, start: datetime, end: datetime, settings: dict[str, 
             hour = from_warehouse(stored)
             if pool_name not in pools:
                 raise WhatIfError(
-                    f"{hour_key(hour)}: pool {pool_name!r} is not in {pools_file(data_dir)}"
+                    f"{hour_key(hour)}: pool {pool_name!r} is not in {layout.pools_file}"
                 )
             pool = with_policies(pools[pool_name], settings)
             try:

@@ -20,7 +20,8 @@ from typing import Any
 
 import polars as pl
 
-from pipeline.hours import hour_bounds_ns, hour_key
+from schemas.errors import DataError
+from schemas.units import NS_PER_MS, hour_bounds_ns, hour_key
 
 GR_ENGINE_ACTIVE = "DCGM_FI_PROF_GR_ENGINE_ACTIVE"
 
@@ -49,11 +50,10 @@ _LABEL = re.compile(r'[ \t]*([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\]|\\.
 _ESCAPES = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
 _ESCAPE = re.compile(r"\\.")
 
-_NS_PER_MS = 1_000_000
 _INT64_LIMIT = 1 << 63
 
 
-class DcgmParseError(ValueError):
+class DcgmParseError(DataError):
     """A DCGM exposition file is malformed; the message names the file, line and problem."""
 
 
@@ -147,7 +147,7 @@ def parse_dcgm(
             raise DcgmParseError(f"{where}: sample value {raw_value!r} is not a number") from None
         if raw_timestamp is not None:
             try:
-                timestamp_ns = int(raw_timestamp) * _NS_PER_MS
+                timestamp_ns = int(raw_timestamp) * NS_PER_MS
             except ValueError:
                 raise DcgmParseError(
                     f"{where}: timestamp {raw_timestamp!r} is not integer milliseconds"

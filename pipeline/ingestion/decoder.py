@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.ingestion import frames
+from schemas.errors import DataError
 from schemas.records import (
     DECODED_HOLDER_STATES,
     DROP_STRUCT,
@@ -64,7 +65,7 @@ _FILE_TYPES = {
 _NO_STEPS = np.zeros(0, np.int64)
 
 
-class UnreadableSegment(OSError):
+class UnreadableSegment(DataError, OSError):
     """A path named like a segment that is not a readable regular file; the message says why."""
 
 

@@ -12,7 +12,7 @@ import hmac
 import json
 import os
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,8 +20,9 @@ import duckdb
 import polars as pl
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError
 
-from pipeline.hours import hour_key, utc_hour
 from pipeline.storage.warehouse import insert_frame, query_frame, transaction
+from schemas.errors import DataError
+from schemas.units import hour_key, instant_to_warehouse, utc_hour, warehouse_now
 
 KEY_SALT_ENV = "STEPLEDGER_KEY_SALT"
 # Used when STEPLEDGER_KEY_SALT is unset, so the demo runs out of the box. Anyone who knows it
@@ -29,7 +30,7 @@ KEY_SALT_ENV = "STEPLEDGER_KEY_SALT"
 DEMO_KEY_SALT = "stepledger-demo-key-salt"
 
 
-class ContextError(ValueError):
+class ContextError(DataError):
     """A gateway file is unreadable or malformed; the message names file, line and field."""
 
 
@@ -117,7 +118,7 @@ def read_gateway_file(path: Path, salt: bytes) -> pl.DataFrame:
         first_line_of[record.request_id] = number
         for name in columns:
             columns[name].append(getattr(record, name))
-    received = [t.astimezone(UTC).replace(tzinfo=None) for t in columns["received_at"]]
+    received = [instant_to_warehouse(t) for t in columns["received_at"]]
     hashed = {key: api_key_id(key, salt) for key in set(columns["api_key"])}
     return pl.DataFrame(
         {
@@ -184,7 +185,7 @@ def load_gateway_files(
             insert_frame(con, "request_context", rows)
             con.execute(
                 "INSERT OR REPLACE INTO context_files VALUES (?, ?, ?, ?)",
-                [file_key(path), digest, rows.height, datetime.now(UTC).replace(tzinfo=None)],
+                [file_key(path), digest, rows.height, warehouse_now()],
             )
         loaded.append(path)
         written += rows.height

@@ -46,12 +46,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.ahead import ordered_ahead
-from pipeline.hours import hour_key
 from pipeline.ingestion.decoder import DecodedLog, UnreadableSegment, open_segment, read_segments
 from pipeline.storage.warehouse import insert_frame, query_frame, transaction
 from schemas.tables import HOLDERS, SLOTS, STEPS
+from schemas.units import HOUR_NS, NS_PER_SECOND, hour_at, hour_key, warehouse_now
 
-NS_PER_HOUR = 3_600_000_000_000
 LAKE_TABLES = {"steps": STEPS, "slots": SLOTS, "holders": HOLDERS}
 STEP_KEY = ["pool", "replica", "seq"]
 # What a lake file holds the rows of: a replica's steps of one hour (hours since the epoch).
@@ -138,7 +137,7 @@ def _unchanged_since(path: Path, size: int, seen_at: datetime) -> bool:
     return (
         stat.S_ISREG(status.st_mode)
         and status.st_size == size
-        and status.st_ctime_ns < seen_at.timestamp() * 1_000_000_000
+        and status.st_ctime_ns < seen_at.timestamp() * NS_PER_SECOND
     )
 
 
@@ -353,11 +352,6 @@ def _ingest_new(
         damage=sum(r.damage for r in reports),
         partitions={p for r in reports for p in r.partitions},
     )
-
-
-def _hour_key(hour_index: int) -> str:
-    """The hour key of an hour counted from the epoch."""
-    return hour_key(datetime.fromtimestamp(hour_index * 3600, tz=UTC))
 
 
 def _held_seqs(
@@ -633,9 +627,11 @@ def _ingest_batch(
     written: dict[str, str] = {}
     if steps is not None and slots is not None and holders is not None and steps.height:
         # The hour as an integer (hours since the epoch): a slot row carries 8 bytes, not a string.
-        hours = steps.select(*STEP_KEY, (pl.col("start_utc_ns") // NS_PER_HOUR).alias("_hour"))
+        hours = steps.select(*STEP_KEY, (pl.col("start_utc_ns") // HOUR_NS).alias("_hour"))
         step_runs = _runs(hours.select(PART_KEY))
-        partitions = {(pool, _hour_key(hour_index)) for (pool, _, hour_index), _, _ in step_runs}
+        partitions = {
+            (pool, hour_key(hour_at(hour_index))) for (pool, _, hour_index), _, _ in step_runs
+        }
         directories = {
             partition_dir(lake, name, *partition)
             for name in LAKE_TABLES
@@ -657,7 +653,7 @@ def _ingest_batch(
                 for (pool, replica, hour_index), part in _hour_parts(
                     table, hours, step_runs, counts, in_order
                 ):
-                    directory = partition_dir(lake, name, pool, _hour_key(hour_index))
+                    directory = partition_dir(lake, name, pool, hour_key(hour_at(hour_index)))
                     targets.append(directory / part_name(replica, part, batch_id))
                     digests.append(
                         writers.submit(_write_part, part, LAKE_TABLES[name], targets[-1])
@@ -665,7 +661,7 @@ def _ingest_batch(
             for target, digest in zip(targets, digests, strict=True):
                 written[str(target.relative_to(lake))] = digest.result()
 
-    now = datetime.now(UTC).replace(tzinfo=None)
+    now = warehouse_now()
     files = {**fresh, **duplicates}
     file_rows = pl.DataFrame(
         {

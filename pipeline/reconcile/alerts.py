@@ -37,11 +37,18 @@ from typing import Any, Literal, Protocol, TextIO
 
 import duckdb
 
-from pipeline.hours import hour_key, parse_hour_key, to_warehouse
 from pipeline.reconcile.findings import NOT_RECONCILED, UNDELIVERED
 from pipeline.reconcile.result import CheckResult, failed
 from pipeline.storage.warehouse import transaction
 from schemas.config import Settings
+from schemas.errors import ConfigError, ExternalError
+from schemas.units import (
+    hour_key,
+    instant_to_warehouse,
+    parse_hour_key,
+    to_warehouse,
+    warehouse_now,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +63,11 @@ ENV_FILE = "STEPLEDGER_ALERT_FILE"
 WebhookFormat = Literal["pagerduty", "slack"]
 
 
-class AlertConfigError(ValueError):
+class AlertConfigError(ConfigError):
     """The alert sink's environment configuration is incomplete or invalid."""
 
 
-class AlertDeliveryError(RuntimeError):
+class AlertDeliveryError(ExternalError):
     """An alert could not be delivered; the message never contains the webhook URL or key."""
 
 
@@ -127,7 +134,7 @@ def alert_for(result: CheckResult, raised_at: datetime) -> Alert:
 def record_alerts(con: duckdb.DuckDBPyConnection, results: Iterable[CheckResult]) -> None:
     """Add an `alerts` row for each failed result not recorded before (keyed by `dedup_key`),
     so a re-run of a failing hour adds no second row."""
-    raised_at = datetime.now(UTC).replace(tzinfo=None)
+    raised_at = warehouse_now()
     with transaction(con):
         for r in results:
             if r.passed:
@@ -397,18 +404,14 @@ def enqueue(con: duckdb.DuckDBPyConnection, alerts: Iterable[Alert]) -> int:
                     [
                         alert.dedup_key,
                         json.dumps(alert.as_json(), sort_keys=True),
-                        _naive(alert.raised_at),
-                        _naive(alert.raised_at),
+                        instant_to_warehouse(alert.raised_at),
+                        instant_to_warehouse(alert.raised_at),
                     ],
                 )
                 .fetchall()
                 .__len__()
             )
     return added
-
-
-def _naive(moment: datetime) -> datetime:
-    return moment.astimezone(UTC).replace(tzinfo=None)
 
 
 def deliver_due(con: duckdb.DuckDBPyConnection, sink: AlertSink, now: datetime) -> list[Alert]:
@@ -420,7 +423,7 @@ def deliver_due(con: duckdb.DuckDBPyConnection, sink: AlertSink, now: datetime) 
     due = con.execute(
         "SELECT dedup_key, alert, attempts FROM alert_outbox "
         "WHERE delivered_at IS NULL AND next_attempt_at <= ? ORDER BY enqueued_at, dedup_key",
-        [_naive(now)],
+        [instant_to_warehouse(now)],
     ).fetchall()
     delivered = []
     for key, text, attempts in due:
@@ -432,14 +435,14 @@ def deliver_due(con: duckdb.DuckDBPyConnection, sink: AlertSink, now: datetime) 
             con.execute(
                 "UPDATE alert_outbox SET attempts = attempts + 1, last_error = ?, "
                 "next_attempt_at = ? WHERE dedup_key = ?",
-                [str(err), _naive(now + wait), key],
+                [str(err), instant_to_warehouse(now + wait), key],
             )
             log.warning("alert %s owed (attempt %d): %s", key, attempts + 1, err)
             break
         con.execute(
             "UPDATE alert_outbox SET attempts = attempts + 1, delivered_at = ?, last_error = NULL "
             "WHERE dedup_key = ?",
-            [_naive(now), key],
+            [instant_to_warehouse(now), key],
         )
         delivered.append(alert)
     return delivered
@@ -482,7 +485,7 @@ def undelivered(
     rows = con.execute(
         "SELECT alert, attempts, last_error, enqueued_at FROM alert_outbox "
         "WHERE delivered_at IS NULL AND enqueued_at <= ? ORDER BY enqueued_at",
-        [_naive(now - grace)],
+        [instant_to_warehouse(now - grace)],
     ).fetchall()
     results = []
     for text, attempts, last_error, enqueued_at in rows:

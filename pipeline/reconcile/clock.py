@@ -6,12 +6,11 @@ from datetime import datetime
 
 import polars as pl
 
-from pipeline.hours import hour_bounds_ns
 from pipeline.reconcile.facts import HourFacts
 from pipeline.reconcile.findings import CLOCK_JUMP
-from pipeline.reconcile.frames import NS_PER_S
 from pipeline.reconcile.result import CheckResult, fold
 from schemas.config import Pool
+from schemas.units import NS_PER_SECOND, hour_bounds_ns
 
 
 def run(facts: HourFacts) -> list[CheckResult]:
@@ -32,7 +31,7 @@ def check_clock(hour: datetime, pool: Pool, clock_jumps: pl.DataFrame) -> list[C
         mine = in_hour.filter(pl.col("replica") == replica.id).sort("first_seq")
         findings = [
             CLOCK_JUMP.found(
-                f"{path}: the wall clock stepped {jump_ns / NS_PER_S:+.3f} s against the "
+                f"{path}: the wall clock stepped {jump_ns / NS_PER_SECOND:+.3f} s against the "
                 f"monotonic clock since segment {previous}; its steps from seq {first_seq} are "
                 "placed by the monotonic clock (fix the host's time source)"
             )

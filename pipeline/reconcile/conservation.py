@@ -6,13 +6,13 @@ from datetime import datetime
 
 import polars as pl
 
-from pipeline.hours import hour_key
 from pipeline.reconcile.facts import HourFacts
 from pipeline.reconcile.findings import UNBILLED_STEPS
 from pipeline.reconcile.frames import steps_of_hour
 from pipeline.reconcile.ranges import compact_ranges, runs
 from pipeline.reconcile.result import CheckResult, fold
 from schemas.config import Pool
+from schemas.units import hour_key
 
 
 def run(facts: HourFacts) -> list[CheckResult]:

@@ -7,10 +7,8 @@ from datetime import UTC, datetime
 
 import polars as pl
 
-from pipeline.hours import hour_bounds_ns
 from schemas.config import Pool
-
-NS_PER_S = 1_000_000_000
+from schemas.units import NS_PER_SECOND, hour_bounds_ns, to_warehouse
 
 
 def steps_of_hour(steps: pl.DataFrame, hour: datetime, pool: Pool) -> pl.DataFrame:
@@ -38,12 +36,10 @@ def rows_of_hour(frame: pl.DataFrame, hour: datetime, pool: str, table: str) -> 
     dtype = frame.schema["hour"]
     if not isinstance(dtype, pl.Datetime):
         raise ValueError(f"{table}.hour is {dtype}, expected a timestamp")
-    moment = hour.astimezone(UTC)
-    if dtype.time_zone is None:
-        moment = moment.replace(tzinfo=None)
+    moment = to_warehouse(hour) if dtype.time_zone is None else hour.astimezone(UTC)
     return frame.filter((pl.col("hour") == moment) & (pl.col("pool") == pool))
 
 
 def seconds(ns: int) -> str:
     """A duration in nanoseconds as seconds with millisecond digits ("1.500 s")."""
-    return f"{ns / NS_PER_S:.3f} s"
+    return f"{ns / NS_PER_SECOND:.3f} s"

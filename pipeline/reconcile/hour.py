@@ -10,7 +10,6 @@ import duckdb
 import polars as pl
 
 from pipeline.attribution.calibration import CalibrationStore
-from pipeline.hours import from_warehouse, hour_key, to_warehouse, utc_hour
 from pipeline.ingestion.dcgm import read_dcgm_hour
 from pipeline.ingestion.ingest import committed_batches
 from pipeline.reconcile import (
@@ -30,6 +29,7 @@ from pipeline.reconcile.result import CheckResult
 from pipeline.storage.lake import last_seq_before, load_hour, steps_of_other_hours
 from pipeline.storage.warehouse import query_frame, record_checks
 from schemas.config import Pool, Settings
+from schemas.units import from_warehouse, hour_key, to_warehouse, utc_hour
 
 # Every check run on a pool-hour, in the order their results are recorded.
 REGISTRY: tuple[Check, ...] = (

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from datetime import datetime
+from decimal import Decimal
 
 import polars as pl
 
 from pipeline.attribution.ledger import LINE_KINDS
-from pipeline.hours import hour_key
 from pipeline.reconcile.facts import HourFacts
 from pipeline.reconcile.findings import (
     INVOICE_COUNT,
@@ -21,6 +21,7 @@ from pipeline.reconcile.findings import (
 from pipeline.reconcile.frames import rows_of_hour
 from pipeline.reconcile.result import CheckResult, failed, fold
 from schemas.config import Pool
+from schemas.units import hour_key, nano_of_usd
 
 
 def run(facts: HourFacts) -> list[CheckResult]:
@@ -46,7 +47,7 @@ def check_money(
     invoice = invoice_rows.row(0, named=True)
     findings = []
     invoice_nano = int(invoice["amount_nano"])
-    priced_nano = int(invoice["gpus"]) * round(float(invoice["usd_per_gpu_hour"]) * 1_000_000_000)
+    priced_nano = int(invoice["gpus"]) * nano_of_usd(Decimal(str(invoice["usd_per_gpu_hour"])))
     if priced_nano != invoice_nano:
         findings.append(
             INVOICE_PRICE.found(

@@ -7,12 +7,12 @@ from datetime import datetime
 
 import polars as pl
 
-from pipeline.hours import HOUR_NS, hour_bounds_ns, hour_key
 from pipeline.reconcile.facts import HourFacts
 from pipeline.reconcile.findings import DCGM_MISSING, GPU_BUSIER, HOST_STALL
 from pipeline.reconcile.frames import steps_of_hour
 from pipeline.reconcile.result import CheckResult, fold
 from schemas.config import Pool, Replica, Settings
+from schemas.units import HOUR_NS, hour_bounds_ns, hour_key
 
 
 def run(facts: HourFacts) -> list[CheckResult]:

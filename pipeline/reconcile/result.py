@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from pipeline.hours import hour_bounds_ns
 from pipeline.reconcile.findings import Finding, FindingKind, Severity, Weights, kinds_of
+from schemas.units import hour_bounds_ns
 
 
 @dataclass(frozen=True)

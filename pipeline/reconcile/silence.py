@@ -6,12 +6,12 @@ from datetime import datetime
 
 import polars as pl
 
-from pipeline.hours import hour_bounds_ns, hour_key
 from pipeline.reconcile.facts import HourFacts
 from pipeline.reconcile.findings import SILENT_REPLICA
 from pipeline.reconcile.frames import steps_of_hour
 from pipeline.reconcile.result import CheckResult, fold
 from schemas.config import Pool, Settings
+from schemas.units import hour_bounds_ns, hour_key
 
 
 def run(facts: HourFacts) -> list[CheckResult]:

@@ -8,12 +8,12 @@ from typing import Any
 
 import polars as pl
 
-from pipeline.hours import HOUR_NS, hour_bounds_ns
 from pipeline.reconcile.facts import HourFacts
 from pipeline.reconcile.findings import CLOCK_SKEW, EXCESS, SHORTFALL, Finding
 from pipeline.reconcile.frames import seconds, steps_of_hour
 from pipeline.reconcile.result import CheckResult, fold
 from schemas.config import Pool, Settings
+from schemas.units import HOUR_NS, hour_bounds_ns
 
 # The (monotonic, wall) anchor pair of a segment is read from two clocks microseconds apart, so
 # UTC placements of consecutive steps may overlap by that much; a millisecond means the wall

@@ -19,11 +19,18 @@ import polars as pl
 
 from pipeline.attribution.ledger import split_by_resource
 from pipeline.attribution.weights import kernel_weights
-from pipeline.hours import from_warehouse, hour_key, parse_hour_key, to_warehouse
 from pipeline.storage.lake import load_ledger
 from pipeline.storage.warehouse import connect_read_only, query_frame
 from pricing import RESOURCES, Slots
 from schemas.config import Pool, PoolsFile
+from schemas.errors import StateError
+from schemas.units import (
+    from_warehouse,
+    hour_key,
+    instant_to_warehouse,
+    parse_hour_key,
+    to_warehouse,
+)
 
 UNATTRIBUTED = "(unattributed)"
 SWEEP_BATCHES = np.arange(1, 257)
@@ -32,7 +39,7 @@ FALLBACK_CONTEXT = 2048
 TOP_REQUESTS = 20
 
 
-class ReportError(ValueError):
+class ReportError(StateError, ValueError):
     """The report cannot be built; the message says what is missing and what to run."""
 
 
@@ -67,7 +74,7 @@ class Scope:
 
     def params(self) -> list[datetime]:
         # Not to_warehouse: the scope's ends need not be hours the warehouse can hold.
-        return [self.start.replace(tzinfo=None), self.end.replace(tzinfo=None)]
+        return [instant_to_warehouse(self.start), instant_to_warehouse(self.end)]
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,6 @@ import base64
 import csv
 import io
 from datetime import datetime, timedelta
-from decimal import Decimal
 from html import escape
 
 import numpy as np
@@ -17,6 +16,7 @@ from pipeline.report import charts
 from pipeline.report.data import ReportData
 from pipeline.report.money import usd, usd_per
 from pricing import RESOURCES
+from schemas.units import NANO_PER_USD, nano_to_usd
 
 KIND_COLOURS = {
     "usage": "#0072B2",
@@ -91,7 +91,7 @@ def _hour_text(hour: datetime) -> str:
 
 
 def _exact_usd(nano: int) -> str:
-    return f"{Decimal(int(nano)).scaleb(-9):f}"
+    return f"{nano_to_usd(nano):f}"
 
 
 def _download(filename: str, frame: pl.DataFrame) -> str:
@@ -155,7 +155,7 @@ def _trend(data: ReportData) -> str:
         for when, amount in (
             trend.filter(pl.col("tenant") == tenant).select("period", "amount_nano").iter_rows()
         ):
-            values[index[when]] = amount / 1e9
+            values[index[when]] = amount / NANO_PER_USD
         series[tenant] = values
     label = (lambda p: p.strftime("%Y-%m-%d")) if by_day else _hour_label
     chart = charts.stacked_bars(
@@ -319,7 +319,7 @@ def _hourly_chart(
             continue
         values = np.zeros(len(hours))
         for hour, amount in part.select("hour", "amount_nano").iter_rows():
-            values[index[hour]] = amount / 1e9
+            values[index[hour]] = amount / NANO_PER_USD
         series[name] = values
     # An hour is hatched when all its pools are held back, else the held-back pools are named.
     held = data.invoices.group_by("hour").agg(

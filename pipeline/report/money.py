@@ -4,21 +4,22 @@ from __future__ import annotations
 
 from decimal import ROUND_HALF_EVEN, Decimal
 
-NANO_PER_USD = Decimal(1_000_000_000)
+from schemas.units import nano_to_usd
+
 AMOUNT_PLACES = 6  # micro-dollars: an hour's line, a request
 UNIT_PLACES = 8  # cost per request and per thousand tokens are fractions of a cent
 
 
 def usd(nano: int, places: int = AMOUNT_PLACES) -> str:
     """'$1,234.567890' (or '-$0.000123') for an integer amount of nano-dollars."""
-    return _dollars(Decimal(int(nano)) / NANO_PER_USD, places)
+    return _dollars(nano_to_usd(nano), places)
 
 
 def usd_per(nano: int, units: int, places: int = UNIT_PLACES) -> str:
     """Dollars per unit, e.g. per request; '-' when there are no units."""
     if not units:
         return "-"
-    return _dollars(Decimal(int(nano)) / Decimal(int(units)) / NANO_PER_USD, places)
+    return _dollars(nano_to_usd(nano) / Decimal(int(units)), places)
 
 
 def _dollars(value: Decimal, places: int) -> str:

@@ -53,7 +53,9 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.datadir import DataDir
 from pipeline.ingestion.decoder import read_segments
+from schemas.errors import InputError
 from schemas.records import FRAME_MARKER, PREAMBLE
 
 # name -> (default value, name of the value or None when it takes none, one-line help)
@@ -90,7 +92,7 @@ UNCALIBRATED_ENGINE_VERSION = "0.12.0rc2"
 DRIVER_VERSION = "570.172.08"
 
 
-class FaultError(ValueError):
+class FaultError(InputError):
     """A fault knob is unknown or has a bad value; the message names it."""
 
 
@@ -210,7 +212,7 @@ def damage_segments(
     if "intact-copy" in faults:
         if not {"torn-segment", "bit-flip"} & set(faults):
             raise FaultError("fault 'intact-copy' needs torn-segment or bit-flip")
-        kept = out_dir / "redelivery" / segment.relative_to(out_dir)
+        kept = DataDir(out_dir).redelivery / segment.relative_to(out_dir)
         kept.parent.mkdir(parents=True, exist_ok=True)
         kept.write_bytes(intact)
         notes["intact-copy"] = f"intact bytes of {shown} kept as {kept.relative_to(out_dir)}"

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from pipeline.datadir import DataDir
 from pipeline.simulator.faults import (
     ENGINE_VERSION,
     UNCALIBRATED_ENGINE_VERSION,
@@ -37,6 +38,7 @@ from pipeline.simulator.telemetry import GpuActivity, gpu_model_name, write_dcgm
 from pipeline.simulator.workload import PoolTraffic, generate_pool_traffic
 from pricing import Kernel
 from schemas.config import Pool, PoolsFile, Replica
+from schemas.units import HOUR_NS, NS_PER_SECOND
 
 DEFAULT_START = datetime(2026, 11, 30, tzinfo=UTC)
 # Purposes of the seeded random streams.
@@ -123,7 +125,7 @@ def _replica_faults(
         first = int(0.4 * span_ns)
         drop_window = (first, first + int(fraction * span_ns))
         notes["drop-records"] = (
-            f"{replica}: steps starting {drop_window[0] / 1e9:.0f}-{drop_window[1] / 1e9:.0f} s "
+            f"{replica}: steps starting {drop_window[0] / NS_PER_SECOND:.0f}-{drop_window[1] / NS_PER_SECOND:.0f} s "
             "into the span recorded as counted drops"
         )
     wall_rate = 1.0
@@ -135,7 +137,7 @@ def _replica_faults(
     wall_jump = None
     if "clock-jump" in faults:
         jump_s = faults["clock-jump"] or 0.0
-        wall_jump = (span_ns // 2, round(jump_s * 1e9))
+        wall_jump = (span_ns // 2, round(jump_s * NS_PER_SECOND))
         notes["clock-jump"] = (
             f"{replica}: wall clock steps by {jump_s:+g} s at {span_ns / 2e9:.0f} s into the span"
         )
@@ -174,11 +176,10 @@ def _check_arguments(out_dir: Path, hours: float, workers: int, start: datetime)
         raise ValueError(f"start must be a UTC datetime, got {start!r}")
     if (start.minute, start.second, start.microsecond) != (0, 0, 0):
         raise ValueError(f"start must be on the hour, got {start.isoformat()}")
-    for existing in ("pools.yaml", "outbox", "gateway", "dcgm"):
-        if (out_dir / existing).exists():
-            raise FileExistsError(
-                f"{out_dir / existing} exists: simulate into a new or empty directory"
-            )
+    layout = DataDir(out_dir)
+    for existing in (layout.own_pools_file, layout.outbox, layout.gateway, layout.dcgm):
+        if existing.exists():
+            raise FileExistsError(f"{existing} exists: simulate into a new or empty directory")
 
 
 @dataclass(frozen=True)
@@ -200,8 +201,8 @@ def _plan(
     faults: dict[str, float | None],
     notes: dict[str, str],
 ) -> _Plan:
-    span_ns = round(hours * 3_600_000_000_000)
-    start_wall_ns = int(start.timestamp()) * 1_000_000_000
+    span_ns = round(hours * HOUR_NS)
+    start_wall_ns = int(start.timestamp()) * NS_PER_SECOND
     target, idle = _fault_targets(pools, faults)
     if idle is not None:
         notes["idle-replica"] = f"{idle}: receives no traffic"
@@ -225,7 +226,7 @@ def _plan(
                 prefix_tokens=pool_traffic.prefix_tokens,
                 span_ns=span_ns,
                 start_wall_ns=start_wall_ns,
-                outbox=out_dir / "outbox" / replica.id,
+                outbox=DataDir(out_dir).replica_outbox(replica.id),
                 faults=_replica_faults(replica.id, target, faults, span_ns, notes),
                 rng=_rng(seed, pool_index, _ENGINE, replica_index),
                 step_noise=step_noise,
@@ -312,17 +313,17 @@ def simulate(
     _check_arguments(out_dir, hours, workers, start)
     faults = {name: validate_fault(name, value) for name, value in (faults or {}).items()}
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "pools.yaml").write_text(
+    DataDir(out_dir).own_pools_file.write_text(
         yaml.safe_dump(pools.model_dump(mode="json"), sort_keys=False)
     )
     notes: dict[str, str] = {}
     plan = _plan(out_dir, pools, hours, seed, start, faults, notes)
-    total_s = plan.span_ns / 1e9 * sum(len(p.replicas) for p in pools.pools)
+    total_s = plan.span_ns / NS_PER_SECOND * sum(len(p.replicas) for p in pools.pools)
     done_s = 0.0
 
     def advance(ns: int) -> None:
         nonlocal done_s
-        done_s += ns / 1e9
+        done_s += ns / NS_PER_SECOND
         if progress is not None:
             progress(done_s, total_s)
 

@@ -21,8 +21,9 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from pipeline.hours import HOUR_NS, hour_key
+from pipeline.datadir import DataDir
 from pipeline.simulator.workload import RETRY_CAUSES, PoolTraffic
+from schemas.units import HOUR_NS, NS_PER_SECOND, hour_key
 
 SCRAPE_INTERVAL_NS = 15_000_000_000
 DCGM_METRIC = "DCGM_FI_PROF_GR_ENGINE_ACTIVE"
@@ -91,7 +92,7 @@ def write_dcgm(
     start_ms = int(start.timestamp() * 1000)
     written: list[Path] = []
     for hostname in sorted(by_host):
-        phase_ns = int(rng.integers(1_000_000_000, SCRAPE_INTERVAL_NS))
+        phase_ns = int(rng.integers(NS_PER_SECOND, SCRAPE_INTERVAL_NS))
         scrape_ns = np.arange(phase_ns, span_ns, SCRAPE_INTERVAL_NS, dtype=np.int64)
         window_start = np.maximum(scrape_ns - SCRAPE_INTERVAL_NS, 0)
         lines_per_scrape: list[np.ndarray] = []
@@ -125,7 +126,7 @@ def write_dcgm(
         # One block per scrape, GPUs in order, as an exporter serves them.
         lines = np.stack(lines_per_scrape, axis=1) if lines_per_scrape else np.zeros((0, 0), object)
         hour_of_scrape = scrape_ns // HOUR_NS
-        host_dir = out_dir / "dcgm" / hostname
+        host_dir = DataDir(out_dir).dcgm / hostname
         host_dir.mkdir(parents=True, exist_ok=True)
         for hour in np.unique(hour_of_scrape).tolist():
             rows = lines[hour_of_scrape == hour]
@@ -148,7 +149,7 @@ def write_gateway(
 ) -> int:
     """Write the gateway context of every request, leaving out `missing_fraction` of them at
     random; returns the number of lines written."""
-    start_ns = int(start.timestamp()) * 1_000_000_000
+    start_ns = int(start.timestamp()) * NS_PER_SECOND
     frames = []
     for pool in traffic:
         if not len(pool):
@@ -182,7 +183,7 @@ def write_gateway(
     lines = pl.concat(frames).sort("received_ns", maintain_order=True)
     if missing_fraction > 0:
         lines = lines.filter(pl.Series(rng.random(lines.height) >= missing_fraction))
-    gateway_dir = out_dir / "gateway"
+    gateway_dir = DataDir(out_dir).gateway
     gateway_dir.mkdir(parents=True, exist_ok=True)
     for (hour,), part in lines.group_by("hour", maintain_order=True):
         path = gateway_dir / f"{hour_key(start + timedelta(hours=hour))}.jsonl"

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from schemas.config import Feature, LengthDistribution, Pool, Tenant
+from schemas.units import NS_PER_SECOND
 
 RETRY_CAUSES = ("client_timeout", "platform_timeout")
 # Time between the gateway receiving a request and the engine seeing it.
@@ -121,7 +122,7 @@ def _feature_requests(
     platform_timeout_fraction: float,
 ) -> dict[str, np.ndarray]:
     """One feature's requests over [0, span_ns), in the order they were received."""
-    n = int(rng.poisson(feature.requests_per_s * span_ns / 1e9))
+    n = int(rng.poisson(feature.requests_per_s * span_ns / NS_PER_SECOND))
     received = np.sort(rng.integers(0, span_ns, n))
     user_tokens = _lengths(rng, feature.prompt_tokens, n)
     prompt = feature.system_prompt_tokens + user_tokens

@@ -32,8 +32,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.attribution.ledger import STORED_TABLES, HourLedger, Invoice
-from pipeline.hours import hour_key, hour_start_ns, utc_hour
 from pipeline.ingestion.ingest import LAKE_TABLES, STEP_KEY, batch_of, partition_dir
+from schemas.errors import DataError
+from schemas.units import hour_key, hour_start_ns, utc_hour
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class HourInput:
     holders: pl.DataFrame
 
 
-class LakeFileChanged(RuntimeError):
+class LakeFileChanged(DataError, RuntimeError):
     """A lake file's bytes differ from what was written, or it was added since."""
 
 

@@ -27,7 +27,8 @@ from typing import Any
 import duckdb
 import polars as pl
 
-from pipeline.hours import hour_key, utc_hour
+from schemas.errors import StateError
+from schemas.units import hour_key, to_warehouse, warehouse_now
 
 SQL_DIR = Path(__file__).resolve().parents[2] / "sql"
 SCHEMA_SQL = SQL_DIR / "schema.sql"
@@ -51,7 +52,7 @@ LINE_KINDS = ("usage", "idle", "headroom", "unattributed", "platform_retry", "ca
 SEVERITIES = ("ERROR", "WARN")
 
 
-class WarehouseError(RuntimeError):
+class WarehouseError(StateError):
     """The warehouse is missing, of another layout, or a write does not match a table."""
 
 
@@ -385,11 +386,6 @@ def transaction(con: duckdb.DuckDBPyConnection) -> Iterator[duckdb.DuckDBPyConne
     con.execute("COMMIT")
 
 
-def _naive(hour: datetime) -> datetime:
-    # Warehouse hours are TIMESTAMP (no zone) holding UTC.
-    return utc_hour(hour).replace(tzinfo=None)
-
-
 def _naive_hours(frame: pl.DataFrame) -> pl.DataFrame:
     dtype = frame.schema.get("hour")
     if isinstance(dtype, pl.Datetime) and dtype.time_zone is not None:
@@ -440,7 +436,7 @@ def replace_hour(
     If the hour was billed before, `reruns` gets a row per tenant with the old and new amounts
     and the reason, and the snapshot that still holds the old charges.
     """
-    naive_hour = _naive(hour)
+    naive_hour = to_warehouse(hour)
     tables = {name: _naive_hours(frame) for name, frame in tables.items()}
     for name, frame in tables.items():
         if frame.height and not (
@@ -530,10 +526,10 @@ def record_checks(
         raise WarehouseError(
             f"reconciliation: results of checks {stray} not among those replaced {check_names}"
         )
-    checked_at = datetime.now(UTC).replace(tzinfo=None)
+    checked_at = warehouse_now()
     rows = pl.DataFrame(
         {
-            "hour": [_naive(r.hour) for r in results],
+            "hour": [to_warehouse(r.hour) for r in results],
             "pool": [r.pool for r in results],
             "replica": [r.replica for r in results],
             "check_name": [r.check_name for r in results],
@@ -561,7 +557,7 @@ def record_checks(
             "checked_at": pl.Datetime("us"),
         },
     )
-    naive_hour = _naive(hour)
+    naive_hour = to_warehouse(hour)
     if rows.height and not (rows["pool"].eq(pool).all() and rows["hour"].eq(naive_hour).all()):
         raise WarehouseError(f"reconciliation: results outside hour {hour_key(hour)} pool {pool!r}")
     severities = sorted(set(rows["severity"].to_list()) - set(SEVERITIES))

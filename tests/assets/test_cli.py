@@ -95,7 +95,7 @@ def test_run_rejects_a_malformed_hour(simulated: Path) -> None:
 
 def test_costs_without_a_warehouse_says_so(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["costs", "--data", str(tmp_path)])
-    assert result.exit_code == 1 and "no warehouse" in result.output
+    assert result.exit_code == 6 and "no warehouse" in result.output
 
 
 def test_demo_replaces_only_an_earlier_demo(tmp_path: Path) -> None:

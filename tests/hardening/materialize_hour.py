@@ -33,11 +33,11 @@ def main(argv: list[str]) -> None:
     from assets import pool_hour, reconciliation
     from assets.definitions import build_definitions
     from assets.partitions import partition_key
-    from pipeline.datadir import pools_file
-    from pipeline.hours import parse_hour_key
+    from pipeline.datadir import DataDir
     from pipeline.ingestion import gateway, ingest
     from pipeline.storage import lake
     from schemas.config import load_pools
+    from schemas.units import parse_hour_key
     from tests.helpers.fleets import QUIET
 
     warnings.filterwarnings("ignore")
@@ -59,7 +59,9 @@ def main(argv: list[str]) -> None:
     ]
     for module, name in stages:
         setattr(module, name, announced(name, getattr(module, name)))
-    job = build_definitions(load_pools(pools_file(data)), data).resolve_job_def("pool_hour_job")
+    job = build_definitions(load_pools(DataDir(data).pools_file), data).resolve_job_def(
+        "pool_hour_job"
+    )
     print("ready", flush=True)
     job.execute_in_process(
         partition_key=partition_key(hour, pool),

@@ -18,8 +18,8 @@ import dagster as dg
 import polars as pl
 import pytest
 
-from pipeline.hours import hour_key
 from pipeline.storage.warehouse import STATE_FILE, connect
+from schemas.units import hour_key
 from tests.helpers.fleets import bill, rerecord, simulate_small, small_pools
 from tests.helpers.hours import SIMULATED_HOUR
 

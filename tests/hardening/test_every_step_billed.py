@@ -21,13 +21,13 @@ from assets.definitions import build_definitions
 from assets.partitions import partition_key
 from assets.runner import QUIET_RUN_CONFIG as QUIET
 from assets.runner import root_cause
-from pipeline.hours import HOUR_NS, hour_key
 from pipeline.ingestion.decoder import read_segments
 from pipeline.reconcile import alerts
 from pipeline.simulator.sink import SimulatedSink, serve_sink
 from pipeline.storage.lake import inputs_path, ledger_files
 from pipeline.storage.warehouse import STATE_FILE, connect, connect_read_only
 from schemas.config import PoolsFile
+from schemas.units import HOUR_NS, hour_key
 from tests.helpers.fleets import bill, costs, record_again, simulate_small, small_pools
 from tests.helpers.hours import SIMULATED_HOUR
 

@@ -89,7 +89,7 @@ def test_no_output_replaces_a_file_of_the_data_directory(
         result = CliRunner().invoke(
             main, [*COMMANDS[command], "--data", str(data), "--out", str(out)]
         )
-        assert result.exit_code == 1, (how, result.output)
+        assert result.exit_code == 3, (how, result.output)
         message = " ".join(result.output.split())
         assert message.startswith(f"Error: {out}: refusing to write there, {what} ("), (
             how,
@@ -107,7 +107,7 @@ def test_the_report_refuses_to_replace_a_warehouse_named_elsewhere(
         main,
         ["report", "--data", str(data), "--warehouse", str(elsewhere), "--out", str(elsewhere)],
     )
-    assert result.exit_code == 1
+    assert result.exit_code == 3
     assert f"{elsewhere}: refusing to write there, it is an input of this command" in " ".join(
         result.output.split()
     )

@@ -6,11 +6,11 @@ import numpy as np
 import polars as pl
 
 from pipeline.attribution.synthetic import synthetic_pool
-from pipeline.hours import hour_bounds_ns
 from pipeline.ingestion.dcgm import DCGM_SCHEMA
 from pipeline.reconcile import CheckResult, check_sequence
 from schemas.config import Pool
 from schemas.tables import DAMAGE, DROPS, SEGMENTS, STEPS
+from schemas.units import hour_bounds_ns
 from tests.helpers.hours import HOUR
 
 HOUR_START_NS, HOUR_END_NS = hour_bounds_ns(HOUR)

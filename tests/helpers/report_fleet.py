@@ -17,7 +17,7 @@ import yaml
 
 from pipeline.attribution.attribute import attribute_pool_hour, gather_inputs
 from pipeline.attribution.weights import weight_source
-from pipeline.datadir import CALIBRATION_FILE
+from pipeline.datadir import DataDir
 from pipeline.ingestion import gateway
 from pipeline.ingestion.ingest import ingest_outbox
 from pipeline.reconcile import reconcile_hour
@@ -104,7 +104,7 @@ def build_fleet(root: Path) -> Path:
                 con, gateway.gateway_files_for_hour(gateway_dir, hour), gateway.key_salt()
             )
             inputs = gather_inputs(con, lake, pool, hour)
-            weights = weight_source(pool, inputs.engine, root / CALIBRATION_FILE)
+            weights = weight_source(pool, inputs.engine, DataDir(root).calibration_file)
             ledger = attribute_pool_hour(lake, pool, inputs, weights).ledger
             save_ledger(lake, ledger)
             publish_hour(con, ledger)

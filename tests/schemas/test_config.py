@@ -3,8 +3,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from schemas.config import DEFAULT_POOLS_PATH, AlphaFromEvidence, ConfigError, Policies, load_pools
+from schemas.config import DEFAULT_POOLS_PATH, AlphaFromEvidence, Policies, Pool, load_pools
+from schemas.errors import ConfigError, StepledgerError
 
 
 def test_default_pools_file_loads():
@@ -107,3 +110,24 @@ def test_non_utf8_file_names_the_byte(tmp_path):
         ConfigError, match=r"pools\.yaml: not UTF-8 text \(byte 20\): invalid continuation byte"
     ):
         load_pools(path)
+
+
+@given(st.integers(1, 10**11))
+def test_a_price_of_whole_nano_dollars_is_billed_exactly(nano):
+    chat = load_pools(DEFAULT_POOLS_PATH).pool("chat-8b")
+    price = float(f"{nano // 10**9}.{nano % 10**9:09d}")
+    pool = Pool.model_validate({**chat.model_dump(), "usd_per_gpu_hour": price})
+    assert pool.nano_per_gpu_hour == nano
+
+
+def test_a_bad_pools_file_is_a_config_error_of_the_hierarchy(tmp_path: Path):
+    pools = tmp_path / "pools.yaml"
+    pools.write_text(
+        DEFAULT_POOLS_PATH.read_text().replace("usd_per_gpu_hour", "usd_per_gpu_hr", 1)
+    )
+    with pytest.raises(
+        StepledgerError, match=r"pools\.yaml:\d+: field pools\.0\.usd_per_gpu_hour: Field required"
+    ) as raised:
+        load_pools(pools)
+    assert isinstance(raised.value, ConfigError)
+    assert raised.value.exit_code == 4

@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 from pipeline.attribution.allocator import AllocationError, blend_and_allocate
 from pipeline.attribution.clock import cumulative_nano, step_costs_in_hour
 from pipeline.attribution.kv import alpha_for_period, first_writer_blocks, holder_blocks
-from pipeline.hours import HOUR_NS
 from schemas.config import AlphaFromEvidence, Policies
+from schemas.units import HOUR_NS
 
 
 @settings(max_examples=200, deadline=None)

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from pipeline import finance
 from pipeline.cli.costs import costs_command
-from pipeline.hours import parse_range_bound
 from pipeline.storage.warehouse import connect
+from schemas.units import parse_range_bound
 from tests.pipeline.storage.test_warehouse import publish
 
 DAY_ONE = datetime(2026, 11, 30, 22, tzinfo=UTC)

@@ -96,7 +96,7 @@ def test_explain_reproduces_a_request_charge(billed: Path) -> None:
     table = CliRunner().invoke(main, ["explain", request_id, "--data", str(billed)])
     assert table.exit_code == 0 and "reproduced" in table.output
     missing = CliRunner().invoke(main, ["explain", "no-such-request", "--data", str(billed)])
-    assert missing.exit_code == 1 and "'no-such-request': not charged" in missing.output
+    assert missing.exit_code == 3 and "'no-such-request': not charged" in missing.output
 
 
 def test_explain_reproduces_every_request_of_the_hour(billed: Path) -> None:
@@ -167,11 +167,11 @@ def test_whatif_changes_costs_without_publishing(billed: Path) -> None:
     bad = CliRunner().invoke(
         main, ["whatif", "--data", str(billed), "--hour", HOUR, "--set", "idle=x"]
     )
-    assert bad.exit_code == 1 and "--set on pool 'chat-8b': idle" in bad.output
+    assert bad.exit_code == 3 and "--set on pool 'chat-8b': idle" in bad.output
     fitted = CliRunner().invoke(
         main, ["whatif", "--data", str(billed), "--hour", HOUR, "--set", "weights=fitted"]
     )
-    assert fitted.exit_code == 1
+    assert fitted.exit_code == 3
     assert (
         "2026-11-30T00 chat-8b: no calibration for model 'llama-3.1-8b-instruct'" in fitted.output
     )

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.hours import hour_bounds_ns
 from pipeline.ingestion.dcgm import DCGM_SCHEMA, DcgmParseError, parse_dcgm, read_dcgm_hour
+from schemas.units import hour_bounds_ns
 from tests.helpers.hours import HOUR
 
 HOUR_MS = hour_bounds_ns(HOUR)[0] // 1_000_000

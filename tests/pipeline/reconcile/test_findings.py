@@ -10,7 +10,6 @@ import duckdb
 import polars as pl
 import pytest
 
-from pipeline.hours import hour_key
 from pipeline.reconcile import (
     CHECKS,
     CheckResult,
@@ -28,6 +27,7 @@ from pipeline.reconcile.findings import CHECK_SPECS, FINDINGS, FindingKind
 from pipeline.reconcile.findings_doc import findings_table, with_findings_table
 from pipeline.storage.warehouse import STATE_SQL
 from schemas.config import Settings
+from schemas.units import hour_key
 from tests.helpers.hours import HOUR
 from tests.helpers.reconcile_builders import (
     HOUR_START_NS,

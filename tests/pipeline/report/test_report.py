@@ -185,7 +185,7 @@ def test_renders_in_headless_chromium(report: tuple[Path, str], tmp_path: Path) 
         (["--hour", "2026-11-30T05", "--day", "2026-11-30"], 2, "give --hour or --day, not both"),
         (["--hour", "yesterday"], 2, "is not of the form YYYY-MM-DDTHH"),
         (["--day", "2026-13-01"], 2, "is not of the form YYYY-MM-DD"),
-        (["--hour", "2026-12-01T00"], 1, "no invoiced hours in hour 2026-12-01T00 UTC"),
+        (["--hour", "2026-12-01T00"], 6, "no invoiced hours in hour 2026-12-01T00 UTC"),
     ],
 )
 def test_bad_input_says_what_to_do(
@@ -198,7 +198,7 @@ def test_bad_input_says_what_to_do(
 
 def test_missing_warehouse_is_a_clear_error(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["report", "--data", str(tmp_path)])
-    assert result.exit_code == 1
+    assert result.exit_code == 6
     assert (
         f"{tmp_path / 'warehouse' / 'catalog.sqlite'}: no warehouse (run `stepledger demo` or `stepledger run` first)"
         in result.output

@@ -7,7 +7,7 @@ import pytest
 
 from pipeline.attribution.attribute import attribute_pool_hour, gather_inputs
 from pipeline.attribution.weights import weight_source
-from pipeline.datadir import CALIBRATION_FILE
+from pipeline.datadir import DataDir
 from pipeline.ingestion.gateway import gateway_files_for_hour, key_salt, load_gateway_files
 from pipeline.ingestion.ingest import committed_batches, ingest_outbox
 from pipeline.storage.lake import load_inputs, save_inputs
@@ -100,7 +100,10 @@ def test_the_ledger_comes_from_the_lake_alone(data: Path) -> None:
         inputs = gather_inputs(con, data / "lake", POOL, HOUR)
     (data / "warehouse.duckdb").unlink()
     ledger = attribute_pool_hour(
-        data / "lake", POOL, inputs, weight_source(POOL, inputs.engine, data / CALIBRATION_FILE)
+        data / "lake",
+        POOL,
+        inputs,
+        weight_source(POOL, inputs.engine, DataDir(data).calibration_file),
     ).ledger
     costs = dict(
         zip(ledger.request_costs["request_id"], ledger.request_costs["tenant"], strict=True)
@@ -126,5 +129,5 @@ def test_inputs_missing_or_of_another_pool_are_refused(data: Path) -> None:
             data / "lake",
             other,
             inputs,
-            weight_source(other, inputs.engine, data / CALIBRATION_FILE),
+            weight_source(other, inputs.engine, DataDir(data).calibration_file),
         )

@@ -1,19 +1,25 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta, timezone
+from decimal import Decimal
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.hours import (
+from schemas.units import (
     HOUR_NS,
     from_warehouse,
+    hour_at,
     hour_bounds_ns,
     hour_key,
     hour_start_ns,
+    instant_to_warehouse,
+    nano_of_usd,
+    nano_to_usd,
     parse_hour_key,
     to_warehouse,
+    usd_to_nano,
     utc_hour,
 )
 from tests.helpers.hours import HOUR
@@ -74,3 +80,44 @@ def test_dagster_partition_keys_parse_and_other_forms_are_refused():
 def test_an_aware_warehouse_timestamp_is_refused():
     with pytest.raises(ValueError, match="warehouse hours are naive UTC"):
         from_warehouse(HOUR)
+
+
+def test_dollars_become_whole_nano_dollars_exactly():
+    assert usd_to_nano(Decimal("3.60")) == 3_600_000_000
+    assert usd_to_nano(Decimal("0.000000001")) == 1
+    assert usd_to_nano(Decimal("-12.5")) == -12_500_000_000
+    # 2**63 - 1 nano-dollars, beyond a float's 53 bits of mantissa.
+    assert usd_to_nano(Decimal("9223372036.854775807")) == 9_223_372_036_854_775_807
+
+
+def test_a_fraction_of_a_nano_dollar_is_refused_not_rounded():
+    assert nano_of_usd(Decimal("0.0000000015")) == Decimal("1.5")
+    with pytest.raises(
+        ValueError, match=r"0\.0000000015 USD is not a whole number of nano-dollars"
+    ):
+        usd_to_nano(Decimal("0.0000000015"))
+
+
+@given(st.integers(-(2**63), 2**63 - 1))
+def test_nano_dollars_round_trip_through_exact_dollars(nano):
+    dollars = nano_to_usd(nano)
+    assert dollars * 10**9 == nano
+    assert usd_to_nano(dollars) == nano
+
+
+@given(hours, offsets, st.integers(0, HOUR_NS // 1000 - 1))
+def test_an_instant_enters_the_warehouse_as_naive_utc(hour, zone, microseconds):
+    moment = (hour + timedelta(microseconds=microseconds)).astimezone(zone)
+    stored = instant_to_warehouse(moment)
+    assert stored.tzinfo is None
+    assert stored - datetime(1970, 1, 1) == moment - datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def test_a_naive_instant_is_refused_at_the_warehouse():
+    with pytest.raises(ValueError, match="has no time zone"):
+        instant_to_warehouse(datetime(2026, 11, 30, 5, 30))
+
+
+@given(st.integers(0, 2_000_000))
+def test_an_hour_index_counts_hours_from_the_epoch(index):
+    assert hour_start_ns(hour_at(index)) == index * 3_600 * 10**9
