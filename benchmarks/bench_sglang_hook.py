@@ -58,6 +58,7 @@ def hook_cost(steps: int) -> tuple[np.ndarray, np.ndarray]:
     """Nanoseconds the recording scheduler adds on the engine thread per decode step (its
     run_batch() and process_batch_result() less the loop's own, timed inside), and per loop
     step (hook included)."""
+    from pipeline.datadir import DataDir
     from pipeline.hook import sglang as adapter
     from pipeline.hook.recorder import StepRecorder
     from tests.helpers.steplog_samples import HEADER
@@ -74,7 +75,7 @@ def hook_cost(steps: int) -> tuple[np.ndarray, np.ndarray]:
         outer: dict[str, list[int]] = {"run_batch": [], "process_batch_result": []}
         recording = adapter.recording_scheduler_class(
             _timed_scheduler(Engine, inner),
-            lambda scheduler: StepRecorder(root / "outbox", HEADER),
+            lambda scheduler: StepRecorder(DataDir(root).outbox, HEADER),
         )
         # SGLang's default event loop, the overlap one.
         engine = _timed_scheduler(recording, outer)(args, SLOTS_PER_STEP * 512, True)

@@ -24,6 +24,8 @@ from typing import Any, Self, TypeGuard
 
 import numpy as np
 
+from schemas.errors import InputError
+
 FILE_MAGIC = b"STEPLOG\x00"
 FORMAT_VERSION = 1
 # magic, format version, 4 reserved bytes that must be zero.
@@ -125,7 +127,7 @@ HOLDER_STATES = ("waiting",)
 DECODED_HOLDER_STATES = (*HOLDER_STATES, "preempted")
 
 
-class FieldError(ValueError):
+class FieldError(InputError):
     """A JSON record (segment header, replica descriptor) misses a field, has one it does not
     know, or holds a value of the wrong kind; the message names the field."""
 

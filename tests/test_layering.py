@@ -26,10 +26,11 @@ HOOK_MODULES = (
     "pipeline/__init__.py",
     "pipeline/hook",
     "schemas/__init__.py",
+    "schemas/errors.py",
     "schemas/records.py",
 )
 # Beside the standard library, the only modules those may import.
-HOOK_MAY_IMPORT = ("numpy", "pipeline.hook", "schemas.records")
+HOOK_MAY_IMPORT = ("numpy", "pipeline.hook", "schemas.errors", "schemas.records")
 # An engine adapter imports its engine inside functions only, when the engine asks for the
 # recording class: importing the adapter must not import the engine.
 # SGLang's adapter reads the GPU's name through torch, which SGLang has loaded already.
@@ -177,6 +178,7 @@ def test_importing_the_vllm_adapter_loads_no_other_package() -> None:
         "pipeline.hook.replica",
         "pipeline.hook.vllm",
         "schemas",
+        "schemas.errors",
         "schemas.records",
     ]
     others = {m.split(".")[0] for m in loaded} - set(sys.stdlib_module_names)

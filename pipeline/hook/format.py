@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from schemas.errors import InputError
 from schemas.records import (
     DROP_STRUCT,
     FILE_MAGIC,
@@ -33,7 +34,7 @@ _HOLDER_STATE_CODES = {state: code for code, state in enumerate(HOLDER_STATES)}
 _UNKNOWN_STATE = -1
 
 
-class InvalidStep(ValueError):
+class InvalidStep(InputError):
     """A step's arguments cannot be recorded faithfully; the message names the field."""
 
 

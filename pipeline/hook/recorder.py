@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 from pipeline.hook import format as fmt
+from schemas.errors import StepledgerError
 from schemas.records import FORMAT_VERSION, LAYOUT, HeaderFrame, SegmentHeader
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ MAX_SEGMENT_BYTES = 1 << 30
 _UNSAFE_NAME = re.compile(r"[^A-Za-z0-9_.-]")
 
 
-class RecorderError(RuntimeError):
+class RecorderError(StepledgerError, RuntimeError):
     """The writer thread failed; raised by close() so the loss is not silent."""
 
 

@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from schemas.errors import ConfigError
 from schemas.records import COUNT, NAME, TEXT, FieldError, JsonRecord, SegmentHeader
 
 log = logging.getLogger(__name__)
@@ -22,7 +23,7 @@ log = logging.getLogger(__name__)
 HOOK_CONFIG_ENV = "STEPLEDGER_HOOK_CONFIG"
 
 
-class HookConfigError(ValueError):
+class HookConfigError(ConfigError):
     """The hook's configuration (environment, replica descriptor) is missing or invalid, or the
     engine does not run what its pool declares; the message names the file, field or variable."""
 

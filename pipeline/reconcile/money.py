@@ -52,7 +52,7 @@ def check_money(
         findings.append(
             INVOICE_PRICE.found(
                 f"invoice {invoice_nano} nano-dollars != {invoice['gpus']} GPUs x "
-                f"{invoice['usd_per_gpu_hour']} USD/GPU-hour = {priced_nano}"
+                f"{invoice['usd_per_gpu_hour']} USD/GPU-hour = {priced_nano:f}"
             )
         )
     unknown = sorted(set(lines["line_kind"].to_list()) - set(LINE_KINDS))
