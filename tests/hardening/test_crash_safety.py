@@ -22,6 +22,7 @@ from pipeline.hours import hour_key
 from pipeline.storage.warehouse import STATE_FILE, connect
 from tests.helpers.fleets import bill, rerecord, simulate_small, small_pools
 from tests.helpers.hours import SIMULATED_HOUR
+from tests.helpers.steplog_samples import complete_frames
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -174,17 +175,6 @@ while True:
     record_steps(recorder, step, 256)
     step += 256
 """
-
-
-def complete_frames(data: bytes) -> int:
-    """Frames of a segment's bytes that end before the file does (a torn last one excluded)."""
-    from schemas.records import FRAME_PREFIX, PREAMBLE
-
-    count, pos = 0, PREAMBLE.size
-    while pos + FRAME_PREFIX.size <= len(data):
-        pos += FRAME_PREFIX.size + FRAME_PREFIX.unpack_from(data, pos)[4]
-        count += pos <= len(data)
-    return count
 
 
 # The first delay usually kills the engine before its first write reaches the disk.
