@@ -26,6 +26,7 @@ from pipeline.cli.dagster_instance import (
 )
 from tests.helpers.children import STOP_GRACE_SECONDS
 from tests.helpers.dagster_processes import (
+    REQUEST_SECONDS,
     descendants,
     free_port,
     graphql,
@@ -108,7 +109,9 @@ def test_dev_serves_the_data_directory_history_on_loopback_and_stops_every_proce
     with running_dev(data, port, env, tmp_path) as dev:
         status = wait_for_daemons(port, time.monotonic() + STARTUP_SECONDS)
         children = descendants(dev.pid)
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/server_info", timeout=30) as r:
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{port}/server_info", timeout=REQUEST_SECONDS
+        ) as r:
             assert json.loads(r.read())["dagster_webserver_version"] == "1.13.27"
         history = graphql(port, HISTORY_QUERY)
         # 127.0.0.1 only, as /proc/net/tcp writes it (little-endian hex).

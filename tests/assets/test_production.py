@@ -26,6 +26,7 @@ from pipeline import finance
 from schemas.config import PoolsFile
 from tests.helpers.children import STOP_GRACE_SECONDS
 from tests.helpers.dagster_processes import (
+    REQUEST_SECONDS,
     descendants,
     free_port,
     graphql,
@@ -111,7 +112,6 @@ def test_the_profile_keeps_everything_in_postgres_and_queues_runs(
         env=instance_env(postgres, tmp_path),
         capture_output=True,
         text=True,
-        timeout=120,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.splitlines()[-1]) == [
@@ -142,7 +142,7 @@ def launch(port: int, pool: str) -> str:
         data=json.dumps({"query": LAUNCH, "variables": {"params": params}}).encode(),
         headers={"Content-Type": "application/json"},
     )
-    with urllib.request.urlopen(request, timeout=60) as response:
+    with urllib.request.urlopen(request, timeout=REQUEST_SECONDS) as response:
         launched = json.loads(response.read())["data"]["launchRun"]
     assert launched["__typename"] == "LaunchRunSuccess", launched
     return str(launched["run"]["runId"])
@@ -217,9 +217,7 @@ def test_two_pool_hours_run_through_the_queue_on_postgres(
     # The DAGSTER_HOME set here was used as it is, and nothing was written beside the data.
     assert not (two_pool_data / "dagster").exists()
 
-    out = subprocess.run(
-        [sys.executable, "-c", HISTORY], env=env, capture_output=True, text=True, timeout=120
-    )
+    out = subprocess.run([sys.executable, "-c", HISTORY], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     history = json.loads(out.stdout.splitlines()[-1])
     ours = {r["run_id"]: r for r in history["runs"] if r["run_id"] in run_ids}

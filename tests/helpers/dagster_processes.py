@@ -37,6 +37,9 @@ STATUS_QUERY = """{
 }"""
 
 
+# A bound for a webserver that does not answer; a loaded machine's answers take seconds.
+REQUEST_SECONDS = 300
+
 # Stores a schedule as stopped, as `dagster schedule stop` does, without loading the code
 # location: the daemon looks a schedule's state up by its selector (code location, repository,
 # name) and never ticks one stored as stopped. argv: name, cron schedule.
@@ -128,7 +131,7 @@ def graphql(port: int, query: str) -> dict:
         data=json.dumps({"query": query}).encode(),
         headers={"Content-Type": "application/json"},
     )
-    with urllib.request.urlopen(request, timeout=30) as response:
+    with urllib.request.urlopen(request, timeout=REQUEST_SECONDS) as response:
         return json.loads(response.read())["data"]
 
 
