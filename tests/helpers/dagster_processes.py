@@ -13,7 +13,6 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from subprocess import Popen
 
 import dagster as dg
 import psutil
@@ -156,7 +155,9 @@ def wait_for_daemons(port: int, deadline: float) -> dict:
 
 
 @contextmanager
-def running_dev(data: Path, port: int, env: dict[str, str], cwd: Path) -> Iterator[Popen[bytes]]:
+def running_dev(
+    data: Path, port: int, env: dict[str, str], cwd: Path
+) -> Iterator[subprocess.Popen[bytes]]:
     """`stepledger dev` on `data` as a user starts it, its stderr kept for failure messages.
 
     A test stops it as a user does and checks that it stopped; this stops it if the test did not
