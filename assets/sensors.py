@@ -7,6 +7,7 @@ as soon as a daemon loads the code location; its first tick ingests every segmen
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import UTC, datetime
 
 import dagster as dg
@@ -18,7 +19,9 @@ from pipeline.ingestion.ingest import segment_files
 from schemas.config import PoolsFile
 
 
-def build_new_segments_sensor(pools: PoolsFile) -> dg.SensorDefinition:
+def build_new_segments_sensor(
+    pools: PoolsFile, clock: Callable[[], datetime] = lambda: datetime.now(UTC)
+) -> dg.SensorDefinition:
     pool_of_replica = {r.id: p.name for p in pools.pools for r in p.replicas}
 
     @dg.sensor(
@@ -42,7 +45,7 @@ def build_new_segments_sensor(pools: PoolsFile) -> dg.SensorDefinition:
         if not newest_by_pool:
             return dg.SkipReason("no new segments")
         # Ingestion takes every new segment of the pool; the partition only labels the run.
-        hour = completed_hour(datetime.now(UTC))
+        hour = completed_hour(clock())
         return dg.SensorResult(
             run_requests=[
                 dg.RunRequest(run_key=f"{pool}|{newest}", partition_key=partition_key(hour, pool))

@@ -5,16 +5,17 @@ the sink answers the first ATTEMPTS deliveries with HTTP 500, as an alerting ser
 down does, and accepts the rest. Without the file it accepts every delivery. Point
 STEPLEDGER_ALERT_WEBHOOK_URL (with STEPLEDGER_ALERT_FORMAT=slack) at its URL:
 
-    python -m pipeline.simulator.sink RUN_DIR     # prints the URL, serves until interrupted
+    python -m pipeline.simulator.sink RUN_DIR     # prints the URL, serves until SIGINT or SIGTERM
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -89,10 +90,16 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m pipeline.simulator.sink", description=__doc__)
     parser.add_argument("run_dir", type=Path)
     args = parser.parse_args(argv)
+    # Taken with sigwait, not by handlers: a process started with them ignored (a shell's
+    # background job ignores SIGINT) or blocked would otherwise outlive whoever started it.
+    # Blocked before the server's thread starts, so that only sigwait receives them.
+    stop_signals = {signal.SIGINT, signal.SIGTERM}
+    for number in stop_signals:
+        signal.signal(number, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
     with serve_sink(args.run_dir) as sink:
         print(sink.url, flush=True)
-        with suppress(KeyboardInterrupt):
-            threading.Event().wait()
+        signal.sigwait(stop_signals)
 
 
 if __name__ == "__main__":

@@ -102,6 +102,18 @@ def test_schedule_targets_each_pool_after_the_late_file_delay(tmp_path: Path) ->
     )
 
 
+def test_the_schedule_and_sensors_run_as_soon_as_a_daemon_loads_them(tmp_path: Path) -> None:
+    defs = build_definitions(small_pools(), tmp_path)
+    repository = defs.get_repository_def()
+    assert [(s.name, s.default_status) for s in repository.schedule_defs] == [
+        ("hourly_ledger", dg.DefaultScheduleStatus.RUNNING)
+    ]
+    assert {s.name: s.default_status for s in repository.sensor_defs} == dict.fromkeys(
+        ("new_segments", "page_on_call", "deliver_alerts", "deadman"),
+        dg.DefaultSensorStatus.RUNNING,
+    )
+
+
 def test_a_delay_past_the_hour_targets_an_earlier_hour(tmp_path: Path) -> None:
     assert scheduled_partitions(75, tmp_path) == (
         "15 * * * *",

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import shutil
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import dagster as dg
@@ -11,6 +11,7 @@ from assets.definitions import build_definitions
 from assets.partitions import partition_key, range_tags
 from assets.resources import StepledgerData
 from assets.runner import QUIET_RUN_CONFIG as QUIET
+from assets.sensors import build_new_segments_sensor
 from pipeline import finance
 from pipeline.ingestion.ingest import segment_files
 from pipeline.reconcile import CHECKS
@@ -104,13 +105,17 @@ def test_rerunning_an_hour_and_redelivering_a_segment_change_nothing(data: Path)
 
 
 def test_sensor_requests_ingestion_for_new_segments(data: Path) -> None:
-    defs = build_definitions(small_pools(), data)
-    sensor = defs.resolve_sensor_def("new_segments")
+    sensor = build_new_segments_sensor(
+        small_pools(), clock=lambda: datetime(2026, 11, 30, 6, 1, tzinfo=UTC)
+    )
     resources = {"data": StepledgerData(data_dir=str(data))}
     with dg.build_sensor_context(resources=resources) as context:
         first = sensor(context)
     assert [r.run_key.split("|")[0] for r in first.run_requests] == ["chat-8b"]
-    assert [r.partition_key.keys_by_dimension["pool"] for r in first.run_requests] == ["chat-8b"]
+    # Labelled with the hour that last ended; ingestion takes every new segment whatever it is.
+    assert [r.partition_key.keys_by_dimension for r in first.run_requests] == [
+        {"hour": "2026-11-30-05:00", "pool": "chat-8b"}
+    ]
     newest = max(p.stat().st_mtime_ns for p in segment_files(data / "outbox"))
     assert first.cursor == str(newest)
     with dg.build_sensor_context(cursor=first.cursor, resources=resources) as context:

@@ -12,6 +12,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import dagster as dg
@@ -20,8 +22,10 @@ import pytest
 
 from pipeline.storage.warehouse import STATE_FILE, connect
 from schemas.units import hour_key
+from tests.helpers.children import child
 from tests.helpers.fleets import bill, rerecord, simulate_small, small_pools
 from tests.helpers.hours import SIMULATED_HOUR
+from tests.helpers.steplog_samples import complete_frames
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -68,8 +72,10 @@ def snapshot(data: Path) -> dict[str, list[tuple]]:
     return {name: sorted(rows, key=repr) for name, rows in tables.items()}
 
 
-def start(data: Path, *flags: str) -> subprocess.Popen:
-    process = subprocess.Popen(
+@contextmanager
+def started(data: Path, *flags: str) -> Iterator[subprocess.Popen]:
+    """The hour materializing in a process of its own, once it is ready to begin."""
+    with child(
         [
             sys.executable,
             "-m",
@@ -83,9 +89,9 @@ def start(data: Path, *flags: str) -> subprocess.Popen:
         cwd=HERE.parents[1],
         stderr=subprocess.DEVNULL,
         text=True,
-    )
-    assert process.stdout.readline().strip() == "ready"
-    return process
+    ) as process:
+        assert process.stdout.readline().strip() == "ready"
+        yield process
 
 
 @pytest.fixture(scope="module")
@@ -101,9 +107,10 @@ def uninterrupted(simulated, tmp_path_factory) -> tuple[dict, list[str]]:
     """The hour materialized by one subprocess that runs to the end, and its stages."""
     data = tmp_path_factory.mktemp("uninterrupted") / "run"
     shutil.copytree(simulated, data)
-    process = start(data)
-    lines = process.stdout.read().split()
-    assert process.wait(timeout=300) == 0 and lines[-1] == "done"
+    with started(data) as process:
+        lines = process.stdout.read().split()
+        assert process.wait() == 0
+    assert lines[-1] == "done"
     return snapshot(data), [
         word for previous, word in itertools.pairwise(lines) if previous == "stage"
     ]
@@ -123,14 +130,14 @@ def test_sigkill_anywhere_then_rerun_gives_the_uninterrupted_ledger(
         for index, (stage, delay) in enumerate(kills):
             data = tmp_path / f"kill-{index}"
             shutil.copytree(simulated, data)
-            process = start(data)
-            while (line := process.stdout.readline().strip()) != f"stage {stage}":
-                assert line, f"the run ended before stage {stage}"
-            time.sleep(delay)
-            process.send_signal(signal.SIGKILL)
-            assert process.wait(timeout=60) == -signal.SIGKILL, (
-                f"the run ended before the kill in {stage}"
-            )
+            with started(data) as process:
+                while (line := process.stdout.readline().strip()) != f"stage {stage}":
+                    assert line, f"the run ended before stage {stage}"
+                time.sleep(delay)
+                process.send_signal(signal.SIGKILL)
+                assert process.wait() == -signal.SIGKILL, (
+                    f"the run ended before the kill in {stage}"
+                )
             (result,) = bill(data, small_pools(), instance)
             assert result.success, (stage, delay)
             assert snapshot(data) == expected, f"killed {delay:.2f} s into {stage}"
@@ -149,8 +156,8 @@ def test_killed_between_lake_write_and_warehouse_commit_then_more_segments_arriv
     late = sorted((data / "outbox" / "chat-8b-r0").glob("*.seg"))[-1]
     held_back = tmp_path / late.name
     late.rename(held_back)
-    process = start(data, "--die-before-ingest-commit")
-    assert process.wait(timeout=300) == -signal.SIGKILL
+    with started(data, "--die-before-ingest-commit") as process:
+        assert process.wait() == -signal.SIGKILL
     held_back.rename(late)
     with dg.DagsterInstance.ephemeral() as instance:
         (result,) = bill(data, small_pools(), instance)
@@ -176,18 +183,7 @@ while True:
 """
 
 
-def complete_frames(data: bytes) -> int:
-    """Frames of a segment's bytes that end before the file does (a torn last one excluded)."""
-    from schemas.records import FRAME_PREFIX, PREAMBLE
-
-    count, pos = 0, PREAMBLE.size
-    while pos + FRAME_PREFIX.size <= len(data):
-        pos += FRAME_PREFIX.size + FRAME_PREFIX.unpack_from(data, pos)[4]
-        count += pos <= len(data)
-    return count
-
-
-# The first delay usually kills the engine before its first write reaches the disk.
+# The kill lands `delay` seconds after the engine opened its first segment file.
 @pytest.mark.parametrize("delay", [0.3, 1.5, 4.0])
 def test_an_engine_killed_mid_write_leaves_segments_that_decode_to_its_last_complete_frame(
     tmp_path, delay
@@ -196,17 +192,21 @@ def test_an_engine_killed_mid_write_leaves_segments_that_decode_to_its_last_comp
     from pipeline.ingestion.decoder import read_segments
 
     outbox = tmp_path / "outbox"
-    engine = subprocess.Popen(
+    with child(
         [sys.executable, "-c", ENGINE, str(outbox)],
         stdout=subprocess.PIPE,
         text=True,
         # The repository root: `python -c` imports `tests.helpers` from the working directory.
         cwd=HERE.parents[1],
-    )
-    assert engine.stdout.readline().strip() == "recording"
-    time.sleep(delay)
-    os.kill(engine.pid, signal.SIGKILL)
-    assert engine.wait(timeout=30) == -signal.SIGKILL
+    ) as engine:
+        assert engine.stdout.readline().strip() == "recording"
+        # Counted from the segment file's creation, which a loaded machine may delay by more
+        # than the shortest delay.
+        while not list(outbox.glob(f".*{PARTIAL_SUFFIX}")):
+            time.sleep(0.01)
+        time.sleep(delay)
+        os.kill(engine.pid, signal.SIGKILL)
+        assert engine.wait() == -signal.SIGKILL
     shipped = sorted(outbox.glob("*.seg"))
     (partial,) = outbox.glob(f".*{PARTIAL_SUFFIX}")
     partial_bytes = partial.read_bytes()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, timedelta
 from pathlib import Path
 
 import dagster as dg
@@ -212,16 +212,25 @@ def test_a_page_the_sink_refuses_is_owed_until_it_accepts_then_delivered_once(
         assert (kind, attempts, delivered) == ("silence", 1, False)
         assert "HTTP 500" in error and "/hook" not in error
         with connect(data / STATE_FILE) as con:
-            now = datetime.now(UTC)
-            # Not due yet: the first retry waits a minute.
-            assert alerts.deliver_due(con, alerts.sink_from_env(), now) == []
+            # The moments from the outbox, not the wall clock: a loaded machine may take longer
+            # than the first retry's wait to get here.
+            enqueued, retry_at = (
+                moment.replace(tzinfo=UTC)
+                for moment in con.execute(
+                    "SELECT enqueued_at, next_attempt_at FROM alert_outbox"
+                ).fetchone()
+            )
+            # Not due yet: the first retry waits a minute after the refused attempt.
+            assert (
+                alerts.deliver_due(con, alerts.sink_from_env(), retry_at - alerts.FIRST_RETRY) == []
+            )
             assert sink.refused == 1
             # Owed past the dead-man delay, it is a finding of its own.
-            late = now + timedelta(minutes=pools.settings.deadman_minutes, seconds=1)
+            late = enqueued + timedelta(minutes=pools.settings.deadman_minutes, seconds=1)
             (overdue,) = alerts.undelivered(con, late, pools.settings)
             assert (overdue.check_name, overdue.finding) == ("alert_delivery", "undelivered")
             # The sink is back: the retry is accepted.
-            (sent,) = alerts.deliver_due(con, alerts.sink_from_env(), now + alerts.FIRST_RETRY)
+            (sent,) = alerts.deliver_due(con, alerts.sink_from_env(), retry_at)
             assert sent.kind == "silence" and alerts.undelivered(con, late, pools.settings) == []
         # Running the hour again finds the same finding: it is not paged a second time.
         (again,) = run_pool_hours(data, [SIMULATED_HOUR])

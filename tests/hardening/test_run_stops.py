@@ -13,6 +13,7 @@ import pytest
 from pipeline.simulator import simulate
 from pipeline.storage.warehouse import STATE_FILE, connect_read_only
 from schemas.config import PoolsFile, load_pools
+from tests.helpers.children import child
 from tests.helpers.dagster_processes import STEPLEDGER
 from tests.helpers.fleets import small_pools
 from tests.helpers.hours import SIMULATED_HOUR
@@ -40,18 +41,18 @@ def three_pools() -> PoolsFile:
 def test_sigterm_stops_the_run_after_the_pool_hour_in_flight(tmp_path: Path) -> None:
     data = tmp_path / "fleet"
     simulate(data, three_pools(), hours=0.02, seed=7, start=SIMULATED_HOUR)
-    process = subprocess.Popen(
+    with child(
         [STEPLEDGER, "run", "--data", str(data)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-    )
-    assert process.stdout is not None
-    # The line of a pool-hour is printed once it is done and paged; the next one starts then.
-    first = process.stdout.readline()
-    assert first.startswith(f"{HOUR} p0: published"), first
-    process.send_signal(signal.SIGTERM)
-    out, err = process.communicate(timeout=240)
+    ) as process:
+        assert process.stdout is not None
+        # The line of a pool-hour is printed once it is done and paged; the next one starts then.
+        first = process.stdout.readline()
+        assert first.startswith(f"{HOUR} p0: published"), first
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate()
     assert process.returncode == 1, (out, err)
     message = " ".join(err.split())
     # The signal lands while p1 runs (interrupted), just before it starts, or (on a machine

@@ -1,4 +1,5 @@
-"""Dagster processes seen from outside: free ports, /proc, the webserver's GraphQL."""
+"""Dagster processes seen from outside: free ports, /proc, the webserver's GraphQL; and the
+instance a daemon will start on, prepared before it starts."""
 
 from __future__ import annotations
 
@@ -9,7 +10,15 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
+
+import dagster as dg
+import psutil
+
+from pipeline.cli.dagster_instance import CODE_LOCATION
+from tests.helpers.children import child, stop
 
 # The installed command line, run as its own process.
 STEPLEDGER = str(Path(sys.executable).parent / "stepledger")
@@ -25,6 +34,44 @@ STATUS_QUERY = """{
     ... on Sensors { results { name sensorState { status } } }
   }
 }"""
+
+
+# A bound for a webserver that does not answer; a loaded machine's answers take seconds.
+REQUEST_SECONDS = 300
+
+# Stores a schedule as stopped, as `dagster schedule stop` does, without loading the code
+# location: the daemon looks a schedule's state up by its selector (code location, repository,
+# name) and never ticks one stored as stopped. argv: name, cron schedule.
+STORE_SCHEDULE_STOPPED = f"""
+import sys
+from dagster import DagsterInstance
+from dagster._core.definitions.run_request import InstigatorType
+from dagster._core.remote_origin import (
+    RegisteredCodeLocationOrigin, RemoteInstigatorOrigin, RemoteRepositoryOrigin)
+from dagster._core.scheduler.instigation import (
+    InstigatorState, InstigatorStatus, ScheduleInstigatorData)
+name, cron = sys.argv[1:]
+location = RegisteredCodeLocationOrigin({CODE_LOCATION!r})
+origin = RemoteInstigatorOrigin(RemoteRepositoryOrigin(location, "__repository__"), name)
+with DagsterInstance.get() as instance:
+    instance.add_instigator_state(InstigatorState(
+        origin, InstigatorType.SCHEDULE, InstigatorStatus.STOPPED, ScheduleInstigatorData(cron)))
+"""
+
+
+def store_schedule_stopped(env: dict[str, str], schedule: dg.ScheduleDefinition) -> None:
+    """Stop `schedule` in the instance `env` names (DAGSTER_HOME) before a daemon starts there.
+
+    A daemon ticks a running schedule at the wall clock's minutes: a test that starts one with the
+    hourly schedule running would bill an extra hour whenever it spans :15 past the hour."""
+    cron = schedule.cron_schedule
+    assert isinstance(cron, str)
+    subprocess.run(
+        [sys.executable, "-c", STORE_SCHEDULE_STOPPED, schedule.name, cron],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
 
 
 def free_port() -> int:
@@ -51,12 +98,12 @@ def descendants(root: int) -> dict[int, str]:
     found: dict[int, str] = {}
     todo = [root]
     while todo:
-        for child in children.get(todo.pop(), []):
+        for pid in children.get(todo.pop(), []):
             try:
-                found[child] = (Path("/proc") / str(child) / "cmdline").read_bytes().decode()
+                found[pid] = (Path("/proc") / str(pid) / "cmdline").read_bytes().decode()
             except FileNotFoundError:
                 continue
-            todo.append(child)
+            todo.append(pid)
     return {pid: cmd.replace("\0", " ") for pid, cmd in found.items()}
 
 
@@ -83,8 +130,13 @@ def graphql(port: int, query: str) -> dict:
         data=json.dumps({"query": query}).encode(),
         headers={"Content-Type": "application/json"},
     )
-    with urllib.request.urlopen(request, timeout=30) as response:
+    with urllib.request.urlopen(request, timeout=REQUEST_SECONDS) as response:
         return json.loads(response.read())["data"]
+
+
+def schedule_statuses(status: dict) -> dict[str, str]:
+    """Schedule name -> RUNNING or STOPPED, from the status query's answer."""
+    return {s["name"]: s["scheduleState"]["status"] for s in status["schedulesOrError"]["results"]}
 
 
 def wait_for_daemons(port: int, deadline: float) -> dict:
@@ -102,13 +154,28 @@ def wait_for_daemons(port: int, deadline: float) -> dict:
     raise AssertionError(f"no healthy Dagster webserver and daemon on port {port}")
 
 
-def start_dev(data: Path, port: int, env: dict[str, str], cwd: Path) -> subprocess.Popen[bytes]:
-    """`stepledger dev` on `data` as a user starts it, its stderr kept for failure messages."""
-    stepledger = Path(sys.executable).parent / "stepledger"
-    return subprocess.Popen(
-        [str(stepledger), "dev", "--data", str(data), "--port", str(port)],
+@contextmanager
+def running_dev(
+    data: Path, port: int, env: dict[str, str], cwd: Path
+) -> Iterator[subprocess.Popen[bytes]]:
+    """`stepledger dev` on `data` as a user starts it, its stderr kept for failure messages.
+
+    A test stops it as a user does and checks that it stopped; this stops it if the test did not
+    get that far, and then whatever of its webserver, daemon and code servers still runs."""
+    with child(
+        [STEPLEDGER, "dev", "--data", str(data), "--port", str(port)],
         env=env,
         cwd=cwd,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
-    )
+    ) as dev:
+        try:
+            yield dev
+        finally:
+            below = []
+            with suppress(psutil.NoSuchProcess):
+                below = psutil.Process(dev.pid).children(recursive=True)
+            stop(dev)
+            for process in below:
+                with suppress(psutil.NoSuchProcess):
+                    process.kill()

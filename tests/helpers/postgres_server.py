@@ -19,6 +19,9 @@ from tests.helpers.dagster_processes import free_port
 USER = "stepledger"
 PASSWORD = "throwaway"
 DATABASE = "dagster"
+# How long pg_ctl waits for the server to start or stop: a bound for a server that cannot, far
+# above what a loaded machine needs (the tests run no timer of their own on these commands).
+SERVER_WAIT_SECONDS = 600
 
 
 class PostgresUnavailable(Exception):
@@ -85,14 +88,12 @@ def throwaway_postgres() -> Iterator[PostgresServer]:
             capture_output=True,
             text=True,
             cwd=root,
-            timeout=120,
         )
         if done.returncode != 0:
             raise PostgresUnavailable(
                 f"`{' '.join(command[:2])}` failed ({done.returncode}): {done.stderr.strip()[-500:]}"
             )
 
-    started = False
     try:
         run(
             "initdb",
@@ -114,10 +115,9 @@ def throwaway_postgres() -> Iterator[PostgresServer]:
             f"-h 127.0.0.1 -p {port} -k {root} -c fsync=off",
             "-w",
             "-t",
-            "60",
+            str(SERVER_WAIT_SECONDS),
             "start",
         )
-        started = True
         # The database through the server itself, as a client would create it.
         subprocess.run(
             [
@@ -128,10 +128,20 @@ def throwaway_postgres() -> Iterator[PostgresServer]:
             ],
             check=True,
             capture_output=True,
-            timeout=60,
         )
         yield PostgresServer("127.0.0.1", port, USER, PASSWORD, DATABASE)
     finally:
-        if started:
-            run("pg_ctl", "-D", str(cluster), "-m", "fast", "-w", "stop")
+        # Also after a start that failed or outlasted pg_ctl's wait: the server may be running.
+        if (cluster / "postmaster.pid").exists():
+            run(
+                "pg_ctl",
+                "-D",
+                str(cluster),
+                "-m",
+                "fast",
+                "-w",
+                "-t",
+                str(SERVER_WAIT_SECONDS),
+                "stop",
+            )
         shutil.rmtree(root, ignore_errors=True)

@@ -60,6 +60,15 @@ def record_numbered_steps(
         )
 
 
+def complete_frames(data: bytes) -> int:
+    """Frames of a segment's bytes that end before the file does (a torn last one excluded)."""
+    count, pos = 0, PREAMBLE.size
+    while pos + FRAME_PREFIX.size <= len(data):
+        pos += FRAME_PREFIX.size + FRAME_PREFIX.unpack_from(data, pos)[4]
+        count += pos <= len(data)
+    return count
+
+
 def frame_spans(data: bytes) -> list[tuple[int, int]]:
     """(start, end) of every frame after the preamble of an intact segment, from the length fields."""
     spans, pos = [], PREAMBLE.size

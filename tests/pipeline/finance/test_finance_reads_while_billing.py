@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+from contextlib import AbstractContextManager
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from assets.cli import main
 from pipeline import finance
 from pipeline.simulator import simulate
 from schemas.config import load_pools
+from tests.helpers.children import child
 from tests.helpers.dagster_processes import STEPLEDGER
 
 TENANT_TOTALS = "SELECT tenant, amount_nano FROM tenant_costs ORDER BY tenant"
@@ -36,8 +38,8 @@ def small_chat_pool() -> object:
     )
 
 
-def run(data: Path) -> subprocess.Popen:
-    return subprocess.Popen(
+def run(data: Path) -> AbstractContextManager[subprocess.Popen]:
+    return child(
         [STEPLEDGER, "run", "--data", str(data), "--json"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -49,8 +51,8 @@ def run(data: Path) -> subprocess.Popen:
 def billed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     data = tmp_path_factory.mktemp("finance") / "run"
     simulate(data, small_chat_pool(), hours=0.05, seed=7)
-    first = run(data)
-    out, err = first.communicate(timeout=600)
+    with run(data) as first:
+        out, err = first.communicate()
     assert first.returncode == 0, err
     assert all(r["success"] for r in json.loads(out))
     return data
@@ -67,20 +69,20 @@ def test_a_finance_session_and_a_rebilling_run_never_block_each_other(billed: Pa
         pools["pools"][0]["policies"]["idle"] = "capacity_owner"
         pools_file.write_text(yaml.safe_dump(pools))
 
-        rebill = run(billed)
-        queries = 0
-        invoiced = sum(a for _, a in before)
-        while rebill.poll() is None:
-            # Any error here fails the test: the reader must never see a lock or a torn hour.
-            # Between the re-billing and its reconciliation the hour is held back, whole. One
-            # statement reads one snapshot; two could straddle the run's commit.
-            ((published, held),) = reader.execute(PUBLISHED_AND_HELD).fetchall()
-            assert (published or 0, held or 0) in {(invoiced, 0), (0, invoiced)}
-            queries += 1
-            time.sleep(1)
-        out, err = rebill.communicate()
-        assert rebill.returncode == 0, err
-        assert all(r["success"] for r in json.loads(out))
+        with run(billed) as rebill:
+            queries = 0
+            invoiced = sum(a for _, a in before)
+            while rebill.poll() is None:
+                # Any error here fails the test: the reader must never see a lock or a torn hour.
+                # Between the re-billing and its reconciliation the hour is held back, whole. One
+                # statement reads one snapshot; two could straddle the run's commit.
+                ((published, held),) = reader.execute(PUBLISHED_AND_HELD).fetchall()
+                assert (published or 0, held or 0) in {(invoiced, 0), (0, invoiced)}
+                queries += 1
+                time.sleep(1)
+            out, err = rebill.communicate()
+            assert rebill.returncode == 0, err
+            assert all(r["success"] for r in json.loads(out))
         assert queries >= 3, "the run ended before the reader could query during it"
 
         after = reader.execute(TENANT_TOTALS).fetchall()

@@ -3,7 +3,6 @@ attribute that moved between vLLM releases. The mapping from the scheduler's sta
 on vLLM's real scheduler in test_vllm_conformance.py."""
 
 # vLLM is imported after the skip that says it is missing.
-# ruff: noqa: E402
 from __future__ import annotations
 
 import logging

@@ -5,7 +5,6 @@ scheduler's state at the moment it scheduled the step."""
 from __future__ import annotations
 
 # vLLM is imported after the skip that says it is missing.
-# ruff: noqa: E402
 from collections import Counter
 from pathlib import Path
 from typing import Any

@@ -353,8 +353,7 @@ def test_an_ingest_waits_for_the_lake_lock(tmp_path: Path, outbox: Path) -> None
         waiting.join(timeout=0.5)
         assert waiting.is_alive() and not list(lake.rglob("*.parquet"))
         fcntl.flock(other, fcntl.LOCK_UN)
-        waiting.join(timeout=60)
-        assert not waiting.is_alive()
+        waiting.join()
     assert reports[0].steps == 130
 
 

@@ -148,7 +148,6 @@ def _chromium(page: Path, *args: str) -> str:
         check=True,
         capture_output=True,
         text=True,
-        timeout=120,
     ).stdout
 
 

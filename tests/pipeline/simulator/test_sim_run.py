@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import urllib.error
@@ -24,6 +25,7 @@ from pipeline.simulator.faults import UNCALIBRATED_ENGINE_VERSION, FaultError, p
 from pipeline.simulator.telemetry import busy_between
 from pricing import Kernel, Slots
 from schemas.config import PoolsFile, load_pools
+from tests.helpers.children import STOP_GRACE_SECONDS, child
 
 START = datetime(2026, 11, 30, 5, tzinfo=UTC)
 START_NS = int(START.timestamp()) * 1_000_000_000
@@ -326,18 +328,17 @@ def test_new_engine_version_is_in_the_segment_headers(faulty):
     assert versions == {"chat-8b-r0": UNCALIBRATED_ENGINE_VERSION, "reason-dsv3-r0": "0.11.0"}
 
 
+def sink_command(run_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "pipeline.simulator.sink", str(run_dir)]
+
+
 def test_sink_down_serves_a_webhook_that_refuses_then_accepts(faulty):
     out, summary = faulty
     assert summary.faults["sink-down"] == (
         "the alert webhook (alert-sink.json) answers its first 2 deliveries with HTTP 500, "
         "then accepts"
     )
-    sink = subprocess.Popen(
-        [sys.executable, "-m", "pipeline.simulator.sink", str(out)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
+    with child(sink_command(out), stdout=subprocess.PIPE, text=True) as sink:
         assert sink.stdout is not None
         url = sink.stdout.readline().strip()
         statuses = []
@@ -346,14 +347,30 @@ def test_sink_down_serves_a_webhook_that_refuses_then_accepts(faulty):
                 url, data=json.dumps({"text": f"page {attempt}"}).encode(), method="POST"
             )
             try:
-                with urllib.request.urlopen(request, timeout=10) as response:
+                # A bound for a sink that hangs, not a wait a slow machine could outlast.
+                with urllib.request.urlopen(request, timeout=STOP_GRACE_SECONDS) as response:
                     statuses.append(response.status)
             except urllib.error.HTTPError as err:
                 statuses.append(err.code)
         assert statuses == [500, 500, 200]
-    finally:
-        sink.terminate()
-        sink.wait(timeout=10)
+
+
+def ignore_stop_signals() -> None:
+    """As a shell's background job starts, and more: SIGINT and SIGTERM ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
+def test_the_sink_stops_at_once_on_sigterm_or_sigint_even_if_started_ignoring_them(
+    tmp_path: Path, stop_signal: signal.Signals
+) -> None:
+    command = sink_command(tmp_path)
+    with child(command, stdout=subprocess.PIPE, text=True, preexec_fn=ignore_stop_signals) as sink:
+        assert sink.stdout is not None
+        assert sink.stdout.readline().startswith("http://127.0.0.1:")
+        sink.send_signal(stop_signal)
+        assert sink.wait(timeout=STOP_GRACE_SECONDS) == 0
 
 
 def test_fault_values_are_checked():
