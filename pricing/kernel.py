@@ -5,30 +5,19 @@ layer kind); pricing a batch then touches only per-request arrays. Every entry p
 vectorised over many steps (a single step is the one-step case of the same code), so an hour of
 step logs is priced in a few numpy passes.
 
-These behaviours differ from the Go kernel by default ("physics"); `compat="go"` restores them:
-routed-expert arithmetic is divided across the TP group (the Go kernel's own per-step
-measurements favour this: per-step error 27.5% -> 23.0%) and, under expert parallelism, shared
-over EPLB's physical experts (Go: the logical ones), a sliding-window layer's decode
-reads at most its window (the step-pricing spec says so; the swa rate was fitted on
-window-bounded reads), four-bit weights without a four-bit peak compute at the bf16 rate
-(`compute_lane`), a latent layer's prefill attention is priced at its expanded head widths, and
-prefill attention runs at the bf16 ramp its work_scale was fitted against, at each request's own
-query count (a varlen attention kernel's occupancy depends on the sequence, not on the step's
-other tokens, which also keeps the price monotone in requests; under the Go kernel's single
-eps(T), a decode row joining a long prefill chunk lowers it).
+The default mode ("physics") departs from the Go kernel where the Go law is not what the
+hardware does; `compat="go"` reproduces the Go kernel term for term on both shared reference
+grids. `docs/pricing-kernel.md` lists every departure, with its physical reason and its size on
+a named step, in one table.
 
-Both modes keep the Go kernel's one-kernel rule: a step holding decode and prefill rows of a
-non-latent attention off Blackwell pays one floor, the larger. NoOverlap never drops when a
-request joins, except by the host's graph saving when the step passes the capture ceiling, and
-the floor moves from HBM to SM, so one resource (and Overlap) can.
 Expert parallelism (with EPLB's redundant experts and the point-to-point dispatch backends) and
-attention data parallelism feeding one MoE group are priced at the busiest rank, as the Go kernel
-does; so are decode context parallelism on latent attention, sparse latent attention and its
-indexer (DeepSeek-V3.2's DSA) and an nvfp4 KV cache. Recurrent mixers (Mamba2, gated delta-net)
-are priced from their shapes (`PlannedRecurrent` says what is assumed), in both modes: the Go
-kernel's registry has no values for them. Not modelled: prefill context parallelism and
-speculative drafter passes (speculation only sets the uniform-decode width and the capture
-ceiling).
+attention data parallelism feeding one MoE group are priced at the busiest rank; so are decode
+context parallelism on latent attention, sparse latent attention and its indexer (DeepSeek-V3.2's
+DSA) and an nvfp4 KV cache. Recurrent mixers are priced from their shapes (`PlannedRecurrent`
+says what is assumed), or under compat "go" from the Go kernel's registry
+(`pricing/registry/recurrent.yaml`). NoOverlap never drops when a request joins, except by the
+host's graph saving when the step passes the capture ceiling, and the one-kernel rule moving a
+floor from HBM to SM, so one resource (and Overlap) can.
 
 Every per-layer term but the routed experts' reads and the collectives is linear in a few
 per-step features (tokens, rows, the flags that decide which floors a step pays, cached tokens
@@ -49,7 +38,13 @@ from numpy.typing import ArrayLike
 
 from pricing import laws
 from pricing.deployment import Deployment
-from pricing.plan import WHOLE_CONTEXT, PlannedAttention, build_plan
+from pricing.plan import (
+    MeasuredRecurrent,
+    PlannedAttention,
+    PlannedCollective,
+    PlannedLayer,
+    build_plan,
+)
 from pricing.spec import (
     ChipSpec,
     MeasuredEngine,
@@ -57,6 +52,7 @@ from pricing.spec import (
     PricingError,
     load_chip,
     load_model,
+    load_recurrent_registry,
 )
 
 # Raised with every change to a law or to how the plan reads the data files, so a ledger priced
@@ -70,8 +66,10 @@ FABRIC = {"nvlink": 0, "nic": 1}
 # tokens, its tokens, whether it holds decode rows, prefill rows, both; its rows, its prefill
 # tokens; then cached tokens read per read bound and prefill pairs per key cap. A slot's own
 # features leave the flags at zero: what they buy (weights, floors, ramp overheads) is fixed.
-ACTIVE, TOKENS, DECODING, PREFILLING, MIXED, ROWS, PREFILL_TOKENS = range(7)
-FLAG_FEATURES = 7
+ACTIVE, TOKENS, DECODING, PREFILLING, MIXED, ROWS, PREFILL_TOKENS, DECODE_TOKENS = range(8)
+FLAG_FEATURES = 8
+# The step feature a collective's message grows with (`PlannedCollective.rows`).
+COLLECTIVE_ROWS = {"tokens": TOKENS, "decode_tokens": DECODE_TOKENS}
 # One layer's linear terms per kind: dense GEMMs (SM), prefill attention and scans (SM), reads
 # (HBM), routed experts' arithmetic (SM).
 GEMM, ATTENTION, READ, EXPERT = range(4)
@@ -143,6 +141,41 @@ class _Features:
     pairs: np.ndarray  # (prefill rows, key caps) query-key pairs over the ramp they run at
     step: np.ndarray  # (features, steps)
     uniform: np.ndarray  # (steps,) a uniform decode (or empty) step: the decode graph mode
+    decode: np.ndarray  # (slots,) the slot is a decode row
+    computed: np.ndarray  # (slots,) tokens computed before the slot's
+
+    def context_gather_us(self, gather: PlannedCollective, chunk: int) -> np.ndarray:
+        """Per step, one latent layer's all-gathers of its prefills' cached context under
+        decode context parallelism (the Go kernel's law, vLLM's MLA chunked context): the
+        engine runs prefills in ascending scheduled tokens; consecutive ones with a cached
+        prefix share gathers of `chunk` context tokens each, a prefill without one ends the
+        run; a run of S context tokens pays ceil(S / chunk) gathers of S / that many rows."""
+        n_steps = self.step.shape[1]
+        gathered = np.zeros(n_steps)
+        rows = self.prefill_rows
+        order = rows[np.lexsort((self.tokens[rows], self.steps[rows]))]
+        runs: list[tuple[int, int]] = []  # (step, context tokens)
+        current_step, run = -1, 0
+        for row in order:
+            step, prefix = int(self.steps[row]), int(self.computed[row])
+            if step != current_step or prefix <= 0:
+                runs.append((current_step, run))
+                current_step, run = step, 0
+            run += max(prefix, 0)
+        runs.append((current_step, run))
+        for step, context in runs:
+            if context <= 0:
+                continue
+            launches = -(-context // chunk)
+            gathered[step] += launches * float(
+                laws.collective_us(
+                    context * gather.bytes_per_token / launches,
+                    gather.t0_us,
+                    gather.r_t_bytes_per_us,
+                    gather.r_peak_bytes_per_us,
+                )
+            )
+        return gathered
 
     def own(self, coefficients: np.ndarray, reads_at: int, pairs_at: int) -> np.ndarray:
         """Each slot's own features times `coefficients` (features, m): the flags stay zero."""
@@ -204,15 +237,15 @@ class Kernel:
         self.kind_names = [layer.name for layer in layers]
         self.repeat = np.array([layer.repeat for layer in layers], dtype=np.float64)
         attentions = [layer.attention for layer in layers]
-        indexed = any(a is not None and a.indexer is not None for a in attentions)
+        scans = {a.indexer.read for a in attentions if a is not None and a.indexer is not None}
         # Layers sharing a read bound (or a prefill key cap) share one feature; an indexer scans
         # the whole context, with every causal pair at prefill.
         self.read_bounds = sorted(
-            {a.read for a in attentions if a is not None} | ({WHOLE_CONTEXT} if indexed else set()),
+            {a.read for a in attentions if a is not None} | scans,
             key=repr,
         )
         self.keys_caps = sorted(
-            {a.keys_cap for a in attentions if a is not None} | ({None} if indexed else set()),
+            {a.keys_cap for a in attentions if a is not None} | ({None} if scans else set()),
             key=lambda cap: cap or 0,
         )
         self._reads_at = FLAG_FEATURES
@@ -240,22 +273,11 @@ class Kernel:
             if layer.experts is not None:
                 routed = gemm_us(layer.experts.flops_per_token)
                 coef[TOKENS, EXPERT, k] = routed * layer.experts.tokens_per_step_token
-                coef[ACTIVE, EXPERT, k] = routed * m_half
+                coef[ACTIVE, EXPERT, k] = routed * m_half * layer.experts.ramp_overhead_tokens
             if layer.attention is not None:
                 self._attention_terms(coef[:, :, k], layer.attention)
-            recurrent = layer.recurrent
-            if recurrent is not None:
-                # each row reads its request's state and writes it back
-                coef[ROWS, READ, k] = read_us(2.0 * recurrent.state_bytes)
-                coef[DECODING, READ, k] += recurrent.decode_floor_us
-                coef[PREFILLING, ATTENTION, k] += recurrent.prefill_floor_us
-                coef[PREFILL_TOKENS, ATTENTION, k] = laws.scan_us(
-                    1.0,
-                    recurrent.scan_flops_per_token,
-                    recurrent.scan.peak_flops_per_us,
-                    recurrent.scan.ramp.eps_max,
-                    recurrent.scan_work_scale,
-                )
+            if layer.recurrent is not None:
+                self._recurrent_terms(coef[:, :, k], layer)
         head = np.zeros((self._features_count, 2))
         head[TOKENS, 0] = gemm_us(plan.head_flops_per_token)
         head[ACTIVE, 0] = gemm_us(plan.head_flops_per_token) * m_half
@@ -275,7 +297,7 @@ class Kernel:
         experts = [layer.experts for layer in layers]
         self._routed = np.array([1.0 if e is None else e.tokens_per_step_token for e in experts])
         self._miss = laws.expert_miss_probability(
-            [1 if e is None else e.experts for e in experts],
+            [1 if e is None else e.coverage_experts for e in experts],
             [0 if e is None else e.top_k for e in experts],
         )
         self._local_experts = np.array([0.0 if e is None else e.local_experts for e in experts])
@@ -291,6 +313,13 @@ class Kernel:
         self._collective_r_t = np.array([c.r_t_bytes_per_us for c in distinct])
         self._collective_r_peak = np.array([c.r_peak_bytes_per_us for c in distinct])
         self._collective_bytes = np.array([c.bytes_per_token for c in distinct])
+        self._collective_rows = np.array([COLLECTIVE_ROWS[c.rows] for c in distinct], dtype=np.intp)
+        # Kinds whose prefills all-gather their cached context (compat="go" under DCP).
+        self._context_gathers = [
+            (k, layer.context_gather)
+            for k, layer in enumerate(layers)
+            if layer.context_gather is not None
+        ]
         launches = np.zeros((len(distinct), 2, kinds))
         for k, layer in enumerate(layers):
             for collective in layer.collectives:
@@ -314,9 +343,33 @@ class Kernel:
         digest = hashlib.sha256(f"laws {LAWS_REVISION}\n".encode())
         digest.update(json.dumps(deployment.model_dump(mode="json"), sort_keys=True).encode())
         digest.update(f"{chip.digest} {model.digest}".encode())
+        if deployment.compat == "go":
+            digest.update(load_recurrent_registry().digest.encode())
         self.version = f"kernel-{deployment.model}-{deployment.chip}-tp{deployment.tp}-{digest.hexdigest()[:10]}"
         self.capture_ceiling = plan.host.capture_ceiling
         self.kernels = plan.host.kernels
+
+    def _recurrent_terms(self, coef: np.ndarray, layer: PlannedLayer) -> None:
+        """One recurrent layer's linear terms, (features, 4) of its kind."""
+        recurrent = layer.recurrent
+        if isinstance(recurrent, MeasuredRecurrent):
+            coef[ACTIVE, ATTENTION] += recurrent.floor_us
+            coef[TOKENS, ATTENTION] += recurrent.us_per_token
+            return
+        assert recurrent is not None
+        # each row reads its request's state and writes it back
+        coef[ROWS, READ] = laws.memory_time_us(
+            2.0 * recurrent.state_bytes, self._bandwidth, self._derate
+        )
+        coef[DECODING, READ] += recurrent.decode_floor_us
+        coef[PREFILLING, ATTENTION] += recurrent.prefill_floor_us
+        coef[PREFILL_TOKENS, ATTENTION] = laws.scan_us(
+            1.0,
+            recurrent.scan_flops_per_token,
+            recurrent.scan.peak_flops_per_us,
+            recurrent.scan.ramp.eps_max,
+            recurrent.scan_work_scale,
+        )
 
     def _attention_terms(self, coef: np.ndarray, attention: PlannedAttention) -> None:
         """One attention layer's linear terms, (features, 4) of its kind."""
@@ -351,10 +404,12 @@ class Kernel:
             return
         coef[DECODING, READ] += indexer.decode_floor_us
         coef[PREFILLING, ATTENTION] += indexer.prefill_floor_us
-        scan = self._reads_at + self.read_bounds.index(WHOLE_CONTEXT)
+        scan = self._reads_at + self.read_bounds.index(indexer.read)
         coef[scan, READ] += laws.decode_attention_us(
             1.0, 0.0, indexer.cache_bytes_per_token, indexer.decode_rate_bytes_per_us
         )
+        if not indexer.scores_prefill:
+            return
         # query-key logits only (no value product), its heads replicated on every rank
         causal = self._pairs_at + self.keys_caps.index(None)
         coef[causal, ATTENTION] += laws.prefill_attention_us(
@@ -450,6 +505,7 @@ class Kernel:
         step[TOKENS] = per_step(tokens)
         step[ROWS] = per_step(live.astype(np.float64))
         step[PREFILL_TOKENS] = per_step(tokens[rows], rows)
+        step[DECODE_TOKENS] = per_step(np.where(decode, tokens, 0.0))
         context = (c + s).astype(np.float64)
         # column-major: each bound's reads are written and summed as one contiguous column
         reads = np.empty((len(s), len(self.read_bounds)), order="F")
@@ -492,6 +548,8 @@ class Kernel:
             pairs=pairs,
             step=step,
             uniform=~any_per_step(s != self.plan.host.uniform_decode_tokens),
+            decode=decode,
+            computed=c,
         )
 
     # ------------------------------------------------------------------ pricing
@@ -519,14 +577,17 @@ class Kernel:
         layer[SM] = terms[GEMM] + terms[ATTENTION]
         layer[HBM] = terms[READ]
         if len(self._collective_bytes):
+            rows = step[self._collective_rows]
             launch_us = laws.collective_us(
-                self._collective_bytes[:, None] * tokens,
+                self._collective_bytes[:, None] * rows,
                 self._collective_t0[:, None],
                 self._collective_r_t[:, None],
                 self._collective_r_peak[:, None],
             )
-            fabric = self._fabric_launches @ (launch_us * step[ACTIVE])
+            fabric = self._fabric_launches @ (launch_us * (rows > 0))
             layer[NVLINK:] = fabric.reshape(2, kinds, n)
+        for k, gather in self._context_gathers:
+            layer[NVLINK, k] += features.context_gather_us(gather, self.plan.context_gather_chunk)
         expert = np.zeros((2, kinds, n))
         expert[0] = terms[EXPERT]
         if self._has_experts:
@@ -617,13 +678,17 @@ class Kernel:
         slot[:, HBM] += tokens * expert_share[steps]
         if len(self._collective_bytes):
             rate = laws.collective_rate_in_force(
-                step_tokens[:, None] * self._collective_bytes,
+                features.step[self._collective_rows].T * self._collective_bytes,
                 self._collective_t0,
                 self._collective_r_t,
                 self._collective_r_peak,
             )[steps]
             launches = self._launches @ self.repeat  # (collectives, fabrics)
-            slot[:, NVLINK:HOST] = (tokens[:, None] * self._collective_bytes / rate) @ launches
+            decode_tokens = np.where(features.decode, tokens, 0.0)
+            own_rows = np.where(
+                self._collective_rows == DECODE_TOKENS, decode_tokens[:, None], tokens[:, None]
+            )
+            slot[:, NVLINK:HOST] = (own_rows * self._collective_bytes / rate) @ launches
         caused = np.stack(
             [np.bincount(steps, weights=slot[:, r], minlength=n_steps) for r in range(5)], axis=1
         )

@@ -274,6 +274,9 @@ class AttentionNode(_Node):
         return self.kind in ("mla", "sparse_mla")
 
 
+RecurrentKind = Literal["mamba2", "gated_delta_net", "kda"]
+
+
 class RecurrentNode(_Node):
     """A recurrent mixer: a Mamba2 (SSD) layer or a gated delta-net linear attention. Both are a
     chunked linear attention carrying, per request, one key_dim x value_dim state per value head
@@ -281,6 +284,9 @@ class RecurrentNode(_Node):
     last conv_kernel - 1 inputs, instead of a KV cache."""
 
     op: Literal["recurrent"]
+    # The mixer family, which selects its measured coefficients where a registry has them
+    # (`RecurrentRegistry`): Mamba2's SSD, Qwen3-Next's gated delta-net, Kimi's delta attention.
+    kind: RecurrentKind
     key_heads: int = Field(gt=0)  # Mamba2 n_groups; delta-net linear_num_key_heads
     value_heads: int = Field(gt=0)  # Mamba2 num_heads; delta-net linear_num_value_heads
     key_dim: int = Field(gt=0)  # Mamba2 ssm_state_size; delta-net linear_key_head_dim
@@ -407,8 +413,26 @@ def kv_bytes_per_token_layer(attention: AttentionNode, tp: int, cache_dtype: str
     return tensors * heads_per_rank * attention.head_dim * CACHE_BYTES[cache_dtype]
 
 
+# ----------------------------------------------------------------------------------- registry
+class MeasuredMixer(_Coefficients):
+    """One recurrent family's decode cost on one part: a launch floor plus a token rate."""
+
+    floor_us: float = Field(ge=0)
+    tokens_per_us: float = Field(gt=0)
+
+
+class RecurrentRegistry(_DataFile):
+    """The Go kernel's recurrent registry entries, per chip and mixer family. Only the Go kernel
+    prices from them (`compat="go"`): the one measured family, Mamba2, is its convolution alone."""
+
+    name: str = Field(min_length=1)
+    source: str = Field(min_length=1)
+    chips: dict[str, dict[RecurrentKind, MeasuredMixer]]
+
+
 # ----------------------------------------------------------------------------------- loading
-Spec = TypeVar("Spec", ChipSpec, ModelSpec)
+Spec = TypeVar("Spec", ChipSpec, ModelSpec, RecurrentRegistry)
+REGISTRY_DIR = Path(__file__).resolve().parent / "registry"
 
 
 def _load(directory: Path, name: str, what: str, spec_type: type[Spec]) -> Spec:
@@ -447,9 +471,17 @@ def load_model(name: str) -> ModelSpec:
     return _load(MODELS_DIR, name.lower(), "model", ModelSpec)
 
 
+@cache
+def load_recurrent_registry() -> RecurrentRegistry:
+    """The Go kernel's recurrent mixer coefficients, `pricing/registry/recurrent.yaml`."""
+    return _load(REGISTRY_DIR, "recurrent", "registry", RecurrentRegistry)
+
+
 def chip_names() -> list[str]:
+    """Every chip with a file under `pricing/chips/`."""
     return sorted(p.stem for p in CHIPS_DIR.glob("*.yaml"))
 
 
 def model_names() -> list[str]:
+    """Every model with a graph under `pricing/models/`."""
     return sorted(p.stem for p in MODELS_DIR.glob("*.yaml"))

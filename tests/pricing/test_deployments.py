@@ -40,15 +40,26 @@ def test_expert_parallel_with_eplb_prices_the_busiest_rank_by_hand():
     )
 
 
-def test_expert_parallel_under_go_compat_shares_the_routing_over_the_logical_experts():
+def test_expert_parallel_under_go_compat_shares_routing_and_coverage_over_physical_experts():
     deployment = Deployment(**DSV3, expert_parallel=True, eplb_redundant_experts=32, compat="go")
     moe = _decode(Kernel.build(deployment), 1).per_kind["attn_moe"]
-    # KERNEL_NOTES: FLOPs_r = T_r * top_k * share_local * F_e * imbalance, share_local = L / E
-    # with L = ceil((256 + 32) / 8) = 36 experts on the busiest rank and E = 256
-    flops = 1 * 8 * (36 / 256) * EXPERT_FLOPS * 0.999
+    # Go kernel (new.go localExpertShare = heaviest / (experts + redundant)): FLOPs_r = T_r *
+    # top_k * L / E_phys * F_e * imbalance, L = ceil((256 + 32) / 8) = 36, E_phys = 288
+    flops = 1 * 8 * (36 / 288) * EXPERT_FLOPS * 0.999
     assert moe["expert_sm_us"] == pytest.approx(flops * (1 + 113) / (H200_FP8 * 0.736), rel=1e-12)
-    # Bytes_r = W_e * L * (1 - ((E - k) / E)^T_r), whole experts (one shard under EP)
-    assert moe["expert_hbm_us"] == pytest.approx(36 * (8 / 256) * EXPERT_BYTES / H200_READ)
+    # Bytes_r = W_e * L * (1 - ((E_phys - k) / E_phys)^T_r), whole experts (one shard under EP)
+    assert moe["expert_hbm_us"] == pytest.approx(36 * (8 / 288) * EXPERT_BYTES / H200_READ)
+
+
+def test_attention_dp_under_go_compat_ramps_the_routed_gemm_at_the_steps_own_tokens():
+    deployment = Deployment(
+        model="deepseek-v3", chip="h200", tp=1, data_parallel=8, expert_parallel=True, compat="go"
+    )
+    moe = _decode(Kernel.build(deployment), 1).per_kind["attn_moe"]
+    # 8 replicas' tokens reach the 32 experts of each rank, but eps is taken at T = 1:
+    # T_r * top_k * (32 / 256) * F_e * imbalance / (peak * eps(1)), eps(1) = 0.736 / 114
+    flops = 8 * 8 * (32 / 256) * EXPERT_FLOPS * 0.999
+    assert moe["expert_sm_us"] == pytest.approx(flops * (1 + 113) / (H200_FP8 * 0.736), rel=1e-12)
 
 
 def test_a_point_to_point_dispatch_moves_each_token_to_its_top_k():
