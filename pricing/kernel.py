@@ -57,7 +57,7 @@ from pricing.spec import (
 
 # Raised with every change to a law or to how the plan reads the data files, so a ledger priced
 # before and after does not share a weights version (CHANGELOG.md records each).
-LAWS_REVISION = 5
+LAWS_REVISION = 6
 RESOURCES = ("sm", "hbm", "nvlink", "nic", "host")
 SM, HBM, NVLINK, NIC, HOST = range(5)
 # A collective's fabric: its row in a kind's (NVLink, NIC) launch counts.
@@ -314,7 +314,7 @@ class Kernel:
         self._collective_r_peak = np.array([c.r_peak_bytes_per_us for c in distinct])
         self._collective_bytes = np.array([c.bytes_per_token for c in distinct])
         self._collective_rows = np.array([COLLECTIVE_ROWS[c.rows] for c in distinct], dtype=np.intp)
-        # Kinds whose prefills all-gather their cached context (compat="go" under DCP).
+        # Kinds whose prefills all-gather their cached context (decode context parallelism).
         self._context_gathers = [
             (k, layer.context_gather)
             for k, layer in enumerate(layers)

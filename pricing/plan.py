@@ -47,6 +47,8 @@ KERNELS_PER_NODE = {
     "all2all": 2,
 }
 HEAD_KERNELS = 2  # final norm + lm_head
+# A decode-context-parallel combine: query gather, log-sum-exp gather, output reduce-scatter.
+DCP_COMBINE_OPS = ("all_gather", "all_gather", "reduce_scatter")
 # Collectives, norms and hidden states move bf16 activations whatever the weight format: vLLM's
 # quantized linears return out_dtype = x.dtype (ScaledMMLinearKernel at v0.31.0).
 ACTIVATION_BYTES = 2
@@ -271,14 +273,15 @@ def _sequence_parallel_moe(deployment: Deployment) -> bool:
 
 
 def _emits(node: CollectiveNode, deployment: Deployment, physics: bool) -> bool:
+    """Whether a collective node launches under this deployment."""
     if node.emit == "always":
         return True
     if node.emit == "expert_parallel":
         # With DP > 1 and expert parallelism off vLLM still gathers every DP rank's tokens to
-        # the experts it shards over the group; the Go kernel prices that dispatch, the default
-        # mode only expert parallelism's.
-        gathered = not physics and deployment.data_parallel > 1
-        return (deployment.expert_parallel or gathered) and deployment.moe_group > 1
+        # the experts it shards over the group (the all-gather/reduce-scatter fallback,
+        # fused_moe/all2all_utils.py); a TP-only MoE dispatches nothing.
+        dispatched = deployment.expert_parallel or deployment.data_parallel > 1
+        return dispatched and deployment.moe_group > 1
     if node.emit == "tensor_parallel_unless_sp_moe" and not physics:
         return deployment.tp > 1 and not _sequence_parallel_moe(deployment)
     return deployment.tp > 1
@@ -424,13 +427,13 @@ class _Planner:
             elif isinstance(node, AttentionNode):
                 attention = self._attention(node)
                 if self.deployment.decode_context_parallel > 1:
-                    collectives += self._context_parallel_combine(node)
+                    combine = self._context_parallel_combine(node)
+                    collectives += combine
+                    context_gather = self._dcp_collective("all_gather", node.head_dim)
                     if self.physics:
-                        kernels += (
-                            KERNELS_PER_NODE["all_gather"] + KERNELS_PER_NODE["reduce_scatter"]
-                        )
-                    else:
-                        context_gather = self._dcp_collective("all_gather", node.head_dim)
+                        # each combine collective is a kernel launch (the Go kernel counts
+                        # only the graph's nodes)
+                        kernels += sum(KERNELS_PER_NODE[op] for op in DCP_COMBINE_OPS)
                 if attention.indexer is not None:
                     kernels += KERNELS_PER_NODE["attention"]  # the indexer is an attention op
             elif isinstance(node, RecurrentNode):
@@ -479,8 +482,9 @@ class _Planner:
                 top_k=node.top_k,
                 tokens_per_step_token=dp,
                 ramp_overhead_tokens=ramp_overhead,
-                # The Go kernel counts the distinct experts touched among the physical ones.
-                coverage_experts=node.experts if self.physics else physical,
+                # A logical expert's tokens are dealt over its copies, so a token reaches a
+                # given physical expert with probability top_k / physical on average.
+                coverage_experts=physical,
             )
         # Every rank holds a 1/group shard of every expert. The Go kernel divides the routed
         # arithmetic by the DP width only (a documented over-charge); physics by the group.
@@ -529,11 +533,12 @@ class _Planner:
         )
 
     def _context_parallel_combine(self, node: AttentionNode) -> list[PlannedCollective]:
-        """A decode-context-parallel group all-gathers its ranks' query heads at the latent
-        width (kv_lora_rank + rope) and reduce-scatters the partial outputs at kv_lora_rank
-        (vLLM's MLA DCP: query_head_dim and output_head_dim), on NVLink. The default mode
-        charges both on every token; the Go kernel charges them on decode rows only and
-        all-gathers each row's fp32 log-sum-exp besides (vLLM's cp_lse_ag_out_rs)."""
+        """vLLM's MLA decode-context-parallel combine (cp_lse_ag_out_rs), on a layer's decode
+        rows (its prefill rows attend a gathered context instead, `context_gather`), on
+        NVLink: the group all-gathers its ranks' query heads at the latent width
+        (kv_lora_rank + rope, query_head_dim), all-gathers each row's fp32 log-sum-exp per head
+        from every rank, and reduce-scatters the partial outputs at kv_lora_rank
+        (output_head_dim)."""
         dcp, tp = self.deployment.decode_context_parallel, self.deployment.tp
         if not node.latent or node.kv_lora_rank is None:
             raise PricingError(
@@ -545,20 +550,13 @@ class _Planner:
                 f"a decode-context-parallel group of {dcp} does not fit {self.chip.name!r} nodes "
                 f"of {self.chip.gpus_per_node} GPUs"
             )
-        if self.physics:
-            heads = -(-node.q_heads // tp) * dcp
-            return [
-                self._dcp_collective("all_gather", heads * node.head_dim),
-                self._dcp_collective("reduce_scatter", heads * node.kv_lora_rank),
-            ]
-        heads_go = node.q_heads / tp * dcp
+        heads = node.q_heads / tp * dcp
         lse_bytes = 4  # fp32, one per head and row, gathered from every rank of the group
+        query, lse, output = DCP_COMBINE_OPS
         return [
-            self._dcp_collective("all_gather", heads_go * node.head_dim, "decode_tokens"),
-            self._dcp_collective(
-                "all_gather", dcp * heads_go * lse_bytes / ACTIVATION_BYTES, "decode_tokens"
-            ),
-            self._dcp_collective("reduce_scatter", heads_go * node.kv_lora_rank, "decode_tokens"),
+            self._dcp_collective(query, heads * node.head_dim, "decode_tokens"),
+            self._dcp_collective(lse, dcp * heads * lse_bytes / ACTIVATION_BYTES, "decode_tokens"),
+            self._dcp_collective(output, heads * node.kv_lora_rank, "decode_tokens"),
         ]
 
     def _dcp_collective(

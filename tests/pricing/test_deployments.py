@@ -29,9 +29,10 @@ def test_expert_parallel_with_eplb_prices_the_busiest_rank_by_hand():
     local = 36
     flops = 8 * EXPERT_FLOPS * 0.999 * local / 288
     assert moe["expert_sm_us"] == pytest.approx(flops * (1 + 113) / (H200_FP8 * 0.736), rel=1e-12)
-    # one token touches 36 * 8/256 of the local experts, each read whole
+    # a logical expert's tokens are dealt over its copies: one token touches 36 * 8/288 of the
+    # local experts on average, each read whole
     assert moe["expert_hbm_us"] == pytest.approx(
-        local * (8 / 256) * EXPERT_BYTES / H200_READ, rel=1e-12
+        local * (8 / 288) * EXPERT_BYTES / H200_READ, rel=1e-12
     )
     # attention and MLP all-reduces (4.71 us + 14336 B at 104,250 B/us each) and the MoE
     # dispatch over the default all-gather/reduce-scatter backend (7.39 us + 14336 B at 143,750)
@@ -200,16 +201,36 @@ def test_decode_context_parallel_reads_a_dealt_share_and_combines_by_hand():
         (583_467_008 / 8 + 4 * 28672 / 8) / H200_READ + 13.5 + 513 * 1152 / 2_928_000, rel=1e-12
     )
     # two TP all-reduces, then the group gathers 16 heads x 8 ranks of 576-wide queries and
-    # reduce-scatters 512-wide outputs (h200 all_gather/reduce_scatter at width 8)
+    # each rank's fp32 log-sum-exp per head, and reduce-scatters 512-wide outputs (h200
+    # all_gather/reduce_scatter at width 8)
     assert dense["nvlink_us"] == pytest.approx(
         2 * (4.71 + 14336 / 104250)
         + (10.30 + 16 * 8 * 576 * 2 / 148_500)
+        + (10.30 + 8 * 16 * 8 * 4 / 148_500)
         + (10.24 + 16 * 8 * 512 * 2 / 177_750),
         rel=1e-12,
     )
     # each token's latent is held once in the group: an eighth of the TP-replicated copies
     assert kernel.kv_bytes_per_token == 61 * 1152
-    assert kernel.plan.host.kernels == 972 + 61 * 2
+    # three combine launches a layer
+    assert kernel.plan.host.kernels == 972 + 61 * 3
+
+
+def test_decode_context_parallel_gathers_a_prefills_cached_context_instead_of_combining():
+    kernel = Kernel.build(
+        Deployment(model="deepseek-v3", chip="h200", tp=8, decode_context_parallel=8)
+    )
+    dense = kernel.price([2048], [32768], [34816]).per_kind["attn_dense"]
+    # a prefill row attends its whole context: the group all-gathers the 32,768 cached bf16
+    # latents (576 wide) in one workspace chunk (65,536 rows); no query gather or combine
+    assert dense["nvlink_us"] == pytest.approx(
+        2 * (4.71 + 2048 * 14336 / 104250) + (10.30 + 32768 * 576 * 2 / 148_500), rel=1e-12
+    )
+    # two prefills with a cached prefix run in one gather run; one without a prefix ends it
+    shared = kernel.price([16, 32, 64], [40_000, 30_000, 0], [40_016, 30_032, 64])
+    gathers = shared.per_kind["attn_dense"]["nvlink_us"] - 2 * (4.71 + 112 * 14336 / 104250)
+    # 70,000 context tokens: ceil(70,000 / 65,536) = 2 gathers of 35,000 rows each
+    assert gathers == pytest.approx(2 * (10.30 + 35_000 * 1152 / 148_500), rel=1e-12)
 
 
 def test_decode_context_parallel_needs_a_latent_attention_and_a_dividing_group():
