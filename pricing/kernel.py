@@ -1,9 +1,10 @@
 """The pricing kernel: a deployment's step time on five resources, and each slot's share of it.
 
 `Kernel.build` resolves a deployment's chip and model files once into a `Plan` (one entry per
-layer kind); pricing a batch then touches only per-request arrays. Every entry point is
-vectorised over many steps (a single step is the one-step case of the same code), so an hour of
-step logs is priced in a few numpy passes.
+layer kind); pricing a batch then touches only per-request arrays. `price_many` and
+`slot_work_many` are vectorised over many steps, so an hour of step logs is priced in a few numpy
+passes; `price`, the live path's one step at a time, runs the same laws in one compiled pass
+(`pricing.single_step`), a few microseconds a step.
 
 The default mode ("physics") departs from the Go kernel where the Go law is not what the
 hardware does; `compat="go"` reproduces the Go kernel term for term on both shared reference
@@ -36,7 +37,7 @@ from typing import NamedTuple
 import numpy as np
 from numpy.typing import ArrayLike
 
-from pricing import laws
+from pricing import laws, single_step
 from pricing.deployment import Deployment
 from pricing.plan import (
     MeasuredRecurrent,
@@ -202,6 +203,11 @@ class _Composed:
     head: np.ndarray  # (2, steps)
 
 
+def _plain_counts(array: np.ndarray) -> bool:
+    """Already the int64 vector the kernel prices (its values are checked apart)."""
+    return array.ndim == 1 and array.dtype == np.int64
+
+
 def _as_counts(name: str, values: ArrayLike) -> np.ndarray:
     array = np.asarray(values)
     if array.ndim != 1:
@@ -348,6 +354,65 @@ class Kernel:
         self.version = f"kernel-{deployment.model}-{deployment.chip}-tp{deployment.tp}-{digest.hexdigest()[:10]}"
         self.capture_ceiling = plan.host.capture_ceiling
         self.kernels = plan.host.kernels
+        self._repeat_counts = [layer.repeat for layer in layers]
+        self._single = self._step_constants()
+
+    def _step_constants(self) -> single_step.StepConstants:
+        """This kernel's constants in the layout the one-step pass reads."""
+        plan, none = self.plan, -1.0
+        host = plan.host
+        return single_step.StepConstants(
+            decode_threshold=self.deployment.decode_threshold,
+            bounds=np.array(
+                [
+                    [
+                        1.0 if b.kind == "sparse_mla" else 0.0,
+                        none if b.window is None else b.window,
+                        none if b.top_k is None else b.top_k,
+                        none if b.compress_ratio is None else b.compress_ratio,
+                        b.context_ranks,
+                    ]
+                    for b in self.read_bounds
+                ],
+                dtype=np.float64,
+            ).reshape(len(self.read_bounds), 5),
+            caps=np.array([none if cap is None else cap for cap in self.keys_caps], dtype=float),
+            prefill_ramp=np.array(
+                [
+                    plan.prefill_attention.ramp.eps_max,
+                    plan.prefill_attention.ramp.m_half,
+                    1.0 if plan.per_request_attention_ramp else 0.0,
+                ]
+            ),
+            reads_at=self._reads_at,
+            pairs_at=self._pairs_at,
+            linear=np.ascontiguousarray(self._linear),
+            repeat=self.repeat,
+            collectives=np.column_stack(
+                [
+                    self._collective_bytes,
+                    self._collective_t0,
+                    self._collective_r_t,
+                    self._collective_r_peak,
+                    self._collective_rows.astype(np.float64),
+                ]
+            ).reshape(len(self._collective_bytes), 5),
+            fabric_launches=np.ascontiguousarray(self._fabric_launches),
+            experts=np.column_stack(
+                [self._routed, self._miss, self._local_experts, self._expert_us]
+            ),
+            host=np.array(
+                [
+                    host.graph_us[host.decode_mode],
+                    host.graph_us[host.other_mode],
+                    host.graph_us["none"],
+                    host.capture_ceiling,
+                    host.kernels,
+                    host.dispatch_per_kernel_us,
+                    host.uniform_decode_tokens,
+                ]
+            ),
+        )
 
     def _recurrent_terms(self, coef: np.ndarray, layer: PlannedLayer) -> None:
         """One recurrent layer's linear terms, (features, 4) of its kind."""
@@ -603,38 +668,68 @@ class Kernel:
         """Price one step; one entry per request in each array. A request is a prefill when it
         schedules more than the decode threshold, as the engine classes it; prompt_len is
         validated but does not change the price."""
-        n = len(np.asarray(scheduled))
-        slots = Slots(np.zeros(n, dtype=np.int64), scheduled, computed, prompt_len)
-        composed = self._compose(self._features(slots, 1))
-        totals = composed.step.totals[:, 0]
-        layer, expert = composed.layer[..., 0], composed.expert[..., 0]
+        s, c, p = np.asarray(scheduled), np.asarray(computed), np.asarray(prompt_len)
+        if not (_plain_counts(s) and _plain_counts(c) and _plain_counts(p)):
+            s, c, p = (
+                _as_counts(name, values)
+                for name, values in zip(Slots._fields[1:], (s, c, p), strict=True)
+            )
+        if not len(s) == len(c) == len(p) or self._context_gathers:
+            # the batch-wide checks and the context gathers' runs are the vectorised path's
+            slots = Slots(np.zeros(len(s), dtype=np.int64), s, c, p)
+            return self._step_price(self._flat(self._compose(self._features(slots, 1))))
+        if not (
+            single_step.non_negative(s)
+            and single_step.non_negative(c)
+            and single_step.non_negative(p)
+        ):
+            for name, values in zip(Slots._fields[1:], (s, c, p), strict=True):
+                _as_counts(name, values)  # raises, naming the first negative count
+        return self._step_price(single_step.price_step(s, c, self._single))
+
+    def _flat(self, composed: _Composed) -> np.ndarray:
+        """One composed step in `single_step.compose_one`'s layout."""
+        step = composed.step
+        return np.concatenate(
+            [
+                step.totals[:, 0],
+                [step.overlap[0], step.nooverlap[0], step.bottleneck[0]],
+                composed.layer[..., 0].ravel(),
+                composed.expert[..., 0].ravel(),
+                step.stage[:, 0],
+                composed.head[:, 0],
+            ]
+        )
+
+    def _step_price(self, flat: np.ndarray) -> StepPrice:
+        """A StepPrice from one step in `single_step.compose_one`'s layout."""
+        kinds = len(self.kind_names)
+        values = flat.tolist()
+        layer_at, expert_at, stage_at, head_at = 8, 8 + 4 * kinds, 8 + 6 * kinds, 8 + 7 * kinds
         per_kind = {
             name: {
-                "repeat": int(self.repeat[k]),
-                "sm_us": float(layer[SM, k]),
-                "hbm_us": float(layer[HBM, k]),
-                "nvlink_us": float(layer[NVLINK, k]),
-                "nic_us": float(layer[NIC, k]),
-                "expert_sm_us": float(expert[0, k]),
-                "expert_hbm_us": float(expert[1, k]),
-                "stage_us": float(composed.step.stage[k, 0]),
+                "repeat": self._repeat_counts[k],
+                "sm_us": values[layer_at + k],
+                "hbm_us": values[layer_at + kinds + k],
+                "nvlink_us": values[layer_at + 2 * kinds + k],
+                "nic_us": values[layer_at + 3 * kinds + k],
+                "expert_sm_us": values[expert_at + k],
+                "expert_hbm_us": values[expert_at + kinds + k],
+                "stage_us": values[stage_at + k],
             }
             for k, name in enumerate(self.kind_names)
         }
-        per_kind["head"] = {
-            "repeat": 1,
-            "sm_us": float(composed.head[0, 0]),
-            "hbm_us": float(composed.head[1, 0]),
-        }
+        per_kind["head"] = {"repeat": 1, "sm_us": values[head_at], "hbm_us": values[head_at + 1]}
+        sm, hbm, nvlink, nic, host, overlap, nooverlap = values[:7]
         return StepPrice(
-            sm_us=float(totals[SM]),
-            hbm_us=float(totals[HBM]),
-            nvlink_us=float(totals[NVLINK]),
-            nic_us=float(totals[NIC]),
-            host_us=float(totals[HOST]),
-            overlap_us=float(composed.step.overlap[0]),
-            nooverlap_us=float(composed.step.nooverlap[0]),
-            bottleneck=RESOURCES[int(composed.step.bottleneck[0])],
+            sm_us=sm,
+            hbm_us=hbm,
+            nvlink_us=nvlink,
+            nic_us=nic,
+            host_us=host,
+            overlap_us=overlap,
+            nooverlap_us=nooverlap,
+            bottleneck=RESOURCES[int(values[7])],
             per_kind=per_kind,
         )
 
