@@ -78,6 +78,8 @@ GEMM, ATTENTION, READ, EXPERT = range(4)
 
 @dataclass(frozen=True)
 class StepPrice:
+    """One step's price: per-resource totals, both step-time estimates and each layer kind's share."""
+
     sm_us: float
     hbm_us: float
     nvlink_us: float
@@ -106,6 +108,7 @@ class StepPrices:
 
     @property
     def bottleneck_names(self) -> np.ndarray:
+        """Each step's bottleneck as its resource name."""
         names: np.ndarray = np.asarray(RESOURCES)[self.bottleneck]
         return names
 
@@ -234,14 +237,15 @@ class Kernel:
     """A deployment's pricing kernel; build with `Kernel.build(deployment)`."""
 
     def __init__(self, deployment: Deployment, chip: ChipSpec, model: ModelSpec) -> None:
+        """Plan `model` served as `deployment` on `chip` and evaluate the laws' coefficients."""
         self.deployment = deployment
         self.chip = chip
         self.model = model
         self.plan = plan = build_plan(deployment, chip, model)
         layers = plan.layers
-        kinds = len(layers)
         self.kind_names = [layer.name for layer in layers]
         self.repeat = np.array([layer.repeat for layer in layers], dtype=np.float64)
+        self._repeat_counts = [layer.repeat for layer in layers]
         attentions = [layer.attention for layer in layers]
         scans = {a.indexer.read for a in attentions if a is not None and a.indexer is not None}
         # Layers sharing a read bound (or a prefill key cap) share one feature; an indexer scans
@@ -257,18 +261,44 @@ class Kernel:
         self._reads_at = FLAG_FEATURES
         self._pairs_at = FLAG_FEATURES + len(self.read_bounds)
         self._features_count = self._pairs_at + len(self.keys_caps)
-
-        gemm = plan.gemm
-        peak, eps_max, m_half = gemm.peak_flops_per_us, gemm.ramp.eps_max, gemm.ramp.m_half
         self._bandwidth = chip.hbm_tb_s * 1e6  # TB/s = 1e6 bytes per microsecond
         self._derate = chip.gemm.hbm_derate
 
-        def gemm_us(flops_per_token: float) -> float:
-            return float(laws.ramped_arithmetic_us(1.0, flops_per_token, peak, eps_max, 0.0))
+        self._linear_terms(layers)
+        self._expert_terms(layers)
+        self._collective_terms(layers)
+        self._kv_memory(deployment, attentions)
+        # Whole replica: one state per request on every layer with a recurrent mixer, each rank
+        # holding its heads' share, whatever the context.
+        self.state_bytes_per_request = int(
+            deployment.tp
+            * sum(
+                layer.repeat * layer.recurrent.state_bytes
+                for layer in layers
+                if layer.recurrent is not None
+            )
+        )
+        self.version = self._version()
+        self.capture_ceiling = plan.host.capture_ceiling
+        self.kernels = plan.host.kernels
+        self._single = self._step_constants()
 
-        def read_us(nbytes: float) -> float:
-            return float(laws.memory_time_us(nbytes, self._bandwidth, self._derate))
+    def _gemm_us(self, flops_per_token: float) -> float:
+        """One token's arithmetic at eps_max on the GEMM lane (the ramp's m_half apart)."""
+        gemm = self.plan.gemm
+        return float(
+            laws.ramped_arithmetic_us(
+                1.0, flops_per_token, gemm.peak_flops_per_us, gemm.ramp.eps_max, 0.0
+            )
+        )
 
+    def _read_us(self, nbytes: float) -> float:
+        return float(laws.memory_time_us(nbytes, self._bandwidth, self._derate))
+
+    def _linear_terms(self, layers: tuple[PlannedLayer, ...]) -> None:
+        """The terms linear in the step's features: per kind, then the head's."""
+        kinds, m_half = len(layers), self.plan.gemm.ramp.m_half
+        gemm_us, read_us = self._gemm_us, self._read_us
         # T / eps(T) = (T + m_half) / eps_max: a step with tokens pays m_half tokens' more work.
         coef = np.zeros((self._features_count, 4, kinds))
         for k, layer in enumerate(layers):
@@ -285,9 +315,9 @@ class Kernel:
             if layer.recurrent is not None:
                 self._recurrent_terms(coef[:, :, k], layer)
         head = np.zeros((self._features_count, 2))
-        head[TOKENS, 0] = gemm_us(plan.head_flops_per_token)
-        head[ACTIVE, 0] = gemm_us(plan.head_flops_per_token) * m_half
-        head[ACTIVE, 1] = read_us(plan.head_weight_bytes)
+        head[TOKENS, 0] = gemm_us(self.plan.head_flops_per_token)
+        head[ACTIVE, 0] = gemm_us(self.plan.head_flops_per_token) * m_half
+        head[ACTIVE, 1] = read_us(self.plan.head_weight_bytes)
         # (outputs, features): the per-kind terms in (block, kind) order, then the head's two
         self._linear = np.concatenate([coef.reshape(len(coef), 4 * kinds), head], axis=1).T
         # A slot's own SM and HBM work over the whole model (its expert reads and collectives
@@ -300,6 +330,8 @@ class Kernel:
             axis=1,
         )
 
+    def _expert_terms(self, layers: tuple[PlannedLayer, ...]) -> None:
+        """Per kind, what the distinct experts' reads (`laws.distinct_experts`) are priced on."""
         experts = [layer.experts for layer in layers]
         self._routed = np.array([1.0 if e is None else e.tokens_per_step_token for e in experts])
         self._miss = laws.expert_miss_probability(
@@ -308,10 +340,13 @@ class Kernel:
         )
         self._local_experts = np.array([0.0 if e is None else e.local_experts for e in experts])
         self._expert_us = np.array(
-            [0.0 if e is None else read_us(e.bytes_per_expert) for e in experts]
+            [0.0 if e is None else self._read_us(e.bytes_per_expert) for e in experts]
         )
         self._has_experts = any(e is not None for e in experts)
 
+    def _collective_terms(self, layers: tuple[PlannedLayer, ...]) -> None:
+        """The distinct collective launches and how many of each every kind makes per fabric."""
+        kinds = len(layers)
         # Identical launches (the same op, width and message size in several layers) are priced
         # once per step; launch counts per fabric and kind sum them into each kind.
         distinct = sorted({c for layer in layers for c in layer.collectives}, key=repr)
@@ -333,29 +368,20 @@ class Kernel:
         self._launches = launches
         self._fabric_launches = launches.transpose(1, 2, 0).reshape(2 * kinds, len(distinct))
 
-        self._kv_memory(deployment, attentions)
-        # Whole replica: one state per request on every layer with a recurrent mixer, each rank
-        # holding its heads' share, whatever the context.
-        self.state_bytes_per_request = int(
-            deployment.tp
-            * sum(
-                layer.repeat * layer.recurrent.state_bytes
-                for layer in layers
-                if layer.recurrent is not None
-            )
-        )
-        # What the prices depend on: the laws' revision, the deployment and the exact bytes of
-        # the chip and model files, so editing a coefficient or a shape changes the version.
+    def _version(self) -> str:
+        """What the prices depend on: the laws' revision, the deployment and the exact bytes of
+        the chip and model files (and, under compat "go", the recurrent registry's), so editing
+        a coefficient or a shape changes the version."""
+        deployment = self.deployment
         digest = hashlib.sha256(f"laws {LAWS_REVISION}\n".encode())
         digest.update(json.dumps(deployment.model_dump(mode="json"), sort_keys=True).encode())
-        digest.update(f"{chip.digest} {model.digest}".encode())
+        digest.update(f"{self.chip.digest} {self.model.digest}".encode())
         if deployment.compat == "go":
             digest.update(load_recurrent_registry().digest.encode())
-        self.version = f"kernel-{deployment.model}-{deployment.chip}-tp{deployment.tp}-{digest.hexdigest()[:10]}"
-        self.capture_ceiling = plan.host.capture_ceiling
-        self.kernels = plan.host.kernels
-        self._repeat_counts = [layer.repeat for layer in layers]
-        self._single = self._step_constants()
+        return (
+            f"kernel-{deployment.model}-{deployment.chip}-tp{deployment.tp}-"
+            f"{digest.hexdigest()[:10]}"
+        )
 
     def _step_constants(self) -> single_step.StepConstants:
         """This kernel's constants in the layout the one-step pass reads."""
@@ -516,6 +542,7 @@ class Kernel:
 
     @classmethod
     def build(cls, deployment: Deployment) -> Kernel:
+        """The kernel of `deployment`, its chip and model read from `pricing/chips/` and `pricing/models/`."""
         return cls(deployment, load_chip(deployment.chip), load_model(deployment.model))
 
     @property
@@ -534,8 +561,9 @@ class Kernel:
         return np.asarray(ctx * self.kv_bytes_per_token + windowed)
 
     # ------------------------------------------------------------------ features
-    def _features(self, slots: Slots, n_steps: int) -> _Features:
-        """Checks a batch's per-slot arrays and derives its features."""
+    @staticmethod
+    def _checked(slots: Slots, n_steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A batch's step index, scheduled and computed tokens, every array checked."""
         steps, s, c, prompt = (
             _as_counts(name, values) for name, values in zip(Slots._fields, slots, strict=True)
         )
@@ -548,6 +576,11 @@ class Kernel:
             raise PricingError(f"n_steps is negative ({n_steps})")
         if len(steps) and steps.max() >= n_steps:
             raise PricingError(f"step_index {int(steps.max())} is outside 0..{n_steps - 1}")
+        return steps, s, c
+
+    def _features(self, slots: Slots, n_steps: int) -> _Features:
+        """Checks a batch's per-slot arrays and derives its features."""
+        steps, s, c = self._checked(slots, n_steps)
         tokens = s.astype(np.float64)
         prefill = s > self.deployment.decode_threshold
         decode = (s > 0) & ~prefill

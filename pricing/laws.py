@@ -303,6 +303,8 @@ def host_us(
 
 @dataclass(frozen=True)
 class ComposedStep:
+    """Steps composed by `compose_step`: resource totals, both estimates, per-kind stages, bottlenecks."""
+
     totals: np.ndarray  # (5, steps) in the kernel's RESOURCES order
     overlap: np.ndarray
     nooverlap: np.ndarray

@@ -117,6 +117,8 @@ class PlannedIndexer:
 
 @dataclass(frozen=True)
 class PlannedAttention:
+    """A layer's attention on one rank: its decode read and floor, its prefill work, its indexer."""
+
     decode_floor_us: float
     decode_rate_bytes_per_us: float
     kv_bytes_per_token: float  # one token, this layer, one rank
@@ -156,6 +158,8 @@ class MeasuredRecurrent:
 
 @dataclass(frozen=True)
 class PlannedExperts:
+    """A layer's routed experts as the busiest rank of the MoE group runs them."""
+
     flops_per_token: float  # routed, all top_k experts of one token, on the busiest rank
     bytes_per_expert: float  # what the busiest rank reads of one touched expert
     local_experts: float  # experts (or expert shards) the busiest rank holds
@@ -173,6 +177,8 @@ class PlannedExperts:
 
 @dataclass(frozen=True)
 class PlannedCollective:
+    """One collective launch a layer makes: its measured triple, bytes per row and fabric."""
+
     t0_us: float
     r_t_bytes_per_us: float
     r_peak_bytes_per_us: float
@@ -183,6 +189,8 @@ class PlannedCollective:
 
 @dataclass(frozen=True)
 class PlannedLayer:
+    """One layer kind with its repeat count and its per-rank work pre-summed."""
+
     name: str
     repeat: int
     dense_flops_per_token: float  # per rank
@@ -200,6 +208,8 @@ class PlannedLayer:
 
 @dataclass(frozen=True)
 class Host:
+    """The CPU side of a step: graph costs per capture mode, the capture ceiling, kernel launches."""
+
     graph_us: dict[str, float]  # "full" / "piecewise" / "none" -> CPU cost of one step's graph
     decode_mode: str  # graph mode of a uniform-decode (or empty) step
     other_mode: str  # graph mode of any other step
@@ -211,6 +221,8 @@ class Host:
 
 @dataclass(frozen=True)
 class Plan:
+    """A deployment's model graph collapsed for pricing: its layer kinds, head, lanes and host."""
+
     layers: tuple[PlannedLayer, ...]
     head_flops_per_token: float
     head_weight_bytes: float
