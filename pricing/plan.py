@@ -340,7 +340,7 @@ class _Planner:
             raise PricingError(
                 f"chip {chip.name!r} has no prefill attention coefficients (attention.prefill)"
             )
-        if nodes > 1 and chip.inter_node_gb_s is None:
+        if nodes > 1 and tp > chip.nvlink_domain and chip.inter_node_gb_s is None:
             raise PricingError(
                 f"chip {chip.name!r} states no inter_node_gb_s, needed for a TP group over "
                 f"{nodes} nodes"
@@ -522,26 +522,32 @@ class _Planner:
         if point_to_point:
             # each token's hidden state goes to each of its top_k experts' ranks
             bytes_per_token *= self._top_k()
-        nodes = -(-width // chip.gpus_per_node) if routed else deployment.nodes
-        if nodes > 1:
+        domain = chip.nvlink_domain
+        # NVLink domains a group spans: a TP group lies over the deployment's nodes, each a
+        # domain unless the rack is one (NVL72); an expert group over consecutive ranks.
+        if routed or chip.gpus_per_rack is not None:
+            domains = -(-width // domain)
+        else:
+            domains = deployment.nodes
+        if domains > 1:
             if chip.inter_node_gb_s is None:
                 raise PricingError(
                     f"chip {chip.name!r} states no inter_node_gb_s, needed for a group of "
-                    f"{width} GPUs over {nodes} nodes"
+                    f"{width} GPUs over {domains} NVLink domains"
                 )
             ratio = chip.nvlink_gb_s / chip.inter_node_gb_s
             if point_to_point:
-                # a point-to-point exchange sends to every rank off the node directly
-                cross = width - chip.gpus_per_node
+                # a point-to-point exchange sends to every rank outside its domain directly
+                cross = width - domain
                 bytes_per_token *= 1.0 + (ratio - 1.0) * cross / (width - 1)
             else:
-                bytes_per_token *= laws.cross_node_span(ratio, nodes, width)
+                bytes_per_token *= laws.cross_node_span(ratio, domains, width)
         return PlannedCollective(
             t0_us=t0,
             r_t_bytes_per_us=r_t,
             r_peak_bytes_per_us=r_peak,
             bytes_per_token=bytes_per_token,
-            resource="nic" if nodes > 1 else "nvlink",
+            resource="nic" if domains > 1 else "nvlink",
         )
 
     def _context_parallel_combine(self, node: AttentionNode) -> list[PlannedCollective]:

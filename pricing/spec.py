@@ -186,6 +186,9 @@ class ChipSpec(_DataFile):
     inter_node_gb_s: float | None = Field(default=None, gt=0)
     sm_count: int = Field(gt=0)
     gpus_per_node: int = Field(gt=0)
+    # A rack whose NVLink switch fabric spans all its GPUs at the per-GPU rate (GB200/GB300
+    # NVL72): a group inside it never reaches inter_node_gb_s, however many nodes it spans.
+    gpus_per_rack: int | None = Field(default=None, gt=0)
     gemm: GemmBlock
     attention: AttentionBlock
     collectives: CollectivesBlock
@@ -196,6 +199,20 @@ class ChipSpec(_DataFile):
         """Data-center Blackwell: the only parts with a native four-bit peak. vLLM keys its
         attention backend and its CUDA-graph capture sizes on this generation."""
         return "nvfp4" in self.peak_tflops
+
+    @property
+    def nvlink_domain(self) -> int:
+        """GPUs one NVLink domain holds: the rack on a rack-scale part, else the node."""
+        return self.gpus_per_rack or self.gpus_per_node
+
+    @model_validator(mode="after")
+    def _racks_hold_whole_nodes(self) -> ChipSpec:
+        if self.gpus_per_rack is not None and self.gpus_per_rack % self.gpus_per_node:
+            raise ValueError(
+                f"gpus_per_rack {self.gpus_per_rack} is not a whole number of "
+                f"{self.gpus_per_node}-GPU nodes"
+            )
+        return self
 
     @model_validator(mode="after")
     def _every_peak_has_a_ramp(self) -> ChipSpec:

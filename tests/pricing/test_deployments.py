@@ -350,3 +350,36 @@ def test_a_mamba2_hybrid_by_hand():
     assert kernel.price([1, 64], [100, 0], [101, 64]).host_us == pytest.approx(
         7.0 * 29 + 238 * 3.2, rel=1e-12
     )
+
+
+# GB200 NVL72: 4-GPU trays, one NVLink domain of 72 GPUs per rack, InfiniBand (50 GB/s) past it.
+GB200 = dict(model="deepseek-v3", chip="gb200-nvl72", dtype="fp8")
+
+
+def test_a_tp_group_over_two_trays_of_an_nvl72_rack_stays_on_nvlink():
+    kernel = Kernel.build(Deployment(**GB200, tp=8, nodes=2))
+    dense = _decode(kernel, 4).per_kind["attn_dense"]
+    # two all-reduces of 4 tokens x 14,336 B at B200's width-8 triple (7.33 us, 155,750 B/us)
+    assert dense["nvlink_us"] == pytest.approx(2 * (7.33 + 4 * 14336 / 155_750), rel=1e-12)
+    assert dense["nic_us"] == 0.0
+
+
+def test_an_expert_group_crosses_to_the_fabric_only_past_the_rack():
+    in_rack = Kernel.build(Deployment(**GB200, tp=4, data_parallel=18, expert_parallel=True))
+    assert _decode(in_rack, 4).per_kind["attn_moe"]["nic_us"] == 0.0
+    two_racks = Kernel.build(
+        Deployment(**GB200, tp=8, nodes=2, data_parallel=18, expert_parallel=True)
+    )
+    moe = _decode(two_racks, 4).per_kind["attn_moe"]
+    # the 144-rank dispatch spans 2 racks: ring span 1 + (900/50 - 1) * 1/143 on 4 tokens'
+    # 14,336 B, at the widest measured all2all triple (10.65 us, 261,750 B/us)
+    message = 4 * 14336 * (1 + 17 / 143)
+    assert moe["nic_us"] == pytest.approx(10.65 + message / 261_750, rel=1e-12)
+
+
+def test_a_rack_holds_whole_trays():
+    from pricing.spec import ChipSpec, load_chip
+
+    chip = load_chip("gb200-nvl72").model_dump()
+    with pytest.raises(ValidationError, match="not a whole number of 4-GPU nodes"):
+        ChipSpec.model_validate({**chip, "gpus_per_rack": 70})
