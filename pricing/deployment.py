@@ -59,6 +59,9 @@ class Deployment(BaseModel):
     # ranks of the TP group, which all-gather their queries and combine partial outputs
     # (vLLM --decode-context-parallel-size).
     decode_context_parallel: int = Field(default=1, gt=0)
+    # SMs the forward pass runs on when a concurrent kernel (a KV offload fetch, a
+    # disaggregated transfer) withholds the rest; None = every SM of the chip.
+    sm_budget: int | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
     def _expert_placement(self) -> Deployment:

@@ -318,6 +318,14 @@ class Kernel:
         head[TOKENS, 0] = gemm_us(self.plan.head_flops_per_token)
         head[ACTIVE, 0] = gemm_us(self.plan.head_flops_per_token) * m_half
         head[ACTIVE, 1] = read_us(self.plan.head_weight_bytes)
+        # On a reduced SM budget every arithmetic term slows (GEMMs, experts, the head, prefill
+        # attention's pairs, a recurrent scan); floors, reads and measured mixers do not.
+        derate = laws.sm_derate(self.chip.sm_count, self.deployment.sm_budget)
+        coef[:, GEMM] *= derate
+        coef[:, EXPERT] *= derate
+        coef[self._pairs_at :, ATTENTION] *= derate
+        coef[PREFILL_TOKENS, ATTENTION] *= derate
+        head[:, 0] *= derate
         # (outputs, features): the per-kind terms in (block, kind) order, then the head's two
         self._linear = np.concatenate([coef.reshape(len(coef), 4 * kinds), head], axis=1).T
         # A slot's own SM and HBM work over the whole model (its expert reads and collectives

@@ -49,6 +49,18 @@ def ramped_arithmetic_us(
     )
 
 
+def sm_derate(sm_count: int, sm_budget: int | None) -> float:
+    """How much longer SM arithmetic takes on `sm_budget` of the part's `sm_count` SMs (a
+    concurrent kernel, such as a Triton KV fetch, withholding the rest): sm_count / sm_budget,
+    1 with no budget or one at least the part's. Arithmetic spreads over SMs evenly, so its
+    rate is proportional to the SMs it runs on; launch floors are not."""
+    if sm_count < 1 or (sm_budget is not None and sm_budget < 1):
+        raise ValueError(f"an SM budget needs positive counts, got {sm_budget} of {sm_count}")
+    if sm_budget is None or sm_budget >= sm_count:
+        return 1.0
+    return sm_count / sm_budget
+
+
 def memory_time_us(nbytes: ArrayLike, bandwidth_bytes_per_us: float, derate: float) -> np.ndarray:
     """HBM read time at the derated bandwidth: no kernel reaches the datasheet rate, and the
     registry's 0.8 is the fraction its streaming-read measurements reach on every part."""

@@ -383,3 +383,56 @@ def test_a_rack_holds_whole_trays():
     chip = load_chip("gb200-nvl72").model_dump()
     with pytest.raises(ValidationError, match="not a whole number of 4-GPU nodes"):
         ChipSpec.model_validate({**chip, "gpus_per_rack": 70})
+
+
+def test_a_reduced_sm_budget_slows_arithmetic_but_not_floors_or_reads():
+    full = Kernel.build(Deployment(model="llama-3.1-8b-instruct", chip="h100"))
+    budget = Kernel.build(Deployment(model="llama-3.1-8b-instruct", chip="h100", sm_budget=120))
+    # 120 of H100's 132 SMs: arithmetic takes 132/120 = 1.1 times as long
+    decode = (
+        full.price([1] * 8, [999] * 8, [1000] * 8),
+        budget.price([1] * 8, [999] * 8, [1000] * 8),
+    )
+    assert decode[1].sm_us == pytest.approx(1.1 * decode[0].sm_us, rel=1e-12)
+    assert decode[1].hbm_us == decode[0].hbm_us
+    # a prefill's 32 attention floors (19.5 us each) are launches, not arithmetic
+    floors = 32 * 19.5
+    prefill = full.price([2048], [0], [2048]), budget.price([2048], [0], [2048])
+    assert prefill[1].sm_us - floors == pytest.approx(1.1 * (prefill[0].sm_us - floors), rel=1e-12)
+    # a budget at or above the part's SMs changes nothing
+    whole = Kernel.build(Deployment(model="llama-3.1-8b-instruct", chip="h100", sm_budget=132))
+    assert whole.price([2048], [0], [2048]).sm_us == prefill[0].sm_us
+
+
+def test_go_compat_prices_a_recurrent_mixer_at_the_registrys_floor_and_rate():
+    kernel = Kernel.build(Deployment(model="nemotron-h-8b", chip="h100", compat="go"))
+    plain = Kernel.build(Deployment(model="nemotron-h-8b", chip="h100", tp=1, compat="go"))
+    assert kernel.version == plain.version
+    mamba = kernel.price([1] * 16, [999] * 16, [1000] * 16).per_kind["mamba2"]
+    # per layer on SM: the registry's Mamba2 floor 3.5 us plus 16 tokens at 8.5 tokens per us,
+    # beside in_proj (18,560 x 4,096) and out_proj (4,096 x 8,192) at bf16 eps(16) on H100
+    gemms = 2 * (18560 * 4096 + 4096 * 8192) * (16 + 170) / (989.5e6 * 1.0)
+    assert mamba["sm_us"] == pytest.approx(gemms + 3.5 + 16 / 8.5, rel=1e-12)
+    # no registry entry for gated delta-net: those layers' mixers cost nothing
+    qwen = Kernel.build(Deployment(model="qwen3-next-80b-a3b", chip="h100", tp=2, compat="go"))
+    physics = Kernel.build(Deployment(model="qwen3-next-80b-a3b", chip="h100", tp=2))
+    assert physics.plan.layers[0].recurrent is not None
+    assert qwen.plan.layers[0].recurrent == type(qwen.plan.layers[0].recurrent)(
+        floor_us=0.0, us_per_token=0.0, state_bytes=physics.plan.layers[0].recurrent.state_bytes
+    )
+
+
+def test_go_compat_prices_a_kda_mixer_at_its_registry_entry(tmp_path):
+    from pricing.spec import MODELS_DIR, ModelSpec, _load, load_chip
+
+    # Nemotron-H's graph with its mixers stated as Kimi delta attention
+    text = (MODELS_DIR / "nemotron-h-8b.yaml").read_text().replace("kind: mamba2", "kind: kda")
+    (tmp_path / "nemotron-h-8b.yaml").write_text(text)
+    model = _load(tmp_path, "nemotron-h-8b", "model", ModelSpec)
+    deployment = Deployment(model="nemotron-h-8b", chip="h100", compat="go")
+    kda = Kernel(deployment, load_chip("h100"), model).price([1] * 16, [999] * 16, [1000] * 16)
+    mamba = Kernel.build(deployment).price([1] * 16, [999] * 16, [1000] * 16)
+    # registry KDA on H100: 3.8 us + tokens / 0.235 per us, against Mamba2's 3.5 + tokens / 8.5
+    assert kda.per_kind["mamba2"]["sm_us"] - mamba.per_kind["mamba2"]["sm_us"] == pytest.approx(
+        (3.8 + 16 / 0.235) - (3.5 + 16 / 8.5), rel=1e-9
+    )
