@@ -14,7 +14,8 @@ a named step, in one table.
 Expert parallelism (with EPLB's redundant experts and the point-to-point dispatch backends) and
 attention data parallelism feeding one MoE group are priced at the busiest rank; so are decode
 context parallelism on latent attention, sparse latent attention and its indexer (DeepSeek-V3.2's
-DSA) and an nvfp4 KV cache. Recurrent mixers are priced from their shapes (`PlannedRecurrent`
+DSA), an nvfp4 KV cache, prefill context parallelism, rack-scale NVLink domains and reduced SM
+budgets. Recurrent mixers are priced from their shapes (`PlannedRecurrent`
 says what is assumed), or under compat "go" from the Go kernel's registry
 (`pricing/registry/recurrent.yaml`). NoOverlap never drops when a request joins, except by the
 host's graph saving when the step passes the capture ceiling, and the one-kernel rule moving a
@@ -70,7 +71,11 @@ FABRIC = {"nvlink": 0, "nic": 1}
 ACTIVE, TOKENS, DECODING, PREFILLING, MIXED, ROWS, PREFILL_TOKENS, DECODE_TOKENS = range(8)
 FLAG_FEATURES = 8
 # The step feature a collective's message grows with (`PlannedCollective.rows`).
-COLLECTIVE_ROWS = {"tokens": TOKENS, "decode_tokens": DECODE_TOKENS}
+COLLECTIVE_ROWS = {
+    "tokens": TOKENS,
+    "decode_tokens": DECODE_TOKENS,
+    "prefill_tokens": PREFILL_TOKENS,
+}
 # One layer's linear terms per kind: dense GEMMs (SM), prefill attention and scans (SM), reads
 # (HBM), routed experts' arithmetic (SM).
 GEMM, ATTENTION, READ, EXPERT = range(4)
@@ -593,6 +598,7 @@ class Kernel:
         prefill = s > self.deployment.decode_threshold
         decode = (s > 0) & ~prefill
         rows = np.flatnonzero(prefill)
+        split_pairs = self._split_prefills(tokens, s, c, rows)
 
         def per_step(values: np.ndarray, where: np.ndarray | slice = slice(None)) -> np.ndarray:
             if n_steps == 1:
@@ -638,7 +644,12 @@ class Kernel:
                 step_ramp = laws.ramp_efficiency(step[TOKENS], ramp.eps_max, ramp.m_half)
                 scale = 1.0 / step_ramp[steps[rows]]
             for j, cap in enumerate(self.keys_caps):
-                pairs[:, j] = laws.prefill_pairs(tokens[rows], c[rows], cap) * scale
+                raw = (
+                    laws.prefill_pairs(tokens[rows], c[rows], cap)
+                    if split_pairs is None
+                    else split_pairs[:, j]
+                )
+                pairs[:, j] = raw * scale
                 step[self._pairs_at + j] = per_step(pairs[:, j], rows)
         has_decode, has_prefill = any_per_step(decode), any_per_step(prefill)
         step[ACTIVE] = step[TOKENS] > 0
@@ -657,6 +668,23 @@ class Kernel:
             decode=decode,
             computed=c,
         )
+
+    def _split_prefills(
+        self, tokens: np.ndarray, s: np.ndarray, c: np.ndarray, rows: np.ndarray
+    ) -> np.ndarray | None:
+        """Under prefill context parallelism, each prefill row's tokens become those its
+        busiest rank computes (in place in `tokens`); returns that rank's pairs per key cap
+        (rows, caps), or None when prefills are not split."""
+        ranks = self.deployment.prefill_context_parallel
+        if ranks == 1:
+            return None
+        pairs = np.empty((len(rows), len(self.keys_caps)))
+        for i, row in enumerate(rows):
+            local, pairs[i] = laws.busiest_rank_prefill(
+                int(s[row]), int(c[row]), ranks, self.keys_caps
+            )
+            tokens[row] = local
+        return pairs
 
     # ------------------------------------------------------------------ pricing
     def _host_us(self, features: _Features) -> np.ndarray:
@@ -715,8 +743,9 @@ class Kernel:
                 _as_counts(name, values)
                 for name, values in zip(Slots._fields[1:], (s, c, p), strict=True)
             )
-        if not len(s) == len(c) == len(p) or self._context_gathers:
-            # the batch-wide checks and the context gathers' runs are the vectorised path's
+        split = self.deployment.prefill_context_parallel > 1
+        if not len(s) == len(c) == len(p) or self._context_gathers or split:
+            # the batch-wide checks, context gathers and prefill splits are the vectorised path's
             slots = Slots(np.zeros(len(s), dtype=np.int64), s, c, p)
             return self._step_price(self._flat(self._compose(self._features(slots, 1))))
         if not (

@@ -68,7 +68,7 @@ MLA_CONTEXT_CHUNK = 65536
 Resource = Literal["nvlink", "nic"]
 # Which of a step's token counts a collective moves a row of: every token, or only the decode
 # rows' (a decode-context combine under compat="go").
-CollectiveRows = Literal["tokens", "decode_tokens"]
+CollectiveRows = Literal["tokens", "decode_tokens", "prefill_tokens"]
 ReadKind = Literal["dense", "sparse_mla"]
 DECODE_KIND: dict[str, DecodeKind] = {
     "gqa": "full",
@@ -336,6 +336,7 @@ class _Planner:
                 f"tp {tp} over {nodes} node(s) does not fit {chip.name!r} nodes of "
                 f"{chip.gpus_per_node} GPUs"
             )
+        self._check_context_parallel()
         if chip.attention.prefill is None:
             raise PricingError(
                 f"chip {chip.name!r} has no prefill attention coefficients (attention.prefill)"
@@ -344,6 +345,28 @@ class _Planner:
             raise PricingError(
                 f"chip {chip.name!r} states no inter_node_gb_s, needed for a TP group over "
                 f"{nodes} nodes"
+            )
+
+    def _check_context_parallel(self) -> None:
+        """vLLM runs prefill context parallelism only where every layer's attention is latent
+        (MLA's backends alone support it; recurrent and other attention backends refuse at
+        start-up); its pairing with decode context parallelism is not priced."""
+        pcp = self.deployment.prefill_context_parallel
+        if pcp == 1:
+            return
+        for kind in self.model.layer_kinds:
+            if kind.recurrent is not None or (
+                kind.attention is not None and not kind.attention.latent
+            ):
+                raise PricingError(
+                    f"prefill_context_parallel {pcp} needs latent attention in every layer; "
+                    f"layer kind {kind.name!r} of {self.model.name!r} has another mixer"
+                )
+        if self.deployment.decode_context_parallel > 1:
+            raise PricingError(
+                "prefill and decode context parallelism together are not priced "
+                f"(prefill_context_parallel {pcp}, "
+                f"decode_context_parallel {self.deployment.decode_context_parallel})"
             )
 
     def _compute(self, lane: str, what: str) -> Compute:
@@ -448,6 +471,8 @@ class _Planner:
                         kernels += sum(KERNELS_PER_NODE[op] for op in DCP_COMBINE_OPS)
                 if attention.indexer is not None:
                     kernels += KERNELS_PER_NODE["attention"]  # the indexer is an attention op
+                if self.deployment.prefill_context_parallel > 1:
+                    collectives += self._prefill_context_gathers(node)
             elif isinstance(node, RecurrentNode):
                 recurrent = self._recurrent(node) if self.physics else self._measured_mixer(node)
             elif isinstance(node, ElementwiseNode):
@@ -575,6 +600,42 @@ class _Planner:
             self._dcp_collective(query, heads * node.head_dim, "decode_tokens"),
             self._dcp_collective(lse, dcp * heads * lse_bytes / ACTIVATION_BYTES, "decode_tokens"),
             self._dcp_collective(output, heads * node.kv_lora_rank, "decode_tokens"),
+        ]
+
+    def _prefill_context_gathers(self, node: AttentionNode) -> list[PlannedCollective]:
+        """A prefill-context-parallel group all-gathers the cache inputs its ranks computed, on
+        prefill tokens only (decode rows are replicated): one launch per tensor, a latent
+        layer's kv_lora_rank-wide latent and its rope part, and a sparse layer's index key
+        (vLLM pcp.py), each row pcp x the rank's tokens, at bf16 before the cache quantizes."""
+        pcp, chip, tp = self.deployment.prefill_context_parallel, self.chip, self.deployment.tp
+        widths = [node.head_dim]
+        if node.kv_lora_rank is not None and node.kv_lora_rank < node.head_dim:
+            widths = [node.kv_lora_rank, node.head_dim - node.kv_lora_rank]
+        if node.indexer is not None:
+            widths.append(node.indexer.head_dim)
+        # The group's ranks sit tp apart (vLLM numbers ranks with TP innermost): a node holds
+        # gpus_per_node / tp of them, an NVL72 rack gpus_per_rack / tp.
+        per_domain = max(chip.nvlink_domain // tp, 1)
+        domains = -(-pcp // per_domain)
+        t0, r_t, r_peak = _snap_width(chip, "all_gather", pcp)
+        span = 1.0
+        if domains > 1:
+            if chip.inter_node_gb_s is None:
+                raise PricingError(
+                    f"chip {chip.name!r} states no inter_node_gb_s, needed for a prefill-context "
+                    f"group of {pcp} spread over {domains} NVLink domains"
+                )
+            span = laws.cross_node_span(chip.nvlink_gb_s / chip.inter_node_gb_s, domains, pcp)
+        return [
+            PlannedCollective(
+                t0_us=t0,
+                r_t_bytes_per_us=r_t,
+                r_peak_bytes_per_us=r_peak,
+                bytes_per_token=float(pcp * width * ACTIVATION_BYTES) * span,
+                resource="nic" if domains > 1 else "nvlink",
+                rows="prefill_tokens",
+            )
+            for width in widths
         ]
 
     def _dcp_collective(

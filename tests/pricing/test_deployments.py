@@ -436,3 +436,43 @@ def test_go_compat_prices_a_kda_mixer_at_its_registry_entry(tmp_path):
     assert kda.per_kind["mamba2"]["sm_us"] - mamba.per_kind["mamba2"]["sm_us"] == pytest.approx(
         (3.8 + 16 / 0.235) - (3.5 + 16 / 8.5), rel=1e-9
     )
+
+
+def test_a_prefill_split_zigzag_loads_its_busiest_rank_by_hand():
+    from pricing import laws
+
+    # 100 tokens over 8 ranks: 16 pieces of 7; rank 1 holds [7, 14) and [98, 100), rank 2
+    # [14, 21) and [91, 98). The busiest rank computes 14 tokens (0.14 of the chunk) and, over
+    # every rank, at most 0.1568 of its 5,000 causal pairs (the Go kernel's figures)
+    assert laws.zigzag_chunks(100, 8)[1] == [(7, 7), (98, 2)]
+    assert laws.busiest_rank_prefill(100, 0, 8, [None]) == (14, [784.0])
+    assert 784.0 / 5000 == 0.1568
+
+
+def test_prefill_context_parallel_splits_the_chunk_and_gathers_its_kv():
+    split = Kernel.build(Deployment(**DSV3, prefill_context_parallel=2))
+    price = split.price([4096], [0], [4096])
+    dense = price.per_kind["attn_dense"]
+    # each rank computes 2,048 of the 4,096 tokens (pieces 0 and 3 or 1 and 2 of 1,024): its
+    # two TP all-reduces move 2,048 x 14,336 B (h200 width 8)
+    all_reduces = 2 * (4.71 + 2048 * 14336 / 104250)
+    # the two ranks of a group sit 8 apart, one per 8-GPU node: the latent (512) and rope (64)
+    # gathers of 2 x 2,048 rows cross the fabric, ring span 1 + (450 / 50 - 1) x 1 / 1 = 9,
+    # at the width-2 all_gather triple (5.08 us, 197,000 B/us; peak 257,645.3)
+    gathers = sum(
+        max(5.08 + b / 197_000, b / 257_645.3) for b in (2 * 2048 * w * 2 * 9 for w in (512, 64))
+    )
+    assert dense["nvlink_us"] == pytest.approx(all_reduces, rel=1e-12)
+    assert dense["nic_us"] == pytest.approx(gathers, rel=1e-12)
+    # a decode row is replicated, not split, and gathers nothing
+    decode = split.price([1], [4095], [4096]).per_kind["attn_dense"]
+    assert decode["nic_us"] == 0.0
+
+
+def test_prefill_context_parallel_needs_latent_attention_everywhere():
+    with pytest.raises(PricingError, match="needs latent attention in every layer"):
+        Kernel.build(
+            Deployment(model="llama-3.1-8b-instruct", chip="h200", prefill_context_parallel=2)
+        )
+    with pytest.raises(PricingError, match="prefill and decode context parallelism together"):
+        Kernel.build(Deployment(**DSV3, prefill_context_parallel=2, decode_context_parallel=2))

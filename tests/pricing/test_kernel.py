@@ -53,6 +53,13 @@ DEPLOYMENTS = [
         expert_parallel=True,
         dtype="fp8",
     ),
+    Deployment(
+        model="deepseek-v3.2-exp",
+        chip="h200",
+        tp=4,
+        prefill_context_parallel=2,
+        cache_dtype="fp8_ds_mla",
+    ),
 ]
 
 
