@@ -476,3 +476,20 @@ def test_prefill_context_parallel_needs_latent_attention_everywhere():
         )
     with pytest.raises(PricingError, match="prefill and decode context parallelism together"):
         Kernel.build(Deployment(**DSV3, prefill_context_parallel=2, decode_context_parallel=2))
+
+
+def test_kimi_k3_holds_a_kda_state_per_request_and_go_prices_its_mixer_from_the_registry():
+    physics = Kernel.build(Deployment(model="kimi-k3", chip="h100", tp=8))
+    # per rank and KDA layer: 12 of the 96 heads' 128 x 128 fp32 states, and the 4-tap
+    # convolution's last 3 inputs over their 2 x 12 x 128 + 12 x 128 channels; 69 KDA layers
+    state = 12 * 128 * 128 * 4 + (2 * 12 * 128 + 12 * 128) * 3 * 4
+    assert physics.state_bytes_per_request == 8 * 69 * state
+    # the 24 MLA layers cache one 576-wide bf16 latent a token on every rank
+    assert physics.kv_bytes_per_token == 8 * 24 * 576 * 2
+    go = Kernel.build(Deployment(model="kimi-k3", chip="h100", tp=8, compat="go"))
+    dense = go.price([1] * 16, [3999] * 16, [4000] * 16).per_kind["kda_dense"]
+    # mxfp4 GEMMs on H100's fp8 lane at eps(16) = 0.648 x 16 / 147, beside the registry's KDA
+    # decode: 3.8 us + 16 tokens at 0.235 per us
+    gemm_flops = 2 * (67584 * 7168 + 7168 * 33792) / 8
+    gemms = gemm_flops * (16 + 131) / (1979e6 * 0.648)
+    assert dense["sm_us"] == pytest.approx(gemms + 3.8 + 16 / 0.235, rel=1e-12)

@@ -60,6 +60,7 @@ DEPLOYMENTS = [
         prefill_context_parallel=2,
         cache_dtype="fp8_ds_mla",
     ),
+    Deployment(model="kimi-k3", chip="h100", tp=8),
 ]
 
 
