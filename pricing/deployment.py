@@ -59,6 +59,13 @@ class Deployment(BaseModel):
     # ranks of the TP group, which all-gather their queries and combine partial outputs
     # (vLLM --decode-context-parallel-size).
     decode_context_parallel: int = Field(default=1, gt=0)
+    # Prefill context parallelism: each prefill chunk is split zigzag over
+    # `prefill_context_parallel` groups of `tp` ranks, which all-gather the KV they computed
+    # (vLLM --prefill-context-parallel-size; latent-attention models only).
+    prefill_context_parallel: int = Field(default=1, gt=0)
+    # SMs the forward pass runs on when a concurrent kernel (a KV offload fetch, a
+    # disaggregated transfer) withholds the rest; None = every SM of the chip.
+    sm_budget: int | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
     def _expert_placement(self) -> Deployment:

@@ -1,34 +1,25 @@
 """The pricing kernel: a deployment's step time on five resources, and each slot's share of it.
 
 `Kernel.build` resolves a deployment's chip and model files once into a `Plan` (one entry per
-layer kind); pricing a batch then touches only per-request arrays. Every entry point is
-vectorised over many steps (a single step is the one-step case of the same code), so an hour of
-step logs is priced in a few numpy passes.
+layer kind); pricing a batch then touches only per-request arrays. `price_many` and
+`slot_work_many` are vectorised over many steps, so an hour of step logs is priced in a few numpy
+passes; `price`, the live path's one step at a time, runs the same laws in one compiled pass
+(`pricing.single_step`), a few microseconds a step.
 
-These behaviours differ from the Go kernel by default ("physics"); `compat="go"` restores them:
-routed-expert arithmetic is divided across the TP group (the Go kernel's own per-step
-measurements favour this: per-step error 27.5% -> 23.0%) and, under expert parallelism, shared
-over EPLB's physical experts (Go: the logical ones), a sliding-window layer's decode
-reads at most its window (the step-pricing spec says so; the swa rate was fitted on
-window-bounded reads), four-bit weights without a four-bit peak compute at the bf16 rate
-(`compute_lane`), a latent layer's prefill attention is priced at its expanded head widths, and
-prefill attention runs at the bf16 ramp its work_scale was fitted against, at each request's own
-query count (a varlen attention kernel's occupancy depends on the sequence, not on the step's
-other tokens, which also keeps the price monotone in requests; under the Go kernel's single
-eps(T), a decode row joining a long prefill chunk lowers it).
+The default mode ("physics") departs from the Go kernel where the Go law is not what the
+hardware does; `compat="go"` reproduces the Go kernel term for term on both shared reference
+grids. `docs/pricing-kernel.md` lists every departure, with its physical reason and its size on
+a named step, in one table.
 
-Both modes keep the Go kernel's one-kernel rule: a step holding decode and prefill rows of a
-non-latent attention off Blackwell pays one floor, the larger. NoOverlap never drops when a
-request joins, except by the host's graph saving when the step passes the capture ceiling, and
-the floor moves from HBM to SM, so one resource (and Overlap) can.
 Expert parallelism (with EPLB's redundant experts and the point-to-point dispatch backends) and
-attention data parallelism feeding one MoE group are priced at the busiest rank, as the Go kernel
-does; so are decode context parallelism on latent attention, sparse latent attention and its
-indexer (DeepSeek-V3.2's DSA) and an nvfp4 KV cache. Recurrent mixers (Mamba2, gated delta-net)
-are priced from their shapes (`PlannedRecurrent` says what is assumed), in both modes: the Go
-kernel's registry has no values for them. Not modelled: prefill context parallelism and
-speculative drafter passes (speculation only sets the uniform-decode width and the capture
-ceiling).
+attention data parallelism feeding one MoE group are priced at the busiest rank; so are decode
+context parallelism on latent attention, sparse latent attention and its indexer (DeepSeek-V3.2's
+DSA), an nvfp4 KV cache, prefill context parallelism, rack-scale NVLink domains and reduced SM
+budgets. Recurrent mixers are priced from their shapes (`PlannedRecurrent`
+says what is assumed), or under compat "go" from the Go kernel's registry
+(`pricing/registry/recurrent.yaml`). NoOverlap never drops when a request joins, except by the
+host's graph saving when the step passes the capture ceiling, and the one-kernel rule moving a
+floor from HBM to SM, so one resource (and Overlap) can.
 
 Every per-layer term but the routed experts' reads and the collectives is linear in a few
 per-step features (tokens, rows, the flags that decide which floors a step pays, cached tokens
@@ -47,9 +38,15 @@ from typing import NamedTuple
 import numpy as np
 from numpy.typing import ArrayLike
 
-from pricing import laws
+from pricing import laws, single_step
 from pricing.deployment import Deployment
-from pricing.plan import WHOLE_CONTEXT, PlannedAttention, build_plan
+from pricing.plan import (
+    MeasuredRecurrent,
+    PlannedAttention,
+    PlannedCollective,
+    PlannedLayer,
+    build_plan,
+)
 from pricing.spec import (
     ChipSpec,
     MeasuredEngine,
@@ -57,11 +54,12 @@ from pricing.spec import (
     PricingError,
     load_chip,
     load_model,
+    load_recurrent_registry,
 )
 
 # Raised with every change to a law or to how the plan reads the data files, so a ledger priced
 # before and after does not share a weights version (CHANGELOG.md records each).
-LAWS_REVISION = 5
+LAWS_REVISION = 6
 RESOURCES = ("sm", "hbm", "nvlink", "nic", "host")
 SM, HBM, NVLINK, NIC, HOST = range(5)
 # A collective's fabric: its row in a kind's (NVLink, NIC) launch counts.
@@ -70,8 +68,14 @@ FABRIC = {"nvlink": 0, "nic": 1}
 # tokens, its tokens, whether it holds decode rows, prefill rows, both; its rows, its prefill
 # tokens; then cached tokens read per read bound and prefill pairs per key cap. A slot's own
 # features leave the flags at zero: what they buy (weights, floors, ramp overheads) is fixed.
-ACTIVE, TOKENS, DECODING, PREFILLING, MIXED, ROWS, PREFILL_TOKENS = range(7)
-FLAG_FEATURES = 7
+ACTIVE, TOKENS, DECODING, PREFILLING, MIXED, ROWS, PREFILL_TOKENS, DECODE_TOKENS = range(8)
+FLAG_FEATURES = 8
+# The step feature a collective's message grows with (`PlannedCollective.rows`).
+COLLECTIVE_ROWS = {
+    "tokens": TOKENS,
+    "decode_tokens": DECODE_TOKENS,
+    "prefill_tokens": PREFILL_TOKENS,
+}
 # One layer's linear terms per kind: dense GEMMs (SM), prefill attention and scans (SM), reads
 # (HBM), routed experts' arithmetic (SM).
 GEMM, ATTENTION, READ, EXPERT = range(4)
@@ -79,6 +83,8 @@ GEMM, ATTENTION, READ, EXPERT = range(4)
 
 @dataclass(frozen=True)
 class StepPrice:
+    """One step's price: per-resource totals, both step-time estimates and each layer kind's share."""
+
     sm_us: float
     hbm_us: float
     nvlink_us: float
@@ -107,6 +113,7 @@ class StepPrices:
 
     @property
     def bottleneck_names(self) -> np.ndarray:
+        """Each step's bottleneck as its resource name."""
         names: np.ndarray = np.asarray(RESOURCES)[self.bottleneck]
         return names
 
@@ -143,6 +150,41 @@ class _Features:
     pairs: np.ndarray  # (prefill rows, key caps) query-key pairs over the ramp they run at
     step: np.ndarray  # (features, steps)
     uniform: np.ndarray  # (steps,) a uniform decode (or empty) step: the decode graph mode
+    decode: np.ndarray  # (slots,) the slot is a decode row
+    computed: np.ndarray  # (slots,) tokens computed before the slot's
+
+    def context_gather_us(self, gather: PlannedCollective, chunk: int) -> np.ndarray:
+        """Per step, one latent layer's all-gathers of its prefills' cached context under
+        decode context parallelism (the Go kernel's law, vLLM's MLA chunked context): the
+        engine runs prefills in ascending scheduled tokens; consecutive ones with a cached
+        prefix share gathers of `chunk` context tokens each, a prefill without one ends the
+        run; a run of S context tokens pays ceil(S / chunk) gathers of S / that many rows."""
+        n_steps = self.step.shape[1]
+        gathered = np.zeros(n_steps)
+        rows = self.prefill_rows
+        order = rows[np.lexsort((self.tokens[rows], self.steps[rows]))]
+        runs: list[tuple[int, int]] = []  # (step, context tokens)
+        current_step, run = -1, 0
+        for row in order:
+            step, prefix = int(self.steps[row]), int(self.computed[row])
+            if step != current_step or prefix <= 0:
+                runs.append((current_step, run))
+                current_step, run = step, 0
+            run += max(prefix, 0)
+        runs.append((current_step, run))
+        for step, context in runs:
+            if context <= 0:
+                continue
+            launches = -(-context // chunk)
+            gathered[step] += launches * float(
+                laws.collective_us(
+                    context * gather.bytes_per_token / launches,
+                    gather.t0_us,
+                    gather.r_t_bytes_per_us,
+                    gather.r_peak_bytes_per_us,
+                )
+            )
+        return gathered
 
     def own(self, coefficients: np.ndarray, reads_at: int, pairs_at: int) -> np.ndarray:
         """Each slot's own features times `coefficients` (features, m): the flags stay zero."""
@@ -167,6 +209,11 @@ class _Composed:
     layer: np.ndarray  # (4, kinds, steps) SM, HBM, NVLink, NIC of one layer, experts apart
     expert: np.ndarray  # (2, kinds, steps) the routed experts' SM and HBM
     head: np.ndarray  # (2, steps)
+
+
+def _plain_counts(array: np.ndarray) -> bool:
+    """Already the int64 vector the kernel prices (its values are checked apart)."""
+    return array.ndim == 1 and array.dtype == np.int64
 
 
 def _as_counts(name: str, values: ArrayLike) -> np.ndarray:
@@ -195,41 +242,68 @@ class Kernel:
     """A deployment's pricing kernel; build with `Kernel.build(deployment)`."""
 
     def __init__(self, deployment: Deployment, chip: ChipSpec, model: ModelSpec) -> None:
+        """Plan `model` served as `deployment` on `chip` and evaluate the laws' coefficients."""
         self.deployment = deployment
         self.chip = chip
         self.model = model
         self.plan = plan = build_plan(deployment, chip, model)
         layers = plan.layers
-        kinds = len(layers)
         self.kind_names = [layer.name for layer in layers]
         self.repeat = np.array([layer.repeat for layer in layers], dtype=np.float64)
+        self._repeat_counts = [layer.repeat for layer in layers]
         attentions = [layer.attention for layer in layers]
-        indexed = any(a is not None and a.indexer is not None for a in attentions)
+        scans = {a.indexer.read for a in attentions if a is not None and a.indexer is not None}
         # Layers sharing a read bound (or a prefill key cap) share one feature; an indexer scans
         # the whole context, with every causal pair at prefill.
         self.read_bounds = sorted(
-            {a.read for a in attentions if a is not None} | ({WHOLE_CONTEXT} if indexed else set()),
+            {a.read for a in attentions if a is not None} | scans,
             key=repr,
         )
         self.keys_caps = sorted(
-            {a.keys_cap for a in attentions if a is not None} | ({None} if indexed else set()),
+            {a.keys_cap for a in attentions if a is not None} | ({None} if scans else set()),
             key=lambda cap: cap or 0,
         )
         self._reads_at = FLAG_FEATURES
         self._pairs_at = FLAG_FEATURES + len(self.read_bounds)
         self._features_count = self._pairs_at + len(self.keys_caps)
-
-        gemm = plan.gemm
-        peak, eps_max, m_half = gemm.peak_flops_per_us, gemm.ramp.eps_max, gemm.ramp.m_half
         self._bandwidth = chip.hbm_tb_s * 1e6  # TB/s = 1e6 bytes per microsecond
         self._derate = chip.gemm.hbm_derate
 
-        def gemm_us(flops_per_token: float) -> float:
-            return float(laws.ramped_arithmetic_us(1.0, flops_per_token, peak, eps_max, 0.0))
+        self._linear_terms(layers)
+        self._expert_terms(layers)
+        self._collective_terms(layers)
+        self._kv_memory(deployment, attentions)
+        # Whole replica: one state per request on every layer with a recurrent mixer, each rank
+        # holding its heads' share, whatever the context.
+        self.state_bytes_per_request = int(
+            deployment.tp
+            * sum(
+                layer.repeat * layer.recurrent.state_bytes
+                for layer in layers
+                if layer.recurrent is not None
+            )
+        )
+        self.version = self._version()
+        self.capture_ceiling = plan.host.capture_ceiling
+        self.kernels = plan.host.kernels
+        self._single = self._step_constants()
 
-        def read_us(nbytes: float) -> float:
-            return float(laws.memory_time_us(nbytes, self._bandwidth, self._derate))
+    def _gemm_us(self, flops_per_token: float) -> float:
+        """One token's arithmetic at eps_max on the GEMM lane (the ramp's m_half apart)."""
+        gemm = self.plan.gemm
+        return float(
+            laws.ramped_arithmetic_us(
+                1.0, flops_per_token, gemm.peak_flops_per_us, gemm.ramp.eps_max, 0.0
+            )
+        )
 
+    def _read_us(self, nbytes: float) -> float:
+        return float(laws.memory_time_us(nbytes, self._bandwidth, self._derate))
+
+    def _linear_terms(self, layers: tuple[PlannedLayer, ...]) -> None:
+        """The terms linear in the step's features: per kind, then the head's."""
+        kinds, m_half = len(layers), self.plan.gemm.ramp.m_half
+        gemm_us, read_us = self._gemm_us, self._read_us
         # T / eps(T) = (T + m_half) / eps_max: a step with tokens pays m_half tokens' more work.
         coef = np.zeros((self._features_count, 4, kinds))
         for k, layer in enumerate(layers):
@@ -240,26 +314,23 @@ class Kernel:
             if layer.experts is not None:
                 routed = gemm_us(layer.experts.flops_per_token)
                 coef[TOKENS, EXPERT, k] = routed * layer.experts.tokens_per_step_token
-                coef[ACTIVE, EXPERT, k] = routed * m_half
+                coef[ACTIVE, EXPERT, k] = routed * m_half * layer.experts.ramp_overhead_tokens
             if layer.attention is not None:
                 self._attention_terms(coef[:, :, k], layer.attention)
-            recurrent = layer.recurrent
-            if recurrent is not None:
-                # each row reads its request's state and writes it back
-                coef[ROWS, READ, k] = read_us(2.0 * recurrent.state_bytes)
-                coef[DECODING, READ, k] += recurrent.decode_floor_us
-                coef[PREFILLING, ATTENTION, k] += recurrent.prefill_floor_us
-                coef[PREFILL_TOKENS, ATTENTION, k] = laws.scan_us(
-                    1.0,
-                    recurrent.scan_flops_per_token,
-                    recurrent.scan.peak_flops_per_us,
-                    recurrent.scan.ramp.eps_max,
-                    recurrent.scan_work_scale,
-                )
+            if layer.recurrent is not None:
+                self._recurrent_terms(coef[:, :, k], layer)
         head = np.zeros((self._features_count, 2))
-        head[TOKENS, 0] = gemm_us(plan.head_flops_per_token)
-        head[ACTIVE, 0] = gemm_us(plan.head_flops_per_token) * m_half
-        head[ACTIVE, 1] = read_us(plan.head_weight_bytes)
+        head[TOKENS, 0] = gemm_us(self.plan.head_flops_per_token)
+        head[ACTIVE, 0] = gemm_us(self.plan.head_flops_per_token) * m_half
+        head[ACTIVE, 1] = read_us(self.plan.head_weight_bytes)
+        # On a reduced SM budget every arithmetic term slows (GEMMs, experts, the head, prefill
+        # attention's pairs, a recurrent scan); floors, reads and measured mixers do not.
+        derate = laws.sm_derate(self.chip.sm_count, self.deployment.sm_budget)
+        coef[:, GEMM] *= derate
+        coef[:, EXPERT] *= derate
+        coef[self._pairs_at :, ATTENTION] *= derate
+        coef[PREFILL_TOKENS, ATTENTION] *= derate
+        head[:, 0] *= derate
         # (outputs, features): the per-kind terms in (block, kind) order, then the head's two
         self._linear = np.concatenate([coef.reshape(len(coef), 4 * kinds), head], axis=1).T
         # A slot's own SM and HBM work over the whole model (its expert reads and collectives
@@ -272,18 +343,23 @@ class Kernel:
             axis=1,
         )
 
+    def _expert_terms(self, layers: tuple[PlannedLayer, ...]) -> None:
+        """Per kind, what the distinct experts' reads (`laws.distinct_experts`) are priced on."""
         experts = [layer.experts for layer in layers]
         self._routed = np.array([1.0 if e is None else e.tokens_per_step_token for e in experts])
         self._miss = laws.expert_miss_probability(
-            [1 if e is None else e.experts for e in experts],
+            [1 if e is None else e.coverage_experts for e in experts],
             [0 if e is None else e.top_k for e in experts],
         )
         self._local_experts = np.array([0.0 if e is None else e.local_experts for e in experts])
         self._expert_us = np.array(
-            [0.0 if e is None else read_us(e.bytes_per_expert) for e in experts]
+            [0.0 if e is None else self._read_us(e.bytes_per_expert) for e in experts]
         )
         self._has_experts = any(e is not None for e in experts)
 
+    def _collective_terms(self, layers: tuple[PlannedLayer, ...]) -> None:
+        """The distinct collective launches and how many of each every kind makes per fabric."""
+        kinds = len(layers)
         # Identical launches (the same op, width and message size in several layers) are priced
         # once per step; launch counts per fabric and kind sum them into each kind.
         distinct = sorted({c for layer in layers for c in layer.collectives}, key=repr)
@@ -291,6 +367,13 @@ class Kernel:
         self._collective_r_t = np.array([c.r_t_bytes_per_us for c in distinct])
         self._collective_r_peak = np.array([c.r_peak_bytes_per_us for c in distinct])
         self._collective_bytes = np.array([c.bytes_per_token for c in distinct])
+        self._collective_rows = np.array([COLLECTIVE_ROWS[c.rows] for c in distinct], dtype=np.intp)
+        # Kinds whose prefills all-gather their cached context (decode context parallelism).
+        self._context_gathers = [
+            (k, layer.context_gather)
+            for k, layer in enumerate(layers)
+            if layer.context_gather is not None
+        ]
         launches = np.zeros((len(distinct), 2, kinds))
         for k, layer in enumerate(layers):
             for collective in layer.collectives:
@@ -298,25 +381,99 @@ class Kernel:
         self._launches = launches
         self._fabric_launches = launches.transpose(1, 2, 0).reshape(2 * kinds, len(distinct))
 
-        self._kv_memory(deployment, attentions)
-        # Whole replica: one state per request on every layer with a recurrent mixer, each rank
-        # holding its heads' share, whatever the context.
-        self.state_bytes_per_request = int(
-            deployment.tp
-            * sum(
-                layer.repeat * layer.recurrent.state_bytes
-                for layer in layers
-                if layer.recurrent is not None
-            )
-        )
-        # What the prices depend on: the laws' revision, the deployment and the exact bytes of
-        # the chip and model files, so editing a coefficient or a shape changes the version.
+    def _version(self) -> str:
+        """What the prices depend on: the laws' revision, the deployment and the exact bytes of
+        the chip and model files (and, under compat "go", the recurrent registry's), so editing
+        a coefficient or a shape changes the version."""
+        deployment = self.deployment
         digest = hashlib.sha256(f"laws {LAWS_REVISION}\n".encode())
         digest.update(json.dumps(deployment.model_dump(mode="json"), sort_keys=True).encode())
-        digest.update(f"{chip.digest} {model.digest}".encode())
-        self.version = f"kernel-{deployment.model}-{deployment.chip}-tp{deployment.tp}-{digest.hexdigest()[:10]}"
-        self.capture_ceiling = plan.host.capture_ceiling
-        self.kernels = plan.host.kernels
+        digest.update(f"{self.chip.digest} {self.model.digest}".encode())
+        if deployment.compat == "go":
+            digest.update(load_recurrent_registry().digest.encode())
+        return (
+            f"kernel-{deployment.model}-{deployment.chip}-tp{deployment.tp}-"
+            f"{digest.hexdigest()[:10]}"
+        )
+
+    def _step_constants(self) -> single_step.StepConstants:
+        """This kernel's constants in the layout the one-step pass reads."""
+        plan, none = self.plan, -1.0
+        host = plan.host
+        return single_step.StepConstants(
+            decode_threshold=self.deployment.decode_threshold,
+            bounds=np.array(
+                [
+                    [
+                        1.0 if b.kind == "sparse_mla" else 0.0,
+                        none if b.window is None else b.window,
+                        none if b.top_k is None else b.top_k,
+                        none if b.compress_ratio is None else b.compress_ratio,
+                        b.context_ranks,
+                    ]
+                    for b in self.read_bounds
+                ],
+                dtype=np.float64,
+            ).reshape(len(self.read_bounds), 5),
+            caps=np.array([none if cap is None else cap for cap in self.keys_caps], dtype=float),
+            prefill_ramp=np.array(
+                [
+                    plan.prefill_attention.ramp.eps_max,
+                    plan.prefill_attention.ramp.m_half,
+                    1.0 if plan.per_request_attention_ramp else 0.0,
+                ]
+            ),
+            reads_at=self._reads_at,
+            pairs_at=self._pairs_at,
+            linear=np.ascontiguousarray(self._linear),
+            repeat=self.repeat,
+            collectives=np.column_stack(
+                [
+                    self._collective_bytes,
+                    self._collective_t0,
+                    self._collective_r_t,
+                    self._collective_r_peak,
+                    self._collective_rows.astype(np.float64),
+                ]
+            ).reshape(len(self._collective_bytes), 5),
+            fabric_launches=np.ascontiguousarray(self._fabric_launches),
+            experts=np.column_stack(
+                [self._routed, self._miss, self._local_experts, self._expert_us]
+            ),
+            host=np.array(
+                [
+                    host.graph_us[host.decode_mode],
+                    host.graph_us[host.other_mode],
+                    host.graph_us["none"],
+                    host.capture_ceiling,
+                    host.kernels,
+                    host.dispatch_per_kernel_us,
+                    host.uniform_decode_tokens,
+                ]
+            ),
+        )
+
+    def _recurrent_terms(self, coef: np.ndarray, layer: PlannedLayer) -> None:
+        """One recurrent layer's linear terms, (features, 4) of its kind."""
+        recurrent = layer.recurrent
+        if isinstance(recurrent, MeasuredRecurrent):
+            coef[ACTIVE, ATTENTION] += recurrent.floor_us
+            coef[TOKENS, ATTENTION] += recurrent.us_per_token
+            return
+        assert recurrent is not None
+        # each row reads its request's state and writes it back
+        coef[ROWS, READ] = laws.memory_time_us(
+            2.0 * recurrent.state_bytes, self._bandwidth, self._derate
+        )
+        coef[DECODING, READ] += recurrent.decode_floor_us
+        coef[PREFILLING, ATTENTION] += recurrent.prefill_floor_us
+        coef[PREFILL_TOKENS, ATTENTION] = laws.scan_us(
+            1.0,
+            recurrent.scan_flops_per_token,
+            recurrent.scan.peak_flops_per_us,
+            recurrent.scan.ramp.eps_max,
+            recurrent.scan_work_scale,
+        )
 
     def _attention_terms(self, coef: np.ndarray, attention: PlannedAttention) -> None:
         """One attention layer's linear terms, (features, 4) of its kind."""
@@ -351,10 +508,12 @@ class Kernel:
             return
         coef[DECODING, READ] += indexer.decode_floor_us
         coef[PREFILLING, ATTENTION] += indexer.prefill_floor_us
-        scan = self._reads_at + self.read_bounds.index(WHOLE_CONTEXT)
+        scan = self._reads_at + self.read_bounds.index(indexer.read)
         coef[scan, READ] += laws.decode_attention_us(
             1.0, 0.0, indexer.cache_bytes_per_token, indexer.decode_rate_bytes_per_us
         )
+        if not indexer.scores_prefill:
+            return
         # query-key logits only (no value product), its heads replicated on every rank
         causal = self._pairs_at + self.keys_caps.index(None)
         coef[causal, ATTENTION] += laws.prefill_attention_us(
@@ -396,6 +555,7 @@ class Kernel:
 
     @classmethod
     def build(cls, deployment: Deployment) -> Kernel:
+        """The kernel of `deployment`, its chip and model read from `pricing/chips/` and `pricing/models/`."""
         return cls(deployment, load_chip(deployment.chip), load_model(deployment.model))
 
     @property
@@ -414,8 +574,9 @@ class Kernel:
         return np.asarray(ctx * self.kv_bytes_per_token + windowed)
 
     # ------------------------------------------------------------------ features
-    def _features(self, slots: Slots, n_steps: int) -> _Features:
-        """Checks a batch's per-slot arrays and derives its features."""
+    @staticmethod
+    def _checked(slots: Slots, n_steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A batch's step index, scheduled and computed tokens, every array checked."""
         steps, s, c, prompt = (
             _as_counts(name, values) for name, values in zip(Slots._fields, slots, strict=True)
         )
@@ -428,10 +589,16 @@ class Kernel:
             raise PricingError(f"n_steps is negative ({n_steps})")
         if len(steps) and steps.max() >= n_steps:
             raise PricingError(f"step_index {int(steps.max())} is outside 0..{n_steps - 1}")
+        return steps, s, c
+
+    def _features(self, slots: Slots, n_steps: int) -> _Features:
+        """Checks a batch's per-slot arrays and derives its features."""
+        steps, s, c = self._checked(slots, n_steps)
         tokens = s.astype(np.float64)
         prefill = s > self.deployment.decode_threshold
         decode = (s > 0) & ~prefill
         rows = np.flatnonzero(prefill)
+        split_pairs = self._split_prefills(tokens, s, c, rows)
 
         def per_step(values: np.ndarray, where: np.ndarray | slice = slice(None)) -> np.ndarray:
             if n_steps == 1:
@@ -450,6 +617,7 @@ class Kernel:
         step[TOKENS] = per_step(tokens)
         step[ROWS] = per_step(live.astype(np.float64))
         step[PREFILL_TOKENS] = per_step(tokens[rows], rows)
+        step[DECODE_TOKENS] = per_step(np.where(decode, tokens, 0.0))
         context = (c + s).astype(np.float64)
         # column-major: each bound's reads are written and summed as one contiguous column
         reads = np.empty((len(s), len(self.read_bounds)), order="F")
@@ -476,7 +644,12 @@ class Kernel:
                 step_ramp = laws.ramp_efficiency(step[TOKENS], ramp.eps_max, ramp.m_half)
                 scale = 1.0 / step_ramp[steps[rows]]
             for j, cap in enumerate(self.keys_caps):
-                pairs[:, j] = laws.prefill_pairs(tokens[rows], c[rows], cap) * scale
+                raw = (
+                    laws.prefill_pairs(tokens[rows], c[rows], cap)
+                    if split_pairs is None
+                    else split_pairs[:, j]
+                )
+                pairs[:, j] = raw * scale
                 step[self._pairs_at + j] = per_step(pairs[:, j], rows)
         has_decode, has_prefill = any_per_step(decode), any_per_step(prefill)
         step[ACTIVE] = step[TOKENS] > 0
@@ -492,7 +665,26 @@ class Kernel:
             pairs=pairs,
             step=step,
             uniform=~any_per_step(s != self.plan.host.uniform_decode_tokens),
+            decode=decode,
+            computed=c,
         )
+
+    def _split_prefills(
+        self, tokens: np.ndarray, s: np.ndarray, c: np.ndarray, rows: np.ndarray
+    ) -> np.ndarray | None:
+        """Under prefill context parallelism, each prefill row's tokens become those its
+        busiest rank computes (in place in `tokens`); returns that rank's pairs per key cap
+        (rows, caps), or None when prefills are not split."""
+        ranks = self.deployment.prefill_context_parallel
+        if ranks == 1:
+            return None
+        pairs = np.empty((len(rows), len(self.keys_caps)))
+        for i, row in enumerate(rows):
+            local, pairs[i] = laws.busiest_rank_prefill(
+                int(s[row]), int(c[row]), ranks, self.keys_caps
+            )
+            tokens[row] = local
+        return pairs
 
     # ------------------------------------------------------------------ pricing
     def _host_us(self, features: _Features) -> np.ndarray:
@@ -519,14 +711,17 @@ class Kernel:
         layer[SM] = terms[GEMM] + terms[ATTENTION]
         layer[HBM] = terms[READ]
         if len(self._collective_bytes):
+            rows = step[self._collective_rows]
             launch_us = laws.collective_us(
-                self._collective_bytes[:, None] * tokens,
+                self._collective_bytes[:, None] * rows,
                 self._collective_t0[:, None],
                 self._collective_r_t[:, None],
                 self._collective_r_peak[:, None],
             )
-            fabric = self._fabric_launches @ (launch_us * step[ACTIVE])
+            fabric = self._fabric_launches @ (launch_us * (rows > 0))
             layer[NVLINK:] = fabric.reshape(2, kinds, n)
+        for k, gather in self._context_gathers:
+            layer[NVLINK, k] += features.context_gather_us(gather, self.plan.context_gather_chunk)
         expert = np.zeros((2, kinds, n))
         expert[0] = terms[EXPERT]
         if self._has_experts:
@@ -542,38 +737,69 @@ class Kernel:
         """Price one step; one entry per request in each array. A request is a prefill when it
         schedules more than the decode threshold, as the engine classes it; prompt_len is
         validated but does not change the price."""
-        n = len(np.asarray(scheduled))
-        slots = Slots(np.zeros(n, dtype=np.int64), scheduled, computed, prompt_len)
-        composed = self._compose(self._features(slots, 1))
-        totals = composed.step.totals[:, 0]
-        layer, expert = composed.layer[..., 0], composed.expert[..., 0]
+        s, c, p = np.asarray(scheduled), np.asarray(computed), np.asarray(prompt_len)
+        if not (_plain_counts(s) and _plain_counts(c) and _plain_counts(p)):
+            s, c, p = (
+                _as_counts(name, values)
+                for name, values in zip(Slots._fields[1:], (s, c, p), strict=True)
+            )
+        split = self.deployment.prefill_context_parallel > 1
+        if not len(s) == len(c) == len(p) or self._context_gathers or split:
+            # the batch-wide checks, context gathers and prefill splits are the vectorised path's
+            slots = Slots(np.zeros(len(s), dtype=np.int64), s, c, p)
+            return self._step_price(self._flat(self._compose(self._features(slots, 1))))
+        if not (
+            single_step.non_negative(s)
+            and single_step.non_negative(c)
+            and single_step.non_negative(p)
+        ):
+            for name, values in zip(Slots._fields[1:], (s, c, p), strict=True):
+                _as_counts(name, values)  # raises, naming the first negative count
+        return self._step_price(single_step.price_step(s, c, self._single))
+
+    def _flat(self, composed: _Composed) -> np.ndarray:
+        """One composed step in `single_step.compose_one`'s layout."""
+        step = composed.step
+        return np.concatenate(
+            [
+                step.totals[:, 0],
+                [step.overlap[0], step.nooverlap[0], step.bottleneck[0]],
+                composed.layer[..., 0].ravel(),
+                composed.expert[..., 0].ravel(),
+                step.stage[:, 0],
+                composed.head[:, 0],
+            ]
+        )
+
+    def _step_price(self, flat: np.ndarray) -> StepPrice:
+        """A StepPrice from one step in `single_step.compose_one`'s layout."""
+        kinds = len(self.kind_names)
+        values = flat.tolist()
+        layer_at, expert_at, stage_at, head_at = 8, 8 + 4 * kinds, 8 + 6 * kinds, 8 + 7 * kinds
         per_kind = {
             name: {
-                "repeat": int(self.repeat[k]),
-                "sm_us": float(layer[SM, k]),
-                "hbm_us": float(layer[HBM, k]),
-                "nvlink_us": float(layer[NVLINK, k]),
-                "nic_us": float(layer[NIC, k]),
-                "expert_sm_us": float(expert[0, k]),
-                "expert_hbm_us": float(expert[1, k]),
-                "stage_us": float(composed.step.stage[k, 0]),
+                "repeat": self._repeat_counts[k],
+                "sm_us": values[layer_at + k],
+                "hbm_us": values[layer_at + kinds + k],
+                "nvlink_us": values[layer_at + 2 * kinds + k],
+                "nic_us": values[layer_at + 3 * kinds + k],
+                "expert_sm_us": values[expert_at + k],
+                "expert_hbm_us": values[expert_at + kinds + k],
+                "stage_us": values[stage_at + k],
             }
             for k, name in enumerate(self.kind_names)
         }
-        per_kind["head"] = {
-            "repeat": 1,
-            "sm_us": float(composed.head[0, 0]),
-            "hbm_us": float(composed.head[1, 0]),
-        }
+        per_kind["head"] = {"repeat": 1, "sm_us": values[head_at], "hbm_us": values[head_at + 1]}
+        sm, hbm, nvlink, nic, host, overlap, nooverlap = values[:7]
         return StepPrice(
-            sm_us=float(totals[SM]),
-            hbm_us=float(totals[HBM]),
-            nvlink_us=float(totals[NVLINK]),
-            nic_us=float(totals[NIC]),
-            host_us=float(totals[HOST]),
-            overlap_us=float(composed.step.overlap[0]),
-            nooverlap_us=float(composed.step.nooverlap[0]),
-            bottleneck=RESOURCES[int(composed.step.bottleneck[0])],
+            sm_us=sm,
+            hbm_us=hbm,
+            nvlink_us=nvlink,
+            nic_us=nic,
+            host_us=host,
+            overlap_us=overlap,
+            nooverlap_us=nooverlap,
+            bottleneck=RESOURCES[int(values[7])],
             per_kind=per_kind,
         )
 
@@ -617,13 +843,17 @@ class Kernel:
         slot[:, HBM] += tokens * expert_share[steps]
         if len(self._collective_bytes):
             rate = laws.collective_rate_in_force(
-                step_tokens[:, None] * self._collective_bytes,
+                features.step[self._collective_rows].T * self._collective_bytes,
                 self._collective_t0,
                 self._collective_r_t,
                 self._collective_r_peak,
             )[steps]
             launches = self._launches @ self.repeat  # (collectives, fabrics)
-            slot[:, NVLINK:HOST] = (tokens[:, None] * self._collective_bytes / rate) @ launches
+            decode_tokens = np.where(features.decode, tokens, 0.0)
+            own_rows = np.where(
+                self._collective_rows == DECODE_TOKENS, decode_tokens[:, None], tokens[:, None]
+            )
+            slot[:, NVLINK:HOST] = (own_rows * self._collective_bytes / rate) @ launches
         caused = np.stack(
             [np.bincount(steps, weights=slot[:, r], minlength=n_steps) for r in range(5)], axis=1
         )

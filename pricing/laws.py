@@ -49,6 +49,18 @@ def ramped_arithmetic_us(
     )
 
 
+def sm_derate(sm_count: int, sm_budget: int | None) -> float:
+    """How much longer SM arithmetic takes on `sm_budget` of the part's `sm_count` SMs (a
+    concurrent kernel, such as a Triton KV fetch, withholding the rest): sm_count / sm_budget,
+    1 with no budget or one at least the part's. Arithmetic spreads over SMs evenly, so its
+    rate is proportional to the SMs it runs on; launch floors are not."""
+    if sm_count < 1 or (sm_budget is not None and sm_budget < 1):
+        raise ValueError(f"an SM budget needs positive counts, got {sm_budget} of {sm_count}")
+    if sm_budget is None or sm_budget >= sm_count:
+        return 1.0
+    return sm_count / sm_budget
+
+
 def memory_time_us(nbytes: ArrayLike, bandwidth_bytes_per_us: float, derate: float) -> np.ndarray:
     """HBM read time at the derated bandwidth: no kernel reaches the datasheet rate, and the
     registry's 0.8 is the fraction its streaming-read measurements reach on every part."""
@@ -96,6 +108,51 @@ def context_shard(tokens: ArrayLike, ranks: int) -> np.ndarray:
     if ranks < 1:
         raise ValueError(f"a context is dealt over at least one rank, got {ranks}")
     return np.ceil(_floats(tokens) / ranks)
+
+
+def zigzag_chunks(scheduled: int, ranks: int) -> list[list[tuple[int, int]]]:
+    """Each rank's part of a prefill chunk split by prefill context parallelism: vLLM cuts it
+    into 2 x ranks pieces of ceil(scheduled / (2 x ranks)) tokens and gives rank r pieces r and
+    2 x ranks - 1 - r (pcp_manager._iter_rank_chunks), pairing a cheap early piece with a costly
+    late one. Per rank, its (offset, tokens) runs within the chunk."""
+    if ranks < 1 or scheduled < 0:
+        raise ValueError(f"a split needs ranks >= 1 and tokens >= 0, got {ranks}, {scheduled}")
+    pieces = 2 * ranks
+    size = -(-scheduled // pieces)
+    runs = []
+    for rank in range(ranks):
+        held = []
+        for index in (rank, pieces - 1 - rank):
+            low = min(index * size, scheduled)
+            high = min(low + size, scheduled)
+            if high > low:
+                held.append((low, high - low))
+        runs.append(held)
+    return runs
+
+
+def busiest_rank_prefill(
+    scheduled: int, computed: int, ranks: int, caps: list[int | None]
+) -> tuple[int, list[float]]:
+    """A prefill chunk split over `ranks` prefill-context ranks (`zigzag_chunks`): the tokens
+    the busiest rank computes, and per key cap the query-key pairs it attends. The step waits
+    for the busiest rank. Uncapped, the pairs are the most any rank attends; capped (a window,
+    a sparse top-k), those of the rank with the most tokens, each run at its offset in the
+    sequence (the Go kernel's pcpCausalPairs and appendPCPChunks)."""
+    runs = zigzag_chunks(scheduled, ranks)
+    held = [sum(n for _, n in rank) for rank in runs]
+    busiest = runs[held.index(max(held))]
+    pairs = []
+    for cap in caps:
+        if cap is None:
+            pairs.append(
+                max(
+                    sum(float(prefill_pairs(n, computed + low)) for low, n in rank) for rank in runs
+                )
+            )
+        else:
+            pairs.append(sum(float(prefill_pairs(n, computed + low, cap)) for low, n in busiest))
+    return max(held), pairs
 
 
 def decode_attention_us(
@@ -303,6 +360,8 @@ def host_us(
 
 @dataclass(frozen=True)
 class ComposedStep:
+    """Steps composed by `compose_step`: resource totals, both estimates, per-kind stages, bottlenecks."""
+
     totals: np.ndarray  # (5, steps) in the kernel's RESOURCES order
     overlap: np.ndarray
     nooverlap: np.ndarray

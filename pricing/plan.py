@@ -30,6 +30,7 @@ from pricing.spec import (
     Ramp,
     RecurrentNode,
     kv_bytes_per_token_layer,
+    load_recurrent_registry,
 )
 
 # GPU kernels each graph node launches (blis-latency-kernel plan constants, counted from the
@@ -46,6 +47,8 @@ KERNELS_PER_NODE = {
     "all2all": 2,
 }
 HEAD_KERNELS = 2  # final norm + lm_head
+# A decode-context-parallel combine: query gather, log-sum-exp gather, output reduce-scatter.
+DCP_COMBINE_OPS = ("all_gather", "all_gather", "reduce_scatter")
 # Collectives, norms and hidden states move bf16 activations whatever the weight format: vLLM's
 # quantized linears return out_dtype = x.dtype (ScaledMMLinearKernel at v0.31.0).
 ACTIVATION_BYTES = 2
@@ -57,7 +60,15 @@ LARGE_PART_GIB = 70
 LARGE_PART_MAX_NUM_SEQS = 1024
 SMALL_PART_MAX_NUM_SEQS = 256
 
+# vLLM's MLA chunked-prefill workspace: min(max(8 x max_model_len, 4 x max_num_seqs x block),
+# 65,536) rows (determine_chunked_prefill_workspace_size); at the cap for every model served
+# with the default max_model_len of 8,192 tokens or more, and a multiple of every block size.
+MLA_CONTEXT_CHUNK = 65536
+
 Resource = Literal["nvlink", "nic"]
+# Which of a step's token counts a collective moves a row of: every token, or only the decode
+# rows' (a decode-context combine under compat="go").
+CollectiveRows = Literal["tokens", "decode_tokens", "prefill_tokens"]
 ReadKind = Literal["dense", "sparse_mla"]
 DECODE_KIND: dict[str, DecodeKind] = {
     "gqa": "full",
@@ -100,10 +111,14 @@ class PlannedIndexer:
     prefill_floor_us: float
     heads: int
     head_dim: int
+    scores_prefill: bool  # the Go kernel prices no indexer work at prefill
+    read: ReadBound  # the whole context; under compat="go", dealt over a DCP group
 
 
 @dataclass(frozen=True)
 class PlannedAttention:
+    """A layer's attention on one rank: its decode read and floor, its prefill work, its indexer."""
+
     decode_floor_us: float
     decode_rate_bytes_per_us: float
     kv_bytes_per_token: float  # one token, this layer, one rank
@@ -132,7 +147,19 @@ class PlannedRecurrent:
 
 
 @dataclass(frozen=True)
+class MeasuredRecurrent:
+    """A recurrent mixer as the Go kernel prices it: its registry floor plus its token rate, on
+    SM, per layer of a step with tokens; nothing where the registry has no entry."""
+
+    floor_us: float
+    us_per_token: float
+    state_bytes: float  # one request, this layer, one rank (memory only)
+
+
+@dataclass(frozen=True)
 class PlannedExperts:
+    """A layer's routed experts as the busiest rank of the MoE group runs them."""
+
     flops_per_token: float  # routed, all top_k experts of one token, on the busiest rank
     bytes_per_expert: float  # what the busiest rank reads of one touched expert
     local_experts: float  # experts (or expert shards) the busiest rank holds
@@ -141,33 +168,48 @@ class PlannedExperts:
     # Tokens the MoE group routes per token of this rank's step: every attention DP replica
     # feeds the same experts, each with a step like this one.
     tokens_per_step_token: int
+    # The grouped GEMM's ramp overhead (m_half tokens of work) in units of one token's routed
+    # work: 1 with the ramp at the routed tokens, the DP width with it at the step's own.
+    ramp_overhead_tokens: int
+    # The experts routing chooses among when counting the distinct ones a step touches.
+    coverage_experts: int
 
 
 @dataclass(frozen=True)
 class PlannedCollective:
+    """One collective launch a layer makes: its measured triple, bytes per row and fabric."""
+
     t0_us: float
     r_t_bytes_per_us: float
     r_peak_bytes_per_us: float
     bytes_per_token: float
     resource: Resource
+    rows: CollectiveRows = "tokens"
 
 
 @dataclass(frozen=True)
 class PlannedLayer:
+    """One layer kind with its repeat count and its per-rank work pre-summed."""
+
     name: str
     repeat: int
     dense_flops_per_token: float  # per rank
     weight_bytes: float  # per rank, read once per step
     activation_bytes_per_token: float  # per rank
     attention: PlannedAttention | None
-    recurrent: PlannedRecurrent | None
+    recurrent: PlannedRecurrent | MeasuredRecurrent | None
     experts: PlannedExperts | None
     collectives: tuple[PlannedCollective, ...]
     kernels: int
+    # Under compat="go" with decode context parallelism on a latent layer: the latent width a
+    # prefill's cached context is all-gathered at, and that gather's collective.
+    context_gather: PlannedCollective | None = None
 
 
 @dataclass(frozen=True)
 class Host:
+    """The CPU side of a step: graph costs per capture mode, the capture ceiling, kernel launches."""
+
     graph_us: dict[str, float]  # "full" / "piecewise" / "none" -> CPU cost of one step's graph
     decode_mode: str  # graph mode of a uniform-decode (or empty) step
     other_mode: str  # graph mode of any other step
@@ -179,6 +221,8 @@ class Host:
 
 @dataclass(frozen=True)
 class Plan:
+    """A deployment's model graph collapsed for pricing: its layer kinds, head, lanes and host."""
+
     layers: tuple[PlannedLayer, ...]
     head_flops_per_token: float
     head_weight_bytes: float
@@ -188,6 +232,9 @@ class Plan:
     per_request_attention_ramp: bool
     read_bytes_per_us: float  # derated HBM bandwidth
     host: Host
+    # Context tokens one all-gather of a decode-context-parallel MLA prefill covers (vLLM's
+    # chunked-prefill workspace, 65,536 rows at most, aligned to the cache blocks)
+    context_gather_chunk: int = MLA_CONTEXT_CHUNK
 
 
 def compute_lane(dtype: str, chip: ChipSpec, compat: str) -> str:
@@ -230,11 +277,25 @@ def _snap_width(chip: ChipSpec, op: str, width: int) -> tuple[float, float, floa
     return t0, r_t, r_peak
 
 
-def _emits(node: CollectiveNode, deployment: Deployment) -> bool:
+def _sequence_parallel_moe(deployment: Deployment) -> bool:
+    """vLLM makes the MoE input sequence-parallel (each TP rank dispatches its slice of the
+    tokens, so the layer's output all-reduce is not run) under expert parallelism with TP and
+    DP both above one (the Go kernel's rule, on every dispatch backend)."""
+    return deployment.expert_parallel and deployment.tp > 1 and deployment.data_parallel > 1
+
+
+def _emits(node: CollectiveNode, deployment: Deployment, physics: bool) -> bool:
+    """Whether a collective node launches under this deployment."""
     if node.emit == "always":
         return True
     if node.emit == "expert_parallel":
-        return deployment.expert_parallel and deployment.moe_group > 1
+        # With DP > 1 and expert parallelism off vLLM still gathers every DP rank's tokens to
+        # the experts it shards over the group (the all-gather/reduce-scatter fallback,
+        # fused_moe/all2all_utils.py); a TP-only MoE dispatches nothing.
+        dispatched = deployment.expert_parallel or deployment.data_parallel > 1
+        return dispatched and deployment.moe_group > 1
+    if node.emit == "tensor_parallel_unless_sp_moe" and not physics:
+        return deployment.tp > 1 and not _sequence_parallel_moe(deployment)
     return deployment.tp > 1
 
 
@@ -252,6 +313,18 @@ class _Planner:
             raise PricingError(
                 f"unknown cache dtype {self.cache_dtype!r}; known: {sorted(CACHE_BYTES)}"
             )
+        if (
+            not self.physics
+            and self.cache_dtype == "nvfp4_ds_mla"
+            and any(
+                kind.attention is not None and kind.attention.kind == "mla"
+                for kind in model.layer_kinds
+            )
+        ):
+            raise PricingError(
+                "the Go kernel serves an nvfp4_ds_mla cache on sparse MLA only, and "
+                f"{model.name!r} has plain MLA layers"
+            )
         if self.cache_dtype in FOUR_BIT_CACHES and not chip.blackwell:
             raise PricingError(
                 f"a {self.cache_dtype} KV cache needs a part with four-bit attention kernels; "
@@ -263,14 +336,37 @@ class _Planner:
                 f"tp {tp} over {nodes} node(s) does not fit {chip.name!r} nodes of "
                 f"{chip.gpus_per_node} GPUs"
             )
+        self._check_context_parallel()
         if chip.attention.prefill is None:
             raise PricingError(
                 f"chip {chip.name!r} has no prefill attention coefficients (attention.prefill)"
             )
-        if nodes > 1 and chip.inter_node_gb_s is None:
+        if nodes > 1 and tp > chip.nvlink_domain and chip.inter_node_gb_s is None:
             raise PricingError(
                 f"chip {chip.name!r} states no inter_node_gb_s, needed for a TP group over "
                 f"{nodes} nodes"
+            )
+
+    def _check_context_parallel(self) -> None:
+        """vLLM runs prefill context parallelism only where every layer's attention is latent
+        (MLA's backends alone support it; recurrent and other attention backends refuse at
+        start-up); its pairing with decode context parallelism is not priced."""
+        pcp = self.deployment.prefill_context_parallel
+        if pcp == 1:
+            return
+        for kind in self.model.layer_kinds:
+            if kind.recurrent is not None or (
+                kind.attention is not None and not kind.attention.latent
+            ):
+                raise PricingError(
+                    f"prefill_context_parallel {pcp} needs latent attention in every layer; "
+                    f"layer kind {kind.name!r} of {self.model.name!r} has another mixer"
+                )
+        if self.deployment.decode_context_parallel > 1:
+            raise PricingError(
+                "prefill and decode context parallelism together are not priced "
+                f"(prefill_context_parallel {pcp}, "
+                f"decode_context_parallel {self.deployment.decode_context_parallel})"
             )
 
     def _compute(self, lane: str, what: str) -> Compute:
@@ -289,12 +385,15 @@ class _Planner:
         head_bytes_per_element = WEIGHT_BYTES[model.head.weight_dtype or self.served]
         host = chip.host
         # vLLM splits a piecewise graph at each attention or recurrent mixer (both are in its
-        # splitting ops) and at a sparse layer's indexer
+        # splitting ops) and at a sparse layer's indexer; the Go kernel splits at every layer.
         splits = sum(
             layer.repeat
             * (
-                (layer.attention is not None)
-                + (layer.recurrent is not None)
+                (
+                    (layer.attention is not None) + (layer.recurrent is not None)
+                    if self.physics
+                    else 1
+                )
                 + (layer.attention is not None and layer.attention.indexer is not None)
             )
             for layer in layers
@@ -343,9 +442,10 @@ class _Planner:
         tp, served, hidden = self.deployment.tp, self.served, self.model.hidden_size
         dense_flops = weight_bytes = activation_bytes = 0.0
         attention: PlannedAttention | None = None
-        recurrent: PlannedRecurrent | None = None
+        recurrent: PlannedRecurrent | MeasuredRecurrent | None = None
         experts: PlannedExperts | None = None
         collectives: list[PlannedCollective] = []
+        context_gather: PlannedCollective | None = None
         kernels = 0
         for node in kind.nodes:
             if isinstance(node, GemmNode):
@@ -362,17 +462,24 @@ class _Planner:
             elif isinstance(node, AttentionNode):
                 attention = self._attention(node)
                 if self.deployment.decode_context_parallel > 1:
-                    collectives += self._context_parallel_combine(node)
-                    kernels += KERNELS_PER_NODE["all_gather"] + KERNELS_PER_NODE["reduce_scatter"]
+                    combine = self._context_parallel_combine(node)
+                    collectives += combine
+                    context_gather = self._dcp_collective("all_gather", node.head_dim)
+                    if self.physics:
+                        # each combine collective is a kernel launch (the Go kernel counts
+                        # only the graph's nodes)
+                        kernels += sum(KERNELS_PER_NODE[op] for op in DCP_COMBINE_OPS)
                 if attention.indexer is not None:
                     kernels += KERNELS_PER_NODE["attention"]  # the indexer is an attention op
+                if self.deployment.prefill_context_parallel > 1:
+                    collectives += self._prefill_context_gathers(node)
             elif isinstance(node, RecurrentNode):
-                recurrent = self._recurrent(node)
+                recurrent = self._recurrent(node) if self.physics else self._measured_mixer(node)
             elif isinstance(node, ElementwiseNode):
                 # unstated: a read and a write of the hidden state
                 activation_bytes += (node.bytes_per_token or 2 * hidden * ACTIVATION_BYTES) / tp
             else:
-                if not _emits(node, self.deployment):
+                if not _emits(node, self.deployment, self.physics):
                     continue
                 collectives.append(self._collective(node, hidden))
             kernels += KERNELS_PER_NODE[node.op]
@@ -387,40 +494,47 @@ class _Planner:
             experts=experts,
             collectives=tuple(collectives),
             kernels=kernels,
+            context_gather=context_gather,
         )
 
     def _experts(self, node: GroupedGemmNode, bytes_per_element: float) -> PlannedExperts:
         deployment = self.deployment
-        group = deployment.moe_group
+        group, dp = deployment.moe_group, deployment.data_parallel
         expert_flops = 6.0 * node.n * node.k * self.chip.gemm.moe_routing_imbalance
         expert_bytes = 3.0 * node.n * node.k * bytes_per_element
+        # The grouped GEMM sees every DP replica's tokens; the Go kernel evaluates its ramp at
+        # the step's own tokens, charging the m_half overhead once per replica.
+        ramp_overhead = 1 if self.physics else dp
         if deployment.expert_parallel:
             # Whole experts, spread evenly with EPLB's redundant copies: the busiest rank holds
             # ceil(physical / group) of them and, EPLB balancing load over the copies, that
             # share of the routed work.
             physical = node.experts + deployment.eplb_redundant_experts
             local = float(-(-physical // group))
-            # The Go kernel divides by the logical experts (share_local = L / E), charging the
-            # busiest rank physical / E times its balanced share of the routing.
-            routed = physical if self.physics else node.experts
             return PlannedExperts(
-                flops_per_token=node.top_k * expert_flops * local / routed,
+                flops_per_token=node.top_k * expert_flops * local / physical,
                 bytes_per_expert=expert_bytes,
                 local_experts=local,
                 experts=node.experts,
                 top_k=node.top_k,
-                tokens_per_step_token=deployment.data_parallel,
+                tokens_per_step_token=dp,
+                ramp_overhead_tokens=ramp_overhead,
+                # A logical expert's tokens are dealt over its copies, so a token reaches a
+                # given physical expert with probability top_k / physical on average.
+                coverage_experts=physical,
             )
         # Every rank holds a 1/group shard of every expert. The Go kernel divides the routed
         # arithmetic by the DP width only (a documented over-charge); physics by the group.
-        arithmetic_shards = group if self.physics else deployment.data_parallel
+        arithmetic_shards = group if self.physics else dp
         return PlannedExperts(
             flops_per_token=node.top_k * expert_flops / arithmetic_shards,
             bytes_per_expert=expert_bytes / group,
             local_experts=float(node.experts),
             experts=node.experts,
             top_k=node.top_k,
-            tokens_per_step_token=deployment.data_parallel,
+            tokens_per_step_token=dp,
+            ramp_overhead_tokens=ramp_overhead,
+            coverage_experts=node.experts,
         )
 
     def _collective(self, node: CollectiveNode, hidden: int) -> PlannedCollective:
@@ -433,32 +547,41 @@ class _Planner:
         if point_to_point:
             # each token's hidden state goes to each of its top_k experts' ranks
             bytes_per_token *= self._top_k()
-        nodes = -(-width // chip.gpus_per_node) if routed else deployment.nodes
-        if nodes > 1:
+        domain = chip.nvlink_domain
+        # NVLink domains a group spans: a TP group lies over the deployment's nodes, each a
+        # domain unless the rack is one (NVL72); an expert group over consecutive ranks.
+        if routed or chip.gpus_per_rack is not None:
+            domains = -(-width // domain)
+        else:
+            domains = deployment.nodes
+        if domains > 1:
             if chip.inter_node_gb_s is None:
                 raise PricingError(
                     f"chip {chip.name!r} states no inter_node_gb_s, needed for a group of "
-                    f"{width} GPUs over {nodes} nodes"
+                    f"{width} GPUs over {domains} NVLink domains"
                 )
             ratio = chip.nvlink_gb_s / chip.inter_node_gb_s
             if point_to_point:
-                # a point-to-point exchange sends to every rank off the node directly
-                cross = width - chip.gpus_per_node
+                # a point-to-point exchange sends to every rank outside its domain directly
+                cross = width - domain
                 bytes_per_token *= 1.0 + (ratio - 1.0) * cross / (width - 1)
             else:
-                bytes_per_token *= laws.cross_node_span(ratio, nodes, width)
+                bytes_per_token *= laws.cross_node_span(ratio, domains, width)
         return PlannedCollective(
             t0_us=t0,
             r_t_bytes_per_us=r_t,
             r_peak_bytes_per_us=r_peak,
             bytes_per_token=bytes_per_token,
-            resource="nic" if nodes > 1 else "nvlink",
+            resource="nic" if domains > 1 else "nvlink",
         )
 
     def _context_parallel_combine(self, node: AttentionNode) -> list[PlannedCollective]:
-        """A decode-context-parallel group all-gathers its ranks' query heads at the latent
-        width (kv_lora_rank + rope) and reduce-scatters the partial outputs at kv_lora_rank
-        (vLLM's MLA DCP: query_head_dim and output_head_dim), every token, on NVLink."""
+        """vLLM's MLA decode-context-parallel combine (cp_lse_ag_out_rs), on a layer's decode
+        rows (its prefill rows attend a gathered context instead, `context_gather`), on
+        NVLink: the group all-gathers its ranks' query heads at the latent width
+        (kv_lora_rank + rope, query_head_dim), all-gathers each row's fp32 log-sum-exp per head
+        from every rank, and reduce-scatters the partial outputs at kv_lora_rank
+        (output_head_dim)."""
         dcp, tp = self.deployment.decode_context_parallel, self.deployment.tp
         if not node.latent or node.kv_lora_rank is None:
             raise PricingError(
@@ -470,20 +593,65 @@ class _Planner:
                 f"a decode-context-parallel group of {dcp} does not fit {self.chip.name!r} nodes "
                 f"of {self.chip.gpus_per_node} GPUs"
             )
-        heads = -(-node.q_heads // tp) * dcp
-        combine = []
-        for op, width in (("all_gather", node.head_dim), ("reduce_scatter", node.kv_lora_rank)):
-            t0, r_t, r_peak = _snap_width(self.chip, op, dcp)
-            combine.append(
-                PlannedCollective(
-                    t0_us=t0,
-                    r_t_bytes_per_us=r_t,
-                    r_peak_bytes_per_us=r_peak,
-                    bytes_per_token=float(heads * width * ACTIVATION_BYTES),
-                    resource="nvlink",
+        heads = node.q_heads / tp * dcp
+        lse_bytes = 4  # fp32, one per head and row, gathered from every rank of the group
+        query, lse, output = DCP_COMBINE_OPS
+        return [
+            self._dcp_collective(query, heads * node.head_dim, "decode_tokens"),
+            self._dcp_collective(lse, dcp * heads * lse_bytes / ACTIVATION_BYTES, "decode_tokens"),
+            self._dcp_collective(output, heads * node.kv_lora_rank, "decode_tokens"),
+        ]
+
+    def _prefill_context_gathers(self, node: AttentionNode) -> list[PlannedCollective]:
+        """A prefill-context-parallel group all-gathers the cache inputs its ranks computed, on
+        prefill tokens only (decode rows are replicated): one launch per tensor, a latent
+        layer's kv_lora_rank-wide latent and its rope part, and a sparse layer's index key
+        (vLLM pcp.py), each row pcp x the rank's tokens, at bf16 before the cache quantizes."""
+        pcp, chip, tp = self.deployment.prefill_context_parallel, self.chip, self.deployment.tp
+        widths = [node.head_dim]
+        if node.kv_lora_rank is not None and node.kv_lora_rank < node.head_dim:
+            widths = [node.kv_lora_rank, node.head_dim - node.kv_lora_rank]
+        if node.indexer is not None:
+            widths.append(node.indexer.head_dim)
+        # The group's ranks sit tp apart (vLLM numbers ranks with TP innermost): a node holds
+        # gpus_per_node / tp of them, an NVL72 rack gpus_per_rack / tp.
+        per_domain = max(chip.nvlink_domain // tp, 1)
+        domains = -(-pcp // per_domain)
+        t0, r_t, r_peak = _snap_width(chip, "all_gather", pcp)
+        span = 1.0
+        if domains > 1:
+            if chip.inter_node_gb_s is None:
+                raise PricingError(
+                    f"chip {chip.name!r} states no inter_node_gb_s, needed for a prefill-context "
+                    f"group of {pcp} spread over {domains} NVLink domains"
                 )
+            span = laws.cross_node_span(chip.nvlink_gb_s / chip.inter_node_gb_s, domains, pcp)
+        return [
+            PlannedCollective(
+                t0_us=t0,
+                r_t_bytes_per_us=r_t,
+                r_peak_bytes_per_us=r_peak,
+                bytes_per_token=float(pcp * width * ACTIVATION_BYTES) * span,
+                resource="nic" if domains > 1 else "nvlink",
+                rows="prefill_tokens",
             )
-        return combine
+            for width in widths
+        ]
+
+    def _dcp_collective(
+        self, op: str, elements_per_row: float, rows: CollectiveRows = "tokens"
+    ) -> PlannedCollective:
+        """One collective over the decode-context-parallel group, moving `elements_per_row`
+        bf16 activations per row."""
+        t0, r_t, r_peak = _snap_width(self.chip, op, self.deployment.decode_context_parallel)
+        return PlannedCollective(
+            t0_us=t0,
+            r_t_bytes_per_us=r_t,
+            r_peak_bytes_per_us=r_peak,
+            bytes_per_token=float(elements_per_row * ACTIVATION_BYTES),
+            resource="nvlink",
+            rows=rows,
+        )
 
     def _top_k(self) -> int:
         return max(
@@ -528,7 +696,8 @@ class _Planner:
             q_heads=node.q_heads,
             qk_dim=qk_dim,
             v_dim=v_dim,
-            keys_cap=node.top_k if node.kind == "sparse_mla" else node.window,
+            # The Go kernel prices a sparse layer's prefill as full causal attention.
+            keys_cap=node.top_k if node.kind == "sparse_mla" and self.physics else node.window,
             memory_window=node.window,
             # FlashAttention serves decode and prefill rows in one kernel on non-latent
             # attention, so a mixed step pays one floor. vLLM picks the attention backend from
@@ -581,6 +750,15 @@ class _Planner:
         # A dense scan of a cache: the part's full-attention decode pair (the Go kernel prices a
         # secondary attention at its kind's pair). The cache is fp8 keys plus their scales.
         scan = chip.attention.decode.get("full")
+        cache_bytes = float(node.indexer.cache_bytes_per_token)
+        if not self.physics:
+            # The Go kernel sizes a secondary attention's read from the primary's KV figure,
+            # scaled by the two caches' widths (one single-head key against the latent).
+            cache_bytes = (
+                kv_bytes_per_token_layer(node, self.deployment.tp, self.cache_dtype)
+                * node.indexer.head_dim
+                / (node.kv_heads * node.head_dim)
+            )
         return PlannedIndexer(
             decode_floor_us=0.0 if scan is None else scan.floor_us,
             decode_rate_bytes_per_us=(
@@ -588,10 +766,35 @@ class _Planner:
                 if scan is None
                 else scan.rate_bytes_per_us
             ),
-            cache_bytes_per_token=node.indexer.cache_bytes_per_token,
-            prefill_floor_us=prefill.floor_us,
+            cache_bytes_per_token=cache_bytes,
+            prefill_floor_us=prefill.floor_us if self.physics else 0.0,
             heads=node.indexer.heads,
             head_dim=node.indexer.head_dim,
+            scores_prefill=self.physics,
+            read=(
+                WHOLE_CONTEXT
+                if self.physics
+                else ReadBound(
+                    kind="dense",
+                    window=None,
+                    top_k=None,
+                    compress_ratio=None,
+                    context_ranks=self.deployment.decode_context_parallel,
+                )
+            ),
+        )
+
+    def _measured_mixer(self, node: RecurrentNode) -> MeasuredRecurrent:
+        """The Go kernel's recurrent term: the registry's floor and rate for this part and
+        family, or nothing where the registry has no entry."""
+        entry = load_recurrent_registry().chips.get(self.chip.name, {}).get(node.kind)
+        state_bytes = self._recurrent(node).state_bytes
+        if entry is None:
+            return MeasuredRecurrent(floor_us=0.0, us_per_token=0.0, state_bytes=state_bytes)
+        return MeasuredRecurrent(
+            floor_us=entry.floor_us,
+            us_per_token=1.0 / entry.tokens_per_us,
+            state_bytes=state_bytes,
         )
 
 

@@ -39,6 +39,8 @@ COLUMNS = ("model", "gpu", "framework", "precision", "tp", "isl", "osl", "concur
 
 @dataclass(frozen=True)
 class Sweep:
+    """One measured TPOT sweep: a deployment's time per output token at rising concurrency."""
+
     model: str
     chip: str
     framework: str
@@ -69,6 +71,7 @@ class ShapeError:
 
     @property
     def points(self) -> int:
+        """Measured points over every sweep."""
         return sum(len(sweep) for sweep in self.errors_pct)
 
 
@@ -121,6 +124,7 @@ def load_sweeps(path: Path) -> list[Sweep]:
 
 
 def token_budget(chip: ChipSpec) -> int:
+    """vLLM's default max_num_batched_tokens on this chip (the engine's per-step token budget)."""
     if chip.memory_gib >= HUGE_PART_GIB:
         return HUGE_PART_TOKEN_BUDGET
     large = chip.memory_gib >= LARGE_PART_GIB and not chip.name.startswith("a100")

@@ -100,11 +100,15 @@ class _Coefficients(_Strict):
 
 # ----------------------------------------------------------------------------------- chips
 class Ramp(_Strict):
+    """A GEMM efficiency ramp: eps(m) = eps_max * m / (m + m_half)."""
+
     eps_max: float = Field(gt=0, le=1)
     m_half: float = Field(ge=0)
 
 
 class GemmBlock(_Coefficients):
+    """A chip's GEMM and memory coefficients: a ramp per compute lane, the HBM derate, MoE imbalance."""
+
     source: str = Field(min_length=1)
     ramps: dict[str, Ramp] = Field(min_length=1)
     hbm_derate: float = Field(gt=0, le=1)
@@ -112,11 +116,15 @@ class GemmBlock(_Coefficients):
 
 
 class DecodeAttention(_Coefficients):
+    """A decode attention kind's measured floor per layer and its KV read rate."""
+
     floor_us: float = Field(ge=0)
     rate_bytes_per_us: float = Field(gt=0)
 
 
 class PrefillAttention(_Coefficients):
+    """Prefill attention's measured floor per layer and its fraction of the GEMM rate."""
+
     floor_us: float = Field(ge=0)
     work_scale: float = Field(gt=0)
 
@@ -125,6 +133,8 @@ DecodeKind = Literal["full", "swa", "mla", "sparse_mla"]
 
 
 class AttentionBlock(_Strict):
+    """A chip's attention coefficients: decode per kind, prefill."""
+
     source: str = Field(min_length=1)
     decode: dict[DecodeKind, DecodeAttention] = {}
     prefill: PrefillAttention | None = None
@@ -135,6 +145,8 @@ CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "all2all"]
 
 
 class CollectivesBlock(_Strict):
+    """A chip's measured collectives: per op and group width, [t0_us, r_t, r_peak]."""
+
     source: str = Field(min_length=1)
     basis: Basis  # one sweep per chip measured every width of every op
     # width -> [t0_us, r_t_bytes_per_us, r_peak_bytes_per_us]
@@ -145,6 +157,8 @@ class CollectivesBlock(_Strict):
 
 
 class HostBlock(_Coefficients):
+    """A chip's host costs: graph replay, eager launches per layer, dispatch per kernel."""
+
     source: str = Field(min_length=1)
     replay_graph_us: float = Field(ge=0)
     eager_launch_per_layer_us: float = Field(ge=0)
@@ -160,6 +174,8 @@ class MeasuredEngine(_Strict):
 
 
 class ChipSpec(_DataFile):
+    """One chip file: datasheet figures and the measured coefficient blocks."""
+
     name: str = Field(min_length=1)
     source: str = Field(min_length=1)
     measured_engine: MeasuredEngine
@@ -170,6 +186,9 @@ class ChipSpec(_DataFile):
     inter_node_gb_s: float | None = Field(default=None, gt=0)
     sm_count: int = Field(gt=0)
     gpus_per_node: int = Field(gt=0)
+    # A rack whose NVLink switch fabric spans all its GPUs at the per-GPU rate (GB200/GB300
+    # NVL72): a group inside it never reaches inter_node_gb_s, however many nodes it spans.
+    gpus_per_rack: int | None = Field(default=None, gt=0)
     gemm: GemmBlock
     attention: AttentionBlock
     collectives: CollectivesBlock
@@ -180,6 +199,20 @@ class ChipSpec(_DataFile):
         """Data-center Blackwell: the only parts with a native four-bit peak. vLLM keys its
         attention backend and its CUDA-graph capture sizes on this generation."""
         return "nvfp4" in self.peak_tflops
+
+    @property
+    def nvlink_domain(self) -> int:
+        """GPUs one NVLink domain holds: the rack on a rack-scale part, else the node."""
+        return self.gpus_per_rack or self.gpus_per_node
+
+    @model_validator(mode="after")
+    def _racks_hold_whole_nodes(self) -> ChipSpec:
+        if self.gpus_per_rack is not None and self.gpus_per_rack % self.gpus_per_node:
+            raise ValueError(
+                f"gpus_per_rack {self.gpus_per_rack} is not a whole number of "
+                f"{self.gpus_per_node}-GPU nodes"
+            )
+        return self
 
     @model_validator(mode="after")
     def _every_peak_has_a_ramp(self) -> ChipSpec:
@@ -203,6 +236,8 @@ class _Node(_Strict):
 
 
 class GemmNode(_Node):
+    """A dense GEMM: n outputs over a k-deep reduction per token."""
+
     op: Literal["gemm"]
     n: int = Field(gt=0)
     k: int = Field(gt=0)
@@ -211,6 +246,8 @@ class GemmNode(_Node):
 
 
 class GroupedGemmNode(_Node):
+    """A mixture-of-experts layer's routed experts (and its shared ones): n-wide, k-deep experts."""
+
     op: Literal["grouped_gemm"]
     n: int = Field(gt=0)  # expert intermediate width
     k: int = Field(gt=0)  # hidden
@@ -236,6 +273,8 @@ class Indexer(_Strict):
 
 
 class AttentionNode(_Node):
+    """An attention op: its kind, heads and cached width, and a sparse layer's selection."""
+
     op: Literal["attention"]
     kind: Literal["gqa", "swa", "mla", "sparse_mla"]
     q_heads: int = Field(gt=0)
@@ -271,7 +310,11 @@ class AttentionNode(_Node):
 
     @property
     def latent(self) -> bool:
+        """A latent (MLA) cache: one compressed head per token, never sharded by TP."""
         return self.kind in ("mla", "sparse_mla")
+
+
+RecurrentKind = Literal["mamba2", "gated_delta_net", "kda"]
 
 
 class RecurrentNode(_Node):
@@ -281,6 +324,9 @@ class RecurrentNode(_Node):
     last conv_kernel - 1 inputs, instead of a KV cache."""
 
     op: Literal["recurrent"]
+    # The mixer family, which selects its measured coefficients where a registry has them
+    # (`RecurrentRegistry`): Mamba2's SSD, Qwen3-Next's gated delta-net, Kimi's delta attention.
+    kind: RecurrentKind
     key_heads: int = Field(gt=0)  # Mamba2 n_groups; delta-net linear_num_key_heads
     value_heads: int = Field(gt=0)  # Mamba2 num_heads; delta-net linear_num_value_heads
     key_dim: int = Field(gt=0)  # Mamba2 ssm_state_size; delta-net linear_key_head_dim
@@ -299,11 +345,15 @@ class RecurrentNode(_Node):
 
 
 class ElementwiseNode(_Node):
+    """A norm or activation: bytes read and written per token (default: the hidden state twice)."""
+
     op: Literal["elementwise"]
     bytes_per_token: int | None = Field(default=None, gt=0)
 
 
 class CollectiveNode(_Node):
+    """A collective a layer runs, with the condition under which it launches."""
+
     op: CollectiveOp
     emit: Emit
 
@@ -315,6 +365,8 @@ Node = Annotated[
 
 
 class LayerKind(_Strict):
+    """One kind of layer: its nodes in order and how many times it repeats."""
+
     name: str = Field(min_length=1)
     repeat: int = Field(gt=0)
     nodes: list[Node] = Field(min_length=1)
@@ -328,24 +380,31 @@ class LayerKind(_Strict):
 
     @property
     def attention(self) -> AttentionNode | None:
+        """The layer's attention node, if any."""
         return next((n for n in self.nodes if isinstance(n, AttentionNode)), None)
 
     @property
     def recurrent(self) -> RecurrentNode | None:
+        """The layer's recurrent mixer, if any."""
         return next((n for n in self.nodes if isinstance(n, RecurrentNode)), None)
 
     @property
     def experts(self) -> GroupedGemmNode | None:
+        """The layer's routed experts, if any."""
         return next((n for n in self.nodes if isinstance(n, GroupedGemmNode)), None)
 
 
 class HeadSpec(_Strict):
+    """The output head: a vocabulary-wide GEMM over the hidden state."""
+
     n: int = Field(gt=0)  # vocabulary
     k: int = Field(gt=0)  # hidden
     weight_dtype: str | None = None
 
 
 class ModelSpec(_DataFile):
+    """One model file: its shapes, checkpoint dtype and graph of layer kinds."""
+
     name: str = Field(min_length=1)
     source: str = Field(min_length=1)
     weight_dtype: str
@@ -391,6 +450,7 @@ class ModelSpec(_DataFile):
 
     @property
     def layers(self) -> int:
+        """Layers in the model (every kind's repeats)."""
         return sum(kind.repeat for kind in self.layer_kinds)
 
 
@@ -407,8 +467,26 @@ def kv_bytes_per_token_layer(attention: AttentionNode, tp: int, cache_dtype: str
     return tensors * heads_per_rank * attention.head_dim * CACHE_BYTES[cache_dtype]
 
 
+# ----------------------------------------------------------------------------------- registry
+class MeasuredMixer(_Coefficients):
+    """One recurrent family's decode cost on one part: a launch floor plus a token rate."""
+
+    floor_us: float = Field(ge=0)
+    tokens_per_us: float = Field(gt=0)
+
+
+class RecurrentRegistry(_DataFile):
+    """The Go kernel's recurrent registry entries, per chip and mixer family. Only the Go kernel
+    prices from them (`compat="go"`): the one measured family, Mamba2, is its convolution alone."""
+
+    name: str = Field(min_length=1)
+    source: str = Field(min_length=1)
+    chips: dict[str, dict[RecurrentKind, MeasuredMixer]]
+
+
 # ----------------------------------------------------------------------------------- loading
-Spec = TypeVar("Spec", ChipSpec, ModelSpec)
+Spec = TypeVar("Spec", ChipSpec, ModelSpec, RecurrentRegistry)
+REGISTRY_DIR = Path(__file__).resolve().parent / "registry"
 
 
 def _load(directory: Path, name: str, what: str, spec_type: type[Spec]) -> Spec:
@@ -447,9 +525,17 @@ def load_model(name: str) -> ModelSpec:
     return _load(MODELS_DIR, name.lower(), "model", ModelSpec)
 
 
+@cache
+def load_recurrent_registry() -> RecurrentRegistry:
+    """The Go kernel's recurrent mixer coefficients, `pricing/registry/recurrent.yaml`."""
+    return _load(REGISTRY_DIR, "recurrent", "registry", RecurrentRegistry)
+
+
 def chip_names() -> list[str]:
+    """Every chip with a file under `pricing/chips/`."""
     return sorted(p.stem for p in CHIPS_DIR.glob("*.yaml"))
 
 
 def model_names() -> list[str]:
+    """Every model with a graph under `pricing/models/`."""
     return sorted(p.stem for p in MODELS_DIR.glob("*.yaml"))

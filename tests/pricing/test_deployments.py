@@ -29,9 +29,10 @@ def test_expert_parallel_with_eplb_prices_the_busiest_rank_by_hand():
     local = 36
     flops = 8 * EXPERT_FLOPS * 0.999 * local / 288
     assert moe["expert_sm_us"] == pytest.approx(flops * (1 + 113) / (H200_FP8 * 0.736), rel=1e-12)
-    # one token touches 36 * 8/256 of the local experts, each read whole
+    # a logical expert's tokens are dealt over its copies: one token touches 36 * 8/288 of the
+    # local experts on average, each read whole
     assert moe["expert_hbm_us"] == pytest.approx(
-        local * (8 / 256) * EXPERT_BYTES / H200_READ, rel=1e-12
+        local * (8 / 288) * EXPERT_BYTES / H200_READ, rel=1e-12
     )
     # attention and MLP all-reduces (4.71 us + 14336 B at 104,250 B/us each) and the MoE
     # dispatch over the default all-gather/reduce-scatter backend (7.39 us + 14336 B at 143,750)
@@ -40,15 +41,26 @@ def test_expert_parallel_with_eplb_prices_the_busiest_rank_by_hand():
     )
 
 
-def test_expert_parallel_under_go_compat_shares_the_routing_over_the_logical_experts():
+def test_expert_parallel_under_go_compat_shares_routing_and_coverage_over_physical_experts():
     deployment = Deployment(**DSV3, expert_parallel=True, eplb_redundant_experts=32, compat="go")
     moe = _decode(Kernel.build(deployment), 1).per_kind["attn_moe"]
-    # KERNEL_NOTES: FLOPs_r = T_r * top_k * share_local * F_e * imbalance, share_local = L / E
-    # with L = ceil((256 + 32) / 8) = 36 experts on the busiest rank and E = 256
-    flops = 1 * 8 * (36 / 256) * EXPERT_FLOPS * 0.999
+    # Go kernel (new.go localExpertShare = heaviest / (experts + redundant)): FLOPs_r = T_r *
+    # top_k * L / E_phys * F_e * imbalance, L = ceil((256 + 32) / 8) = 36, E_phys = 288
+    flops = 1 * 8 * (36 / 288) * EXPERT_FLOPS * 0.999
     assert moe["expert_sm_us"] == pytest.approx(flops * (1 + 113) / (H200_FP8 * 0.736), rel=1e-12)
-    # Bytes_r = W_e * L * (1 - ((E - k) / E)^T_r), whole experts (one shard under EP)
-    assert moe["expert_hbm_us"] == pytest.approx(36 * (8 / 256) * EXPERT_BYTES / H200_READ)
+    # Bytes_r = W_e * L * (1 - ((E_phys - k) / E_phys)^T_r), whole experts (one shard under EP)
+    assert moe["expert_hbm_us"] == pytest.approx(36 * (8 / 288) * EXPERT_BYTES / H200_READ)
+
+
+def test_attention_dp_under_go_compat_ramps_the_routed_gemm_at_the_steps_own_tokens():
+    deployment = Deployment(
+        model="deepseek-v3", chip="h200", tp=1, data_parallel=8, expert_parallel=True, compat="go"
+    )
+    moe = _decode(Kernel.build(deployment), 1).per_kind["attn_moe"]
+    # 8 replicas' tokens reach the 32 experts of each rank, but eps is taken at T = 1:
+    # T_r * top_k * (32 / 256) * F_e * imbalance / (peak * eps(1)), eps(1) = 0.736 / 114
+    flops = 8 * 8 * (32 / 256) * EXPERT_FLOPS * 0.999
+    assert moe["expert_sm_us"] == pytest.approx(flops * (1 + 113) / (H200_FP8 * 0.736), rel=1e-12)
 
 
 def test_a_point_to_point_dispatch_moves_each_token_to_its_top_k():
@@ -189,16 +201,36 @@ def test_decode_context_parallel_reads_a_dealt_share_and_combines_by_hand():
         (583_467_008 / 8 + 4 * 28672 / 8) / H200_READ + 13.5 + 513 * 1152 / 2_928_000, rel=1e-12
     )
     # two TP all-reduces, then the group gathers 16 heads x 8 ranks of 576-wide queries and
-    # reduce-scatters 512-wide outputs (h200 all_gather/reduce_scatter at width 8)
+    # each rank's fp32 log-sum-exp per head, and reduce-scatters 512-wide outputs (h200
+    # all_gather/reduce_scatter at width 8)
     assert dense["nvlink_us"] == pytest.approx(
         2 * (4.71 + 14336 / 104250)
         + (10.30 + 16 * 8 * 576 * 2 / 148_500)
+        + (10.30 + 8 * 16 * 8 * 4 / 148_500)
         + (10.24 + 16 * 8 * 512 * 2 / 177_750),
         rel=1e-12,
     )
     # each token's latent is held once in the group: an eighth of the TP-replicated copies
     assert kernel.kv_bytes_per_token == 61 * 1152
-    assert kernel.plan.host.kernels == 972 + 61 * 2
+    # three combine launches a layer
+    assert kernel.plan.host.kernels == 972 + 61 * 3
+
+
+def test_decode_context_parallel_gathers_a_prefills_cached_context_instead_of_combining():
+    kernel = Kernel.build(
+        Deployment(model="deepseek-v3", chip="h200", tp=8, decode_context_parallel=8)
+    )
+    dense = kernel.price([2048], [32768], [34816]).per_kind["attn_dense"]
+    # a prefill row attends its whole context: the group all-gathers the 32,768 cached bf16
+    # latents (576 wide) in one workspace chunk (65,536 rows); no query gather or combine
+    assert dense["nvlink_us"] == pytest.approx(
+        2 * (4.71 + 2048 * 14336 / 104250) + (10.30 + 32768 * 576 * 2 / 148_500), rel=1e-12
+    )
+    # two prefills with a cached prefix run in one gather run; one without a prefix ends it
+    shared = kernel.price([16, 32, 64], [40_000, 30_000, 0], [40_016, 30_032, 64])
+    gathers = shared.per_kind["attn_dense"]["nvlink_us"] - 2 * (4.71 + 112 * 14336 / 104250)
+    # 70,000 context tokens: ceil(70,000 / 65,536) = 2 gathers of 35,000 rows each
+    assert gathers == pytest.approx(2 * (10.30 + 35_000 * 1152 / 148_500), rel=1e-12)
 
 
 def test_decode_context_parallel_needs_a_latent_attention_and_a_dividing_group():
@@ -318,3 +350,146 @@ def test_a_mamba2_hybrid_by_hand():
     assert kernel.price([1, 64], [100, 0], [101, 64]).host_us == pytest.approx(
         7.0 * 29 + 238 * 3.2, rel=1e-12
     )
+
+
+# GB200 NVL72: 4-GPU trays, one NVLink domain of 72 GPUs per rack, InfiniBand (50 GB/s) past it.
+GB200 = dict(model="deepseek-v3", chip="gb200-nvl72", dtype="fp8")
+
+
+def test_a_tp_group_over_two_trays_of_an_nvl72_rack_stays_on_nvlink():
+    kernel = Kernel.build(Deployment(**GB200, tp=8, nodes=2))
+    dense = _decode(kernel, 4).per_kind["attn_dense"]
+    # two all-reduces of 4 tokens x 14,336 B at B200's width-8 triple (7.33 us, 155,750 B/us)
+    assert dense["nvlink_us"] == pytest.approx(2 * (7.33 + 4 * 14336 / 155_750), rel=1e-12)
+    assert dense["nic_us"] == 0.0
+
+
+def test_an_expert_group_crosses_to_the_fabric_only_past_the_rack():
+    in_rack = Kernel.build(Deployment(**GB200, tp=4, data_parallel=18, expert_parallel=True))
+    assert _decode(in_rack, 4).per_kind["attn_moe"]["nic_us"] == 0.0
+    two_racks = Kernel.build(
+        Deployment(**GB200, tp=8, nodes=2, data_parallel=18, expert_parallel=True)
+    )
+    moe = _decode(two_racks, 4).per_kind["attn_moe"]
+    # the 144-rank dispatch spans 2 racks: ring span 1 + (900/50 - 1) * 1/143 on 4 tokens'
+    # 14,336 B, at the widest measured all2all triple (10.65 us, 261,750 B/us)
+    message = 4 * 14336 * (1 + 17 / 143)
+    assert moe["nic_us"] == pytest.approx(10.65 + message / 261_750, rel=1e-12)
+
+
+def test_a_rack_holds_whole_trays():
+    from pricing.spec import ChipSpec, load_chip
+
+    chip = load_chip("gb200-nvl72").model_dump()
+    with pytest.raises(ValidationError, match="not a whole number of 4-GPU nodes"):
+        ChipSpec.model_validate({**chip, "gpus_per_rack": 70})
+
+
+def test_a_reduced_sm_budget_slows_arithmetic_but_not_floors_or_reads():
+    full = Kernel.build(Deployment(model="llama-3.1-8b-instruct", chip="h100"))
+    budget = Kernel.build(Deployment(model="llama-3.1-8b-instruct", chip="h100", sm_budget=120))
+    # 120 of H100's 132 SMs: arithmetic takes 132/120 = 1.1 times as long
+    decode = (
+        full.price([1] * 8, [999] * 8, [1000] * 8),
+        budget.price([1] * 8, [999] * 8, [1000] * 8),
+    )
+    assert decode[1].sm_us == pytest.approx(1.1 * decode[0].sm_us, rel=1e-12)
+    assert decode[1].hbm_us == decode[0].hbm_us
+    # a prefill's 32 attention floors (19.5 us each) are launches, not arithmetic
+    floors = 32 * 19.5
+    prefill = full.price([2048], [0], [2048]), budget.price([2048], [0], [2048])
+    assert prefill[1].sm_us - floors == pytest.approx(1.1 * (prefill[0].sm_us - floors), rel=1e-12)
+    # a budget at or above the part's SMs changes nothing
+    whole = Kernel.build(Deployment(model="llama-3.1-8b-instruct", chip="h100", sm_budget=132))
+    assert whole.price([2048], [0], [2048]).sm_us == prefill[0].sm_us
+
+
+def test_go_compat_prices_a_recurrent_mixer_at_the_registrys_floor_and_rate():
+    kernel = Kernel.build(Deployment(model="nemotron-h-8b", chip="h100", compat="go"))
+    plain = Kernel.build(Deployment(model="nemotron-h-8b", chip="h100", tp=1, compat="go"))
+    assert kernel.version == plain.version
+    mamba = kernel.price([1] * 16, [999] * 16, [1000] * 16).per_kind["mamba2"]
+    # per layer on SM: the registry's Mamba2 floor 3.5 us plus 16 tokens at 8.5 tokens per us,
+    # beside in_proj (18,560 x 4,096) and out_proj (4,096 x 8,192) at bf16 eps(16) on H100
+    gemms = 2 * (18560 * 4096 + 4096 * 8192) * (16 + 170) / (989.5e6 * 1.0)
+    assert mamba["sm_us"] == pytest.approx(gemms + 3.5 + 16 / 8.5, rel=1e-12)
+    # no registry entry for gated delta-net: those layers' mixers cost nothing
+    qwen = Kernel.build(Deployment(model="qwen3-next-80b-a3b", chip="h100", tp=2, compat="go"))
+    physics = Kernel.build(Deployment(model="qwen3-next-80b-a3b", chip="h100", tp=2))
+    assert physics.plan.layers[0].recurrent is not None
+    assert qwen.plan.layers[0].recurrent == type(qwen.plan.layers[0].recurrent)(
+        floor_us=0.0, us_per_token=0.0, state_bytes=physics.plan.layers[0].recurrent.state_bytes
+    )
+
+
+def test_go_compat_prices_a_kda_mixer_at_its_registry_entry(tmp_path):
+    from pricing.spec import MODELS_DIR, ModelSpec, _load, load_chip
+
+    # Nemotron-H's graph with its mixers stated as Kimi delta attention
+    text = (MODELS_DIR / "nemotron-h-8b.yaml").read_text().replace("kind: mamba2", "kind: kda")
+    (tmp_path / "nemotron-h-8b.yaml").write_text(text)
+    model = _load(tmp_path, "nemotron-h-8b", "model", ModelSpec)
+    deployment = Deployment(model="nemotron-h-8b", chip="h100", compat="go")
+    kda = Kernel(deployment, load_chip("h100"), model).price([1] * 16, [999] * 16, [1000] * 16)
+    mamba = Kernel.build(deployment).price([1] * 16, [999] * 16, [1000] * 16)
+    # registry KDA on H100: 3.8 us + tokens / 0.235 per us, against Mamba2's 3.5 + tokens / 8.5
+    assert kda.per_kind["mamba2"]["sm_us"] - mamba.per_kind["mamba2"]["sm_us"] == pytest.approx(
+        (3.8 + 16 / 0.235) - (3.5 + 16 / 8.5), rel=1e-9
+    )
+
+
+def test_a_prefill_split_zigzag_loads_its_busiest_rank_by_hand():
+    from pricing import laws
+
+    # 100 tokens over 8 ranks: 16 pieces of 7; rank 1 holds [7, 14) and [98, 100), rank 2
+    # [14, 21) and [91, 98). The busiest rank computes 14 tokens (0.14 of the chunk) and, over
+    # every rank, at most 0.1568 of its 5,000 causal pairs (the Go kernel's figures)
+    assert laws.zigzag_chunks(100, 8)[1] == [(7, 7), (98, 2)]
+    assert laws.busiest_rank_prefill(100, 0, 8, [None]) == (14, [784.0])
+    assert 784.0 / 5000 == 0.1568
+
+
+def test_prefill_context_parallel_splits_the_chunk_and_gathers_its_kv():
+    split = Kernel.build(Deployment(**DSV3, prefill_context_parallel=2))
+    price = split.price([4096], [0], [4096])
+    dense = price.per_kind["attn_dense"]
+    # each rank computes 2,048 of the 4,096 tokens (pieces 0 and 3 or 1 and 2 of 1,024): its
+    # two TP all-reduces move 2,048 x 14,336 B (h200 width 8)
+    all_reduces = 2 * (4.71 + 2048 * 14336 / 104250)
+    # the two ranks of a group sit 8 apart, one per 8-GPU node: the latent (512) and rope (64)
+    # gathers of 2 x 2,048 rows cross the fabric, ring span 1 + (450 / 50 - 1) x 1 / 1 = 9,
+    # at the width-2 all_gather triple (5.08 us, 197,000 B/us; peak 257,645.3)
+    gathers = sum(
+        max(5.08 + b / 197_000, b / 257_645.3) for b in (2 * 2048 * w * 2 * 9 for w in (512, 64))
+    )
+    assert dense["nvlink_us"] == pytest.approx(all_reduces, rel=1e-12)
+    assert dense["nic_us"] == pytest.approx(gathers, rel=1e-12)
+    # a decode row is replicated, not split, and gathers nothing
+    decode = split.price([1], [4095], [4096]).per_kind["attn_dense"]
+    assert decode["nic_us"] == 0.0
+
+
+def test_prefill_context_parallel_needs_latent_attention_everywhere():
+    with pytest.raises(PricingError, match="needs latent attention in every layer"):
+        Kernel.build(
+            Deployment(model="llama-3.1-8b-instruct", chip="h200", prefill_context_parallel=2)
+        )
+    with pytest.raises(PricingError, match="prefill and decode context parallelism together"):
+        Kernel.build(Deployment(**DSV3, prefill_context_parallel=2, decode_context_parallel=2))
+
+
+def test_kimi_k3_holds_a_kda_state_per_request_and_go_prices_its_mixer_from_the_registry():
+    physics = Kernel.build(Deployment(model="kimi-k3", chip="h100", tp=8))
+    # per rank and KDA layer: 12 of the 96 heads' 128 x 128 fp32 states, and the 4-tap
+    # convolution's last 3 inputs over their 2 x 12 x 128 + 12 x 128 channels; 69 KDA layers
+    state = 12 * 128 * 128 * 4 + (2 * 12 * 128 + 12 * 128) * 3 * 4
+    assert physics.state_bytes_per_request == 8 * 69 * state
+    # the 24 MLA layers cache one 576-wide bf16 latent a token on every rank
+    assert physics.kv_bytes_per_token == 8 * 24 * 576 * 2
+    go = Kernel.build(Deployment(model="kimi-k3", chip="h100", tp=8, compat="go"))
+    dense = go.price([1] * 16, [3999] * 16, [4000] * 16).per_kind["kda_dense"]
+    # mxfp4 GEMMs on H100's fp8 lane at eps(16) = 0.648 x 16 / 147, beside the registry's KDA
+    # decode: 3.8 us + 16 tokens at 0.235 per us
+    gemm_flops = 2 * (67584 * 7168 + 7168 * 33792) / 8
+    gemms = gemm_flops * (16 + 131) / (1979e6 * 0.648)
+    assert dense["sm_us"] == pytest.approx(gemms + 3.8 + 16 / 0.235, rel=1e-12)

@@ -44,6 +44,23 @@ DEPLOYMENTS = [
     ),
     Deployment(model="qwen3-next-80b-a3b", chip="h200", tp=2, decode_threshold=4),
     Deployment(model="nemotron-h-8b", chip="h100", tp=2, cudagraph_mode="PIECEWISE"),
+    Deployment(
+        model="deepseek-v3",
+        chip="gb200-nvl72",
+        tp=8,
+        nodes=2,
+        data_parallel=18,
+        expert_parallel=True,
+        dtype="fp8",
+    ),
+    Deployment(
+        model="deepseek-v3.2-exp",
+        chip="h200",
+        tp=4,
+        prefill_context_parallel=2,
+        cache_dtype="fp8_ds_mla",
+    ),
+    Deployment(model="kimi-k3", chip="h100", tp=8),
 ]
 
 
@@ -425,6 +442,7 @@ def test_each_chip_names_the_engine_release_its_coefficients_were_measured_on():
     assert {name: (engine.name, engine.version) for name, engine in measured.items()} == {
         "a100": ("vllm", "0.14.0"),
         "b200": ("vllm", "0.27.1"),
+        "gb200-nvl72": ("vllm", "0.27.1"),  # B200's sweep, reused for the same die
         "h100": ("vllm", "0.25.0"),
         "h200": ("vllm", "0.25.0"),
     }
