@@ -136,7 +136,8 @@ def _trend(data: ReportData) -> str:
         return heading + "<p>No published hours in this period.</p>"
     hours = published["hour"]
     first, last = hours.min(), hours.max()
-    assert isinstance(first, datetime) and isinstance(last, datetime)
+    assert isinstance(first, datetime)
+    assert isinstance(last, datetime)
     by_day = (last - first) >= timedelta(days=1) or first.date() != last.date()
     period = pl.col("hour").dt.truncate("1d") if by_day else pl.col("hour")
     trend = (

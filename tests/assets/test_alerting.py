@@ -140,6 +140,7 @@ def test_the_pager_pages_for_a_backfill_launched_from_the_assets(
         run_config=QUIET,
         raise_on_error=False,
     )
-    assert not result.success and result.dagster_run.job_name == asset_job.name
+    assert not result.success
+    assert result.dagster_run.job_name == asset_job.name
     tick(cursor)
     assert paged_errors(alert_file) == [("sequence", "chat-8b-r1", "2026-11-30T00")]

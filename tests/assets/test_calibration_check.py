@@ -130,7 +130,8 @@ def test_a_new_engine_version_warns_without_paging(simulated: Path, tmp_path: Pa
 
 def test_a_fitted_pool_compares_a_fresh_fit_with_the_stored_one(calibrated: Path) -> None:
     result = run_hour(calibrated, fitted(small_pools()))
-    assert result.success and checks_of(result)["calibration_drift"] == (
+    assert result.success
+    assert checks_of(result)["calibration_drift"] == (
         True,
         dg.AssetCheckSeverity.ERROR,
     )
@@ -139,7 +140,8 @@ def test_a_fitted_pool_compares_a_fresh_fit_with_the_stored_one(calibrated: Path
     ]
     # The stored fit is of the same steps: no drift at all.
     assert (name, replica, passed, severity) == ("calibration_drift", None, True, "ERROR")
-    assert detail.startswith("fresh fit within 15%: a_ms ") and detail.count("(0.0%)") == 3
+    assert detail.startswith("fresh fit within 15%: a_ms ")
+    assert detail.count("(0.0%)") == 3
 
 
 def test_a_drifted_fit_of_a_fitted_pool_fails_the_run(calibrated: Path) -> None:
@@ -148,7 +150,8 @@ def test_a_drifted_fit_of_a_fitted_pool_fails_the_run(calibrated: Path) -> None:
     entry["c0_ms"] = entry["c0_ms"] * 2
     (calibrated / "calibration.yaml").write_text(yaml.safe_dump(store))
     result = run_hour(calibrated, fitted(small_pools()))
-    assert not result.success and checks_of(result)["calibration_drift"] == (
+    assert not result.success
+    assert checks_of(result)["calibration_drift"] == (
         False,
         dg.AssetCheckSeverity.ERROR,
     )
@@ -162,6 +165,7 @@ def test_a_drifted_fit_of_a_fitted_pool_fails_the_run(calibrated: Path) -> None:
     )
     ((detail,),) = [(r[4],) for r in calibration_rows(calibrated) if r[0] == "calibration_drift"]
     assert detail.startswith("a fresh fit drifted beyond 15% in c0_ms: ")
-    assert "(50.0%)" in detail and detail.endswith(
+    assert "(50.0%)" in detail
+    assert detail.endswith(
         "charges shift between prefill-heavy and decode-heavy tenants: recalibrate"
     )

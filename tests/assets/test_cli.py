@@ -45,7 +45,8 @@ def test_run_then_costs_without_sql(simulated: Path, tmp_path: Path) -> None:
     )
     assert {row["day"] for row in daily["costs"]} == {"2026-11-30"}
     table = runner.invoke(main, ["costs", "--data", str(data)])
-    assert table.exit_code == 0 and "costs by tenant" in table.output
+    assert table.exit_code == 0
+    assert "costs by tenant" in table.output
 
 
 def test_run_names_the_file_line_and_field_that_failed(
@@ -90,12 +91,14 @@ def test_run_refuses_a_misconfigured_alert_sink_before_billing(
 
 def test_run_rejects_a_malformed_hour(simulated: Path) -> None:
     result = CliRunner().invoke(main, ["run", "--data", str(simulated), "--hour", "2026-11-30 00"])
-    assert result.exit_code == 2 and "YYYY-MM-DDTHH" in result.output
+    assert result.exit_code == 2
+    assert "YYYY-MM-DDTHH" in result.output
 
 
 def test_costs_without_a_warehouse_says_so(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["costs", "--data", str(tmp_path)])
-    assert result.exit_code == 6 and "no warehouse" in result.output
+    assert result.exit_code == 6
+    assert "no warehouse" in result.output
 
 
 def test_demo_replaces_only_an_earlier_demo(tmp_path: Path) -> None:
@@ -126,7 +129,9 @@ def test_demo_calibrates_bills_and_writes_the_report(
     lines = result.output.splitlines()
     assert lines[-1] == f"report: {out / 'report.html'}"
     page = (out / "report.html").read_text()
-    assert page.startswith("<!DOCTYPE html>") and "reason-dsv3" in page and "chat-8b" in page
+    assert page.startswith("<!DOCTYPE html>")
+    assert "reason-dsv3" in page
+    assert "chat-8b" in page
     assert "2 of 2 pool-hours published, 0 held back." in result.output
     assert f"Query it with `stepledger sql --data {out}`" in result.output
     # Billed through Dagster on the output directory's own instance: its history stays there.

@@ -187,4 +187,5 @@ def test_every_hour_up_to_the_last_reconciled_one_is_reconciled_and_the_next_is_
         reconciled([("a", at(0) + timedelta(hours=o)) for o in offsets]), ["a"], BEFORE_FIRST
     )["a"]
     last_offset = round((last - at(0)) / timedelta(hours=1))
-    assert set(range(first, last_offset + 1)) <= offsets and last_offset + 1 not in offsets
+    assert set(range(first, last_offset + 1)) <= offsets
+    assert last_offset + 1 not in offsets

@@ -60,7 +60,9 @@ def test_a_simulated_hour_end_to_end(data: Path) -> None:
     assert result.success
     evaluations = result.get_asset_check_evaluations()
     checks = {e.check_name: e.passed for e in evaluations}
-    assert checks["money"] and checks["sequence"] and checks["time"]
+    assert checks["money"]
+    assert checks["sequence"]
+    assert checks["time"]
     # One evaluation per check, of this pool-hour.
     assert sorted((e.check_name, e.partition) for e in evaluations) == sorted(
         (name, "2026-11-30-00:00|chat-8b") for name in CHECKS

@@ -120,7 +120,8 @@ def test_sigkill_anywhere_then_rerun_gives_the_uninterrupted_ledger(
     simulated, uninterrupted, tmp_path
 ):
     expected, stages = uninterrupted
-    assert expected["invoices"] and expected["request_costs"]
+    assert expected["invoices"]
+    assert expected["request_costs"]
     rng = random.Random(KILL_SEED)
     # Each kill lands at a random moment shortly after a stage of the hour began, the stages
     # taken in a random order so that a few kills already hit different ones.

@@ -74,7 +74,8 @@ def assert_well_formed(decoded) -> None:
         ("drops", DROPS),
     ):
         table = getattr(decoded, name)
-        assert isinstance(table, pa.Table) and table.schema.equals(schema), name
+        assert isinstance(table, pa.Table), name
+        assert table.schema.equals(schema), name
         table.validate(full=True)
     assert set(decoded.damage.column("kind").to_pylist()) <= DAMAGE_KINDS
 
@@ -196,7 +197,8 @@ def test_a_huge_declared_length_allocates_nothing(tmp_path, length, frame):
     assert peak < bound
     assert pa.total_allocated_bytes() - arrow_before < bound
     damage = decoded.damage.to_pylist()
-    assert damage and damage[0]["byte_offset"] == start
+    assert damage
+    assert damage[0]["byte_offset"] == start
     # Every frame before the damaged one still decodes.
     intact_steps = sum(
         1 for s, e in frame_spans(data)[1:] if e <= start and data[s + 4] == FrameKind.STEP

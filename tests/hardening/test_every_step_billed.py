@@ -65,7 +65,8 @@ def unfaulted(pools, tmp_path_factory) -> dict:
     data = simulate_small(tmp_path_factory.mktemp("unfaulted") / "fleet", pools)
     assert billed(data, pools)
     money = costs(data)
-    assert money["published"] and money["held_back"] == []
+    assert money["published"]
+    assert money["held_back"] == []
     return {"money": money, "findings": failed_findings(data), "conservation": conservation(data)}
 
 
@@ -207,10 +208,12 @@ def test_a_page_the_sink_refuses_is_owed_until_it_accepts_then_delivered_once(
         (run,) = run_pool_hours(data, [SIMULATED_HOUR])
         assert not run.success
         # The sink answered 500: the page is owed, not lost.
-        assert sink.refused == 1 and sink.accepted == []
+        assert sink.refused == 1
+        assert sink.accepted == []
         ((kind, attempts, error, delivered),) = outbox(data)
         assert (kind, attempts, delivered) == ("silence", 1, False)
-        assert "HTTP 500" in error and "/hook" not in error
+        assert "HTTP 500" in error
+        assert "/hook" not in error
         with connect(data / STATE_FILE) as con:
             # The moments from the outbox, not the wall clock: a loaded machine may take longer
             # than the first retry's wait to get here.
@@ -231,11 +234,13 @@ def test_a_page_the_sink_refuses_is_owed_until_it_accepts_then_delivered_once(
             assert (overdue.check_name, overdue.finding) == ("alert_delivery", "undelivered")
             # The sink is back: the retry is accepted.
             (sent,) = alerts.deliver_due(con, alerts.sink_from_env(), retry_at)
-            assert sent.kind == "silence" and alerts.undelivered(con, late, pools.settings) == []
+            assert sent.kind == "silence"
+            assert alerts.undelivered(con, late, pools.settings) == []
         # Running the hour again finds the same finding: it is not paged a second time.
         (again,) = run_pool_hours(data, [SIMULATED_HOUR])
         assert not again.success
-        assert sink.refused == 1 and len(sink.accepted) == 1
+        assert sink.refused == 1
+        assert len(sink.accepted) == 1
         assert sink.accepted[0]["text"].startswith("[ERROR] stepledger silence failed for chat-8b/")
     assert outbox(data)[0][1:] == (2, None, True)
 

@@ -121,8 +121,11 @@ def test_mutated_pools_files_load_or_name_file_line_and_field(tmp_path, data):
     try:
         load_pools(path)
     except ConfigError as err:
-        assert_names_the_file(str(err), path, data.count(b"\n") + 1)
-        assert "field " in str(err) or "YAML" in str(err) or "UTF-8" in str(err)
+        message = str(err)
+    else:
+        return
+    assert_names_the_file(message, path, data.count(b"\n") + 1)
+    assert "field " in message or "YAML" in message or "UTF-8" in message
 
 
 @FUZZ
@@ -238,8 +241,10 @@ def test_a_price_that_cannot_be_billed_exactly_is_refused_naming_the_pool(tmp_pa
     with pytest.raises(ConfigError) as raised:
         load_pools(path)
     message = str(raised.value)
-    assert message.startswith(f"{path}:") and "field pools.1: " in message
-    assert f"pool {name!r}: usd_per_gpu_hour " in message and why in message, message
+    assert message.startswith(f"{path}:")
+    assert "field pools.1: " in message
+    assert f"pool {name!r}: usd_per_gpu_hour " in message, message
+    assert why in message, message
     simulated = CliRunner().invoke(
         main,
         [
@@ -254,4 +259,5 @@ def test_a_price_that_cannot_be_billed_exactly_is_refused_naming_the_pool(tmp_pa
             "1",
         ],
     )
-    assert simulated.exit_code != 0 and f"pool {name!r}" in simulated.output
+    assert simulated.exit_code != 0
+    assert f"pool {name!r}" in simulated.output

@@ -30,7 +30,8 @@ def test_inspect_prints_a_damaged_file_under_a_markup_named_directory(
     path.write_bytes(path.read_bytes()[:-10])
     result = CliRunner().invoke(main, ["inspect", str(path)])
     assert result.exit_code == 1, result.output
-    assert str(path) in result.output and "torn_tail" in result.output
+    assert str(path) in result.output
+    assert "torn_tail" in result.output
 
 
 def test_run_prints_a_finding_naming_a_markup_named_replica(tmp_path: Path) -> None:

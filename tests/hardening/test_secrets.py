@@ -179,7 +179,8 @@ def test_a_failed_delivery_names_neither_url_nor_key(billed_run, tmp_path, monke
     # The copy owes its pages again, as if the first delivery had never happened.
     with connect(copy / STATE_FILE) as con:
         owed = con.execute("UPDATE alert_outbox SET delivered_at = NULL").fetchone()
-    assert owed and owed[0] > 0
+    assert owed
+    assert owed[0] > 0
     with socket.socket() as unused:
         unused.bind(("127.0.0.1", 0))
         closed_port = unused.getsockname()[1]
@@ -198,7 +199,8 @@ def test_a_failed_delivery_names_neither_url_nor_key(billed_run, tmp_path, monke
             ).fetchall()
         ]
     # The refused page is owed with its error recorded, and neither it nor the log names a secret.
-    assert errors and errors[0].startswith("delivering ")
+    assert errors
+    assert errors[0].startswith("delivering ")
     told = "\n".join(e for e in errors if e) + caplog.text
     for secret in (WEBHOOK_PATH, ROUTING_KEY, unreachable):
         assert secret not in told
@@ -223,7 +225,8 @@ def test_finance_entry_points_open_the_warehouse_read_only(billed_run, monkeypat
     report = runner.invoke(main, ["report", "--data", str(data), "--out", str(tmp_path / "r.html")])
     assert report.exit_code == 0, report.output
     # Finance never opens the pipeline's state file, and changes nothing in the warehouse.
-    assert opened and str(state) not in {path for path, _ in opened}, opened
+    assert opened
+    assert str(state) not in {path for path, _ in opened}, opened
     assert [hashlib.sha256(f.read_bytes()).hexdigest() for f in (state, catalog)] == before
 
 
@@ -279,7 +282,8 @@ def test_a_webhook_url_that_does_not_parse_appears_in_no_message(billed_run, tmp
                 with pytest.raises(AlertConfigError, match="^the webhook URL ") as raised:
                     page_on_call(build_definitions(pools, copy), instance, result)
             told = "".join(traceback.format_exception(raised.value))
-            assert WEBHOOK_PATH not in told and WEBHOOK_PATH[1:] not in told, url
+            assert WEBHOOK_PATH not in told, url
+            assert WEBHOOK_PATH[1:] not in told, url
 
 
 def test_a_gateway_line_that_fails_validation_echoes_no_api_key(billed_run, tmp_path):

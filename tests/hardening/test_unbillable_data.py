@@ -47,7 +47,8 @@ def undamaged(fleet, tmp_path_factory) -> dict:
     shutil.copytree(data, copy)
     assert billed(copy, pools)
     money = costs(copy)
-    assert money["published"] and money["held_back"] == []
+    assert money["published"]
+    assert money["held_back"] == []
     return money
 
 
@@ -92,7 +93,8 @@ def test_a_damaged_segment_is_held_back_then_billed_exactly_once_its_intact_copy
     victim = middle(segments)
     assert not billed(data, pools)
     ((pool, reason),) = costs(data)["held_back"]
-    assert pool == "chat-8b" and reason.startswith("failed blocking checks: sequence")
+    assert pool == "chat-8b"
+    assert reason.startswith("failed blocking checks: sequence")
     assert f"{found} in {victim.relative_to(data)}" in sequence_detail(data)
     # The replica ships the segment again, under the same name or another.
     shutil.copyfile(
@@ -102,7 +104,8 @@ def test_a_damaged_segment_is_held_back_then_billed_exactly_once_its_intact_copy
     assert billed(data, pools)
     assert costs(data) == undamaged
     settled = [(k, d) for p, k, d in damage_rows(data) if p.endswith(victim.name)]
-    assert [k for k, _ in settled] == ["recovered"] and settled[0][1].startswith(f"{found} (")
+    assert [k for k, _ in settled] == ["recovered"]
+    assert settled[0][1].startswith(f"{found} (")
 
 
 @pytest.mark.parametrize(
@@ -122,8 +125,10 @@ def test_damage_that_can_hide_no_step_holds_nothing_back(
     assert billed(data, pools)
     assert costs(data) == undamaged
     ((path, kind, detail),) = damage_rows(data)
-    assert notes[fault].startswith(f"{path}: ") and kind == "recovered"
-    assert detail.startswith(found) and "it can hide no step" in detail
+    assert notes[fault].startswith(f"{path}: ")
+    assert kind == "recovered"
+    assert detail.startswith(found)
+    assert "it can hide no step" in detail
 
 
 def test_a_moved_data_directory_bills_its_hours_again_unchanged(
@@ -165,9 +170,8 @@ def test_what_an_outbox_holds_besides_segments_is_reported_and_blocks_nothing(
             assert name not in reported
             continue
         kind, detail = reported[name]
-        assert kind == "recovered" and detail.startswith(
-            expected.get(what, "unreadable (cannot open: Permission denied)")
-        )
+        assert kind == "recovered"
+        assert detail.startswith(expected.get(what, "unreadable (cannot open: Permission denied)"))
 
 
 def test_an_entry_whose_name_does_not_place_it_holds_the_hour_back_naming_it(

@@ -148,7 +148,8 @@ def record_again(
     from schemas.records import SegmentHeader
 
     decoded = read_segments([path])
-    assert decoded.damage.num_rows == 0 and decoded.drops.num_rows == 0, path
+    assert decoded.damage.num_rows == 0, path
+    assert decoded.drops.num_rows == 0, path
     (segment,) = decoded.segments.to_pylist()
     names = {field.name for field in fields(SegmentHeader)}
     header = SegmentHeader.from_mapping({k: v for k, v in segment.items() if k in names})

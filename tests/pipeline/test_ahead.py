@@ -44,8 +44,7 @@ def test_a_failure_reaches_the_caller_at_its_item():
             raise ValueError(f"item {index} is bad")
         return index
 
-    got = []
+    results = ordered_ahead(work, range(5), 2)
+    assert [next(results), next(results)] == [0, 1]
     with pytest.raises(ValueError, match="item 2 is bad"):
-        for result in ordered_ahead(work, range(5), 2):
-            got.append(result)
-    assert got == [0, 1]
+        next(results)

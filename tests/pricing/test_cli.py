@@ -50,9 +50,11 @@ def test_json_reproduces_the_golden_step_at_32_requests():
 def test_table_names_the_bottleneck():
     result = CliRunner().invoke(main, [*GOLDEN_ARGS, "--decode", "1"])
     assert result.exit_code == 0, result.output
-    assert "host" in result.output and "<- bottleneck" in result.output
+    assert "host" in result.output
+    assert "<- bottleneck" in result.output
     host_line = next(line for line in result.output.splitlines() if "<- bottleneck" in line)
-    assert "host" in host_line and "3.544" in host_line
+    assert "host" in host_line
+    assert "3.544" in host_line
 
 
 def test_prefill_requests_join_the_batch():

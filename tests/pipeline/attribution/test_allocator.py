@@ -108,11 +108,9 @@ def test_unsorted_groups_match_sorted_layout():
 def test_grouped_rows_split_as_the_group_index_does():
     index = np.array([0, 0, 0, 2, 2])
     rows = GroupedRows.of(index, 3)
-    assert (
-        rows.offsets.tolist() == [0, 3, 3, 5]
-        and rows.sizes.tolist() == [3, 0, 2]
-        and rows.n_rows == 5
-    )
+    assert rows.offsets.tolist() == [0, 3, 3, 5]
+    assert rows.sizes.tolist() == [3, 0, 2]
+    assert rows.n_rows == 5
     totals, work, kv = (
         np.array([10, 0, 7]),
         np.array([1.0, 1.0, 1.0, 2.0, 1.0]),

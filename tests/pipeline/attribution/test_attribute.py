@@ -101,7 +101,8 @@ def test_without_resource_weights_no_resource_work_is_totalled():
 def test_batches_cover_the_steps_in_order_and_never_leave_a_step_alone(sizes, rows_per_batch):
     offsets = np.concatenate([[0], np.cumsum(sizes)])
     batches = step_batches(offsets, rows_per_batch, min_steps=2)
-    assert batches[0][0] == 0 and batches[-1][1] == len(sizes)
+    assert batches[0][0] == 0
+    assert batches[-1][1] == len(sizes)
     assert all(end == first for (_, end), (first, _) in itertools.pairwise(batches))
     assert all(end - first >= 2 for first, end in batches) or len(sizes) == 1
     # Without a minimum, a batch holds about rows_per_batch rows.

@@ -25,7 +25,8 @@ def test_ols_recovers_known_coefficients_exactly_without_noise():
     assert fit.coefficients.c0_ms == pytest.approx(9.0, abs=1e-5)
     assert fit.coefficients.a_ms == pytest.approx(0.04, rel=1e-6)
     assert fit.coefficients.b_ms == pytest.approx(0.00007, rel=1e-6)
-    assert fit.r_squared == pytest.approx(1.0, abs=1e-9) and fit.n_steps == 600
+    assert fit.r_squared == pytest.approx(1.0, abs=1e-9)
+    assert fit.n_steps == 600
 
 
 def test_ols_with_measurement_noise_stays_close_and_reports_quality():
@@ -40,7 +41,8 @@ def test_ols_with_measurement_noise_stays_close_and_reports_quality():
     assert fit.coefficients.c0_ms == pytest.approx(12.0, rel=0.05)
     assert fit.coefficients.a_ms == pytest.approx(0.05, rel=0.05)
     assert fit.coefficients.b_ms == pytest.approx(0.00005, rel=0.1)
-    assert 0.9 < fit.r_squared < 1.0 and fit.rmse_ms > 0
+    assert 0.9 < fit.r_squared < 1.0
+    assert fit.rmse_ms > 0
 
 
 def test_fit_refuses_data_that_cannot_separate_the_coefficients():
@@ -74,13 +76,15 @@ def test_store_round_trip_versions_and_a_drifted_engine_is_flagged(tmp_path, suf
     log = synthetic_log(synthetic_pool(), steps_per_replica=200)
     fits = fit_by_version(log.steps, log.slots, _segments({"r0-s0": "0.11.0", "r1-s0": "0.11.0"}))
     key = ("llama-3.1-8b-instruct", "h100", "0.11.0", "550.54")
-    assert list(fits) == [key] and fits[key].n_steps == 400
+    assert list(fits) == [key]
+    assert fits[key].n_steps == 400
     store = CalibrationStore()
     entry = store.put(*key, fits[key])
     path = tmp_path / f"calibration{suffix}"
     store.save(path)
     loaded = CalibrationStore.load(path)
-    assert loaded.lookup(*key) == entry.coefficients and entry.version.startswith("fit-")
+    assert loaded.lookup(*key) == entry.coefficients
+    assert entry.version.startswith("fit-")
     assert loaded.lookup("llama-3.1-8b-instruct", "h100", "0.12.0", "550.54") is None
     with pytest.raises(
         CalibrationMissing,
@@ -127,7 +131,8 @@ def test_weights_for_log_uses_stored_coefficients_and_flags_a_drifted_engine():
     )
     fallback = KernelWeights(kernel=None, version="kernel-test")
     source, findings = weights_for_log(pool, _segments({"a": "0.11.0"}), store, fallback)
-    assert source == FittedWeights(entry.coefficients) and findings == []
+    assert source == FittedWeights(entry.coefficients)
+    assert findings == []
     source, findings = weights_for_log(
         pool, _segments({"a": "0.11.0", "b": "0.12.0"}), store, fallback
     )

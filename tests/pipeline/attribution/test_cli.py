@@ -29,7 +29,8 @@ def test_seed_example_file_reproduces_both_published_splits():
         {"A": 32, "B": 10, "C": 5, "D": 3},
     )
     b = alpha_point_eight["slots"][1]
-    assert b["kv_share"] == pytest.approx(0.70) and b["exact"] == pytest.approx(9.9084, abs=1e-4)
+    assert b["kv_share"] == pytest.approx(0.70)
+    assert b["exact"] == pytest.approx(9.9084, abs=1e-4)
     assert "rounded up" in b["reason"]
 
 
@@ -39,14 +40,13 @@ def test_one_step_object_gives_one_object_and_a_table(tmp_path):
     path.write_text(json.dumps(step))
     result = _run("explain-step", str(path), "--json")
     answer = json.loads(result.output)
-    assert answer["total"] == 50_000 and sum(answer["shares"].values()) == 50_000
+    assert answer["total"] == 50_000
+    assert sum(answer["shares"].values()) == 50_000
     assert answer["shares"] == {"A": 32_508, "B": 9_908, "C": 4_636, "D": 2_948}
     table = _run("explain-step", str(path))
-    assert (
-        table.exit_code == 0
-        and "50000 nano-dollars" in table.output
-        and "A: prefill chunk of 512" in table.output
-    )
+    assert table.exit_code == 0
+    assert "50000 nano-dollars" in table.output
+    assert "A: prefill chunk of 512" in table.output
 
 
 def test_thousands_of_steps_in_one_call(tmp_path):
@@ -54,9 +54,8 @@ def test_thousands_of_steps_in_one_call(tmp_path):
     path = tmp_path / "many.json"
     path.write_text(json.dumps([step] * 3000))
     answers = json.loads(_run("explain-step", str(path), "--json").output)
-    assert len(answers) == 3000 and all(
-        a["shares"] == {"A": 32, "B": 10, "C": 5, "D": 3} for a in answers
-    )
+    assert len(answers) == 3000
+    assert all(a["shares"] == {"A": 32, "B": 10, "C": 5, "D": 3} for a in answers)
 
 
 @pytest.mark.parametrize(
@@ -106,7 +105,9 @@ def test_bad_step_files_are_named(tmp_path, document, message):
     path = tmp_path / "bad.json"
     path.write_text(document)
     result = CliRunner().invoke(main, ["explain-step", str(path)])
-    assert result.exit_code != 0 and message in result.output and "bad.json" in result.output
+    assert result.exit_code != 0
+    assert message in result.output
+    assert "bad.json" in result.output
 
 
 def test_kernel_weights_form(tmp_path):
@@ -133,7 +134,8 @@ def test_kernel_weights_form(tmp_path):
     path.write_text(json.dumps(step))
     result = _run("explain-step", str(path), "--json")
     answer = json.loads(result.output)
-    assert answer["total"] == 30_000 and answer["weights"] == "kernel"
+    assert answer["total"] == 30_000
+    assert answer["weights"] == "kernel"
     assert answer["shares"]["P"] > answer["shares"]["D"] > 0
 
 
@@ -190,11 +192,10 @@ def test_calibrate_fits_real_segments_per_engine_version_and_stores_them(tmp_pat
     result = _run("calibrate", "--data", str(tmp_path / "run"), "--store", str(store), "--json")
     assert result.exit_code == 0, result.output
     fits = {f["engine_version"]: f for f in json.loads(result.output)}
-    assert (
-        fits["0.11.0"]["c0_ms"] == pytest.approx(12.0, rel=0.05)
-        and fits["0.11.0"]["n_steps"] == 120
-    )
-    assert fits["0.12.0"]["c0_ms"] == pytest.approx(10.0, rel=0.05) and fits["0.12.0"]["stored"]
+    assert fits["0.11.0"]["c0_ms"] == pytest.approx(12.0, rel=0.05)
+    assert fits["0.11.0"]["n_steps"] == 120
+    assert fits["0.12.0"]["c0_ms"] == pytest.approx(10.0, rel=0.05)
+    assert fits["0.12.0"]["stored"]
     assert fits["0.12.0"]["a_ms"] == pytest.approx(0.04, rel=0.1)
     loaded = CalibrationStore.load(store)
     assert (
@@ -202,13 +203,15 @@ def test_calibrate_fits_real_segments_per_engine_version_and_stores_them(tmp_pat
         == fits["0.12.0"]["version"]
     )
     text = _run("calibrate", "--data", str(tmp_path / "run"), "--store", str(store), "--dry-run")
-    assert "R^2=0.9" in text.output and "not stored (dry run)" in text.output
+    assert "R^2=0.9" in text.output
+    assert "not stored (dry run)" in text.output
 
 
 def test_calibrate_rejects_a_poor_fit_and_an_empty_directory(tmp_path):
     pytest.importorskip("pipeline.ingestion.decoder")
     empty = CliRunner().invoke(main, ["calibrate", "--data", str(tmp_path)])
-    assert empty.exit_code != 0 and "no *.seg step-log segments" in empty.output
+    assert empty.exit_code != 0
+    assert "no *.seg step-log segments" in empty.output
     _record_calibration_run(tmp_path / "run", "0.11.0", (12.0, 0.05, 0.00005), seed=1)
     strict = CliRunner().invoke(
         main,
@@ -222,5 +225,6 @@ def test_calibrate_rejects_a_poor_fit_and_an_empty_directory(tmp_path):
             "1.0",
         ],
     )
-    assert strict.exit_code == 1 and "REJECTED: R^2 below 1.0" in strict.output
+    assert strict.exit_code == 1
+    assert "REJECTED: R^2 below 1.0" in strict.output
     assert not (tmp_path / "c.json").exists()

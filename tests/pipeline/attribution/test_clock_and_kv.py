@@ -28,7 +28,8 @@ def test_whole_hour_maps_to_the_price_and_costs_round_down_at_instants():
     ]
     # 50 ms at 3 x $3.60/h is exactly 150 micro-dollars = 150_000 nano.
     cost, busy = step_costs_in_hour(np.array([10**9]), np.array([10**9 + 50_000_000]), 0, price)
-    assert cost.tolist() == [150_000] and busy.tolist() == [50_000_000]
+    assert cost.tolist() == [150_000]
+    assert busy.tolist() == [50_000_000]
 
 
 @settings(max_examples=100, deadline=None)
@@ -93,7 +94,8 @@ def test_blend_falls_back_when_a_step_has_no_blocks_or_no_compute():
     assert weights.tolist() == pytest.approx(
         [0.8 * 0.75 + 0.2 * 0.25, 0.8 * 0.25 + 0.2 * 0.75, 0.5, 0.5, 1.0]
     )
-    assert kv_part[2:4].tolist() == [0.0, 0.0] and compute_part[4] == 0.0
+    assert kv_part[2:4].tolist() == [0.0, 0.0]
+    assert compute_part[4] == 0.0
     assert split.shares.tolist() == [65, 35, 4, 3, 3]
 
 

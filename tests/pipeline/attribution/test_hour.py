@@ -148,10 +148,11 @@ def test_one_step_split_with_idle_spread_and_headroom():
     attributed = _attribute(pool, log)
     costs = {r["request_id"]: r for r in attributed.ledger.request_costs.iter_rows(named=True)}
     # work a = 6 + 32.1664 ms, b = 6 + 0.24005 ms: a gets 50_000 x 38.1664 / 44.40645.
-    assert costs["a"]["amount_nano"] == 42_974 and costs["b"]["amount_nano"] == 7_026
-    assert (
-        costs["a"]["kv_nano"] == 0 and costs["a"]["steps"] == 1 and costs["a"]["output_tokens"] == 1
-    )
+    assert costs["a"]["amount_nano"] == 42_974
+    assert costs["b"]["amount_nano"] == 7_026
+    assert costs["a"]["kv_nano"] == 0
+    assert costs["a"]["steps"] == 1
+    assert costs["a"]["output_tokens"] == 1
     exact = dict(
         zip(
             attributed.request_details["request_id"],
@@ -159,9 +160,8 @@ def test_one_step_split_with_idle_spread_and_headroom():
             strict=False,
         )
     )
-    assert exact["a"] == pytest.approx(50_000 * 38.1664 / 44.40645) and exact["a"] + exact[
-        "b"
-    ] == pytest.approx(50_000)
+    assert exact["a"] == pytest.approx(50_000 * 38.1664 / 44.40645)
+    assert exact["a"] + exact["b"] == pytest.approx(50_000)
     invoice = 2 * PER_HOUR
     idle = invoice - 50_000
     spread_cap = int(invoice * (1 - 0.7))
@@ -172,8 +172,10 @@ def test_one_step_split_with_idle_spread_and_headroom():
     assert lines[("usage", "acme", "chat")] == 50_000
     assert lines[("idle", "acme", "chat")] == spread_cap
     assert lines[("headroom", "support", "(headroom)")] == idle - spread_cap
-    assert attributed.headroom_nano == idle - spread_cap and attributed.idle_nano == idle
-    assert attributed.busy_ns == 50_000_000 and attributed.step_count == 1
+    assert attributed.headroom_nano == idle - spread_cap
+    assert attributed.idle_nano == idle
+    assert attributed.busy_ns == 50_000_000
+    assert attributed.step_count == 1
 
 
 def test_holders_pay_memory_time_and_swapped_ones_do_not():
@@ -203,10 +205,8 @@ def test_holders_pay_memory_time_and_swapped_ones_do_not():
     )
     assert memory == pytest.approx({"a": 0.5, "b": 0.5, "c": 0.0})
     lines = attributed.ledger.ledger_lines.filter(pl.col("line_kind") == "idle")
-    assert (
-        lines.rows(named=True)[0]["tenant"] == "platform"
-        and lines["amount_nano"].sum() == 2 * PER_HOUR - 50_000
-    )
+    assert lines.rows(named=True)[0]["tenant"] == "platform"
+    assert lines["amount_nano"].sum() == 2 * PER_HOUR - 50_000
 
 
 def test_platform_timeout_retries_and_missing_context():
@@ -219,18 +219,16 @@ def test_platform_timeout_retries_and_missing_context():
     )
     attributed = _attribute(pool, log)
     kinds = {r["line_kind"]: r for r in attributed.ledger.ledger_lines.iter_rows(named=True)}
-    assert (
-        kinds["platform_retry"]["tenant"] == "platform"
-        and kinds["platform_retry"]["amount_nano"] == 25_000
-    )
-    assert (
-        kinds["unattributed"]["tenant"] == "(unattributed)"
-        and kinds["unattributed"]["amount_nano"] == 25_000
-    )
-    assert attributed.unattributed_fraction == 0.5 and attributed.unattributed_requests == 1
+    assert kinds["platform_retry"]["tenant"] == "platform"
+    assert kinds["platform_retry"]["amount_nano"] == 25_000
+    assert kinds["unattributed"]["tenant"] == "(unattributed)"
+    assert kinds["unattributed"]["amount_nano"] == 25_000
+    assert attributed.unattributed_fraction == 0.5
+    assert attributed.unattributed_requests == 1
     caller_pays = make_pool(idle="capacity_owner", platform_pays_platform_retries=False)
     kinds = set(_attribute(caller_pays, log).ledger.ledger_lines["line_kind"])
-    assert "platform_retry" not in kinds and "usage" in kinds
+    assert "platform_retry" not in kinds
+    assert "usage" in kinds
 
 
 def test_cache_read_charges_hits_and_credits_them_back():
@@ -243,16 +241,15 @@ def test_cache_read_charges_hits_and_credits_them_back():
     costs = {r["request_id"]: r for r in attributed.ledger.request_costs.iter_rows(named=True)}
     prefill_rate = costs["a"]["compute_nano"] / 100  # a is the hour's only prefill
     charge = round(400 * prefill_rate * 0.1)
-    assert attributed.cache_read_nano == charge and costs["b"]["cached_tokens"] == 400
+    assert attributed.cache_read_nano == charge
+    assert costs["b"]["cached_tokens"] == 400
     assert attributed.cache_saving_nano == round(400 * prefill_rate) - charge
     credit = attributed.ledger.ledger_lines.filter(pl.col("line_kind") == "cache_credit").row(
         0, named=True
     )
-    assert (
-        credit["amount_nano"] == -charge
-        and credit["tenant"] == "platform"
-        and credit["cached_tokens"] == 400
-    )
+    assert credit["amount_nano"] == -charge
+    assert credit["tenant"] == "platform"
+    assert credit["cached_tokens"] == 400
     assert int(attributed.ledger.ledger_lines["amount_nano"].sum()) == 2 * PER_HOUR
 
 
@@ -289,7 +286,8 @@ def test_an_idle_replica_is_all_idle():
         WEIGHTS,
     )
     r2 = attributed.replicas.filter(pl.col("replica") == "r2").row(0, named=True)
-    assert r2["steps"] == 0 and r2["idle_nano"] == PER_HOUR
+    assert r2["steps"] == 0
+    assert r2["idle_nano"] == PER_HOUR
 
 
 def test_bad_tables_are_named():
@@ -305,8 +303,8 @@ def test_bad_tables_are_named():
             log.context,
             WEIGHTS,
         )
+    orphan = log.slots.head(1).with_columns(pl.lit(999, dtype=pl.Int64).alias("seq"))
     with pytest.raises(AttributionError, match="slots: 1 row.* belong to no logged step"):
-        orphan = log.slots.head(1).with_columns(pl.lit(999, dtype=pl.Int64).alias("seq"))
         attribute_hour(
             HOUR, pool, log.steps, pl.concat([log.slots, orphan]), log.holders, log.context, WEIGHTS
         )
@@ -374,7 +372,8 @@ def test_an_hour_without_steps_is_all_idle_and_still_sums():
     attributed = attribute_hour(
         HOUR, pool, log.steps.head(0), log.slots.head(0), log.holders.head(0), log.context, WEIGHTS
     )
-    assert attributed.ledger.request_costs.height == 0 and attributed.step_count == 0
+    assert attributed.ledger.request_costs.height == 0
+    assert attributed.step_count == 0
     assert attributed.ledger.ledger_lines.select(
         "tenant", "feature", "line_kind", "amount_nano"
     ).rows() == [("platform", "(idle)", "idle", 2 * PER_HOUR)]

@@ -46,9 +46,11 @@ def test_json_report_names_ranges_drops_gaps_and_damage(tmp_path, header, clocks
     ]
     (replica,) = report["replicas"]
     assert replica["seq_ranges"] == [[0, 2], [5, 5], [8, 10]]
-    assert replica["drops"] == [[3, 4]] and replica["dropped_steps"] == 2
+    assert replica["drops"] == [[3, 4]]
+    assert replica["dropped_steps"] == 2
     assert replica["gaps"] == [{"first_seq": 6, "last_seq": 7, "steps": 2, "explained_by": []}]
-    assert report["ok"] is False and report["damage"] == []
+    assert report["ok"] is False
+    assert report["damage"] == []
 
 
 def test_damage_exits_non_zero_and_is_listed(tmp_path, write_segment):

@@ -169,14 +169,17 @@ def test_csv_and_parquet_files(data: Path, tmp_path: Path) -> None:
 def test_bad_options_name_themselves(data: Path) -> None:
     runner = CliRunner()
     bad_day = runner.invoke(costs_command, ["--data", str(data), "--from", "2026-13-01"])
-    assert bad_day.exit_code == 2 and "--from" in bad_day.output
+    assert bad_day.exit_code == 2
+    assert "--from" in bad_day.output
     assert "no month (YYYY-MM), day (YYYY-MM-DD) or hour" in bad_day.output
     backwards = runner.invoke(
         costs_command, ["--data", str(data), "--from", "2026-12-01", "--to", "2026-11-30"]
     )
-    assert backwards.exit_code == 2 and "is before --from" in backwards.output
+    assert backwards.exit_code == 2
+    assert "is before --from" in backwards.output
     no_file = runner.invoke(costs_command, ["--data", str(data), "--format", "parquet"])
-    assert no_file.exit_code == 2 and "give --out FILE" in no_file.output
+    assert no_file.exit_code == 2
+    assert "give --out FILE" in no_file.output
 
 
 @given(st.datetimes(min_value=datetime(2000, 1, 1), max_value=datetime(2099, 12, 31, 23)))

@@ -61,7 +61,8 @@ def billed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_finance_session_and_a_rebilling_run_never_block_each_other(billed: Path) -> None:
     with finance.connect(billed) as reader:
         before = reader.execute(TENANT_TOTALS).fetchall()
-        assert before and sum(amount for _, amount in before) > 0
+        assert before
+        assert sum(amount for _, amount in before) > 0
         billed_at = datetime.now(UTC)
         # Finance policy changes: idle goes to the capacity owner instead of being spread.
         pools_file = billed / "pools.yaml"

@@ -82,9 +82,12 @@ def test_explain_reproduces_a_request_charge(billed: Path) -> None:
     assert result.exit_code == 0, result.output
     explained = json.loads(result.stdout)
     assert (request_id, amount) == ("req-chat-8b-0001097", 3_231_390)
-    assert explained["amount_nano"] == amount and explained["reproduced"] is True
+    assert explained["amount_nano"] == amount
+    assert explained["reproduced"] is True
     (hour,) = explained["hours"]
-    assert hour["hour"] == HOUR and hour["pool"] == "chat-8b" and hour["paid_by"] == "tenant"
+    assert hour["hour"] == HOUR
+    assert hour["pool"] == "chat-8b"
+    assert hour["paid_by"] == "tenant"
     assert sum(s["share_nano"] for s in hour["steps"]) + hour["cache_read_nano"] == amount
     assert hour["cache_read_nano"] > 0
     assert (
@@ -94,9 +97,11 @@ def test_explain_reproduces_a_request_charge(billed: Path) -> None:
     assert sum(hour["resources"].values()) == hour["compute_nano"]
     assert hour["policies"]["prefix_cache"] == "cache_read"
     table = CliRunner().invoke(main, ["explain", request_id, "--data", str(billed)])
-    assert table.exit_code == 0 and "reproduced" in table.output
+    assert table.exit_code == 0
+    assert "reproduced" in table.output
     missing = CliRunner().invoke(main, ["explain", "no-such-request", "--data", str(billed)])
-    assert missing.exit_code == 3 and "'no-such-request': not charged" in missing.output
+    assert missing.exit_code == 3
+    assert "'no-such-request': not charged" in missing.output
 
 
 def test_explain_reproduces_every_request_of_the_hour(billed: Path) -> None:
@@ -167,7 +172,8 @@ def test_whatif_changes_costs_without_publishing(billed: Path) -> None:
     bad = CliRunner().invoke(
         main, ["whatif", "--data", str(billed), "--hour", HOUR, "--set", "idle=x"]
     )
-    assert bad.exit_code == 3 and "--set on pool 'chat-8b': idle" in bad.output
+    assert bad.exit_code == 3
+    assert "--set on pool 'chat-8b': idle" in bad.output
     fitted = CliRunner().invoke(
         main, ["whatif", "--data", str(billed), "--hour", HOUR, "--set", "weights=fitted"]
     )

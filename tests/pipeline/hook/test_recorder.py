@@ -33,7 +33,8 @@ def test_rotation_by_size_ships_contiguous_segments(tmp_path, write_segment):
         (28, 34),
         (35, 39),
     ]
-    assert all(s["bytes"] >= 2000 for s in segments[:-1]) and segments[-1]["bytes"] < 2000
+    assert all(s["bytes"] >= 2000 for s in segments[:-1])
+    assert segments[-1]["bytes"] < 2000
     assert [s["path"] for s in segments] == [str(p) for p in paths]
     assert len({s["segment_id"] for s in segments}) == len(paths)
     assert not list(tmp_path.rglob(f"*{PARTIAL_SUFFIX}"))
@@ -127,9 +128,8 @@ def test_close_flushes_everything_queued(tmp_path, header, record_steps):
     assert recorder.dropped_steps == 0
     assert sorted(outbox.glob("*.seg")) == sorted(recorder.shipped_segments)
     assert read_segments(outbox.glob("*.seg")).steps.num_rows == 1000
-    assert not list(outbox.glob(f"*{PARTIAL_SUFFIX}")) and not list(
-        outbox.glob(f".*{PARTIAL_SUFFIX}")
-    )
+    assert not list(outbox.glob(f"*{PARTIAL_SUFFIX}"))
+    assert not list(outbox.glob(f".*{PARTIAL_SUFFIX}"))
     with pytest.raises(RecorderError, match="after close"):
         record_steps(recorder, 1000, 1)
 
@@ -197,7 +197,8 @@ def test_writer_failure_ships_what_was_written_and_close_raises(tmp_path, header
         recorder.close()
     decoded = read_segments(outbox.glob("*.seg"))
     seqs = decoded.steps.column("seq").to_pylist()
-    assert seqs == list(range(len(seqs))) and 1 <= len(seqs) <= 2
+    assert seqs == list(range(len(seqs)))
+    assert 1 <= len(seqs) <= 2
     assert decoded.damage.num_rows == 0
     assert not list(outbox.glob(f".*{PARTIAL_SUFFIX}"))
 

@@ -237,7 +237,8 @@ def test_recorded_steps_match_sglangs_own_state(
         for s in slots
         if s["request_id"] == retracted and s["seq"] > retractions[0] and s["new_tokens"] > 1
     ]
-    assert readmitted and readmitted[0]["prefix_hit_tokens"] == 0
+    assert readmitted
+    assert readmitted[0]["prefix_hit_tokens"] == 0
     assert any(want["admission_blocked"] and not want["retracted"] for want in expected)
     b_steps = [s["seq"] for s in slots if s["request_id"] == "b"]
     assert len(b_steps) < 30, "b ran to max_new_tokens instead of being aborted"

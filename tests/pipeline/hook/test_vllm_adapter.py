@@ -204,9 +204,8 @@ def test_the_header_keeps_the_pools_names_and_the_engines_own(replica, engine_co
 def test_an_engine_that_runs_other_than_its_pool_declares_is_refused(replica, engine_configs):
     with pytest.raises(HookConfigError) as refused:
         adapter.header_for(replica, engine_configs["another model"], None, "0.33.0", "550", 16)
-    assert str(refused.value).startswith("replica 'chat-8b-r0' serves '") and str(
-        refused.value
-    ).endswith(
+    assert str(refused.value).startswith("replica 'chat-8b-r0' serves '")
+    assert str(refused.value).endswith(
         "Qwen3-32B') but pool 'chat-8b' declares model 'llama-3.1-8b-instruct': serve it as "
         "--served-model-name llama-3.1-8b-instruct, or put the replica in the pool of the "
         "model it serves"

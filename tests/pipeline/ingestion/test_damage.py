@@ -147,7 +147,8 @@ def test_unknown_version_is_reported_not_guessed(tmp_path, small_segment):
     data = bytearray(small_segment.read_bytes())
     data[8:12] = (2).to_bytes(4, "little")
     decoded = decode_bytes(tmp_path, bytes(data))
-    assert decoded.steps.num_rows == 0 and decoded.segments.num_rows == 0
+    assert decoded.steps.num_rows == 0
+    assert decoded.segments.num_rows == 0
     (row,) = decoded.damage.to_pylist()
     assert row["kind"] == "unknown_version"
     assert row["detail"] == "format version 2; this decoder reads version 1"
@@ -195,8 +196,10 @@ def test_duplicate_with_a_torn_tail_yields_to_the_intact_copy(tmp_path, small_se
     decoded = read_segments([torn, small_segment])
     assert decoded.steps.column("seq").to_pylist() == [0, 1, 3]
     (row,) = decoded.damage.to_pylist()
-    assert row["kind"] == "duplicate_segment" and row["path"] == str(torn)
-    assert "which was kept" in row["detail"] and str(small_segment) in row["detail"]
+    assert row["kind"] == "duplicate_segment"
+    assert row["path"] == str(torn)
+    assert "which was kept" in row["detail"]
+    assert str(small_segment) in row["detail"]
 
 
 def test_reordered_and_duplicated_segments_decode_identically(tmp_path, write_segment):

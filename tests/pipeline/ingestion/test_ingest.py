@@ -94,14 +94,16 @@ def test_ingest_partitions_by_pool_and_hour(tmp_path: Path, outbox: Path) -> Non
     lake = tmp_path / "lake"
     with connect(tmp_path / "w.duckdb") as con:
         report = ingest_outbox(con, outbox, lake)
-        assert report.steps == 130 and report.damage == 0
+        assert report.steps == 130
+        assert report.damage == 0
         assert report.partitions == {("chat-8b", "2026-11-30T04"), ("chat-8b", "2026-11-30T05")}
         assert con.execute("SELECT count(*), sum(steps) FROM segments").fetchone() == (2, 130)
         assert con.execute("SELECT count(*) FROM sequence_gaps").fetchone() == (0,)
     early = pl.read_parquet(
         list(partition_dir(lake, "steps", "chat-8b", "2026-11-30T04").glob("*.parquet"))
     )
-    assert early.height == 60 and early["replica"].unique().to_list() == ["chat-8b-r0"]
+    assert early.height == 60
+    assert early["replica"].unique().to_list() == ["chat-8b-r0"]
     assert lake_rows(lake, "slots") == 120 * 2 + 10
 
 
@@ -168,7 +170,8 @@ def test_duplicates_in_one_batch_are_kept_once(tmp_path: Path, outbox: Path) -> 
     shutil.copy(original, original.with_name("copy.seg"))
     with connect(tmp_path / "w.duckdb") as con:
         report = ingest_outbox(con, outbox, tmp_path / "lake")
-    assert report.steps == 130 and len(report.duplicate_files) == 1
+    assert report.steps == 130
+    assert len(report.duplicate_files) == 1
 
 
 def test_torn_segment_damage_is_recorded(tmp_path: Path, outbox: Path) -> None:
@@ -262,7 +265,8 @@ def test_load_hour_includes_steps_running_into_the_hour(tmp_path: Path) -> None:
     assert data.holders.height == 0
     # Only the columns asked for, of each table that has them: the same rows.
     keys = load_hour(lake, "chat-8b", HOUR, columns=["pool", "replica", "seq", "request_id"])
-    assert keys.steps.columns == ["pool", "replica", "seq"] and keys.holders.columns == [
+    assert keys.steps.columns == ["pool", "replica", "seq"]
+    assert keys.holders.columns == [
         "pool",
         "replica",
         "seq",
@@ -300,7 +304,8 @@ def test_a_batch_that_died_before_its_commit_is_removed_by_the_next_ingest(
     with connect(tmp_path / "w.duckdb") as con:
         dead = ingest_until_killed(monkeypatch, con, outbox, lake, "chat-8b-r0")
         # r0's steps fall in hours 04 and 05, its slots too; it logged no holders.
-        assert len(dead) == 4 and len({batch_of(p) for p in dead}) == 1
+        assert len(dead) == 4
+        assert len({batch_of(p) for p in dead}) == 1
         # r0 ships another segment before the retry, so the retried batch gets another id.
         write_replica_log(
             outbox,
@@ -321,7 +326,8 @@ def test_a_batch_that_died_before_its_commit_is_removed_by_the_next_ingest(
     assert f"batch {batch_of(dead[0])} was written to the lake but never committed" in caplog.text
     assert not any(path.exists() for path in dead)
     steps = pl.read_parquet(list((lake / "steps").rglob("*.parquet")))
-    assert steps.height == 135 and steps.select("replica", "seq").is_unique().all()
+    assert steps.height == 135
+    assert steps.select("replica", "seq").is_unique().all()
     assert lake_rows(lake, "slots") == 125 * 2 + 10
     assert list((lake / INTENTS_DIR).glob("*.json*")) == []
 
@@ -337,7 +343,8 @@ def test_readers_of_committed_batches_skip_a_batch_not_yet_committed(
         committed = committed_batches(con)
     data = load_hour(lake, "chat-8b", HOUR, committed)
     assert data.steps.select("replica", "seq").rows() == [("chat-8b-r1", seq) for seq in range(10)]
-    assert data.slots.height == 10 and data.holders.height == 0
+    assert data.slots.height == 10
+    assert data.holders.height == 0
     assert load_hour(lake, "chat-8b", HOUR).steps.height == 10 + 60
 
 
@@ -351,7 +358,8 @@ def test_an_ingest_waits_for_the_lake_lock(tmp_path: Path, outbox: Path) -> None
         waiting = threading.Thread(target=lambda: reports.append(ingest_outbox(con, outbox, lake)))
         waiting.start()
         waiting.join(timeout=0.5)
-        assert waiting.is_alive() and not list(lake.rglob("*.parquet"))
+        assert waiting.is_alive()
+        assert not list(lake.rglob("*.parquet"))
         fcntl.flock(other, fcntl.LOCK_UN)
         waiting.join()
     assert reports[0].steps == 130
@@ -423,7 +431,8 @@ def test_a_torn_segment_then_its_intact_copy_under_the_same_name_is_billed_once(
         ((first, last),) = con.execute(
             "SELECT first_seq, last_seq FROM damage WHERE kind = 'torn_tail'"
         ).fetchall()
-        assert torn.steps == 120 - (last - first + 1) and last == 59
+        assert torn.steps == 120 - (last - first + 1)
+        assert last == 59
         assert not both_hours_pass(con, lake)
 
         victim.write_bytes(intact)  # the replica ships the segment again, same name
@@ -459,7 +468,8 @@ def test_a_bit_flipped_segment_then_its_intact_copy_under_a_new_name_is_recovere
         ((kind, first, last),) = con.execute(
             "SELECT kind, first_seq, last_seq FROM damage"
         ).fetchall()
-        assert kind == "corrupt_frame" and first == last
+        assert kind == "corrupt_frame"
+        assert first == last
         assert not both_hours_pass(con, lake)
         victim.with_name("redelivered.seg").write_bytes(intact)
         assert ingest_outbox(con, tmp_path / "outbox", lake).steps == 1
@@ -498,7 +508,8 @@ def test_a_zero_byte_file_holds_back_only_the_steps_it_can_hide(tmp_path: Path) 
             ("torn_tail", 20, 39)
         ]
         passed, detail = sequence_findings(con, lake, HOUR - timedelta(hours=1))
-        assert not passed and "20 steps lost (seq 20-39)" in detail
+        assert not passed
+        assert "20 steps lost (seq 20-39)" in detail
         # The next hour does not wait on a file that could only hide seq 20-39.
         assert sequence_findings(con, lake, HOUR) == (True, "sequence contiguous")
 

@@ -89,10 +89,12 @@ def test_failed_check_reaches_pagerduty_webhook_once(tmp_path: Path, caplog):
         first = page(results, sink, sent_keys, raised_at=RAISED)
         # A re-run of the hour, with a fresh view of the same state file: nothing new is sent.
         second = page(results, sink, SentKeysFile(tmp_path / "sent-keys"), raised_at=RAISED)
-    assert len(first) == 1 and second == []
+    assert len(first) == 1
+    assert second == []
     assert len(receiver.requests) == 1
     path, headers, body = receiver.requests[0]
-    assert path == SECRET_PATH and headers["Content-Type"] == "application/json"
+    assert path == SECRET_PATH
+    assert headers["Content-Type"] == "application/json"
     key = dedup_key("plausibility", HOUR, "chat", "chat-r1", "host_stall")
     summary = f"[ERROR] stepledger plausibility failed for chat/chat-r1 hour 2026-11-30T05: {failed.detail}"
     assert body == {
@@ -122,7 +124,8 @@ def test_failed_check_reaches_pagerduty_webhook_once(tmp_path: Path, caplog):
     }
     assert (tmp_path / "sent-keys").read_text() == key + "\n"
     assert "sent plausibility alert for chat 2026-11-30T05" in caplog.text
-    assert ROUTING_KEY not in caplog.text and SECRET_PATH not in caplog.text
+    assert ROUTING_KEY not in caplog.text
+    assert SECRET_PATH not in caplog.text
 
 
 def test_slack_payload_is_the_summary_text():
@@ -150,7 +153,8 @@ def test_delivery_failure_hides_url_and_key_and_is_retried_next_run(caplog):
         "delivering plausibility alert for chat 2026-11-30T05 to WebhookSink(pagerduty -> http://127.0.0.1/…) "
         'failed: HTTP 500 Internal Server Error: {"status": "echo [redacted] [redacted]"}'
     )
-    assert raised.value.__context__ is None and raised.value.__cause__ is None
+    assert raised.value.__context__ is None
+    assert raised.value.__cause__ is None
     shown = "".join(traceback.format_exception(raised.value)) + repr(sink) + caplog.text
     for secret in (ROUTING_KEY, SECRET_PATH, f":{port}"):
         assert secret not in shown

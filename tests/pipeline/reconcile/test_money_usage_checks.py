@@ -48,7 +48,9 @@ def by_replica(results):
 
 def test_money_passes_when_every_line_kind_sums_to_the_invoice():
     (result,) = check_money(HOUR, POOL, make_invoice(POOL, INVOICE_NANO), make_ledger(POOL, LEDGER))
-    assert result.passed and result.blocking and result.severity == "ERROR"
+    assert result.passed
+    assert result.blocking
+    assert result.severity == "ERROR"
     assert result.expected == "7200000000 nano-dollars (invoice)"
     assert result.observed == "7200000000 nano-dollars in 6 ledger lines"
     assert result.detail == (
@@ -60,7 +62,9 @@ def test_money_passes_when_every_line_kind_sums_to_the_invoice():
 def test_money_fails_on_one_nano_dollar():
     lines = [*LEDGER[:-1], ("platform", "platform_retry", 39999999, 2)]
     (result,) = check_money(HOUR, POOL, make_invoice(POOL, INVOICE_NANO), make_ledger(POOL, lines))
-    assert not result.passed and result.blocking and result.finding == "mismatch"
+    assert not result.passed
+    assert result.blocking
+    assert result.finding == "mismatch"
     assert result.detail.startswith(
         "ledger lines sum to 7199999999 nano-dollars, the invoice is 7200000000: off by -1 (headroom 900000000"
     )
@@ -69,7 +73,8 @@ def test_money_fails_on_one_nano_dollar():
 def test_money_fails_on_float_amounts_and_on_a_mispriced_invoice():
     floats = make_ledger(POOL, LEDGER).with_columns(pl.col("amount_nano").cast(pl.Float64))
     (result,) = check_money(HOUR, POOL, make_invoice(POOL, INVOICE_NANO), floats)
-    assert not result.passed and result.finding == "not_integer"
+    assert not result.passed
+    assert result.finding == "not_integer"
     assert (
         result.detail == "ledger_lines.amount_nano is Float64: money must be integer nano-dollars"
     )
@@ -85,7 +90,8 @@ def test_money_fails_on_float_amounts_and_on_a_mispriced_invoice():
 def test_money_needs_exactly_one_invoice_for_the_hour_and_pool():
     later = make_invoice(POOL, INVOICE_NANO).with_columns(pl.col("hour").dt.offset_by("1h"))
     (result,) = check_money(HOUR, POOL, later, make_ledger(POOL, LEDGER))
-    assert not result.passed and result.finding == "invoice_count"
+    assert not result.passed
+    assert result.finding == "invoice_count"
     assert result.detail == "expected exactly one invoice for pool chat hour 2026-11-30T05, found 0"
 
 
@@ -103,7 +109,8 @@ def test_money_accepts_zoned_hour_columns():
 def test_unattributed_share_of_usage_below_threshold_passes():
     # 60_000_000 of 4_300_000_000 usage-like nano-dollars: 1.40% < 2%.
     (result,) = check_unattributed(HOUR, POOL, make_ledger(POOL, LEDGER))
-    assert result.passed and not result.blocking
+    assert result.passed
+    assert not result.blocking
     assert result.observed == "1.40%: 60000000 of 4300000000 nano-dollars, 4 requests"
 
 
@@ -114,7 +121,9 @@ def test_missing_context_above_threshold_pages():
         ("platform", "platform_retry", 40000000, 2),
     ]
     (result,) = check_unattributed(HOUR, POOL, make_ledger(POOL, lines))
-    assert not result.passed and result.severity == "ERROR" and not result.blocking
+    assert not result.passed
+    assert result.severity == "ERROR"
+    assert not result.blocking
     assert result.finding == "over_threshold"
     assert result.detail == (
         "10.55% of the hour's usage (500000000 of 4740000000 nano-dollars, 31 requests) has no tenant context, "
@@ -126,7 +135,8 @@ def test_unattributed_of_an_hour_without_usage_passes():
     (result,) = check_unattributed(
         HOUR, POOL, make_ledger(POOL, [("platform", "idle", 7_200_000_000, 0)])
     )
-    assert result.passed and result.detail == "no usage in the hour"
+    assert result.passed
+    assert result.detail == "no usage in the hour"
 
 
 # --- plausibility -------------------------------------------------------------------------
@@ -137,7 +147,8 @@ UUID0, UUID1 = "GPU-0000-0000", "GPU-0001-0000"
 def test_plausibility_passes_when_dcgm_tracks_busy_time():
     dcgm = make_dcgm(POOL, {UUID0: [0.55, 0.70], UUID1: [0.62]})
     results = by_replica(check_plausibility(HOUR, POOL, clean_steps(POOL), dcgm, SETTINGS))
-    assert results["chat-r0"].passed and results["chat-r1"].passed
+    assert results["chat-r0"].passed
+    assert results["chat-r1"].passed
     assert (
         results["chat-r0"].detail
         == "engine busy 60.0% vs DCGM_FI_PROF_GR_ENGINE_ACTIVE mean 62.5% (band ±10%)"
@@ -159,9 +170,10 @@ def test_idle_replica_passes_plausibility_and_says_idle():
 def test_host_stall_fails_plausibility_with_the_cpu_wait_explanation():
     dcgm = make_dcgm(POOL, {UUID0: [0.6], UUID1: [0.2, 0.3]})
     r1 = by_replica(check_plausibility(HOUR, POOL, clean_steps(POOL), dcgm, SETTINGS))["chat-r1"]
-    assert (
-        not r1.passed and r1.severity == "ERROR" and not r1.blocking and r1.finding == "host_stall"
-    )
+    assert not r1.passed
+    assert r1.severity == "ERROR"
+    assert not r1.blocking
+    assert r1.finding == "host_stall"
     assert r1.detail == (
         "engine busy 60.0% vs DCGM_FI_PROF_GR_ENGINE_ACTIVE mean 25.0% (band ±10%): steps are stalling on the "
         "host, and customers would be charged for CPU waits"
@@ -171,7 +183,9 @@ def test_host_stall_fails_plausibility_with_the_cpu_wait_explanation():
 def test_gpu_busier_than_the_log_fails_plausibility():
     dcgm = make_dcgm(POOL, {UUID0: [0.95], UUID1: [0.6]})
     r0 = by_replica(check_plausibility(HOUR, POOL, clean_steps(POOL), dcgm, SETTINGS))["chat-r0"]
-    assert not r0.passed and r0.finding == "gpu_busier" and r0.severity == "WARN"
+    assert not r0.passed
+    assert r0.finding == "gpu_busier"
+    assert r0.severity == "WARN"
     assert r0.detail == (
         "engine busy 60.0% vs DCGM_FI_PROF_GR_ENGINE_ACTIVE mean 95.0% (band ±10%): the GPU is busier than the "
         "engine's log, so steps went unlogged or another process shares the GPU"
@@ -181,7 +195,9 @@ def test_gpu_busier_than_the_log_fails_plausibility():
 def test_missing_dcgm_is_its_own_failed_finding():
     dcgm = make_dcgm(POOL, {UUID0: [0.6]})
     r1 = by_replica(check_plausibility(HOUR, POOL, clean_steps(POOL), dcgm, SETTINGS))["chat-r1"]
-    assert not r1.passed and r1.finding == "dcgm_missing" and r1.severity == "WARN"
+    assert not r1.passed
+    assert r1.finding == "dcgm_missing"
+    assert r1.severity == "WARN"
     assert r1.detail == (
         "no DCGM samples for GPU GPU-0001-0000 in hour 2026-11-30T05 (host gpu-node-01): "
         "engine activity cannot be cross-checked"
@@ -228,7 +244,10 @@ def test_new_engine_version_with_fitted_weights_is_stale_error():
     fitted = make_pool(weights="fitted")
     segments = make_segments(fitted, engine_version="0.26.1")
     r0 = check_calibration(HOUR, fitted, segments, {KEY}, SETTINGS)[0]
-    assert not r0.passed and r0.severity == "ERROR" and not r0.blocking and r0.finding == "stale"
+    assert not r0.passed
+    assert r0.severity == "ERROR"
+    assert not r0.blocking
+    assert r0.finding == "stale"
     assert r0.detail == (
         "the log reports vllm 0.26.1 / driver 570.86: stored coefficients are for 0.25.0 / driver 570.86 only "
         "(stale); the pool charges with fitted weights, so recalibrate (stepledger calibrate) for this version"
@@ -241,7 +260,9 @@ def test_new_engine_version_with_fitted_weights_is_stale_error():
 def test_new_engine_version_with_kernel_weights_warns_naming_the_kernel_version():
     segments = make_segments(POOL, engine_version="0.26.1")
     r0 = check_calibration(HOUR, POOL, segments, set(), SETTINGS, kernel_engine_version="0.25.0")[0]
-    assert not r0.passed and r0.severity == "WARN" and r0.finding == "new_engine_version"
+    assert not r0.passed
+    assert r0.severity == "WARN"
+    assert r0.finding == "new_engine_version"
     assert r0.detail == (
         "the log reports vllm 0.26.1 / driver 570.86, the kernel's coefficients were measured on vLLM 0.25.0 and "
         "the calibration store has nothing for llama-3.1-8b-instruct on h100: run a calibration sweep to confirm "
@@ -264,8 +285,11 @@ def test_calibration_drift_beyond_the_threshold():
         )[-1]
 
     drift = drift_check({"c0_ms": 4.2, "a_ms": 0.025, "b_ms": 0.001})
-    assert drift.check_name == "calibration_drift" and drift.replica is None
-    assert not drift.passed and drift.severity == "ERROR" and drift.finding == "drift"
+    assert drift.check_name == "calibration_drift"
+    assert drift.replica is None
+    assert not drift.passed
+    assert drift.severity == "ERROR"
+    assert drift.finding == "drift"
     assert drift.detail.startswith(
         "a fresh fit drifted beyond 15% in a_ms: a_ms 0.02 -> 0.025 (25.0%), b_ms"
     )

@@ -65,13 +65,17 @@ def test_dropped_records_fail_sequence_with_missing_ranges_and_time_with_shortfa
     results = by_replica(sequence(steps))
     assert results["chat-r1"].passed
     r0 = results["chat-r0"]
-    assert not r0.passed and r0.blocking and r0.severity == "ERROR" and r0.finding == "gap"
+    assert not r0.passed
+    assert r0.blocking
+    assert r0.severity == "ERROR"
+    assert r0.finding == "gap"
     assert r0.detail == (
         "missing seq 1200-1299, 4000-4010, 10000-10999 (1111 steps) with no counted drop or damage to explain them"
     )
     # 1111 lost steps of 50 ms, plus one 20 ms gap per break that the lost steps took with them.
     time_r0 = time_check(steps, "chat-r0")
-    assert not time_r0.passed and time_r0.finding == "shortfall"
+    assert not time_r0.passed
+    assert time_r0.finding == "shortfall"
     assert time_r0.detail == (
         "55.610 s GPU-time (1.54% of the hour) unaccounted; 3 sequence break(s) span 55.610 s: "
         "step records are missing (the sequence check says which and why)"
@@ -89,7 +93,9 @@ def test_small_loss_fails_sequence_but_stays_within_time_tolerance():
 def test_counted_drop_is_still_a_failure_saying_the_recorder_dropped_steps():
     steps = without_seq(clean_steps(POOL), "chat-r0", 1000, 1999)
     r0 = by_replica(sequence(steps, drops=make_drops(POOL, "chat-r0", 1500, 1999)))["chat-r0"]
-    assert not r0.passed and r0.blocking and r0.finding == "gap+dropped"
+    assert not r0.passed
+    assert r0.blocking
+    assert r0.finding == "gap+dropped"
     assert r0.detail == (
         "missing seq 1000-1499 (500 steps) with no counted drop or damage to explain them; "
         "recorder dropped 500 steps (seq 1500-1999): its buffer overflowed"
@@ -112,7 +118,10 @@ def test_torn_segment_fails_with_the_damaged_frames_and_steps_they_hid():
         detail="frame cut at 212 of 640 bytes",
     )
     r1 = by_replica(sequence(steps, damage=damage))["chat-r1"]
-    assert not r1.passed and r1.blocking and r1.severity == "ERROR" and r1.finding == "damage"
+    assert not r1.passed
+    assert r1.blocking
+    assert r1.severity == "ERROR"
+    assert r1.finding == "damage"
     assert r1.detail == (
         "1 damaged frames: torn_tail in outbox/chat-r1/chat-r1-003.seg at byte 4096 (seq 30000-30041): "
         "frame cut at 212 of 640 bytes; 42 steps lost (seq 30000-30041)"
@@ -123,7 +132,8 @@ def test_damage_without_sequence_range_in_an_unknown_directory_is_reported_at_po
     damage = make_damage("outbox/stranger/x.seg", "bad_header", detail="magic mismatch")
     results = sequence(clean_steps(POOL), damage=damage)
     pool_level = [r for r in results if r.replica is None]
-    assert len(pool_level) == 1 and pool_level[0].blocking
+    assert len(pool_level) == 1
+    assert pool_level[0].blocking
     assert pool_level[0].detail == (
         "damage in files not attributable to a replica of pool chat: bad_header in outbox/stranger/x.seg"
     )
@@ -146,14 +156,17 @@ def test_repeated_sequence_numbers_block_the_hour():
     steps = clean_steps(POOL)
     repeated = steps.filter((pl.col("replica") == "chat-r0") & pl.col("seq").is_between(100, 199))
     r0 = by_replica(sequence(pl.concat([steps, repeated])))["chat-r0"]
-    assert not r0.passed and r0.blocking and r0.finding == "repeated"
+    assert not r0.passed
+    assert r0.blocking
+    assert r0.finding == "repeated"
     assert (
         r0.detail
         == "seq 100-199 logged more than once (100 sequence numbers): steps would be charged twice"
     )
     # The repeated steps add 3 s of step time beyond the hour: within the time tolerance.
     time_r0 = time_check(pl.concat([steps, repeated]), "chat-r0")
-    assert time_r0.passed and time_r0.observed.endswith("unaccounted -3.000 s per GPU")
+    assert time_r0.passed
+    assert time_r0.observed.endswith("unaccounted -3.000 s per GPU")
 
 
 def test_gap_at_the_start_of_the_hour_is_seen_with_the_previous_last_seq():
@@ -181,7 +194,9 @@ def test_clock_skew_fails_time_as_skew_not_as_drops(shift_ns, disagreement):
     steps = shift_utc(clean_steps(POOL), "chat-r1", 36_000, shift_ns)
     assert all(r.passed for r in sequence(steps))
     r1 = time_check(steps, "chat-r1")
-    assert not r1.passed and r1.blocking and r1.finding == "clock_skew"
+    assert not r1.passed
+    assert r1.blocking
+    assert r1.finding == "clock_skew"
     assert r1.detail == (
         f"wall-clock placement disagrees with monotonic durations (clock skew): {disagreement}"
     )
@@ -198,10 +213,12 @@ def test_anchor_jitter_below_a_millisecond_is_not_skew():
 def test_idle_replica_without_steps_passes_time_and_sequence_visibly():
     steps = make_steps(POOL, "chat-r0")
     r1_time = time_check(steps, "chat-r1")
-    assert r1_time.passed and r1_time.observed == "no steps"
+    assert r1_time.passed
+    assert r1_time.observed == "no steps"
     assert r1_time.detail.startswith("no steps logged: the replica was idle all hour")
     r1_seq = by_replica(sequence(steps))["chat-r1"]
-    assert r1_seq.passed and r1_seq.detail == "no steps logged in the hour"
+    assert r1_seq.passed
+    assert r1_seq.detail == "no steps logged in the hour"
 
 
 def test_time_scales_with_gpus_per_replica_and_ignores_other_hours_and_pools():
@@ -260,7 +277,9 @@ def test_step_time_beyond_the_hour_fails_time_as_excess():
     steps = clean_steps(POOL)
     repeated = steps.filter((pl.col("replica") == "chat-r0") & (pl.col("seq") < 1_000))
     r0 = time_check(pl.concat([steps, repeated]), "chat-r0")
-    assert not r0.passed and r0.blocking and r0.finding == "excess"
+    assert not r0.passed
+    assert r0.blocking
+    assert r0.finding == "excess"
     assert r0.detail == (
         "step time and gaps exceed the wall-clock hour by 30.000 s (0.83%): duplicated records or clock skew"
     )
@@ -278,4 +297,5 @@ def test_damage_of_another_pools_segment_is_left_to_that_pool():
         damage,
         pl.concat([make_segments(POOL), make_segments(other)]),
     )
-    assert all(r.passed for r in results) and len(results) == 2
+    assert all(r.passed for r in results)
+    assert len(results) == 2

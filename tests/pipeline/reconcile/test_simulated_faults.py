@@ -142,29 +142,30 @@ def test_drop_records_fail_sequence_and_time(faulty: Run):
     ).row(0)
     assert steps == last - first + 1
     sequence = faulty.of("sequence", "q-r0")
-    assert not sequence.passed and sequence.blocking
+    assert not sequence.passed
+    assert sequence.blocking
     assert sequence.finding == "dropped+duplicate_segment"
     assert sequence.detail.startswith(
         f"recorder dropped {steps} steps (seq {first}-{last}): its buffer overflowed; "
     )
     time = faulty.of("time", "q-r0")
-    assert not time.passed and time.blocking and time.finding == "shortfall"
-    assert (
-        "; 1 sequence break(s) span " in time.detail and "step records are missing" in time.detail
-    )
+    assert not time.passed
+    assert time.blocking
+    assert time.finding == "shortfall"
+    assert "; 1 sequence break(s) span " in time.detail
+    assert "step records are missing" in time.detail
 
 
 def test_duplicate_segment_is_reported_as_ignored(faulty: Run):
     detail = faulty.of("sequence", "q-r0").detail
-    assert (
-        detail.endswith(".seg")
-        and "1 segments delivered twice, the copies were ignored: " in detail
-    )
+    assert detail.endswith(".seg")
+    assert "1 segments delivered twice, the copies were ignored: " in detail
 
 
 def test_host_stall_fails_plausibility(faulty: Run):
     result = faulty.of("plausibility", "q-r0")
-    assert not result.passed and result.finding == "host_stall"
+    assert not result.passed
+    assert result.finding == "host_stall"
     assert result.detail.endswith(
         "steps are stalling on the host, and customers would be charged for CPU waits"
     )
@@ -172,18 +173,16 @@ def test_host_stall_fails_plausibility(faulty: Run):
 
 def test_new_engine_version_warns_in_calibration(faulty: Run):
     result = faulty.of("calibration", "q-r0")
-    assert (
-        not result.passed and result.severity == "WARN" and result.finding == "new_engine_version"
-    )
+    assert not result.passed
+    assert result.severity == "WARN"
+    assert result.finding == "new_engine_version"
     assert result.detail == (
         f"the log reports vllm {UNCALIBRATED_ENGINE_VERSION} / driver {DRIVER_VERSION}, the kernel's coefficients "
         f"were measured on vLLM 0.25.0 and stored coefficients are for {ENGINE_VERSION} / driver {DRIVER_VERSION} "
         "only (stale): run a calibration sweep to confirm the kernel's weights still hold"
     )
-    assert (
-        not result.blocking
-        and result.observed == f"vllm {UNCALIBRATED_ENGINE_VERSION} / driver {DRIVER_VERSION}"
-    )
+    assert not result.blocking
+    assert result.observed == f"vllm {UNCALIBRATED_ENGINE_VERSION} / driver {DRIVER_VERSION}"
 
 
 def test_the_fleet_version_passes_calibration_though_the_kernel_was_measured_on_another(clean: Run):
@@ -191,16 +190,16 @@ def test_the_fleet_version_passes_calibration_though_the_kernel_was_measured_on_
     # covers the version it runs.
     assert load_chip("h100").measured_engine.version == "0.25.0" != ENGINE_VERSION
     result = clean.of("calibration", "q-r0")
+    assert result.passed
     assert (
-        result.passed
-        and result.detail
-        == f"coefficients known for vllm {ENGINE_VERSION} / driver {DRIVER_VERSION}"
+        result.detail == f"coefficients known for vllm {ENGINE_VERSION} / driver {DRIVER_VERSION}"
     )
 
 
 def test_missing_context_fails_unattributed_while_money_still_reconciles(faulty: Run):
     unattributed = faulty.of("unattributed", None)
-    assert not unattributed.passed and unattributed.finding == "over_threshold"
+    assert not unattributed.passed
+    assert unattributed.finding == "over_threshold"
     assert "has no tenant context, above the pool's 2.00%" in unattributed.detail
     assert faulty.of("money", None).passed
 
@@ -220,13 +219,16 @@ def test_untouched_replica_passes_beside_the_faults(faulty: Run):
 
 def test_torn_segment_fails_sequence_with_the_damage(torn_and_skewed: Run):
     result = torn_and_skewed.of("sequence", "q-r0")
-    assert not result.passed and result.blocking and result.finding == "damage"
-    assert (
-        "1 damaged frames: torn_tail in " in result.detail and "steps lost (seq " in result.detail
-    )
+    assert not result.passed
+    assert result.blocking
+    assert result.finding == "damage"
+    assert "1 damaged frames: torn_tail in " in result.detail
+    assert "steps lost (seq " in result.detail
 
 
 def test_clock_skew_fails_time(torn_and_skewed: Run):
     result = torn_and_skewed.of("time", "q-r0")
-    assert not result.passed and result.blocking and "clock_skew" in result.finding.split("+")
+    assert not result.passed
+    assert result.blocking
+    assert "clock_skew" in result.finding.split("+")
     assert "wall-clock placement disagrees with monotonic durations (clock skew): " in result.detail

@@ -96,8 +96,10 @@ def test_resource_breakdown_splits_each_tenants_compute_exactly(fleet: Path) -> 
     assert [s.pool for s in data.sweeps] == ["chat-test"]
     sweep = data.sweeps[0]
     assert sweep.context_tokens == 1399  # the median decode context the fleet logged (500..2299)
-    assert sweep.batches[0] == 1 and sweep.batches[-1] == 256
-    assert sweep.bottleneck_ranges[0][1] == 1 and sweep.bottleneck_ranges[-1][2] == 256
+    assert sweep.batches[0] == 1
+    assert sweep.batches[-1] == 256
+    assert sweep.bottleneck_ranges[0][1] == 1
+    assert sweep.bottleneck_ranges[-1][2] == 256
 
 
 def test_hour_scope_reports_one_hour(fleet: Path, tmp_path: Path) -> None:
@@ -124,7 +126,8 @@ def test_hour_scope_reports_one_hour(fleet: Path, tmp_path: Path) -> None:
 def test_page_is_self_contained(report: tuple[Path, str]) -> None:
     _, page = report
     assert not re.search(r"""(?:src|href)\s*=\s*["']?\s*https?://""", page, re.I)
-    assert "<script" not in page.lower() and "@import" not in page
+    assert "<script" not in page.lower()
+    assert "@import" not in page
     assert not re.search(r"url\((?!#)", page)  # only references to the page's own clip paths
     # The tenant trend, two stacked bars, the resource shares, one bottleneck chart.
     assert page.count("<svg") == 5
@@ -223,7 +226,8 @@ def test_rendering_the_same_data_twice_gives_the_same_page(fleet: Path) -> None:
 def test_dollar_strings() -> None:
     assert usd(1_234_567_890_123) == "$1,234.567890"
     assert usd(-337_116_000) == "-$0.337116"
-    assert usd(500) == "$0.000000" and usd(1_500) == "$0.000002"  # half to even
+    assert usd(500) == "$0.000000"
+    assert usd(1_500) == "$0.000002"
     assert usd_per(900_000_000, 1) == "$0.90000000"
     assert usd_per(900_000_000_000, 1800) == "$0.50000000"
     assert usd_per(5, 0) == "-"
@@ -255,7 +259,8 @@ def test_a_missing_lake_is_named_and_the_rest_still_renders(fleet: Path, tmp_pat
     ]
     page = render_html(data)
     assert "No slots found in the lake for these hours." in page
-    assert "default" in data.sweeps[0].context_source and data.sweeps[0].context_tokens == 2048
+    assert "default" in data.sweeps[0].context_source
+    assert data.sweeps[0].context_tokens == 2048
     assert re.findall(r">(\$[\d.,]+)<", _row(page, "acme-support"))[0] == "$0.900000"
 
 

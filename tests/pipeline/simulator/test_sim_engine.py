@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -90,7 +91,8 @@ def check_invariants(trace: Trace) -> None:
         assert batch.free_blocks[j] >= 0
         assert abs(held - (cfg.total_blocks - batch.free_blocks[j])) < 1e-6
         drafted, accepted = batch.spec_drafted[slots], batch.spec_accepted[slots]
-        assert (drafted <= cfg.num_spec_tokens).all() and (accepted <= drafted).all()
+        assert (drafted <= cfg.num_spec_tokens).all()
+        assert (accepted <= drafted).all()
         assert (drafted < batch.new_tokens[slots]).all() | (drafted == 0).all()
         for r, new, ctx, d, a, hit in zip(
             requests.tolist(),
@@ -177,7 +179,8 @@ def test_speculative_decoding_counts_drafts_in_new_tokens():
     check_invariants(trace)
     drafted = sum(int(b.spec_drafted.sum()) for b in trace.batches)
     accepted = sum(int(b.spec_accepted.sum()) for b in trace.batches)
-    assert drafted > 0 and 0 < accepted < drafted
+    assert drafted > 0
+    assert 0 < accepted < drafted
     decode = np.concatenate(
         [
             b.new_tokens[b.spec_drafted > 0] - b.spec_drafted[b.spec_drafted > 0]
@@ -226,12 +229,8 @@ def test_the_same_seed_gives_the_same_schedule():
 
 def test_a_request_larger_than_the_cache_is_refused_with_its_size():
     config = EngineConfig(block_size=16, total_blocks=10, max_num_seqs=4, max_num_batched_tokens=64)
-    try:
+    with pytest.raises(ValueError, match="needs 13 KV blocks but the replica has 10"):
         Engine(config, np.array([0]), np.array([200]), np.array([1]), np.array([0]), np.array([0]))
-    except ValueError as err:
-        assert "needs 13 KV blocks but the replica has 10" in str(err)
-    else:
-        raise AssertionError("an oversized request was accepted")
 
 
 @settings(max_examples=40, deadline=None)

@@ -163,7 +163,8 @@ def test_views_show_only_hours_whose_blocking_checks_passed(tmp_path: Path) -> N
             ("chat", "acme", 3_000_000_000, pytest.approx(3), 4, 2000)
         ]
         assert str(hourly[0][3]) == "3.000000000"
-        assert hourly[0][6] == pytest.approx(0.75) and hourly[0][7] == pytest.approx(1.5)
+        assert hourly[0][6] == pytest.approx(0.75)
+        assert hourly[0][7] == pytest.approx(1.5)
         held = con.execute("SELECT pool, reason FROM held_back_hours ORDER BY pool").fetchall()
         assert held == [
             ("other", "failed blocking checks: money"),
