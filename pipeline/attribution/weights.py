@@ -1,6 +1,6 @@
 """Which work weights a pool's attribution uses: the pricing kernel's, or (policy `fitted`)
 the coefficients calibrated for the engine and driver version that logged most of the pool's
-steps. The one place a pool's kernel is built."""
+steps. The attribution builds each pool's kernel here, once per process (`kernel_weights`)."""
 
 from __future__ import annotations
 

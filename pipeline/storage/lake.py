@@ -1,7 +1,8 @@
-"""The Parquet lake: its layout, and every read and write of it.
+"""The Parquet lake: its layout, every read of it, and the writes of an hour's inputs and
+ledger (`pipeline.ingestion.ingest` writes the step log).
 
     steps|slots|holders/pool=<pool>/hour=<YYYY-MM-DDTHH>/<replica>.<first seq>.<batch>.parquet
-        the decoded step log, as `pipeline.ingestion.ingest` places it (each step in the hour it ends)
+        the decoded step log, as `pipeline.ingestion.ingest` places it (each step in the hour it starts)
     inputs/pool=<pool>/hour=<hour>/inputs.parquet
         what attributing the hour read from the warehouse (`AttributionInputs`), so that the
         attribution runs without the DuckDB file
