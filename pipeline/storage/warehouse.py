@@ -29,7 +29,7 @@ import polars as pl
 
 from pipeline.hours import hour_key, utc_hour
 
-SQL_DIR = Path(__file__).resolve().parent.parent / "sql"
+SQL_DIR = Path(__file__).resolve().parents[2] / "sql"
 SCHEMA_SQL = SQL_DIR / "schema.sql"
 STATE_SQL = SQL_DIR / "pipeline_state.sql"
 VIEWS_SQL = SQL_DIR / "views.sql"
