@@ -26,6 +26,7 @@ from pipeline.reconcile.alerts import (
 from schemas.config import Settings
 from tests.helpers.hours import HOUR
 from tests.helpers.reconcile_builders import clean_steps, make_dcgm, make_pool
+from tests.helpers.trickling_sink import TricklingSink
 
 POOL = make_pool()
 RAISED = datetime(2026, 11, 30, 6, 20, tzinfo=UTC)
@@ -259,3 +260,19 @@ def test_deadman_fires_only_after_the_deadline_and_once_per_oldest_hour():
 def test_deadman_refuses_naive_times():
     with pytest.raises(ValueError, match="deadman: chat time 2026-11-30 05:00:00 has no time zone"):
         deadman({"chat": datetime(2026, 11, 30, 5)}, RAISED, Settings())
+
+
+def test_a_sink_that_trickles_is_abandoned_at_the_deadline():
+    # Each byte comes well within the deadline, so only a deadline on the whole delivery ends it.
+    with TricklingSink(SECRET_PATH, interval_s=0.01) as trickling:
+        sink = WebhookSink(trickling.url, format="slack", timeout_s=0.5)
+        with pytest.raises(AlertDeliveryError) as raised:
+            page(host_stall_results(), sink, set(), raised_at=RAISED)
+        assert trickling.got_request.is_set()
+        # The abandoned request's socket is shut: the sink sees its client gone.
+        assert trickling.client_gone.wait(timeout=30)
+    assert str(raised.value) == (
+        "delivering plausibility alert for chat 2026-11-30T05 to "
+        "WebhookSink(slack -> http://127.0.0.1/…) failed: no answer within 0.5 s; abandoned"
+    )
+    assert raised.value.__context__ is None and raised.value.__cause__ is None
