@@ -38,6 +38,13 @@ class PoolHourRun:
     error: str | None  # the root cause of the first step failure that is not a failed check
 
 
+class HoursHeldBack(click.ClickException):
+    """Every pool-hour ran, and a failed blocking check held at least one back from finance:
+    not a fault of the run, but not a result to pass as done either (exit status 3)."""
+
+    exit_code = 3
+
+
 class RunStopped(Exception):
     """SIGTERM or SIGINT stopped `run_pool_hours` between pool-hours, or in one, which Dagster
     interrupted: its step in flight failed and rolled back, so the hour is as before the run or
@@ -229,6 +236,12 @@ def run_command(
         click.echo(_as_json(runs))
     if any(r.error for r in runs):
         raise click.ClickException("some pool-hours failed; see above")
+    held = [r for r in runs if r.held_back]
+    if held:
+        raise HoursHeldBack(
+            f"{len(held)} pool-hour(s) held back from finance by a failed blocking check "
+            f"({_listed(held)}); on-call is paged with what to do"
+        )
 
 
 def _as_json(runs: list[PoolHourRun]) -> str:
