@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from assets.cli import main
 from pipeline.ingestion.ingest import segment_files
 from pipeline.storage.warehouse import STATE_FILE, connect
-from tests.helpers.trickling_sink import TricklingSink
+from tests.helpers.webhooks import TricklingSink
 
 DEADLINE_S = 0.5
 
@@ -24,13 +24,12 @@ def test_a_held_back_hour_exits_3_and_a_trickling_sink_delays_nothing(
 ) -> None:
     data = tmp_path / "run"
     shutil.copytree(simulated, data)
-    # Sixteen bytes zeroed in the middle of a segment: its frames there are lost, the sequence
-    # check fails and holds the hour back.
-    damaged = segment_files(data / "outbox", ["chat-8b-r1"])[0]
-    content = bytearray(damaged.read_bytes())
-    middle = len(content) // 2
-    content[middle : middle + 16] = bytes(16)
-    damaged.write_bytes(bytes(content))
+    # Frames overwritten a third of the way into a replica's log: the steps in them are lost,
+    # and the sequence check holds the hour back.
+    (segment, *_) = segment_files(data / "outbox", ["chat-8b-r1"])
+    with segment.open("r+b") as log:
+        log.seek(segment.stat().st_size // 3)
+        log.write(b"\xff" * 32)
     for name in ("STEPLEDGER_PAGERDUTY_ROUTING_KEY", "STEPLEDGER_ALERT_FILE"):
         monkeypatch.delenv(name, raising=False)
     with TricklingSink("/hooks/slow", interval_s=0.01) as trickling:

@@ -3,10 +3,9 @@ from __future__ import annotations
 import io
 import json
 import logging
-import threading
 import traceback
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,7 @@ from pipeline.reconcile.alerts import (
 from schemas.config import Settings
 from tests.helpers.hours import HOUR
 from tests.helpers.reconcile_builders import clean_steps, make_dcgm, make_pool
-from tests.helpers.trickling_sink import TricklingSink
+from tests.helpers.webhooks import LocalEndpoint, TricklingSink
 
 POOL = make_pool()
 RAISED = datetime(2026, 11, 30, 6, 20, tzinfo=UTC)
@@ -39,40 +38,22 @@ def host_stall_results():
     return check_plausibility(HOUR, POOL, clean_steps(POOL), dcgm, Settings())
 
 
-class Receiver:
+class Receiver(LocalEndpoint):
     """A local HTTP endpoint that records every POST and answers with a chosen status."""
 
     def __init__(self, status: int = 202) -> None:
         self.requests: list[tuple[str, dict, dict]] = []
-        receiver = self
+        self.status = status
+        super().__init__(SECRET_PATH, self._record)
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                receiver.requests.append((self.path, dict(self.headers), json.loads(body)))
-                self.send_response(status)
-                self.end_headers()
-                self.wfile.write(
-                    b'{"status": "echo ' + ROUTING_KEY.encode() + b" " + self.path.encode() + b'"}'
-                )
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_port}{SECRET_PATH}"
-        self.thread = threading.Thread(
-            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+    def _record(self, handler: BaseHTTPRequestHandler) -> None:
+        body = handler.rfile.read(int(handler.headers["Content-Length"]))
+        self.requests.append((handler.path, dict(handler.headers), json.loads(body)))
+        handler.send_response(self.status)
+        handler.end_headers()
+        handler.wfile.write(
+            b'{"status": "echo ' + ROUTING_KEY.encode() + b" " + handler.path.encode() + b'"}'
         )
-
-    def __enter__(self) -> Receiver:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join()
 
 
 def test_failed_check_reaches_pagerduty_webhook_once(tmp_path: Path, caplog):
