@@ -16,6 +16,7 @@ from pathlib import Path
 
 import click
 import dagster as dg
+import duckdb
 
 from assets.resources import warehouse_path
 from assets.runner import execute_pool_hours, pool_hour_outcome
@@ -37,6 +38,13 @@ class PoolHourRun:
     held_back: bool  # a blocking check failed: the finance views leave the hour out
     failed_checks: list[str]  # "name: detail" of every failed check
     error: str | None  # the root cause of the first step failure that is not a failed check
+
+
+class HoursHeldBack(click.ClickException):
+    """Every pool-hour ran, and a failed blocking check held at least one back from finance:
+    not a fault of the run, but not a result to pass as done either (exit status 8)."""
+
+    exit_code = 8
 
 
 class RunStopped(StepledgerError):
@@ -151,13 +159,49 @@ def run_pool_hours(
 
 def _page(state_file: Path, sink: alerts.AlertSink, run: PoolHourRun, run_id: str) -> None:
     now = datetime.now(UTC)
-    with connect(state_file) as con:
-        if not run.success:
-            findings = failed_checks(con, run.pool, run.hour)
-            alerts.enqueue(
-                con, alerts.hour_alerts(findings, run.pool, run.hour, run_id, run.error, now)
-            )
-        alerts.deliver_due(con, sink, now)
+    try:
+        with connect(state_file) as con:
+            if not run.success:
+                findings = failed_checks(con, run.pool, run.hour)
+                alerts.enqueue(
+                    con, alerts.hour_alerts(findings, run.pool, run.hour, run_id, run.error, now)
+                )
+            alerts.deliver_due(con, sink, now)
+    except (duckdb.Error, OSError) as err:
+        _page_without_state(state_file, sink, run, run_id, err, now)
+
+
+def _page_without_state(
+    state_file: Path,
+    sink: alerts.AlertSink,
+    run: PoolHourRun,
+    run_id: str,
+    err: Exception,
+    now: datetime,
+) -> None:
+    """The pipeline's state cannot be opened or written (a read-only or full data directory,
+    a path that is no file): the outbox cannot hold what the run owes on-call, so the run's
+    failure goes straight to the sink, which needs no disk for a webhook or standard output;
+    when that fails too, it is said plainly. Either way the run goes on to the next pool-hour."""
+    click.echo(
+        f"{state_file}: the pipeline's state cannot be written ({err}); "
+        f"{hour_key(run.hour)} {run.pool} cannot be recorded or its pages kept",
+        err=True,
+    )
+    if run.success:
+        return
+    detail = "; ".join([*filter(None, [run.error]), *run.failed_checks])
+    if str(err) not in detail:
+        detail += f" ({state_file} cannot be written: {err})"
+    owed = alerts.hour_alerts([], run.pool, run.hour, run_id, detail, now)
+    try:
+        for alert in owed:
+            sink.send(alert)
+    except (alerts.AlertDeliveryError, OSError) as failed:
+        click.echo(
+            f"on-call could not be paged for {hour_key(run.hour)} {run.pool} either: {failed}",
+            err=True,
+        )
 
 
 def run_with_progress(
@@ -232,6 +276,12 @@ def run_command(
         click.echo(_as_json(runs))
     if any(r.error for r in runs):
         raise click.ClickException("some pool-hours failed; see above")
+    held = [r for r in runs if r.held_back]
+    if held:
+        raise HoursHeldBack(
+            f"{len(held)} pool-hour(s) held back from finance by a failed blocking check "
+            f"({_listed(held)}); on-call is paged with what to do"
+        )
 
 
 def _as_json(runs: list[PoolHourRun]) -> str:

@@ -11,6 +11,8 @@ Events v2 or Slack-compatible JSON. Configuration comes from the environment:
   key is set, `slack` when only a URL is.
 - `STEPLEDGER_ALERT_FILE`: with no webhook, alerts are appended here as JSON lines; with
   neither, they are printed to stdout.
+- `STEPLEDGER_ALERT_DEADLINE_S`: how long one delivery to the webhook may take in all (10 s
+  by default); a sink that has not answered by then is abandoned, and the alert stays owed.
 
 Deduplication: a finding's key hashes (kind, hour, pool, replica, finding code). Keys already
 in the `SentKeys` store are not sent again; a key is stored only after its alert was
@@ -20,12 +22,16 @@ delivered, so a failed delivery is retried by the next run. PagerDuty also recei
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import http.client
 import json
 import logging
 import os
 import re
+import socket
 import sys
+import threading
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -59,6 +65,9 @@ ENV_URL = "STEPLEDGER_ALERT_WEBHOOK_URL"
 ENV_ROUTING_KEY = "STEPLEDGER_PAGERDUTY_ROUTING_KEY"
 ENV_FORMAT = "STEPLEDGER_ALERT_FORMAT"
 ENV_FILE = "STEPLEDGER_ALERT_FILE"
+ENV_DEADLINE = "STEPLEDGER_ALERT_DEADLINE_S"
+# How long one delivery to a webhook may take, all of it, before it is abandoned and retried.
+DEFAULT_DEADLINE_S = 10.0
 
 WebhookFormat = Literal["pagerduty", "slack"]
 
@@ -226,8 +235,68 @@ class JsonLinesSink:
         return f"JsonLinesSink({str(self.target) if isinstance(self.target, Path) else 'stream'})"
 
 
+class _Abandonable:
+    """The sockets one request opens, so that a deadline can shut them under it: a sink that
+    answers one byte at a time never lets a per-read timeout expire, and would hold the
+    request, and whoever waits on it, for good."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        self._abandoned = False
+
+    def opener(self) -> urllib.request.OpenerDirector:
+        """An opener whose HTTP(S) connections report their sockets here."""
+        track = self._track
+
+        class Http(urllib.request.HTTPHandler):
+            def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+                return self.do_open(track(http.client.HTTPConnection), req)
+
+        class Https(urllib.request.HTTPSHandler):
+            def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+                return self.do_open(
+                    track(http.client.HTTPSConnection),
+                    req,
+                    context=self._context,  # type: ignore[attr-defined]
+                )
+
+        return urllib.request.build_opener(Http, Https)
+
+    def _track(self, connection_class: type[http.client.HTTPConnection]) -> Any:
+        opened = self._opened
+
+        class Tracked(connection_class):  # type: ignore[valid-type,misc]
+            def connect(self) -> None:
+                super().connect()
+                opened(self.sock)
+
+        return Tracked
+
+    def _opened(self, sock: socket.socket) -> None:
+        with self._lock:
+            if self._abandoned:
+                _shut(sock)
+            self._sockets.append(sock)
+
+    def abandon(self) -> None:
+        """Shut every socket opened and any opened from now on: the request fails at once."""
+        with self._lock:
+            self._abandoned = True
+            for sock in self._sockets:
+                _shut(sock)
+
+
+def _shut(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):  # closed already
+        sock.shutdown(socket.SHUT_RDWR)
+
+
 class WebhookSink:
-    """POSTs PagerDuty Events v2 or Slack-compatible JSON; URL and routing key stay secret."""
+    """POSTs PagerDuty Events v2 or Slack-compatible JSON; URL and routing key stay secret.
+
+    `timeout_s` is the deadline of one delivery, all of it (name lookup, connecting, sending,
+    the answer): a sink that has not answered by then is abandoned and the delivery failed."""
 
     def __init__(
         self,
@@ -236,7 +305,7 @@ class WebhookSink:
         format: WebhookFormat,
         routing_key: str | None = None,
         source: str = "stepledger",
-        timeout_s: float = 10.0,
+        timeout_s: float = DEFAULT_DEADLINE_S,
     ) -> None:
         if format not in ("pagerduty", "slack"):
             raise AlertConfigError(f"webhook format {format!r} is not one of pagerduty, slack")
@@ -307,22 +376,43 @@ class WebhookSink:
             method="POST",
         )
         what = f"{alert.kind} alert for {alert.pool} {hour_key(alert.hour)} to {self!r}"
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                status = response.status
-        except urllib.error.HTTPError as err:
-            body = self._redact(err.read(300).decode("utf-8", "replace"))
-            message = (
-                f"delivering {what} failed: HTTP {err.code} {self._redact(str(err.reason))}: {body}"
+        sockets = _Abandonable()
+        outcome: list[int | BaseException] = []
+
+        def post() -> None:
+            try:
+                with sockets.opener().open(request, timeout=self.timeout_s) as response:
+                    outcome.append(response.status)
+            except BaseException as err:  # handed to the waiting thread, which classifies it
+                outcome.append(err)
+
+        # The request runs in a thread of its own so that the deadline holds whatever it is
+        # blocked in; at the deadline its sockets are shut, which ends it.
+        attempt = threading.Thread(target=post, name="alert-delivery", daemon=True)
+        attempt.start()
+        attempt.join(self.timeout_s)
+        if not outcome:
+            sockets.abandon()
+            raise AlertDeliveryError(
+                f"delivering {what} failed: no answer within {self.timeout_s:g} s; abandoned"
             )
-        except (urllib.error.URLError, OSError) as err:
-            reason = getattr(err, "reason", err)
+        (result,) = outcome
+        if isinstance(result, urllib.error.HTTPError):
+            body = self._redact(result.read(300).decode("utf-8", "replace"))
+            message = (
+                f"delivering {what} failed: HTTP {result.code} "
+                f"{self._redact(str(result.reason))}: {body}"
+            )
+        elif isinstance(result, (urllib.error.URLError, OSError)):
+            reason = getattr(result, "reason", result)
             message = f"delivering {what} failed: {self._redact(str(reason))}"
+        elif isinstance(result, BaseException):
+            raise result
         else:
-            log.info("sent %s (HTTP %s)", what, status)
+            log.info("sent %s (HTTP %s)", what, result)
             return
-        # Raised outside the except blocks: the original exception carries the full URL and must
-        # not be chained to this one.
+        # Raised apart from the request's exception: it carries the full URL and must not be
+        # chained to this one.
         raise AlertDeliveryError(message)
 
 
@@ -338,10 +428,18 @@ def sink_from_env(environ: Mapping[str, str] | None = None) -> AlertSink:
         raise AlertConfigError(f"{ENV_FORMAT}={format!r} is not one of pagerduty, slack")
     if format == "slack" and url is None:
         raise AlertConfigError(f"{ENV_FORMAT}=slack needs {ENV_URL}")
+    deadline = env.get(ENV_DEADLINE) or str(DEFAULT_DEADLINE_S)
+    try:
+        timeout_s = float(deadline)
+    except ValueError:
+        timeout_s = 0.0
+    if not 0 < timeout_s < float("inf"):
+        raise AlertConfigError(f"{ENV_DEADLINE}={deadline!r} is not a number of seconds above 0")
     return WebhookSink(
         url or PAGERDUTY_EVENTS_URL,
         format="slack" if format == "slack" else "pagerduty",
         routing_key=routing_key,
+        timeout_s=timeout_s,
     )
 
 

@@ -27,6 +27,7 @@ from typing import Any
 import duckdb
 import polars as pl
 
+from pipeline.storage.read_only_files import ReadOnlyFiles
 from schemas.errors import StateError
 from schemas.units import hour_key, to_warehouse, warehouse_now
 
@@ -38,6 +39,7 @@ VIEWS_SQL = SQL_DIR / "views.sql"
 STATE_FILE = "pipeline.duckdb"
 WAREHOUSE_DIR = "warehouse"
 CATALOG_FILE = "catalog.sqlite"
+LAKE_DIR = "lake"
 DATA_FILES_DIR = "data"
 # The single DuckDB file that held ledger and bookkeeping together (schema version 1).
 PREVIOUS_LAYOUT_FILE = "warehouse.duckdb"
@@ -92,6 +94,20 @@ def extension_file(name: str) -> Path:
 # user's SQL, which must not LOAD unsigned code.
 WRITER_CONFIG: dict[str, str | bool | int | float | list[str]] = {"allow_unsigned_extensions": True}
 
+# A finance connection runs whatever SQL its reader types, so it is built unable to write
+# (docs/warehouse.md, "Readers cannot write"). These hold from its start: no secret written to
+# disk (DuckDB refuses to change this once a secret was looked up, which ATTACH does), no
+# extension installed or loaded behind a query's back. `_seal` closes the rest once the
+# warehouse is attached.
+READER_CONFIG: dict[str, str | bool | int | float | list[str]] = {
+    "allow_persistent_secrets": False,
+    "autoinstall_known_extensions": False,
+    "autoload_known_extensions": False,
+    "allow_community_extensions": False,
+}
+# What a reader may still SET: the zone timestamps are shown in (FOCUS exports in UTC).
+READER_SETTABLE = ["TimeZone"]
+
 
 @functools.cache
 def _check_signature(path: Path, size: int, mtime_ns: int) -> None:
@@ -117,12 +133,15 @@ def attach_warehouse(
     *,
     read_only: bool,
     as_of: datetime | int | None = None,
+    data_path: str | None = None,
 ) -> None:
     """Attach the DuckLake in `directory` as `ledger`: read-only, or for writing (created if
-    missing); `as_of` a snapshot id or a time (the last snapshot at or before it)."""
+    missing); `as_of` a snapshot id or a time (the last snapshot at or before it); `data_path`
+    where its data files are read (by default `directory`/data)."""
     # The catalog stores the data path it was created with; a data directory moved or restored
     # elsewhere must still find its files, so the path is always given and overrides it.
-    options = [f"DATA_PATH {_quoted(directory / DATA_FILES_DIR)}", "OVERRIDE_DATA_PATH true"]
+    data_path = data_path or str(directory / DATA_FILES_DIR)
+    options = [f"DATA_PATH {_quoted(data_path)}", "OVERRIDE_DATA_PATH true"]
     if read_only:
         options.append("READ_ONLY")
     if isinstance(as_of, datetime):
@@ -141,6 +160,11 @@ def attach_warehouse(
         if as_of is None:
             raise
         raise WarehouseError(f"{directory}: no snapshot as of {as_of} ({err})") from err
+
+
+def lake_dir(directory: Path) -> Path:
+    """The Parquet lake beside the warehouse in `directory`."""
+    return directory.parent / LAKE_DIR
 
 
 def _check_version(con: duckdb.DuckDBPyConnection, directory: Path) -> None:
@@ -339,17 +363,55 @@ def _warehouse_connection(
 ) -> duckdb.DuckDBPyConnection:
     """A connection whose default catalog is the warehouse in `directory`, with the finance
     views. Being the default catalog, a write through a read-only connection is refused
-    rather than landing in the connection's scratch memory."""
-    con = duckdb.connect()
+    rather than landing in the connection's scratch memory; a read-only one is sealed."""
+    con = duckdb.connect(config=READER_CONFIG if read_only else {})
     try:
-        attach_warehouse(con, directory, read_only=read_only, as_of=as_of)
+        files = None
+        if read_only:
+            # The one way a reader's connection reaches files: the warehouse's data files and
+            # the Parquet lake beside the warehouse, read-only.
+            files = ReadOnlyFiles(directory / DATA_FILES_DIR, lake_dir(directory))
+            con.register_filesystem(files)
+        attach_warehouse(
+            con,
+            directory,
+            read_only=read_only,
+            as_of=as_of,
+            data_path=files.url(directory / DATA_FILES_DIR) if files else None,
+        )
         _check_version(con, directory)
         con.execute(f"USE {LEDGER}")
         _define_views(con)
+        if files:
+            _seal(con, files, lake_dir(directory))
     except BaseException:
         con.close()
         raise
     return con
+
+
+def _seal(con: duckdb.DuckDBPyConnection, files: ReadOnlyFiles, lake: Path) -> None:
+    """Leave a reader's connection nothing to touch but the warehouse and the lake, read-only,
+    for good; the lake readable as `FROM lake('steps')` (or slots, holders, inputs).
+
+    With external access off, DuckDB attaches, copies to, exports to, reads and installs from
+    no file, loads no extension and creates no persistent secret; but it still lets a query
+    write wherever it may read (`allowed_directories`), and it may read the files of what is
+    attached, the catalog among them, so `COPY ... TO` the catalog would overwrite it. Hence
+    DuckDB's local file system is disabled as well: the only files left are those of
+    `ReadOnlyFiles`. The SQLite catalog is opened by SQLite itself, read-only (the DuckLake is
+    attached READ_ONLY, and so is its catalog). Locking the configuration last keeps every one
+    of these settings, and every other, as it is (but READER_SETTABLE)."""
+    con.execute(
+        f"CREATE TEMP MACRO lake(kind) AS TABLE FROM read_parquet("
+        f"{_quoted(files.url(lake))} || kind || '/*/*/*.parquet', hive_partitioning = true)"
+    )
+    readable = ", ".join(_quoted(files.url(root)) for root in files.roots)
+    con.execute(f"SET allowed_directories = [{readable}]")
+    con.execute("SET enable_external_access = false")
+    con.execute("SET disabled_filesystems = 'LocalFileSystem'")
+    con.execute(f"SET allowed_configs = {READER_SETTABLE!r}")
+    con.execute("SET lock_configuration = true")
 
 
 @contextmanager

@@ -3,10 +3,9 @@ from __future__ import annotations
 import io
 import json
 import logging
-import threading
 import traceback
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ from pipeline.reconcile.alerts import (
 from schemas.config import Settings
 from tests.helpers.hours import HOUR
 from tests.helpers.reconcile_builders import clean_steps, make_dcgm, make_pool
+from tests.helpers.webhooks import LocalEndpoint, TricklingSink
 
 POOL = make_pool()
 RAISED = datetime(2026, 11, 30, 6, 20, tzinfo=UTC)
@@ -38,40 +38,22 @@ def host_stall_results():
     return check_plausibility(HOUR, POOL, clean_steps(POOL), dcgm, Settings())
 
 
-class Receiver:
+class Receiver(LocalEndpoint):
     """A local HTTP endpoint that records every POST and answers with a chosen status."""
 
     def __init__(self, status: int = 202) -> None:
         self.requests: list[tuple[str, dict, dict]] = []
-        receiver = self
+        self.status = status
+        super().__init__(SECRET_PATH, self._record)
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                receiver.requests.append((self.path, dict(self.headers), json.loads(body)))
-                self.send_response(status)
-                self.end_headers()
-                self.wfile.write(
-                    b'{"status": "echo ' + ROUTING_KEY.encode() + b" " + self.path.encode() + b'"}'
-                )
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_port}{SECRET_PATH}"
-        self.thread = threading.Thread(
-            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+    def _record(self, handler: BaseHTTPRequestHandler) -> None:
+        body = handler.rfile.read(int(handler.headers["Content-Length"]))
+        self.requests.append((handler.path, dict(handler.headers), json.loads(body)))
+        handler.send_response(self.status)
+        handler.end_headers()
+        handler.wfile.write(
+            b'{"status": "echo ' + ROUTING_KEY.encode() + b" " + handler.path.encode() + b'"}'
         )
-
-    def __enter__(self) -> Receiver:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join()
 
 
 def test_failed_check_reaches_pagerduty_webhook_once(tmp_path: Path, caplog):
@@ -263,3 +245,20 @@ def test_deadman_fires_only_after_the_deadline_and_once_per_oldest_hour():
 def test_deadman_refuses_naive_times():
     with pytest.raises(ValueError, match="deadman: chat time 2026-11-30 05:00:00 has no time zone"):
         deadman({"chat": datetime(2026, 11, 30, 5)}, RAISED, Settings())
+
+
+def test_a_sink_that_trickles_is_abandoned_at_the_deadline():
+    # Each byte comes well within the deadline, so only a deadline on the whole delivery ends it.
+    with TricklingSink(SECRET_PATH, interval_s=0.01) as trickling:
+        sink = WebhookSink(trickling.url, format="slack", timeout_s=0.5)
+        with pytest.raises(AlertDeliveryError) as raised:
+            page(host_stall_results(), sink, set(), raised_at=RAISED)
+        assert trickling.got_request.is_set()
+        # The abandoned request's socket is shut: the sink sees its client gone.
+        assert trickling.client_gone.wait(timeout=30)
+    assert str(raised.value) == (
+        "delivering plausibility alert for chat 2026-11-30T05 to "
+        "WebhookSink(slack -> http://127.0.0.1/…) failed: no answer within 0.5 s; abandoned"
+    )
+    assert raised.value.__context__ is None
+    assert raised.value.__cause__ is None
