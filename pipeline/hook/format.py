@@ -131,6 +131,48 @@ def _state_codes(states: Sequence[str]) -> np.ndarray:
     return np.fromiter(codes, np.int64, len(states))
 
 
+def _step_slots(
+    request_ids: Sequence[str], counts: Sequence[tuple[str, object]], kv_blocks: object
+) -> tuple[np.ndarray, bytes]:
+    """step_frame's slot array and its ids' UTF-8; `counts`: each count field and its values."""
+    id_lengths, id_blob = _ids("request_ids", request_ids)
+    n = len(id_lengths)
+    slots = np.empty(n, SLOT_DTYPE)
+    slots["request_id_len"] = id_lengths
+    for name, values in counts:
+        slots[name] = _counts(name, values, n)
+    slots["kv_blocks"] = _blocks("kv_blocks", kv_blocks, n)
+    if np.any(slots["spec_drafted"] > slots["new_tokens"]):
+        raise InvalidStep(
+            "spec_drafted exceeds new_tokens (drafts are part of the step's new tokens)"
+        )
+    if np.any(slots["spec_accepted"] > slots["spec_drafted"]):
+        raise InvalidStep("spec_accepted exceeds spec_drafted")
+    return slots, id_blob
+
+
+def _step_holders(
+    holder_ids: Sequence[str], holder_blocks: object, holder_states: Sequence[str]
+) -> tuple[np.ndarray, bytes]:
+    """step_frame's holder array and its holders' ids as UTF-8."""
+    holder_lengths, holder_blob = _ids("holder_ids", holder_ids)
+    n_holders = len(holder_lengths)
+    holders = np.empty(n_holders, HOLDER_DTYPE)
+    holders["request_id_len"] = holder_lengths
+    holders["kv_blocks"] = _blocks("holder_blocks", holder_blocks, n_holders)
+    if len(holder_states) != n_holders:
+        raise InvalidStep(f"holder_states: expected {n_holders} values, got {len(holder_states)}")
+    if n_holders:
+        codes = _state_codes(holder_states)
+        if np.any(codes == _UNKNOWN_STATE):
+            unknown = sorted({s for s in holder_states if s not in _HOLDER_STATE_CODES}, key=str)
+            raise InvalidStep(
+                f"holder_states: unknown states {unknown}; expected one of {HOLDER_STATES}"
+            )
+        holders["state"] = codes
+    return holders, holder_blob
+
+
 def step_frame(
     seq: int,
     start_ns: int,
@@ -156,43 +198,16 @@ def step_frame(
     for name, value in (("free_blocks", free_blocks), ("total_blocks", total_blocks)):
         if not isinstance(value, (int, np.integer)) or not 0 <= value <= INT32_MAX:
             raise InvalidStep(f"{name}: {value} outside [0, {INT32_MAX}]")
-    id_lengths, id_blob = _ids("request_ids", request_ids)
-    n = len(id_lengths)
-    slots = np.empty(n, SLOT_DTYPE)
-    slots["request_id_len"] = id_lengths
-    for name, values in (
+    counts = (
         ("new_tokens", new_tokens),
         ("context_tokens", context_tokens),
         ("prompt_tokens", prompt_tokens),
         ("prefix_hit_tokens", prefix_hit_tokens),
         ("spec_drafted", spec_drafted),
         ("spec_accepted", spec_accepted),
-    ):
-        slots[name] = _counts(name, values, n)
-    slots["kv_blocks"] = _blocks("kv_blocks", kv_blocks, n)
-    if np.any(slots["spec_drafted"] > slots["new_tokens"]):
-        raise InvalidStep(
-            "spec_drafted exceeds new_tokens (drafts are part of the step's new tokens)"
-        )
-    if np.any(slots["spec_accepted"] > slots["spec_drafted"]):
-        raise InvalidStep("spec_accepted exceeds spec_drafted")
-
-    holder_lengths, holder_blob = _ids("holder_ids", holder_ids)
-    n_holders = len(holder_lengths)
-    holders = np.empty(n_holders, HOLDER_DTYPE)
-    holders["request_id_len"] = holder_lengths
-    holders["kv_blocks"] = _blocks("holder_blocks", holder_blocks, n_holders)
-    if len(holder_states) != n_holders:
-        raise InvalidStep(f"holder_states: expected {n_holders} values, got {len(holder_states)}")
-    if n_holders:
-        codes = _state_codes(holder_states)
-        if np.any(codes == _UNKNOWN_STATE):
-            unknown = sorted({s for s in holder_states if s not in _HOLDER_STATE_CODES}, key=str)
-            raise InvalidStep(
-                f"holder_states: unknown states {unknown}; expected one of {HOLDER_STATES}"
-            )
-        holders["state"] = codes
-
+    )
+    slots, id_blob = _step_slots(request_ids, counts, kv_blocks)
+    holders, holder_blob = _step_holders(holder_ids, holder_blocks, holder_states)
     try:
         fixed = STEP_STRUCT.pack(
             seq,
@@ -200,8 +215,8 @@ def step_frame(
             end_ns,
             free_blocks,
             total_blocks,
-            n,
-            n_holders,
+            len(slots),
+            len(holders),
             len(id_blob),
             len(holder_blob),
             bool(admission_blocked),
@@ -310,8 +325,42 @@ def _pack_batch(steps: Sequence[tuple[Any, ...]]) -> list[bytes | Exception] | N
         return None
     entries, id_lengths, id_blobs = ids
     holder_entries, holder_id_lengths, holder_blobs = holder_ids
-    lengths, holder_lengths = entries.tolist(), holder_entries.tolist()
+    slots = _batch_slots(columns, entries.tolist(), id_lengths)
+    if slots is None:
+        return None
+    holders = _batch_holders(columns, holder_entries.tolist(), holder_id_lengths)
+    if holders is None:
+        return None
+    fixed = _batch_fixed(columns, len(steps))
+    if fixed is None:
+        return None
+    id_bytes = np.fromiter(map(len, id_blobs), np.int64, len(steps))
+    holder_id_bytes = np.fromiter(map(len, holder_blobs), np.int64, len(steps))
+    fixed["num_slots"] = entries
+    fixed["num_holders"] = holder_entries
+    fixed["request_id_bytes"] = id_bytes
+    fixed["holder_id_bytes"] = holder_id_bytes
+    fixed["admission_blocked"] = np.fromiter(
+        map(bool, columns[_ADMISSION_BLOCKED]), np.bool_, len(steps)
+    )
+    payload_bytes = (
+        _STEP_PAYLOAD_FIXED
+        + entries * SLOT_DTYPE.itemsize
+        + id_bytes
+        + holder_entries * HOLDER_DTYPE.itemsize
+        + holder_id_bytes
+    )
+    if int(payload_bytes.max()) > MAX_FRAME_PAYLOAD:
+        return None
+    return _joined_frames(
+        fixed, (slots, entries, id_blobs), (holders, holder_entries, holder_blobs)
+    )
 
+
+def _batch_slots(
+    columns: Sequence[Sequence[Any]], lengths: list[int], id_lengths: np.ndarray
+) -> np.ndarray | None:
+    """The slots of all steps, in order; None unless every step passes step_frame's checks."""
     slots = np.empty(len(id_lengths), SLOT_DTYPE)
     slots["request_id_len"] = id_lengths
     for position, name in _COUNT_COLUMNS:
@@ -327,7 +376,13 @@ def _pack_batch(steps: Sequence[tuple[Any, ...]]) -> list[bytes | Exception] | N
         slots["spec_accepted"] > slots["spec_drafted"]
     ):
         return None
+    return slots
 
+
+def _batch_holders(
+    columns: Sequence[Sequence[Any]], holder_lengths: list[int], holder_id_lengths: np.ndarray
+) -> np.ndarray | None:
+    """The holders of all steps, in order; None unless every step passes step_frame's checks."""
     holders = np.empty(len(holder_id_lengths), HOLDER_DTYPE)
     holders["request_id_len"] = holder_id_lengths
     holder_blocks = _batch_column(columns[_HOLDER_BLOCKS], holder_lengths, "iuf")
@@ -344,8 +399,13 @@ def _pack_batch(steps: Sequence[tuple[Any, ...]]) -> list[bytes | Exception] | N
     if np.any(codes == _UNKNOWN_STATE):
         return None
     holders["state"] = codes
+    return holders
 
-    fixed = np.empty(len(steps), STEP_DTYPE)
+
+def _batch_fixed(columns: Sequence[Sequence[Any]], n_steps: int) -> np.ndarray | None:
+    """The steps' fixed parts with the fields given as scalars (the counts of their variable
+    parts are the caller's); None unless every step passes step_frame's checks."""
+    fixed = np.empty(n_steps, STEP_DTYPE)
     for field, position in (("seq", _SEQ), ("start_ns", _START), ("end_ns", _END)):
         values = np.array(columns[position])
         if values.dtype != np.int64:
@@ -360,28 +420,20 @@ def _pack_batch(steps: Sequence[tuple[Any, ...]]) -> list[bytes | Exception] | N
         if values.dtype.kind not in "iu" or not _in_int32_range(values):
             return None
         fixed[field] = values
+    return fixed
+
+
+def _joined_frames(
+    fixed: np.ndarray,
+    slot_parts: tuple[np.ndarray, np.ndarray, list[bytes]],
+    holder_parts: tuple[np.ndarray, np.ndarray, list[bytes]],
+) -> list[bytes | Exception]:
+    """Each step's frame from the batch's fixed parts, slots and holders; `slot_parts` and
+    `holder_parts`: the rows of all steps, the rows per step and each step's ids as UTF-8."""
+    slots, entries, id_blobs = slot_parts
+    holders, holder_entries, holder_blobs = holder_parts
     slot_bounds = np.concatenate(([0], np.cumsum(entries)))
     holder_bounds = np.concatenate(([0], np.cumsum(holder_entries)))
-    id_bytes = np.fromiter(map(len, id_blobs), np.int64, len(steps))
-    holder_id_bytes = np.fromiter(map(len, holder_blobs), np.int64, len(steps))
-    fixed["num_slots"] = entries
-    fixed["num_holders"] = holder_entries
-    fixed["request_id_bytes"] = id_bytes
-    fixed["holder_id_bytes"] = holder_id_bytes
-    fixed["admission_blocked"] = np.fromiter(
-        map(bool, columns[_ADMISSION_BLOCKED]), np.bool_, len(steps)
-    )
-
-    payload_bytes = (
-        _STEP_PAYLOAD_FIXED
-        + entries * SLOT_DTYPE.itemsize
-        + id_bytes
-        + holder_entries * HOLDER_DTYPE.itemsize
-        + holder_id_bytes
-    )
-    if int(payload_bytes.max()) > MAX_FRAME_PAYLOAD:
-        return None
-
     # One buffer per part for the whole batch; each frame joins its slices of them.
     fixed_view = memoryview(fixed.tobytes())
     slot_view = memoryview(slots.tobytes())
@@ -389,7 +441,7 @@ def _pack_batch(steps: Sequence[tuple[Any, ...]]) -> list[bytes | Exception] | N
     slot_cuts = (slot_bounds * SLOT_DTYPE.itemsize).tolist()
     holder_cuts = (holder_bounds * HOLDER_DTYPE.itemsize).tolist()
     frames: list[bytes | Exception] = []
-    for i in range(len(steps)):
+    for i in range(len(fixed)):
         payload = b"".join(
             (
                 fixed_view[i * _STEP_PAYLOAD_FIXED : (i + 1) * _STEP_PAYLOAD_FIXED],

@@ -16,7 +16,7 @@ import re
 from datetime import datetime
 from os import PathLike
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import polars as pl
 
@@ -98,6 +98,93 @@ def _column_values(labels: dict[str, str], where: str) -> dict[str, str]:
     return columns
 
 
+class _Sample(NamedTuple):
+    """One sample line: its metric, labels, value (as written and as a number) and timestamp
+    (None when the line has none)."""
+
+    name: str
+    labels: dict[str, str]
+    raw_value: str
+    value: float
+    timestamp_ns: int | None
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise DcgmParseError(f"{path}: cannot read DCGM samples: {err}") from err
+
+
+def _timestamp_ns(raw_timestamp: str, where: str) -> int:
+    try:
+        timestamp_ns = int(raw_timestamp) * NS_PER_MS
+    except ValueError:
+        raise DcgmParseError(
+            f"{where}: timestamp {raw_timestamp!r} is not integer milliseconds"
+        ) from None
+    if not -_INT64_LIMIT <= timestamp_ns < _INT64_LIMIT:
+        raise DcgmParseError(
+            f"{where}: timestamp {raw_timestamp} ms is out of the nanosecond range"
+        )
+    return timestamp_ns
+
+
+def _parse_sample(line: str, where: str, text: str) -> _Sample:
+    """A sample line of any metric, syntax-checked; `text`: the whole input, for the hint that
+    a path was passed as text."""
+    match = _SAMPLE.fullmatch(line)
+    if match is None:
+        # os.path.exists, unlike Path.exists, returns False for names too long to be paths.
+        hint = (
+            "; to read a file, pass a pathlib.Path"
+            if "\n" not in text and os.path.exists(text)
+            else ""
+        )
+        raise DcgmParseError(f"{where}: not a Prometheus sample line: {line[:80]!r}{hint}")
+    labels = _parse_labels(match.group("labels") or "", where)
+    raw_value, raw_timestamp = match.group("value"), match.group("timestamp")
+    try:
+        value = float(raw_value)
+    except ValueError:
+        raise DcgmParseError(f"{where}: sample value {raw_value!r} is not a number") from None
+    timestamp_ns = None if raw_timestamp is None else _timestamp_ns(raw_timestamp, where)
+    return _Sample(match.group("name"), labels, raw_value, value, timestamp_ns)
+
+
+def _append_engine_active(
+    rows: dict[str, list[Any]], sample: _Sample, default_timestamp_ns: int | None, where: str
+) -> None:
+    """Check a GR_ENGINE_ACTIVE sample and append it to `rows` (DCGM_SCHEMA's columns)."""
+    if not (math.isfinite(sample.value) and 0.0 <= sample.value <= 1.0):
+        raise DcgmParseError(
+            f"{where}: {GR_ENGINE_ACTIVE} value {sample.raw_value} is outside the ratio 0..1"
+        )
+    timestamp_ns = sample.timestamp_ns
+    if timestamp_ns is None:
+        if default_timestamp_ns is None:
+            raise DcgmParseError(
+                f"{where}: sample has no timestamp and no default scrape time was given"
+            )
+        timestamp_ns = default_timestamp_ns
+    labels = sample.labels
+    columns = _column_values(labels, where)
+    for required in ("uuid", "hostname"):
+        if required not in columns:
+            raise DcgmParseError(
+                f"{where}: sample has no {required} label (labels: {sorted(labels)})"
+            )
+    gpu = labels.get("gpu")
+    if gpu is None or not gpu.isdigit():
+        raise DcgmParseError(f"{where}: gpu label {gpu!r} is not a GPU index")
+    rows["uuid"].append(columns["uuid"])
+    rows["hostname"].append(columns["hostname"])
+    rows["gpu"].append(int(gpu))
+    rows["model_name"].append(labels.get("modelName"))
+    rows["timestamp_ns"].append(timestamp_ns)
+    rows["value"].append(sample.value)
+
+
 def parse_dcgm(
     source: str | PathLike[str],
     *,
@@ -116,10 +203,7 @@ def parse_dcgm(
     if isinstance(source, PathLike):
         path = Path(source)
         source_name = str(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as err:
-            raise DcgmParseError(f"{path}: cannot read DCGM samples: {err}") from err
+        text = _read_text(path)
     else:
         text = source
 
@@ -130,59 +214,9 @@ def parse_dcgm(
         if not stripped or stripped.startswith("#"):
             continue
         where = f"{source_name}:{line_number}"
-        match = _SAMPLE.fullmatch(stripped)
-        if match is None:
-            # os.path.exists, unlike Path.exists, returns False for names too long to be paths.
-            hint = (
-                "; to read a file, pass a pathlib.Path"
-                if "\n" not in text and os.path.exists(text)
-                else ""
-            )
-            raise DcgmParseError(f"{where}: not a Prometheus sample line: {stripped[:80]!r}{hint}")
-        labels = _parse_labels(match.group("labels") or "", where)
-        raw_value, raw_timestamp = match.group("value"), match.group("timestamp")
-        try:
-            value = float(raw_value)
-        except ValueError:
-            raise DcgmParseError(f"{where}: sample value {raw_value!r} is not a number") from None
-        if raw_timestamp is not None:
-            try:
-                timestamp_ns = int(raw_timestamp) * NS_PER_MS
-            except ValueError:
-                raise DcgmParseError(
-                    f"{where}: timestamp {raw_timestamp!r} is not integer milliseconds"
-                ) from None
-            if not -_INT64_LIMIT <= timestamp_ns < _INT64_LIMIT:
-                raise DcgmParseError(
-                    f"{where}: timestamp {raw_timestamp} ms is out of the nanosecond range"
-                )
-        if match.group("name") != GR_ENGINE_ACTIVE:
-            continue
-        if not (math.isfinite(value) and 0.0 <= value <= 1.0):
-            raise DcgmParseError(
-                f"{where}: {GR_ENGINE_ACTIVE} value {raw_value} is outside the ratio 0..1"
-            )
-        if raw_timestamp is None:
-            if default_timestamp_ns is None:
-                raise DcgmParseError(
-                    f"{where}: sample has no timestamp and no default scrape time was given"
-                )
-            timestamp_ns = default_timestamp_ns
-        columns = _column_values(labels, where)
-        for required in ("uuid", "hostname"):
-            if required not in columns:
-                raise DcgmParseError(
-                    f"{where}: sample has no {required} label (labels: {sorted(labels)})"
-                )
-        gpu = labels.get("gpu")
-        if gpu is None or not gpu.isdigit():
-            raise DcgmParseError(f"{where}: gpu label {gpu!r} is not a GPU index")
-        rows["uuid"].append(columns["uuid"])
-        rows["hostname"].append(columns["hostname"])
-        rows["gpu"].append(int(gpu))
-        rows["model_name"].append(labels.get("modelName"))
-        rows["timestamp_ns"].append(timestamp_ns)
-        rows["value"].append(value)
+        sample = _parse_sample(stripped, where, text)
+        if sample.name == GR_ENGINE_ACTIVE:
+            _append_engine_active(rows, sample, default_timestamp_ns, where)
 
     samples = pl.DataFrame(rows, schema=DCGM_SCHEMA).unique(maintain_order=True)
     conflicts = samples.filter(pl.len().over("uuid", "timestamp_ns") > 1)

@@ -477,6 +477,65 @@ def _step_parts(decoded: _File) -> _StepParts:
     )
 
 
+def _step_ids(
+    decoded: _File, parts: _StepParts, slot_offsets: np.ndarray, holder_offsets: np.ndarray
+) -> tuple[pa.Array, pa.Array]:
+    """The slots' and the holders' ids; raises pa.ArrowInvalid when some id is not UTF-8."""
+    data = decoded.array
+    slot_ids = _strings(slot_offsets, frames.gather(data, parts.ids_at, parts.id_bytes))
+    holder_ids = _strings(
+        holder_offsets, frames.gather(data, parts.holder_ids_at, parts.holder_id_bytes)
+    )
+    return slot_ids, holder_ids
+
+
+def _steps_with_invalid_ids(decoded: _File, parts: _StepParts) -> np.ndarray:
+    """Which steps hold an id, of a slot or a holder, that is not UTF-8."""
+    spans = zip(
+        parts.ids_at.tolist(),
+        parts.id_bytes.tolist(),
+        parts.holder_ids_at.tolist(),
+        parts.holder_id_bytes.tolist(),
+        strict=True,
+    )
+    return np.array(
+        [
+            not _utf8(decoded.data[a : a + n]) or not _utf8(decoded.data[b : b + m])
+            for a, n, b, m in spans
+        ],
+        bool,
+    )
+
+
+def _steps_table(
+    header: HeaderFrame,
+    fixed: np.ndarray,
+    shift: int,
+    slot_counts: np.ndarray,
+    holder_counts: np.ndarray,
+) -> pa.Table:
+    """The STEPS rows of the steps' fixed parts; `shift`: monotonic to UTC nanoseconds."""
+    n_steps = len(fixed)
+    return pa.table(
+        [
+            _constant(header.pool, n_steps),
+            _constant(header.replica, n_steps),
+            _constant(header.segment_id, n_steps),
+            fixed["seq"],
+            fixed["start_ns"],
+            fixed["end_ns"],
+            fixed["start_ns"] + shift,
+            fixed["end_ns"] + shift,
+            fixed["admission_blocked"].astype(bool),
+            fixed["free_blocks"],
+            fixed["total_blocks"],
+            slot_counts.astype(np.int32),
+            holder_counts.astype(np.int32),
+        ],
+        schema=STEPS,
+    )
+
+
 def _tables(decoded: _File, header: HeaderFrame) -> tuple[pa.Table, pa.Table, pa.Table]:
     fixed = decoded.fixed
     data = decoded.array
@@ -488,25 +547,9 @@ def _tables(decoded: _File, header: HeaderFrame) -> tuple[pa.Table, pa.Table, pa
     bad = _inconsistent_steps(fixed, slot_offsets, holder_offsets, holders)
     if not bad.any():
         try:
-            slot_ids = _strings(slot_offsets, frames.gather(data, parts.ids_at, parts.id_bytes))
-            holder_ids = _strings(
-                holder_offsets, frames.gather(data, parts.holder_ids_at, parts.holder_id_bytes)
-            )
+            slot_ids, holder_ids = _step_ids(decoded, parts, slot_offsets, holder_offsets)
         except pa.ArrowInvalid:
-            spans = zip(
-                parts.ids_at.tolist(),
-                parts.id_bytes.tolist(),
-                parts.holder_ids_at.tolist(),
-                parts.holder_id_bytes.tolist(),
-                strict=True,
-            )
-            bad = np.array(
-                [
-                    not _utf8(decoded.data[a : a + n]) or not _utf8(decoded.data[b : b + m])
-                    for a, n, b, m in spans
-                ],
-                bool,
-            )
+            bad = _steps_with_invalid_ids(decoded, parts)
     if bad.any():
         why = "step frame whose id lengths, ids or holder states disagree with its counts"
         _discard_steps(decoded, bad, fixed["seq"], why)
@@ -523,26 +566,7 @@ def _tables(decoded: _File, header: HeaderFrame) -> tuple[pa.Table, pa.Table, pa
     slot_counts = fixed["num_slots"].astype(np.int64)
     holder_counts = fixed["num_holders"].astype(np.int64)
 
-    n_steps = len(fixed)
     seq = fixed["seq"]
-    steps = pa.table(
-        [
-            _constant(header.pool, n_steps),
-            _constant(header.replica, n_steps),
-            _constant(header.segment_id, n_steps),
-            seq,
-            fixed["start_ns"],
-            fixed["end_ns"],
-            fixed["start_ns"] + shift,
-            fixed["end_ns"] + shift,
-            fixed["admission_blocked"].astype(bool),
-            fixed["free_blocks"],
-            fixed["total_blocks"],
-            slot_counts.astype(np.int32),
-            holder_counts.astype(np.int32),
-        ],
-        schema=STEPS,
-    )
     slot_table = pa.table(
         [
             *_row_keys(header, seq, slot_counts),
@@ -566,6 +590,7 @@ def _tables(decoded: _File, header: HeaderFrame) -> tuple[pa.Table, pa.Table, pa
         ],
         schema=HOLDERS,
     )
+    steps = _steps_table(header, fixed, shift, slot_counts, holder_counts)
     return steps, slot_table, holder_table
 
 

@@ -557,6 +557,194 @@ def _decode(batch_and_following: tuple[_Batch, list[Path]]) -> tuple[_Batch, Dec
     return batch, read_segments(list(batch.fresh), following) if batch.fresh else None
 
 
+@dataclass(frozen=True)
+class _DecodedBatch:
+    """What a batch's decoded files add: steps placed in UTC and their slot and holder rows
+    (Arrow, as decoded: only a re-delivered segment needs them in polars), and the rows for the
+    warehouse's segments, damage, drops and clock_jumps tables."""
+
+    steps: pl.DataFrame
+    slots: pa.Table
+    holders: pa.Table
+    segments: pl.DataFrame
+    damage: pl.DataFrame
+    drops: pl.DataFrame
+    jumps: pl.DataFrame
+    # Of segments already ingested: the steps only this copy holds, per segment (segment_id,
+    # first_seq, last_seq, steps).
+    recovered_segments: pl.DataFrame
+    # Whether some segment was ingested before (the rows no longer follow the decoder's steps).
+    repeated: bool
+
+
+def _decoded_batch(
+    con: duckdb.DuckDBPyConnection,
+    root: Path,
+    lake: Path,
+    decoded: DecodedLog,
+    relative: dict[str, str],
+    fresh: dict[Path, tuple[int, str]],
+    duplicates: dict[Path, tuple[int, str]],
+) -> _DecodedBatch:
+    """The rows `decoded` adds to the lake and the warehouse; a fresh file whose segment was
+    ingested before and holds no new step moves from `fresh` to `duplicates`."""
+    steps, slots, holders = _frame(decoded.steps), decoded.slots, decoded.holders
+    segments, damage, drops = (
+        _frame(t).with_columns(pl.col("path").replace(relative))
+        if "path" in t.column_names
+        else _frame(t)
+        for t in (decoded.segments, decoded.damage, decoded.drops)
+    )
+    # A segment with no intact step or drop frame has nothing to record (its damage says
+    # which steps it held).
+    segments = segments.filter(pl.col("first_seq").is_not_null())
+    known_ids = {row[0] for row in con.execute("SELECT segment_id FROM segments").fetchall()}
+    # Another copy of a segment placed by the monotonic clock is placed the same way.
+    steps = _shifted(
+        steps, dict(con.execute("SELECT segment_id, -jump_ns FROM clock_jumps").fetchall())
+    )
+    repeated = segments.filter(pl.col("segment_id").is_in(list(known_ids)))
+    recovered_segments = pl.DataFrame()
+    if repeated.height:
+        # Another copy of a segment already ingested: only the steps it alone holds count.
+        recovered = _new_steps_of_known_segments(con, lake, steps, known_ids)
+        recovered_segments = recovered.group_by("segment_id").agg(
+            pl.col("seq").min().alias("first_seq"),
+            pl.col("seq").max().alias("last_seq"),
+            pl.len().alias("steps"),
+        )
+        for segment_id, path in repeated.select("segment_id", "path").iter_rows():
+            if segment_id not in recovered_segments["segment_id"]:
+                absolute = root / path
+                duplicates[absolute] = fresh.pop(absolute)
+        segments = segments.filter(~pl.col("segment_id").is_in(list(known_ids)))
+        steps = pl.concat([steps.filter(~pl.col("segment_id").is_in(list(known_ids))), recovered])
+        kept = steps.select(STEP_KEY)
+        slots, holders = (
+            _frame(rows).join(kept, on=STEP_KEY, how="semi").to_arrow() for rows in (slots, holders)
+        )
+        known_drops = query_frame(con, "SELECT pool, replica, first_seq, last_seq FROM drops")
+        drops = drops.join(known_drops, on=["pool", "replica", "first_seq", "last_seq"], how="anti")
+    steps, jumps = _place_by_monotonic_clock(con, segments, steps)
+    return _DecodedBatch(
+        steps,
+        slots,
+        holders,
+        segments,
+        damage,
+        drops,
+        jumps,
+        recovered_segments,
+        bool(repeated.height),
+    )
+
+
+def _write_lake(
+    lake: Path, intents: Path, batch_id: str, batch: _DecodedBatch
+) -> tuple[set[tuple[str, str]], dict[str, str]]:
+    """Write the batch's steps, slots and holders into the lake's partitions, after the intent
+    that names their directories: the (pool, hour key) partitions and each file's sha256 by its
+    path in the lake."""
+    steps = batch.steps
+    # The hour as an integer (hours since the epoch): a slot row carries 8 bytes, not a string.
+    hours = steps.select(*STEP_KEY, (pl.col("start_utc_ns") // HOUR_NS).alias("_hour"))
+    step_runs = _runs(hours.select(PART_KEY))
+    partitions = {
+        (pool, hour_key(hour_at(hour_index))) for (pool, _, hour_index), _, _ in step_runs
+    }
+    directories = {
+        partition_dir(lake, name, *partition) for name in LAKE_TABLES for partition in partitions
+    }
+    _write_intent(lake, intents, batch_id, directories)
+    # The rows of slots and holders follow the decoder's steps unless steps were recovered.
+    in_order = not batch.repeated and _unique_in_order(steps["seq"].to_numpy(), step_runs)
+    written: dict[str, str] = {}
+    # pyarrow writes and hashlib hashes without the GIL: the partition files are written
+    # side by side.
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as writers:
+        targets, digests = [], []
+        for name, table, count in (
+            ("steps", steps.to_arrow(), None),
+            ("slots", batch.slots, "num_slots"),
+            ("holders", batch.holders, "num_holders"),
+        ):
+            counts = None if count is None else steps[count].to_numpy()
+            for (pool, replica, hour_index), part in _hour_parts(
+                table, hours, step_runs, counts, in_order
+            ):
+                directory = partition_dir(lake, name, pool, hour_key(hour_at(hour_index)))
+                targets.append(directory / part_name(replica, part, batch_id))
+                digests.append(writers.submit(_write_part, part, LAKE_TABLES[name], targets[-1]))
+        for target, digest in zip(targets, digests, strict=True):
+            written[str(target.relative_to(lake))] = digest.result()
+    return partitions, written
+
+
+def _file_rows(
+    batch_id: str,
+    relative: dict[str, str],
+    fresh: dict[Path, tuple[int, str]],
+    duplicates: dict[Path, tuple[int, str]],
+) -> pl.DataFrame:
+    """The batch's `segment_files` rows: its fresh files ingested, the others duplicates."""
+    files = {**fresh, **duplicates}
+    return pl.DataFrame(
+        {
+            "path": [relative[str(p)] for p in files],
+            "sha256": [digest for _, digest in files.values()],
+            "bytes": [size for size, _ in files.values()],
+            "status": ["ingested"] * len(fresh) + ["duplicate"] * len(duplicates),
+            "batch_id": batch_id,
+            "ingested_at": warehouse_now(),
+        },
+        schema_overrides={"bytes": pl.Int64, "ingested_at": pl.Datetime("us")},
+    )
+
+
+def _record_decoded(
+    con: duckdb.DuckDBPyConnection,
+    batch_id: str,
+    relative: dict[str, str],
+    fresh: dict[Path, tuple[int, str]],
+    decoded: _DecodedBatch,
+    written: dict[str, str],
+) -> None:
+    """Record in the warehouse, within the caller's transaction, the decoded batch's segments,
+    the lake files written for it, and its damage, drops and clock jumps."""
+    if decoded.segments.height:
+        hashes = pl.DataFrame(
+            {"path": [relative[str(p)] for p in fresh], "sha256": [d for _, d in fresh.values()]}
+        )
+        insert_frame(
+            con,
+            "segments",
+            decoded.segments.join(hashes, on="path", how="left").with_columns(
+                batch_id=pl.lit(batch_id)
+            ),
+        )
+    for segment_id, first, last, count in decoded.recovered_segments.iter_rows():
+        con.execute(
+            "UPDATE segments SET first_seq = least(first_seq, ?), last_seq = greatest(last_seq, ?), "
+            "steps = steps + ? WHERE segment_id = ?",
+            [first, last, count, segment_id],
+        )
+    if written:
+        insert_frame(
+            con,
+            "lake_files",
+            pl.DataFrame(
+                {"path": list(written), "sha256": list(written.values()), "batch_id": batch_id}
+            ),
+        )
+    for name, found in (
+        ("damage", decoded.damage),
+        ("drops", decoded.drops),
+        ("clock_jumps", decoded.jumps),
+    ):
+        if found.height:
+            insert_frame(con, name, found.with_columns(batch_id=pl.lit(batch_id)))
+
+
 def _ingest_batch(
     con: duckdb.DuckDBPyConnection,
     root: Path,
@@ -572,148 +760,28 @@ def _ingest_batch(
         "".join(sorted({d for _, d in (*fresh.values(), *duplicates.values())})).encode()
     ).hexdigest()[:16]
     relative = {str(p): str(p.relative_to(root)) for p in (*fresh, *duplicates)}
-    steps = decoded_segments = damage = drops = None
-    slots = holders = None  # Arrow, as decoded: only a re-delivered segment needs them in polars
-    repeated = pl.DataFrame()
-    recovered_segments = pl.DataFrame()
-    if decoded is not None:
-        steps, slots, holders = _frame(decoded.steps), decoded.slots, decoded.holders
-        decoded_segments, damage, drops = (
-            _frame(t).with_columns(pl.col("path").replace(relative))
-            if "path" in t.column_names
-            else _frame(t)
-            for t in (decoded.segments, decoded.damage, decoded.drops)
-        )
-        # A segment with no intact step or drop frame has nothing to record (its damage says
-        # which steps it held).
-        decoded_segments = decoded_segments.filter(pl.col("first_seq").is_not_null())
-        known_ids = {row[0] for row in con.execute("SELECT segment_id FROM segments").fetchall()}
-        # Another copy of a segment placed by the monotonic clock is placed the same way.
-        steps = _shifted(
-            steps, dict(con.execute("SELECT segment_id, -jump_ns FROM clock_jumps").fetchall())
-        )
-        repeated = decoded_segments.filter(pl.col("segment_id").is_in(list(known_ids)))
-        if repeated.height:
-            # Another copy of a segment already ingested: only the steps it alone holds count.
-            recovered = _new_steps_of_known_segments(con, lake, steps, known_ids)
-            recovered_segments = recovered.group_by("segment_id").agg(
-                pl.col("seq").min().alias("first_seq"),
-                pl.col("seq").max().alias("last_seq"),
-                pl.len().alias("steps"),
-            )
-            for segment_id, path in repeated.select("segment_id", "path").iter_rows():
-                if segment_id not in recovered_segments["segment_id"]:
-                    absolute = root / path
-                    duplicates[absolute] = fresh.pop(absolute)
-            decoded_segments = decoded_segments.filter(~pl.col("segment_id").is_in(list(known_ids)))
-            steps = pl.concat(
-                [steps.filter(~pl.col("segment_id").is_in(list(known_ids))), recovered]
-            )
-            kept = steps.select(STEP_KEY)
-            slots, holders = (
-                _frame(rows).join(kept, on=STEP_KEY, how="semi").to_arrow()
-                for rows in (slots, holders)
-            )
-            known_drops = query_frame(con, "SELECT pool, replica, first_seq, last_seq FROM drops")
-            drops = drops.join(
-                known_drops, on=["pool", "replica", "first_seq", "last_seq"], how="anti"
-            )
-
-    jumps = None
-    if steps is not None and decoded_segments is not None:
-        steps, jumps = _place_by_monotonic_clock(con, decoded_segments, steps)
-
+    added = (
+        None
+        if decoded is None
+        else _decoded_batch(con, root, lake, decoded, relative, fresh, duplicates)
+    )
     partitions: set[tuple[str, str]] = set()
     written: dict[str, str] = {}
-    if steps is not None and slots is not None and holders is not None and steps.height:
-        # The hour as an integer (hours since the epoch): a slot row carries 8 bytes, not a string.
-        hours = steps.select(*STEP_KEY, (pl.col("start_utc_ns") // HOUR_NS).alias("_hour"))
-        step_runs = _runs(hours.select(PART_KEY))
-        partitions = {
-            (pool, hour_key(hour_at(hour_index))) for (pool, _, hour_index), _, _ in step_runs
-        }
-        directories = {
-            partition_dir(lake, name, *partition)
-            for name in LAKE_TABLES
-            for partition in partitions
-        }
-        _write_intent(lake, intents, batch_id, directories)
-        # The rows of slots and holders follow the decoder's steps unless steps were recovered.
-        in_order = not repeated.height and _unique_in_order(steps["seq"].to_numpy(), step_runs)
-        # pyarrow writes and hashlib hashes without the GIL: the partition files are written
-        # side by side.
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as writers:
-            targets, digests = [], []
-            for name, table, count in (
-                ("steps", steps.to_arrow(), None),
-                ("slots", slots, "num_slots"),
-                ("holders", holders, "num_holders"),
-            ):
-                counts = None if count is None else steps[count].to_numpy()
-                for (pool, replica, hour_index), part in _hour_parts(
-                    table, hours, step_runs, counts, in_order
-                ):
-                    directory = partition_dir(lake, name, pool, hour_key(hour_at(hour_index)))
-                    targets.append(directory / part_name(replica, part, batch_id))
-                    digests.append(
-                        writers.submit(_write_part, part, LAKE_TABLES[name], targets[-1])
-                    )
-            for target, digest in zip(targets, digests, strict=True):
-                written[str(target.relative_to(lake))] = digest.result()
+    if added is not None and added.steps.height:
+        partitions, written = _write_lake(lake, intents, batch_id, added)
 
-    now = warehouse_now()
-    files = {**fresh, **duplicates}
-    file_rows = pl.DataFrame(
-        {
-            "path": [relative[str(p)] for p in files],
-            "sha256": [digest for _, digest in files.values()],
-            "bytes": [size for size, _ in files.values()],
-            "status": ["ingested"] * len(fresh) + ["duplicate"] * len(duplicates),
-            "batch_id": batch_id,
-            "ingested_at": now,
-        },
-        schema_overrides={"bytes": pl.Int64, "ingested_at": pl.Datetime("us")},
-    )
+    file_rows = _file_rows(batch_id, relative, fresh, duplicates)
     with transaction(con):
         insert_frame(con, "segment_files", file_rows)
-        if decoded_segments is not None and decoded_segments.height:
-            hashes = pl.DataFrame(
-                {
-                    "path": [relative[str(p)] for p in fresh],
-                    "sha256": [d for _, d in fresh.values()],
-                }
-            )
-            insert_frame(
-                con,
-                "segments",
-                decoded_segments.join(hashes, on="path", how="left").with_columns(
-                    batch_id=pl.lit(batch_id)
-                ),
-            )
-        for segment_id, first, last, count in recovered_segments.iter_rows():
-            con.execute(
-                "UPDATE segments SET first_seq = least(first_seq, ?), last_seq = greatest(last_seq, ?), "
-                "steps = steps + ? WHERE segment_id = ?",
-                [first, last, count, segment_id],
-            )
-        if written:
-            insert_frame(
-                con,
-                "lake_files",
-                pl.DataFrame(
-                    {"path": list(written), "sha256": list(written.values()), "batch_id": batch_id}
-                ),
-            )
-        for name, found in (("damage", damage), ("drops", drops), ("clock_jumps", jumps)):
-            if found is not None and found.height:
-                insert_frame(con, name, found.with_columns(batch_id=pl.lit(batch_id)))
+        if added is not None:
+            _record_decoded(con, batch_id, relative, fresh, added, written)
         _settle_damage(
             con,
             lake,
             batch.replica,
             batch_id,
-            pl.Series("seq", [], pl.Int64) if steps is None else steps["seq"],
-            [] if drops is None else list(drops.select("first_seq", "last_seq").iter_rows()),
+            pl.Series("seq", [], pl.Int64) if added is None else added.steps["seq"],
+            [] if added is None else list(added.drops.select("first_seq", "last_seq").iter_rows()),
         )
     # Committed: the intent is settled (should the process die first, the next ingest finds
     # the batch committed and drops the intent alone).
@@ -722,8 +790,8 @@ def _ingest_batch(
         batch_id=batch_id,
         ingested_files=list(fresh),
         duplicate_files=list(duplicates),
-        steps=0 if steps is None else steps.height,
-        damage=0 if damage is None else damage.height,
+        steps=0 if added is None else added.steps.height,
+        damage=0 if added is None else added.damage.height,
         partitions=partitions,
     )
 

@@ -158,7 +158,7 @@ def _take_blocks(
 
 
 @njit(cache=True)
-def _run_steps(
+def _run_steps(  # noqa: C901 (a numba kernel: one compiled loop over the steps)
     arrival_ns: np.ndarray,
     prompt_tokens: np.ndarray,
     output_tokens: np.ndarray,
