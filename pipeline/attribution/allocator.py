@@ -344,10 +344,12 @@ class GroupedRows:
 
     @property
     def n_rows(self) -> int:
+        """The number of rows over all groups."""
         return int(self.offsets[-1])
 
     @property
     def sizes(self) -> np.ndarray:
+        """Each group's row count, in group order."""
         return np.diff(self.offsets)
 
 
@@ -549,6 +551,9 @@ def step_total_units(step_ms: float, gpus: int, usd_per_gpu_hour: float, unit_pe
 
 
 class SeedSlot(Protocol):
+    """What the reference allocator reads of a slot: its request, the tokens it adds, the context
+    it attends to and the KV blocks it holds."""
+
     request_id: str
     new_tokens: int
     context: int

@@ -52,6 +52,8 @@ class CalibrationMissing(CalibrationError):
 
 @dataclass(frozen=True)
 class FitResult:
+    """A least-squares fit of step time (ms) to the slots' work, with how well it fits."""
+
     coefficients: Coefficients
     r_squared: float
     rmse_ms: float  # root mean squared residual of step time
@@ -138,6 +140,8 @@ def relative_drift(stored: Coefficients, fresh: Coefficients) -> dict[str, float
 
 @dataclass(frozen=True)
 class CalibrationEntry:
+    """One stored fit: its key, coefficients (ms), version id and fit statistics."""
+
     model: str
     gpu_type: str
     engine_version: str
@@ -153,10 +157,12 @@ class CalibrationEntry:
 
     @property
     def key(self) -> tuple[str, str, str, str]:
+        """(model, GPU type, engine version, driver version), the store's key."""
         return (self.model, self.gpu_type, self.engine_version, self.driver_version)
 
     @property
     def coefficients(self) -> Coefficients:
+        """The stored coefficients, under their version id."""
         return Coefficients(self.c0_ms, self.a_ms, self.b_ms, self.version)
 
 
@@ -176,10 +182,12 @@ class CalibrationStore:
 
     @property
     def entries(self) -> list[CalibrationEntry]:
+        """Every entry, sorted by key."""
         return sorted(self._entries.values(), key=lambda e: e.key)
 
     @classmethod
     def load(cls, path: str | Path) -> CalibrationStore:
+        """The store in `path`; empty if the file is missing or empty."""
         path = Path(path)
         try:
             text = path.read_text()
@@ -267,6 +275,7 @@ class CalibrationStore:
     def lookup(
         self, model: str, gpu_type: str, engine_version: str, driver_version: str
     ) -> Coefficients | None:
+        """The coefficients stored for the key, or None."""
         entry = self._entries.get((model, gpu_type, engine_version, driver_version))
         return entry.coefficients if entry else None
 

@@ -47,6 +47,8 @@ class _Strict(BaseModel):
 
 
 class SlotSpec(_Strict):
+    """One slot of a step file: its request, the tokens it adds, its context and KV blocks."""
+
     request_id: str = Field(min_length=1)
     new_tokens: int = Field(ge=0)
     context: int = Field(ge=0)
@@ -55,12 +57,16 @@ class SlotSpec(_Strict):
 
 
 class CoefficientSpec(_Strict):
+    """Fitted coefficients of a step file, in milliseconds."""
+
     c0_ms: float = Field(ge=0)
     a_ms: float = Field(ge=0)
     b_ms: float = Field(ge=0)
 
 
 class StepSpec(_Strict):
+    """One step of a step file: its measured time, price and split policy."""
+
     step_ms: float = Field(gt=0)
     gpus: int = Field(default=1, gt=0)
     usd_per_gpu_hour: float = Field(gt=0)
@@ -91,6 +97,8 @@ class StepSpec(_Strict):
 
 @dataclass(frozen=True)
 class ExplainedSlot:
+    """One slot of an explained step: its work, shares, blended weight and whole-unit share."""
+
     request_id: str
     new_tokens: int
     context: int
@@ -105,11 +113,14 @@ class ExplainedSlot:
 
     @property
     def rounded_up(self) -> bool:
+        """Whether the largest-remainder rounding gave the slot a unit above its exact share."""
         return self.share > int(self.exact)
 
 
 @dataclass(frozen=True)
 class ExplainedStep:
+    """A step's total in whole units and how it was split among its slots."""
+
     total: int
     unit: str
     alpha: float
@@ -118,6 +129,7 @@ class ExplainedStep:
     slots: list[ExplainedSlot]
 
     def reason(self, slot: ExplainedSlot) -> str:
+        """One line saying how the slot's share follows from its work and KV blocks."""
         kind = "prefill chunk" if slot.new_tokens > 1 else "decode"
         text = (
             f"{kind} of {slot.new_tokens} token(s) at context {slot.context}: work "
@@ -129,6 +141,7 @@ class ExplainedStep:
         return text + (" rounded up (largest remainder)" if slot.rounded_up else " rounded down")
 
     def as_dict(self) -> dict[str, Any]:
+        """The step's total, unit, policy and shares by request, as JSON-ready values."""
         return {
             "total": self.total,
             "unit": self.unit,

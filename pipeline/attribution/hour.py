@@ -149,6 +149,7 @@ class HourAttribution:
 
     @property
     def unattributed_fraction(self) -> float:
+        """The unattributed charge as a fraction of everything charged to requests (0 if none)."""
         return self.unattributed_nano / self.usage_nano if self.usage_nano else 0.0
 
 

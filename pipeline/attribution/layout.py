@@ -44,6 +44,7 @@ class StepKeys:
     def build(
         cls, replicas: list[str], replica_code: np.ndarray, seq: np.ndarray, hour_step: np.ndarray
     ) -> StepKeys:
+        """The keys of steps given per step in any order; `hour_step` is each one's hour step."""
         order = np.lexsort((seq, replica_code))
         code = replica_code[order]
         offsets = np.searchsorted(code, np.arange(len(replicas) + 1)).astype(np.int64)

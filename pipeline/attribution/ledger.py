@@ -79,13 +79,16 @@ class HourLedger:
 
     @property
     def invoices(self) -> pl.DataFrame:
+        """The invoice as its one-row table."""
         return self.invoice.frame()
 
     @property
     def amount_nano(self) -> int:
+        """The hour's invoiced amount in nano-dollars."""
         return self.invoice.amount_nano
 
     def published_tables(self) -> dict[str, pl.DataFrame]:
+        """The tables published to the warehouse, by table name."""
         return {name: getattr(self, name) for name in HOUR_TABLES}
 
     def resource_parts(self, request_id: str, compute_nano: int) -> dict[str, int]:

@@ -56,6 +56,8 @@ def synthetic_pool(
 
 @dataclass
 class StepLog:
+    """A generated step log's tables: steps, their slots, KV holders and context records."""
+
     steps: pl.DataFrame
     slots: pl.DataFrame
     holders: pl.DataFrame

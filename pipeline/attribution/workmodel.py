@@ -102,10 +102,12 @@ class SlotBatch:
 
     @property
     def slots_per_step(self) -> np.ndarray:
+        """Each step's slot count, in step order."""
         return self.steps.sizes
 
     @property
     def kernel_slots(self) -> Slots:
+        """The slots as the pricing kernel reads them."""
         return Slots(self.step_index, self.new_tokens, self.context_tokens, self.prompt_tokens)
 
 
@@ -225,7 +227,8 @@ class WeightSource(Protocol):
     """What attribute_hour needs from a work-weight source."""
 
     @property
-    def version(self) -> str: ...
+    def version(self) -> str:
+        """The version id the ledger rows record for these weights."""
 
     def compute_work(
         self, batch: SlotBatch, policy: FixedCostPolicy, priced: PricedBatch | None = None
@@ -233,7 +236,8 @@ class WeightSource(Protocol):
         """Each slot's work. `priced`: the batch as the pool's kernel priced it, if it was."""
         ...
 
-    def kv_bytes_per_token(self) -> int | None: ...
+    def kv_bytes_per_token(self) -> int | None:
+        """Bytes of KV cache per token when KV is priced in byte-seconds; None for block-seconds."""
 
 
 @dataclass(frozen=True)
@@ -244,14 +248,17 @@ class FittedWeights:
 
     @property
     def version(self) -> str:
+        """The coefficients' version id."""
         return self.coefficients.version
 
     def compute_work(
         self, batch: SlotBatch, policy: FixedCostPolicy, priced: PricedBatch | None = None
     ) -> np.ndarray:
+        """Each slot's work in ms from the fitted coefficients."""
         return fitted_work_ms(self.coefficients, batch, policy)
 
     def kv_bytes_per_token(self) -> int | None:
+        """None: fitted weights price KV in block-seconds."""
         return None
 
 
@@ -276,20 +283,24 @@ class KernelWeights:
 
     @classmethod
     def for_pool(cls, pool: Pool) -> KernelWeights:
+        """The weights of the pool's deployment."""
         return cls.from_deployment(pool.deployment())
 
     def compute_work(
         self, batch: SlotBatch, policy: FixedCostPolicy, priced: PricedBatch | None = None
     ) -> np.ndarray:
+        """Each slot's work in us, from `priced` when it is this kernel's pricing of the batch."""
         # Pricing a busy hour's slots is most of attributing it: done once when it can be.
         if priced is None or priced.kernel_version != self.version:
             priced = self.price(batch)
         return kernel_work_us(priced.fixed_us, priced.slot_us, batch, policy)
 
     def price(self, batch: SlotBatch) -> PricedBatch:
+        """The batch priced by the kernel: each step's fixed work and each slot's own (us)."""
         return PricedBatch(
             self.version, *self.kernel.slot_work_many(batch.kernel_slots, batch.n_steps)
         )
 
     def kv_bytes_per_token(self) -> int | None:
+        """The deployment's KV cache bytes per token."""
         return int(self.kernel.kv_bytes_per_token)

@@ -93,10 +93,24 @@ def paged(alert_file: Path) -> list[dict]:
     )
 
 
-def test_the_deadman_sensor_is_scheduled_and_running(tmp_path: Path):
+def test_a_late_hour_pages_within_five_minutes_of_its_grace_running_out(
+    tmp_path: Path, alert_file: Path
+):
+    # Hours 00-02 reconciled. Hour 03 ended at 04:00 and its grace (deadman_minutes 120) runs
+    # out at 06:00:00. The daemon ticks the deployed sensor at its interval: a tick a second
+    # before pages nothing, the next one pages hour 03, at most 5 minutes after 06:00
+    # (docs/production.md: the sensor runs every 5 minutes).
+    write_reconciled(tmp_path / "warehouse.duckdb", "chat-8b", [at(h) for h in (0, 1, 2)])
     sensor = build_definitions(small_pools(), tmp_path).resolve_sensor_def("deadman")
-    assert sensor.minimum_interval_seconds == 300
-    assert sensor.default_status == dg.DefaultSensorStatus.RUNNING
+    before = at(6, 0) - timedelta(seconds=1)
+    assert tick(tmp_path, before) == "every pool on time: chat-8b reconciled to 2026-11-30T02"
+    assert paged(alert_file) == []
+    after = before + timedelta(seconds=sensor.minimum_interval_seconds)
+    assert after - at(6, 0) <= timedelta(minutes=5)
+    assert tick(tmp_path, after) == (
+        "1 pool(s) overdue, 1 newly paged: chat-8b reconciled to 2026-11-30T02"
+    )
+    assert [a["hour"] for a in paged(alert_file)] == ["2026-11-30T03"]
 
 
 def test_nothing_pages_while_hours_are_reconciled_on_time(tmp_path: Path, alert_file: Path):

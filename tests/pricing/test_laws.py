@@ -23,6 +23,23 @@ def test_ramped_arithmetic_is_linear_in_tokens():
     assert laws.ramped_arithmetic_us(0, 1e9, 1e9, 0.5, 100) == 0.0
 
 
+def test_a_bf16_gemm_on_h200_takes_its_flops_at_the_ramped_fraction_of_peak():
+    # M = 2048 tokens through an 8192 x 8192 weight: 2 x 2048 x 8192 x 8192 = 274,877,906,944
+    # FLOP. h200.yaml: bf16 peak 989.5 TFLOP/s = 989.5e6 FLOP/us, ramp eps_max 0.992,
+    # m_half 110, so eps(2048) = 0.992 x 2048 / 2158 = 0.94143466 and the rate is
+    # 931,549,597.8 FLOP/us: 274,877,906,944 / 931,549,597.8 = 295.0760 us.
+    flops_per_token = 2 * 8192 * 8192
+    assert laws.ramped_arithmetic_us(2048, flops_per_token, 989.5e6, 0.992, 110) == pytest.approx(
+        295.0760, abs=1e-4
+    )
+    # More tokens never take less time, and each further 512 adds the same time.
+    times = laws.ramped_arithmetic_us(
+        np.array([512, 1024, 1536, 2048]), flops_per_token, 989.5e6, 0.992, 110
+    )
+    assert (np.diff(times) > 0).all()
+    np.testing.assert_allclose(np.diff(times), np.diff(times)[0], rtol=1e-12)
+
+
 def test_memory_time_uses_the_derated_bandwidth():
     # H200: 4.8e6 B/us x 0.8 = 3.84e6 B/us
     assert laws.memory_time_us(3.84e6, 4.8e6, 0.8) == pytest.approx(1.0, rel=1e-15)
@@ -47,33 +64,43 @@ def test_decode_reads_per_kind():
 
 
 def test_decode_attention_mla_at_4096_context_on_h200():
-    # the golden file's per-layer figure: 13.5 + 4096 * 576 / 2.928e6 = 14.31 us
-    assert laws.decode_attention_us(4096, 13.5, 576, 2.928e6) == pytest.approx(
-        13.5 + 4096 * 576 / 2.928e6, rel=1e-15
-    )
+    # the golden file's per-layer figure: 4096 tokens x 576 B = 2,359,296 B read at
+    # 2.928e6 B/us = 0.80577 us, on the 13.5 us floor: 14.30577 us
     assert float(laws.decode_attention_us(4096, 13.5, 576, 2.928e6)) == pytest.approx(
-        14.3058, abs=1e-4
+        14.30577, abs=1e-5
+    )
+    # twice the context reads twice the bytes: another 0.80577 us
+    assert float(laws.decode_attention_us(8192, 13.5, 576, 2.928e6)) == pytest.approx(
+        15.11154, abs=1e-5
     )
 
 
 def test_prefill_pairs_causal_and_windowed():
-    assert laws.prefill_pairs(100, 50) == 100 * 50 + 100 * 100 / 2
-    # window 128 from 50 cached tokens: 78 queries unbounded, then 22 queries see 128 keys
-    assert laws.prefill_pairs(100, 50, 128) == 78 * 50 + 78 * 78 / 2 + 22 * 128
-    assert laws.prefill_pairs(10, 200, 128) == 10 * 128
-    assert laws.prefill_pairs(60, 10, 128) == 60 * 10 + 60 * 60 / 2
+    # 100 queries on 50 cached keys (5,000 pairs) and the causal half of their own 100 x 100
+    # (5,000): 10,000
+    assert laws.prefill_pairs(100, 50) == 10_000
+    # window 128 from 50 cached tokens: the first 78 queries see all keys before them
+    # (78 x 50 + 78 x 78 / 2 = 3,900 + 3,042), the other 22 see 128 each (2,816): 9,758
+    assert laws.prefill_pairs(100, 50, 128) == 9_758
+    # every query already past the window: 10 x 128
+    assert laws.prefill_pairs(10, 200, 128) == 1_280
+    # a window never reached changes nothing: 60 x 10 + 60 x 60 / 2 = 600 + 1,800
+    assert laws.prefill_pairs(60, 10, 128) == 2_400
+    assert laws.prefill_pairs(60, 10) == 2_400
 
 
 def test_prefill_attention_flops_and_time():
+    # per pair and head, QK^T and PV each take 128 multiply-adds of 2 FLOP: 512 FLOP;
+    # 10,000 pairs x 32 heads x 512 = 163,840,000 FLOP, half on each of 2 ranks
     flops = laws.prefill_attention_flops(10_000, 32, 128, 128, 2)
-    assert flops == 4 * 10_000 * 32 * 128 / 2
-    # 18.5 us floor + 81.92e6 FLOP at 989.5e6 FLOP/us x 0.5 x 0.4
-    expected = 18.5 + 81_920_000 / (989.5e6 * 0.5 * 0.4)
+    assert flops == 81_920_000
+    # 18.5 us floor + 81.92e6 FLOP at 989.5e6 FLOP/us x 0.5 x 0.4 = 197.9e6 FLOP/us (0.41395 us)
     assert laws.prefill_attention_us(
         10_000, 32, 128, 128, 2, 18.5, 989.5e6, 0.5, 0.4
-    ) == pytest.approx(expected, rel=1e-15)
-    # DeepSeek-V3's expanded MLA prefill: scores over 192 (128 nope + 64 rope), values at 128
-    assert laws.prefill_attention_flops(1_000, 128, 192, 128, 8) == 2 * 1_000 * 128 * 320 / 8
+    ) == pytest.approx(18.91395, abs=1e-5)
+    # DeepSeek-V3's expanded MLA prefill: scores over 192 (128 nope + 64 rope), values at 128:
+    # 2 x (192 + 128) = 640 FLOP per pair and head, x 1,000 pairs x 128 heads / 8 ranks
+    assert laws.prefill_attention_flops(1_000, 128, 192, 128, 8) == 10_240_000
     with pytest.raises(ValueError, match="tp"):
         laws.prefill_attention_flops(1, 1, 1, 1, 0)
     with pytest.raises(ValueError, match="positive rate"):
@@ -99,16 +126,16 @@ def test_distinct_experts():
     miss = laws.expert_miss_probability(256, 8)
     assert miss == 248 / 256
     assert laws.distinct_experts(1, miss, 256) == pytest.approx(8.0, rel=1e-14)
-    assert laws.distinct_experts(2, miss, 256) == pytest.approx(256 - 248**2 / 256, rel=1e-14)
+    # the second token's 8 experts are new unless the first chose them: 8 x 248 / 256 = 7.75
+    assert laws.distinct_experts(2, miss, 256) == pytest.approx(8 + 7.75, rel=1e-14)
     assert laws.distinct_experts(0, miss, 256) == 0.0
     assert laws.distinct_experts(100_000, miss, 256) == pytest.approx(256.0, rel=1e-12)
 
 
 def test_collective_fixed_cost_then_peak_rate():
     # DeepSeek-V3 all-reduce of one token's 7168 bf16 activations on 8 H200s
-    assert laws.collective_us(14336, 4.71, 104250, 134260) == pytest.approx(
-        4.71 + 14336 / 104250, rel=1e-15
-    )
+    # 14,336 B at 104,250 B/us is 0.13752 us after the 4.71 us launch cost
+    assert laws.collective_us(14336, 4.71, 104250, 134260) == pytest.approx(4.84752, abs=1e-5)
     # the peak rate binds only where it is below the step-range rate's line
     assert laws.collective_us(1e6, 1.0, 2e6, 1e5) == pytest.approx(10.0, rel=1e-15)
     assert laws.collective_us(1e3, 1.0, 2e6, 1e5) == pytest.approx(1.0005, rel=1e-15)
@@ -170,29 +197,25 @@ def test_compose_step_by_hand():
 
 def test_recurrent_state_is_one_matrix_per_value_head_plus_the_convolutions_window():
     # Qwen3-Next's gated delta-net: 32 value heads of 128 x 128 bf16, and 3 past inputs over
-    # q, k (16 x 128 each) and v (32 x 128)
-    assert laws.recurrent_state_bytes(16, 32, 128, 128, 4, 2) == 32 * 128 * 128 * 2 + 8192 * 3 * 2
+    # q, k (16 x 128 each) and v (32 x 128): 524,288 x 2 B + 8,192 channels x 3 x 2 B
+    # = 1,048,576 + 49,152
     assert laws.recurrent_state_bytes(16, 32, 128, 128, 4, 2) == 1_097_728
-    # a Mamba2 layer: 8 groups of B and C with state 128, 128 heads of 64, fp32 state
-    assert (
-        laws.recurrent_state_bytes(8, 128, 128, 64, 4, 4)
-        == (128 * 128 * 64 + (2 * 8 * 128 + 128 * 64) * 3) * 4
-    )
+    # a Mamba2 layer: 8 groups of B and C with state 128, 128 heads of 64, fp32 state:
+    # (128 x 128 x 64 + (2 x 8 x 128 + 128 x 64) x 3) x 4 B = (1,048,576 + 30,720) x 4
+    assert laws.recurrent_state_bytes(8, 128, 128, 64, 4, 4) == 4_317_184
 
 
 def test_chunked_scan_flops_are_linear_in_tokens_with_the_chunk_bounding_the_quadratic_part():
     # Mamba2 with 256-token chunks: C B^T per group, its product with x per head, the state
-    # written and read per head, the 4-tap convolution over 10,240 channels
-    assert laws.chunked_scan_flops(8, 128, 128, 64, 256, 4) == 2 * (
-        8 * 256 * 128 + 128 * 256 * 64 + 2 * 128 * 128 * 64 + 4 * 10240
-    )
+    # written and read per head, the 4-tap convolution over 10,240 channels, in multiply-adds:
+    # 262,144 + 2,097,152 + 2,097,152 + 40,960 = 4,497,408, at 2 FLOP each
     assert laws.chunked_scan_flops(8, 128, 128, 64, 256, 4) == 8_994_816
-    # the delta net's 64-token chunks
+    # the delta net's 64-token chunks: 131,072 + 262,144 + 1,048,576 + 4 x 8,192 = 1,474,560
+    # multiply-adds
     assert laws.chunked_scan_flops(16, 32, 128, 128, 64, 4) == 2_949_120
-    # at prefill attention's work_scale of the bf16 eps_max rate, no ramp in the step's tokens
-    assert laws.scan_us(1000, 2_949_120, 989.5e6, 0.992, 0.4) == pytest.approx(
-        1000 * 2_949_120 / (989.5e6 * 0.992 * 0.4), rel=1e-15
-    )
+    # at prefill attention's work_scale of the bf16 eps_max rate, no ramp in the step's tokens:
+    # 2.94912e9 FLOP at 989.5e6 x 0.992 x 0.4 = 392,633,600 FLOP/us
+    assert laws.scan_us(1000, 2_949_120, 989.5e6, 0.992, 0.4) == pytest.approx(7.51112, abs=1e-5)
     assert laws.scan_us(0, 2_949_120, 989.5e6, 0.992, 0.4) == 0.0
     with pytest.raises(ValueError, match="positive rate"):
         laws.scan_us(1, 1, 989.5e6, 0.992, 0.0)

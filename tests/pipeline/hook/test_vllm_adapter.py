@@ -20,7 +20,7 @@ vllm = pytest.importorskip(
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from vllm import SamplingParams
-from vllm.config import ParallelConfig, SpeculativeConfig
+from vllm.config import ParallelConfig, SchedulerConfig, SpeculativeConfig
 from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
@@ -29,7 +29,13 @@ import pipeline.hook.vllm as adapter
 from pipeline.hook.recorder import StepRecorder
 from pipeline.hook.replica import HookConfigError
 from pipeline.ingestion.decoder import read_segments
-from tests.pipeline.hook.vllm_engine import HAS_REQ_ID_TO_INDEX, HAS_RESUMED_REQ_IDS, vllm_config
+from tests.pipeline.hook.vllm_engine import (
+    HAS_REQ_ID_TO_INDEX,
+    HAS_RESUMED_REQ_IDS,
+    build_scheduler,
+    request_factory,
+    vllm_config,
+)
 
 
 def test_block_shares_split_shared_prefixes_and_skip_null_blocks():
@@ -257,13 +263,30 @@ def test_an_unsupported_vllm_is_refused_when_the_class_is_requested(monkeypatch)
         adapter.NotAScheduler  # noqa: B018
 
 
-def test_recording_classes_subclass_vllms_schedulers():
-    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    assert adapter.RecordingScheduler.__bases__ == (Scheduler,)
-    assert adapter.AsyncRecordingScheduler.__bases__ == (AsyncScheduler,)
-    assert adapter.AsyncRecordingScheduler.__name__ == "RecordingAsyncScheduler"
+@pytest.mark.parametrize(
+    ("scheduler_cls", "placeholders"),
+    [("RecordingScheduler", 0), ("AsyncRecordingScheduler", 1)],
+)
+def test_vllm_builds_the_named_recording_scheduler_and_it_schedules_as_vllms_own(
+    scheduler_cls, placeholders, engine_configs, descriptor_path, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("STEPLEDGER_OUTBOX", str(tmp_path / "outbox"))
+    monkeypatch.setenv("STEPLEDGER_HOOK_CONFIG", str(descriptor_path))
+    # `--scheduler-cls pipeline.hook.vllm.<name>`, resolved as vLLM resolves it.
+    scheduler_class = SchedulerConfig.default_factory(
+        scheduler_cls=f"pipeline.hook.vllm.{scheduler_cls}"
+    ).get_scheduler_cls()
+    assert scheduler_class is getattr(adapter, scheduler_cls)
+    config = engine_configs["pool's model"]
+    scheduler = build_scheduler(scheduler_class, config)
+    request = request_factory(config)("a", list(range(20)), max_tokens=4)
+    scheduler.add_request(request)
+    output = scheduler.schedule()
+    scheduler.shutdown()
+    assert output.num_scheduled_tokens == {"a": 20}
+    # vLLM's async scheduler holds a place for the token being sampled, so that it can schedule
+    # the next step before the output arrives; the synchronous one waits for it.
+    assert request.num_output_placeholders == placeholders
 
 
 @pytest.mark.skipif(not HAS_REQ_ID_TO_INDEX, reason="this vLLM has no req_id_to_index")
