@@ -86,6 +86,8 @@ def busy_pool(replicas: int) -> PoolsFile:
         for i in range(replicas)
     ]
     scale = TRAFFIC_SCALE * replicas / REPLICAS
+    workload = chat.workload
+    assert workload is not None
     tenants = [
         tenant.model_copy(
             update={
@@ -95,12 +97,12 @@ def busy_pool(replicas: int) -> PoolsFile:
                 ]
             }
         )
-        for tenant in chat.workload.tenants
+        for tenant in workload.tenants
     ]
     chat = chat.model_copy(
         update={
             "replicas": replica_list,
-            "workload": chat.workload.model_copy(update={"tenants": tenants}),
+            "workload": workload.model_copy(update={"tenants": tenants}),
         }
     )
     return pools.model_copy(update={"pools": [chat]})

@@ -12,6 +12,7 @@ from __future__ import annotations
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -27,7 +28,7 @@ SLOTS_PER_STEP = 256
 STEP_INTERVAL = 0.0005
 
 
-def _step_arguments(rng: np.random.Generator, step: int) -> tuple:
+def _step_arguments(rng: np.random.Generator, step: int) -> tuple[Any, ...]:
     n = SLOTS_PER_STEP
     request_ids = [f"cmpl-{step % 997:04d}-{slot:03d}-5f1c2a10" for slot in range(n)]
     new_tokens = rng.integers(1, 64, n)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,7 @@ class Figure:
     def meets(self) -> bool:
         return self.value <= self.target if self.direction == "max" else self.value >= self.target
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "value": self.value,

@@ -12,7 +12,7 @@ from pipeline.hook.recorder import StepRecorder
 from schemas.records import SegmentHeader
 from tests.helpers.children import stop_leftovers
 from tests.helpers.fleets import simulate_small
-from tests.helpers.steplog_samples import HEADER, fixed_clocks, record_numbered_steps
+from tests.helpers.steplog_samples import HEADER, Clocks, fixed_clocks, record_numbered_steps
 
 # Property tests try the same examples on every run, and neither an example nor the generation
 # of examples has a time limit: a loaded machine makes any of them slow, and a failure must not
@@ -50,7 +50,7 @@ def header() -> SegmentHeader:
 
 
 @pytest.fixture(scope="session")
-def clocks() -> dict:
+def clocks() -> Clocks:
     return fixed_clocks()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 import pytest
@@ -33,7 +34,7 @@ def run_hour(data: Path, pools: PoolsFile) -> dg.ExecuteInProcessResult:
     )
 
 
-def calibration_rows(data: Path) -> list[tuple]:
+def calibration_rows(data: Path) -> list[tuple[Any, ...]]:
     with finance.connect(data) as con:
         return con.execute(
             "SELECT check_name, replica, passed, severity, detail FROM reconciliation "
@@ -160,7 +161,9 @@ def test_a_drifted_fit_of_a_fitted_pool_fails_the_run(calibrated: Path) -> None:
     assert (outcome["success"], outcome["held_back"], outcome["error"]) == (False, False, None)
     (failure,) = result.get_step_failure_events()
     assert failure.step_key == "reconciliation"
-    assert failure.step_failure_data.error.message.startswith(
+    error = failure.step_failure_data.error
+    assert error is not None
+    assert error.message.startswith(
         "dagster._core.definitions.events.Failure: ERROR findings, the hour is published: calibration_drift"
     )
     ((detail,),) = [(r[4],) for r in calibration_rows(calibrated) if r[0] == "calibration_drift"]

@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 import polars as pl
@@ -78,6 +79,7 @@ def tick_with_cursor(data: Path, now: datetime, cursor: str | None) -> tuple[str
     with dg.build_sensor_context(resources=resources, cursor=cursor) as context:
         result = sensor(context)
         assert isinstance(result, dg.SkipReason)
+        assert result.skip_message is not None
         return result.skip_message, context.cursor
 
 
@@ -85,7 +87,7 @@ def tick(data: Path, now: datetime, deployed: datetime = DEPLOYED) -> str:
     return tick_with_cursor(data, now, deployed.isoformat())[0]
 
 
-def paged(alert_file: Path) -> list[dict]:
+def paged(alert_file: Path) -> list[dict[str, Any]]:
     return (
         [json.loads(line) for line in alert_file.read_text().splitlines()]
         if alert_file.exists()
@@ -105,7 +107,9 @@ def test_a_late_hour_pages_within_five_minutes_of_its_grace_running_out(
     before = at(6, 0) - timedelta(seconds=1)
     assert tick(tmp_path, before) == "every pool on time: chat-8b reconciled to 2026-11-30T02"
     assert paged(alert_file) == []
-    after = before + timedelta(seconds=sensor.minimum_interval_seconds)
+    interval = sensor.minimum_interval_seconds
+    assert interval is not None
+    after = before + timedelta(seconds=interval)
     assert after - at(6, 0) <= timedelta(minutes=5)
     assert tick(tmp_path, after) == (
         "1 pool(s) overdue, 1 newly paged: chat-8b reconciled to 2026-11-30T02"

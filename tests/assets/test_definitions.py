@@ -20,7 +20,10 @@ def test_definitions_load(tmp_path: Path) -> None:
     job = defs.resolve_job_def("pool_hour_job")
     # Every step that opens the DuckDB file is in the single-writer pool; the attribution
     # reads only the lake, so pool-hours can attribute while another holds the warehouse.
-    nodes = {node.name: node.definition for node in job.nodes_in_topological_order}
+    nodes: dict[str, dg.OpDefinition] = {}
+    for node in job.nodes_in_topological_order:
+        assert isinstance(node.definition, dg.OpDefinition), node.name
+        nodes[node.name] = node.definition
     assert {name: node.pool for name, node in nodes.items()} == {
         "step_log": "duckdb",
         "request_context": "duckdb",
@@ -34,6 +37,7 @@ def test_definitions_load(tmp_path: Path) -> None:
         "ledger",
         "reconciliation",
     }
+    assert job.partitions_def is not None
     keys = job.partitions_def.get_partition_keys(current_time=datetime(2026, 11, 1, 2, tzinfo=UTC))
     assert [str(k) for k in keys] == [
         "2026-11-01-00:00|chat-8b",
@@ -77,7 +81,9 @@ def test_importing_the_code_location_does_no_io(tmp_path: Path) -> None:
     assert out.stdout.strip() == "[]"
 
 
-def scheduled_partitions(delay_minutes: int, tmp_path: Path) -> tuple[str, list[tuple[str, str]]]:
+def scheduled_partitions(
+    delay_minutes: int, tmp_path: Path
+) -> tuple[str, list[tuple[str | None, str | None]]]:
     """The schedule's cron, and the (partition, run key) pairs its 06:15 UTC tick requests."""
     pools = small_pools()
     pools = pools.model_copy(
@@ -92,6 +98,8 @@ def scheduled_partitions(delay_minutes: int, tmp_path: Path) -> tuple[str, list[
         repository_def=defs.get_repository_def(),
     )
     requests = schedule.evaluate_tick(tick).run_requests
+    assert requests is not None
+    assert isinstance(schedule.cron_schedule, str)
     return schedule.cron_schedule, [(r.partition_key, r.run_key) for r in requests]
 
 
@@ -133,6 +141,11 @@ def test_the_warehouse_directory_is_created_on_first_use(tmp_path: Path) -> None
     assert (tmp_path / "not" / "yet" / "warehouse.duckdb").is_file()
 
 
+def description(spec: dg.AssetCheckSpec) -> str:
+    assert spec.description is not None, spec.name
+    return spec.description
+
+
 def test_checks_are_per_pool_hour_described_and_only_those_holding_an_hour_back_block() -> None:
     from assets.partitions import pool_hour_partitions
     from assets.reconciliation import build_reconciliation_checks
@@ -142,7 +155,7 @@ def test_checks_are_per_pool_hour_described_and_only_those_holding_an_hour_back_
     specs = {spec.name: spec for spec in checks.check_specs}
     assert {name: spec.blocking for name, spec in specs.items()} == BLOCKING_CHECKS
     assert all(spec.partitions_def == partitions for spec in specs.values())
-    assert {name: spec.description.split(".")[-2] for name, spec in specs.items()} == {
+    assert {name: description(spec).split(".")[-2] for name, spec in specs.items()} == {
         "sequence": " A failure holds the hour back",
         "time": " A failure holds the hour back",
         "money": " A failure holds the hour back",

@@ -1,10 +1,13 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
+import duckdb
 import pytest
 
 from assets.definitions import build_definitions
@@ -31,7 +34,7 @@ def run_hour(data: Path, instance: dg.DagsterInstance) -> dg.ExecuteInProcessRes
     )
 
 
-def snapshot(data: Path) -> dict[str, list[tuple]]:
+def snapshot(data: Path) -> dict[str, list[tuple[Any, ...]]]:
     with connect(data / STATE_FILE) as con:
         return {
             table: con.execute(
@@ -46,6 +49,22 @@ def snapshot(data: Path) -> dict[str, list[tuple]]:
                 ("request_context", "received_at"),
             )
         }
+
+
+def one_row(con: duckdb.DuckDBPyConnection, sql: str) -> tuple[Any, ...]:
+    row = con.execute(sql).fetchone()
+    assert row is not None, sql
+    return row
+
+
+def run_key(request: dg.RunRequest) -> str:
+    assert request.run_key is not None
+    return request.run_key
+
+
+def multi_partition_key(request: dg.RunRequest) -> dg.MultiPartitionKey:
+    assert isinstance(request.partition_key, dg.MultiPartitionKey)
+    return request.partition_key
 
 
 @pytest.fixture
@@ -69,18 +88,17 @@ def test_a_simulated_hour_end_to_end(data: Path) -> None:
     )
     with finance.connect(data) as con:
         invoice = con.execute("SELECT gpus, amount_nano FROM invoices").fetchall()
-        lines_total = con.execute("SELECT sum(amount_nano) FROM ledger_lines").fetchone()[0]
+        (lines_total,) = one_row(con, "SELECT sum(amount_nano) FROM ledger_lines")
         kinds = {
             r[0] for r in con.execute("SELECT DISTINCT line_kind FROM ledger_lines").fetchall()
         }
-        requests_total = con.execute("SELECT sum(amount_nano) FROM request_costs").fetchone()[0]
-        charged = con.execute(
-            "SELECT sum(amount_nano) FROM ledger_lines WHERE line_kind IN ('usage', 'unattributed', 'platform_retry')"
-        ).fetchone()[0]
-        published = con.execute("SELECT sum(amount_nano) FROM tenant_costs_hourly").fetchone()[0]
-        focus = con.execute(
-            "SELECT sum(x_AmountNano), min(ChargePeriodStart) FROM focus_costs"
-        ).fetchone()
+        (requests_total,) = one_row(con, "SELECT sum(amount_nano) FROM request_costs")
+        (charged,) = one_row(
+            con,
+            "SELECT sum(amount_nano) FROM ledger_lines WHERE line_kind IN ('usage', 'unattributed', 'platform_retry')",
+        )
+        (published,) = one_row(con, "SELECT sum(amount_nano) FROM tenant_costs_hourly")
+        focus = one_row(con, "SELECT sum(x_AmountNano), min(ChargePeriodStart) FROM focus_costs")
     # Two one-GPU replicas for the hour, at the pool's GPU-hour price, to the nano-dollar.
     expected = 2 * small_pools().pool("chat-8b").nano_per_gpu_hour
     assert invoice == [(2, expected)]
@@ -113,9 +131,11 @@ def test_sensor_requests_ingestion_for_new_segments(data: Path) -> None:
     resources = {"data": StepledgerData(data_dir=str(data))}
     with dg.build_sensor_context(resources=resources) as context:
         first = sensor(context)
-    assert [r.run_key.split("|")[0] for r in first.run_requests] == ["chat-8b"]
+    assert isinstance(first, dg.SensorResult)
+    assert first.run_requests is not None
+    assert [run_key(r).split("|")[0] for r in first.run_requests] == ["chat-8b"]
     # Labelled with the hour that last ended; ingestion takes every new segment whatever it is.
-    assert [r.partition_key.keys_by_dimension for r in first.run_requests] == [
+    assert [multi_partition_key(r).keys_by_dimension for r in first.run_requests] == [
         {"hour": "2026-11-30-05:00", "pool": "chat-8b"}
     ]
     newest = max(p.stat().st_mtime_ns for p in segment_files(data / "outbox"))
@@ -135,7 +155,7 @@ def test_the_ledger_materialization_tells_the_hour(data: Path) -> None:
             ).fetchall()
         )
         rows = [
-            con.execute(f"SELECT count(*) FROM {t}").fetchone()[0]
+            one_row(con, f"SELECT count(*) FROM {t}")[0]
             for t in ("invoices", "ledger_lines", "request_costs")
         ]
         tenants = con.execute(
@@ -164,7 +184,9 @@ def test_the_ledger_materialization_tells_the_hour(data: Path) -> None:
         "ledger_line_rows": rows[1],
         "request_cost_rows": rows[2],
     }
-    table = metadata["top_tenants"].splitlines()
+    top_tenants = metadata["top_tenants"]
+    assert isinstance(top_tenants, str)
+    table = top_tenants.splitlines()
     assert table[:2] == [
         "| tenant | amount | share of invoice | requests | new tokens | line kinds |",
         "|---|---:|---:|---:|---:|---|",
@@ -177,7 +199,9 @@ def test_the_ledger_materialization_tells_the_hour(data: Path) -> None:
         f"| {top} | ${amount / 1e9:,.6f} | {amount / invoice:.1%} | {requests:,} | "
     )
     checks = {e.check_name: e.metadata for e in result.get_asset_check_evaluations()}
-    money = checks["money"]["results_table"].value.splitlines()
+    results_table = checks["money"]["results_table"].value
+    assert isinstance(results_table, str)
+    money = results_table.splitlines()
     assert money[0] == "| scope | status | expected | observed | detail |"
     assert money[2].startswith(
         f"| chat-8b | passed | {invoice} nano-dollars (invoice) | {invoice} nano-dollars in "
@@ -227,7 +251,9 @@ def test_a_backfill_range_bills_each_hour_as_its_hourly_run_does(
         (e.check_name, e.partition, e.passed) for e in hourly_evaluations
     }
 
-    def ledger_figures(materializations: list[dg.AssetMaterialization]) -> dict[str, dict]:
+    def ledger_figures(
+        materializations: Sequence[dg.AssetMaterialization],
+    ) -> dict[str, dict[str, object]]:
         return {
             str(m.partition): {k: v.value for k, v in m.metadata.items() if k != "top_tenants"}
             for m in materializations

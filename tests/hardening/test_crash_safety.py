@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 import polars as pl
@@ -47,9 +48,9 @@ KILL_SEED = 20261130
 KILLS = int(os.environ.get("STEPLEDGER_CRASH_KILLS", "3"))
 
 
-def snapshot(data: Path) -> dict[str, list[tuple]]:
+def snapshot(data: Path) -> dict[str, list[tuple[Any, ...]]]:
     """Every warehouse table's rows (less circumstantial columns) and every lake row, sorted."""
-    tables: dict[str, list[tuple]] = {}
+    tables: dict[str, list[tuple[Any, ...]]] = {}
     with connect(data / STATE_FILE) as con:
         # `reruns` is history: a killed run that billed the hour once makes the re-run a rerun.
         for (table,) in con.execute(
@@ -73,7 +74,7 @@ def snapshot(data: Path) -> dict[str, list[tuple]]:
 
 
 @contextmanager
-def started(data: Path, *flags: str) -> Iterator[subprocess.Popen]:
+def started(data: Path, *flags: str) -> Iterator[subprocess.Popen[str]]:
     """The hour materializing in a process of its own, once it is ready to begin."""
     with child(
         [
@@ -90,6 +91,7 @@ def started(data: Path, *flags: str) -> Iterator[subprocess.Popen]:
         stderr=subprocess.DEVNULL,
         text=True,
     ) as process:
+        assert process.stdout is not None
         assert process.stdout.readline().strip() == "ready"
         yield process
 
@@ -103,11 +105,14 @@ def simulated(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(simulated, tmp_path_factory) -> tuple[dict, list[str]]:
+def uninterrupted(
+    simulated, tmp_path_factory
+) -> tuple[dict[str, list[tuple[Any, ...]]], list[str]]:
     """The hour materialized by one subprocess that runs to the end, and its stages."""
     data = tmp_path_factory.mktemp("uninterrupted") / "run"
     shutil.copytree(simulated, data)
     with started(data) as process:
+        assert process.stdout is not None
         lines = process.stdout.read().split()
         assert process.wait() == 0
     assert lines[-1] == "done"
@@ -132,6 +137,7 @@ def test_sigkill_anywhere_then_rerun_gives_the_uninterrupted_ledger(
             data = tmp_path / f"kill-{index}"
             shutil.copytree(simulated, data)
             with started(data) as process:
+                assert process.stdout is not None
                 while (line := process.stdout.readline().strip()) != f"stage {stage}":
                     assert line, f"the run ended before stage {stage}"
                 time.sleep(delay)
@@ -162,9 +168,7 @@ def test_killed_between_lake_write_and_warehouse_commit_then_more_segments_arriv
     held_back.rename(late)
     with dg.DagsterInstance.ephemeral() as instance:
         (result,) = bill(data, small_pools(), instance)
-    assert result.success, [
-        e.event_specific_data.error.message for e in result.get_step_failure_events()
-    ]
+    assert result.success, [e.step_failure_data.error for e in result.get_step_failure_events()]
     got = snapshot(data)
     assert got["lake/steps"] == expected["lake/steps"]
     assert got["ledger_lines"] == expected["ledger_lines"]
@@ -200,6 +204,7 @@ def test_an_engine_killed_mid_write_leaves_segments_that_decode_to_its_last_comp
         # The repository root: `python -c` imports `tests.helpers` from the working directory.
         cwd=HERE.parents[1],
     ) as engine:
+        assert engine.stdout is not None
         assert engine.stdout.readline().strip() == "recording"
         # Counted from the segment file's creation, which a loaded machine may delay by more
         # than the shortest delay.
@@ -225,17 +230,18 @@ def test_an_engine_killed_mid_write_leaves_segments_that_decode_to_its_last_comp
     assert all(row["path"] == str(recovered) and row["kind"] == "torn_tail" for row in damage), (
         damage
     )
-    expected_slots = pl.from_arrow(read_segments_of_steps(tmp_path, len(seqs)).slots).drop(
+    expected_slots = pl.DataFrame(read_segments_of_steps(tmp_path, len(seqs)).slots).drop(
         "replica", "pool"
     )
-    assert pl.from_arrow(decoded.slots).drop("replica", "pool").equals(expected_slots)
+    assert pl.DataFrame(decoded.slots).drop("replica", "pool").equals(expected_slots)
 
 
 def read_segments_of_steps(tmp_path: Path, steps: int):
     """What the same engine script records for exactly `steps` steps, closed cleanly."""
     from pipeline.hook.recorder import StepRecorder
     from pipeline.ingestion.decoder import read_segments
-    from tests.helpers.segment_bytes import HEADER, record_steps
+    from tests.helpers.segment_bytes import record_steps
+    from tests.helpers.steplog_samples import HEADER
 
     with StepRecorder(
         tmp_path / "clean", HEADER, overflow="block", rotate_bytes=3 << 19

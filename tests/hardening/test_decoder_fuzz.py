@@ -13,6 +13,7 @@ import tempfile
 import tracemalloc
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import hypothesis.strategies as st
 import pyarrow as pa
@@ -45,7 +46,7 @@ def decode(tmp_path: Path, *contents: bytes):
 
 
 @cache
-def original_rows() -> dict[str, list[dict]]:
+def original_rows() -> dict[str, list[dict[str, Any]]]:
     """Every row the intact segments decode to, without the segment id (splices move frames
     under another segment's header)."""
     decoded = read_segments_from_bytes(recorded_segments())
@@ -60,7 +61,7 @@ def read_segments_from_bytes(contents: tuple[bytes, ...]):
         return decode(Path(tmp), *contents)
 
 
-def _without_segment(row: dict) -> dict:
+def _without_segment(row: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in row.items() if k != "segment_id"}
 
 

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, timedelta
 from pathlib import Path
+from typing import Any, TypedDict
 
 import dagster as dg
 import duckdb
@@ -36,14 +37,14 @@ pytestmark = pytest.mark.timeout(600)
 REPLICA = "chat-8b-r0"
 
 
-def reconciliation(data: Path, columns: str, where: str) -> list[tuple]:
+def reconciliation(data: Path, columns: str, where: str) -> list[tuple[Any, ...]]:
     with connect_read_only(data / STATE_FILE) as con:
         return con.execute(
             f"SELECT {columns} FROM reconciliation WHERE {where} ORDER BY ALL"
         ).fetchall()
 
 
-def failed_findings(data: Path) -> list[tuple]:
+def failed_findings(data: Path) -> list[tuple[Any, ...]]:
     return reconciliation(
         data, "check_name, replica, severity, blocking, finding, detail", "NOT passed"
     )
@@ -60,8 +61,16 @@ def pools() -> PoolsFile:
     return small_pools()
 
 
+class Unfaulted(TypedDict):
+    """What the fleet without a fault bills and finds."""
+
+    money: dict[str, list[tuple[Any, ...]]]
+    findings: list[tuple[Any, ...]]
+    conservation: list[tuple[Any, ...]]
+
+
 @pytest.fixture(scope="module")
-def unfaulted(pools, tmp_path_factory) -> dict:
+def unfaulted(pools, tmp_path_factory) -> Unfaulted:
     data = simulate_small(tmp_path_factory.mktemp("unfaulted") / "fleet", pools)
     assert billed(data, pools)
     money = costs(data)
@@ -70,7 +79,7 @@ def unfaulted(pools, tmp_path_factory) -> dict:
     return {"money": money, "findings": failed_findings(data), "conservation": conservation(data)}
 
 
-def conservation(data: Path) -> list[tuple]:
+def conservation(data: Path) -> list[tuple[Any, ...]]:
     return reconciliation(data, "replica, passed, observed", "check_name = 'conservation'")
 
 
@@ -119,7 +128,7 @@ def test_steps_placed_in_an_hour_never_attributed_hold_the_hour_back(
     assert conservation(data)[1][:2] == ("chat-8b-r1", True)
 
 
-def new_findings(data: Path, unfaulted: dict) -> list[tuple]:
+def new_findings(data: Path, unfaulted: Unfaulted) -> list[tuple[Any, ...]]:
     """The failed results the fault added to those of the fleet without it."""
     return [f for f in failed_findings(data) if f not in unfaulted["findings"]]
 
@@ -190,7 +199,7 @@ def webhook(monkeypatch: pytest.MonkeyPatch):
     return serve
 
 
-def outbox(data: Path) -> list[tuple]:
+def outbox(data: Path) -> list[tuple[Any, ...]]:
     with duckdb.connect(str(data / STATE_FILE), read_only=True) as con:
         return con.execute(
             "SELECT alert::JSON->>'kind', attempts, last_error, delivered_at IS NOT NULL "
@@ -217,12 +226,9 @@ def test_a_page_the_sink_refuses_is_owed_until_it_accepts_then_delivered_once(
         with connect(data / STATE_FILE) as con:
             # The moments from the outbox, not the wall clock: a loaded machine may take longer
             # than the first retry's wait to get here.
-            enqueued, retry_at = (
-                moment.replace(tzinfo=UTC)
-                for moment in con.execute(
-                    "SELECT enqueued_at, next_attempt_at FROM alert_outbox"
-                ).fetchone()
-            )
+            owed = con.execute("SELECT enqueued_at, next_attempt_at FROM alert_outbox").fetchone()
+            assert owed is not None
+            enqueued, retry_at = (moment.replace(tzinfo=UTC) for moment in owed)
             # Not due yet: the first retry waits a minute after the refused attempt.
             assert (
                 alerts.deliver_due(con, alerts.sink_from_env(), retry_at - alerts.FIRST_RETRY) == []
@@ -260,7 +266,10 @@ def test_a_lake_file_rewritten_after_ingest_fails_the_hour_and_keeps_the_money(
         (result,) = bill(data, pools, instance)
     assert not result.success
     (failure,) = result.get_step_failure_events()
-    message = failure.event_specific_data.error.cause.message
+    error = failure.step_failure_data.error
+    assert error is not None
+    assert error.cause is not None
+    message = error.cause.message
     assert message.startswith(f"pipeline.storage.lake.LakeFileChanged: {steps_file}: sha256 ")
     assert "the lake file was changed after it was written" in message
     assert costs(data) == unfaulted["money"]
@@ -273,7 +282,7 @@ def rewrite(path: Path, change) -> None:
     """Rewrite a Parquet file as a reader with write access would: rows changed, the file's
     own metadata kept."""
     table = pq.read_table(path)
-    changed = change(pl.from_arrow(table)).to_arrow()
+    changed = change(pl.DataFrame(table)).to_arrow()
     pq.write_table(changed.replace_schema_metadata(table.schema.metadata), path)
 
 
@@ -296,7 +305,7 @@ def test_rewritten_inputs_or_ledger_files_fail_the_hour_and_keep_the_money(
             instance=instance,
             run_config=QUIET,
             raise_on_error=False,
-            **({"asset_selection": [dg.AssetKey(a) for a in assets]} if assets else {}),
+            asset_selection=[dg.AssetKey(a) for a in assets] if assets else None,
         )
 
     with dg.DagsterInstance.ephemeral() as instance:

@@ -98,7 +98,7 @@ def mutated_lines(draw, lines: list[str], byte_edits: bool = True) -> bytes:
         elif action == "cut":
             lines[index] = lines[index][: draw(st.integers(0, len(lines[index])))]
         else:
-            lines[index] = draw(st.text(st.characters(exclude_categories=("Cs",)), max_size=40))
+            lines[index] = draw(st.text(st.characters(exclude_categories=["Cs"]), max_size=40))
     data = bytearray("\n".join(lines).encode() + b"\n")
     if byte_edits and draw(st.booleans()):
         data[draw(st.integers(0, len(data) - 1))] = draw(st.integers(0, 255))

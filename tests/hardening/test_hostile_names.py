@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 import pytest
@@ -62,7 +63,7 @@ def billed(tmp_path_factory) -> tuple[Path, Path]:
     return plain, hostile
 
 
-def rows(data: Path, sql: str) -> list[tuple]:
+def rows(data: Path, sql: str) -> list[tuple[Any, ...]]:
     with finance.connect(data) as con:
         return con.execute(sql).fetchall()
 

@@ -14,7 +14,7 @@ import socket
 import threading
 import traceback
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import dagster as dg
 import duckdb
@@ -38,7 +38,7 @@ DEBUG_RUN = {"loggers": {"console": {"config": {"log_level": "DEBUG"}}}}
 
 
 class _Webhook(http.server.BaseHTTPRequestHandler):
-    received: ClassVar[list[tuple[str, dict]]] = []
+    received: ClassVar[list[tuple[str, dict[str, Any]]]] = []
 
     def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers["Content-Length"]))
@@ -303,7 +303,8 @@ def test_a_gateway_line_that_fails_validation_echoes_no_api_key(billed_run, tmp_
         (result,) = bill(copy, pools, instance, run_config=DEBUG_RUN)
         assert not result.success
         (failure,) = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
-        error = failure.event_specific_data.error
+        error = failure.step_failure_data.error
+        assert error is not None
         told = error.to_string()
         assert f"{gateway}:3: field tenant: Field required" in told
     storage = "".join(

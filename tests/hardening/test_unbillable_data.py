@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 import pytest
@@ -41,7 +42,7 @@ def billed(data: Path, pools: PoolsFile) -> bool:
 
 
 @pytest.fixture(scope="module")
-def undamaged(fleet, tmp_path_factory) -> dict:
+def undamaged(fleet, tmp_path_factory) -> dict[str, Any]:
     pools, data = fleet
     copy = tmp_path_factory.mktemp("undamaged") / "fleet"
     shutil.copytree(data, copy)
@@ -71,7 +72,7 @@ def sequence_detail(data: Path) -> str:
         )
 
 
-def damage_rows(data: Path) -> list[tuple]:
+def damage_rows(data: Path) -> list[tuple[Any, ...]]:
     with connect(data / STATE_FILE) as con:
         return con.execute("SELECT path, kind, detail FROM damage ORDER BY path").fetchall()
 

@@ -13,6 +13,7 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 import psutil
@@ -124,22 +125,23 @@ def listening_addresses(port: int) -> set[str]:
     return found
 
 
-def graphql(port: int, query: str) -> dict:
+def graphql(port: int, query: str) -> dict[str, Any]:
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}/graphql",
         data=json.dumps({"query": query}).encode(),
         headers={"Content-Type": "application/json"},
     )
     with urllib.request.urlopen(request, timeout=REQUEST_SECONDS) as response:
-        return json.loads(response.read())["data"]
+        data: dict[str, Any] = json.loads(response.read())["data"]
+    return data
 
 
-def schedule_statuses(status: dict) -> dict[str, str]:
+def schedule_statuses(status: dict[str, Any]) -> dict[str, str]:
     """Schedule name -> RUNNING or STOPPED, from the status query's answer."""
     return {s["name"]: s["scheduleState"]["status"] for s in status["schedulesOrError"]["results"]}
 
 
-def wait_for_daemons(port: int, deadline: float) -> dict:
+def wait_for_daemons(port: int, deadline: float) -> dict[str, Any]:
     """The status query's answer once every daemon reports healthy."""
     while time.monotonic() < deadline:
         try:

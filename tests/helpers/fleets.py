@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from assets.runner import QUIET_RUN_CONFIG as QUIET
 from schemas.config import PoolsFile, load_pools
@@ -25,7 +26,9 @@ def small_pools(
     """The default chat pool cut to two replicas; tenants and features renamed when given."""
     pools = load_pools()
     chat = pools.pool("chat-8b")
-    tenants = chat.workload.tenants
+    workload = chat.workload
+    assert workload is not None
+    tenants = workload.tenants
     if tenant_names is not None:
         tenants = [
             tenant.model_copy(
@@ -42,7 +45,7 @@ def small_pools(
     chat = chat.model_copy(
         update={
             "replicas": chat.replicas[:2],
-            "workload": chat.workload.model_copy(update={"tenants": tenants}),
+            "workload": workload.model_copy(update={"tenants": tenants}),
         }
     )
     return pools.model_copy(update={"pools": [chat]})
@@ -60,8 +63,8 @@ def bill(
     pools: PoolsFile,
     instance: dg.DagsterInstance,
     hour: datetime = SIMULATED_HOUR,
-    run_config: dict = QUIET,
-) -> list:
+    run_config: Mapping[str, Any] = QUIET,
+) -> list[dg.ExecuteInProcessResult]:
     """Materialize every pool of `hour` through the pool-hour job; the run results."""
     from assets.definitions import build_definitions
     from assets.partitions import partition_key
@@ -95,7 +98,7 @@ def page_on_call(
     defs.resolve_sensor_def("page_on_call")(context)
 
 
-def costs(data: Path) -> dict:
+def costs(data: Path) -> dict[str, list[tuple[Any, ...]]]:
     """What finance sees: published money by tenant, feature and line kind; the held-back hours."""
     from pipeline.storage.warehouse import STATE_FILE, connect_read_only
 
@@ -161,10 +164,8 @@ def record_again(
     mono_shift = wall_shift = 0
     if reboot_wall_shift_ns is not None:
         mono_shift, wall_shift = 1_000_000_000 - segment["mono_anchor_ns"], reboot_wall_shift_ns
-    clocks = {
-        "mono_clock": lambda anchor=segment["mono_anchor_ns"] + mono_shift: anchor,
-        "wall_clock": lambda anchor=segment["wall_anchor_ns"] + wall_shift: anchor,
-    }
+    mono_anchor: int = segment["mono_anchor_ns"] + mono_shift
+    wall_anchor: int = segment["wall_anchor_ns"] + wall_shift
     path.unlink()
     with StepRecorder(
         path.parent,
@@ -172,7 +173,8 @@ def record_again(
         overflow="block",
         rotate_bytes=rotate_bytes or MAX_SEGMENT_BYTES,
         first_seq=segment["first_seq"],
-        **clocks,
+        mono_clock=lambda: mono_anchor,
+        wall_clock=lambda: wall_anchor,
     ) as recorder:
         for index, step in enumerate(steps):
             s = slice(slot_bounds[index], slot_bounds[index + 1])

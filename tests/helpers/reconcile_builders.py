@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import polars as pl
 
@@ -25,7 +27,7 @@ MONO_AT_HOUR_NS = 987_654 * S
 
 
 def empty(schema) -> pl.DataFrame:
-    return pl.from_arrow(schema.empty_table())
+    return pl.DataFrame(schema.empty_table())
 
 
 def make_pool(
@@ -193,7 +195,9 @@ def make_dcgm(pool: Pool, values: dict[str, list[float]]) -> pl.DataFrame:
     )
 
 
-def make_ledger(pool: Pool, lines: list[tuple[str, str, int, int]]) -> pl.DataFrame:
+def make_ledger(
+    pool: Pool, lines: Sequence[tuple[str | None, str, int | None, int]]
+) -> pl.DataFrame:
     """Ledger lines (tenant, line_kind, amount_nano, requests) for the hour."""
     return pl.DataFrame(
         [

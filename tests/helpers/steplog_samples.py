@@ -4,6 +4,7 @@ the hardening tests (which also fuzz these segments)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypedDict
 
 from pipeline.hook.recorder import StepRecorder
 from schemas.records import FRAME_PREFIX, PREAMBLE, SegmentHeader
@@ -24,7 +25,14 @@ MONO_ANCHOR = 5_000_000_000
 WALL_ANCHOR = 1_796_014_800_000_000_000
 
 
-def fixed_clocks() -> dict:
+class Clocks(TypedDict):
+    """A StepRecorder's clocks, as keyword arguments."""
+
+    mono_clock: Callable[[], int]
+    wall_clock: Callable[[], int]
+
+
+def fixed_clocks() -> Clocks:
     return {"mono_clock": lambda: MONO_ANCHOR, "wall_clock": lambda: WALL_ANCHOR}
 
 

@@ -10,6 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from pricing import Deployment, Kernel, PricingError
+from pricing.plan import MeasuredRecurrent
 
 H200_READ = 4.8e6 * 0.8  # bytes per us
 H200_FP8 = 1.979e9  # FLOP per us
@@ -417,7 +418,7 @@ def test_go_compat_prices_a_recurrent_mixer_at_the_registrys_floor_and_rate():
     qwen = Kernel.build(Deployment(model="qwen3-next-80b-a3b", chip="h100", tp=2, compat="go"))
     physics = Kernel.build(Deployment(model="qwen3-next-80b-a3b", chip="h100", tp=2))
     assert physics.plan.layers[0].recurrent is not None
-    assert qwen.plan.layers[0].recurrent == type(qwen.plan.layers[0].recurrent)(
+    assert qwen.plan.layers[0].recurrent == MeasuredRecurrent(
         floor_us=0.0, us_per_token=0.0, state_bytes=physics.plan.layers[0].recurrent.state_bytes
     )
 

@@ -393,9 +393,14 @@ def _refused(tmp_path: Path, source: str, edits: dict[str, str], message: str) -
     for old, new in {f"name: {name}": "name: copy", **edits}.items():
         text = text.replace(old, new)
     (tmp_path / "copy.yaml").write_text(text)
-    spec_type = ChipSpec if directory == "chips" else ModelSpec
+
+    def load_copy() -> ChipSpec | ModelSpec:
+        if directory == "chips":
+            return _load(tmp_path, "copy", "chip", ChipSpec)
+        return _load(tmp_path, "copy", "model", ModelSpec)
+
     with pytest.raises(PricingError, match=message):
-        _load(tmp_path, "copy", directory.rstrip("s"), spec_type)
+        load_copy()
 
 
 def test_bad_data_files_name_file_and_field(tmp_path: Path):

@@ -189,7 +189,8 @@ def test_compose_step_by_hand():
     np.testing.assert_allclose(composed.stage, [[12.0], [19.0]])
     sm = 2 * 12 + 3 * (1 + 4) + 7
     hbm = 2 * 5 + 3 * (8 + 6) + 11
-    np.testing.assert_allclose(composed.totals, [[sm], [hbm], [15.0], [27.0], [20.0]])
+    totals: list[list[float]] = [[sm], [hbm], [15.0], [27.0], [20.0]]
+    np.testing.assert_allclose(composed.totals, totals)
     assert composed.nooverlap[0] == sm + hbm + 15 + 27 + 20
     assert composed.overlap[0] == 2 * 12 + 3 * 19 + 11 + 20
     assert composed.bottleneck[0] == 1  # hbm

@@ -16,7 +16,9 @@ def test_default_pools_file_loads():
     chat = pools.pool("chat-8b")
     assert chat.nano_per_gpu_hour == 3_600_000_000
     assert len(chat.replicas) == 4
-    tenants = {t.name for p in pools.pools for t in p.workload.tenants}
+    workloads = [p.workload for p in pools.pools if p.workload is not None]
+    assert len(workloads) == len(pools.pools)
+    tenants = {t.name for w in workloads for t in w.tenants}
     assert len(tenants) >= 4
 
 

@@ -4,6 +4,7 @@ named."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 
 from schemas.records import LAYOUT, FieldError, HeaderFrame, SegmentHeader
 
-HEADER = {
+HEADER: dict[str, Any] = {
     "pool": "chat-8b",
     "replica": "chat-8b-r0",
     "engine_name": "vllm",
@@ -105,7 +106,7 @@ def test_a_layout_of_other_than_name_code_pairs_is_refused():
     )
 
 
-text = st.text(st.characters(exclude_categories=("Cs",)), max_size=16)
+text = st.text(st.characters(exclude_categories=["Cs"]), max_size=16)
 
 
 @given(

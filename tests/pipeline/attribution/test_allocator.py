@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
@@ -323,8 +324,10 @@ def test_the_fixed_cost_policy_is_checked_and_a_step_without_tokens_splits_per_s
         np.array([0, 0]), 1, np.array([0, 0]), np.array([10, 20]), np.zeros(2, dtype=np.int64)
     )
     assert fitted_work_ms(COEFFICIENTS, idle, "per_token").tolist() == [6.0, 6.0]
+    # A policy outside the Literal type, which fitted_work_ms still refuses when it runs.
+    unknown_policy: Any = "per_hour"
     with pytest.raises(ValueError, match="unknown fixed-cost policy 'per_hour'"):
-        fitted_work_ms(COEFFICIENTS, idle, "per_hour")
+        fitted_work_ms(COEFFICIENTS, idle, unknown_policy)
 
 
 def test_slot_batch_names_a_step_index_out_of_order():

@@ -198,10 +198,9 @@ def test_calibrate_fits_real_segments_per_engine_version_and_stores_them(tmp_pat
     assert fits["0.12.0"]["stored"]
     assert fits["0.12.0"]["a_ms"] == pytest.approx(0.04, rel=0.1)
     loaded = CalibrationStore.load(store)
-    assert (
-        loaded.lookup("llama-3.1-8b-instruct", "h100", "0.12.0", "550.54").version
-        == fits["0.12.0"]["version"]
-    )
+    coefficients = loaded.lookup("llama-3.1-8b-instruct", "h100", "0.12.0", "550.54")
+    assert coefficients is not None
+    assert coefficients.version == fits["0.12.0"]["version"]
     text = _run("calibrate", "--data", str(tmp_path / "run"), "--store", str(store), "--dry-run")
     assert "R^2=0.9" in text.output
     assert "not stored (dry run)" in text.output

@@ -226,9 +226,9 @@ def test_platform_timeout_retries_and_missing_context():
     assert attributed.unattributed_fraction == 0.5
     assert attributed.unattributed_requests == 1
     caller_pays = make_pool(idle="capacity_owner", platform_pays_platform_retries=False)
-    kinds = set(_attribute(caller_pays, log).ledger.ledger_lines["line_kind"])
-    assert "platform_retry" not in kinds
-    assert "usage" in kinds
+    caller_pays_kinds = set(_attribute(caller_pays, log).ledger.ledger_lines["line_kind"])
+    assert "platform_retry" not in caller_pays_kinds
+    assert "usage" in caller_pays_kinds
 
 
 def test_cache_read_charges_hits_and_credits_them_back():

@@ -8,6 +8,7 @@ import io
 import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 import pytest
@@ -68,13 +69,14 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-def costs(data: Path, *args: str) -> dict:
+def costs(data: Path, *args: str) -> dict[str, Any]:
     result = CliRunner().invoke(costs_command, ["--data", str(data), "--format", "json", *args])
     assert result.exit_code == 0, result.output
-    return json.loads(result.output)
+    report: dict[str, Any] = json.loads(result.output)
+    return report
 
 
-def rows(report: dict, *columns: str) -> list[tuple]:
+def rows(report: dict[str, Any], *columns: str) -> list[tuple[Any, ...]]:
     return [tuple(row[c] for c in columns) for row in report["costs"]]
 
 
@@ -214,9 +216,9 @@ PUBLISHED_NANO = 1500
 )
 def test_every_view_counts_the_published_requests_and_money_once(data: Path, view: str) -> None:
     with finance.connect(data) as con:
-        requests, amount_nano = con.sql(
-            f"SELECT sum(requests), sum(amount_nano) FROM {view}"
-        ).fetchone()
+        totals = con.sql(f"SELECT sum(requests), sum(amount_nano) FROM {view}").fetchone()
+        assert totals is not None
+        requests, amount_nano = totals
     assert requests == PUBLISHED_REQUESTS
     assert amount_nano == PUBLISHED_NANO
 

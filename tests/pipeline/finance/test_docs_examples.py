@@ -9,6 +9,7 @@ import re
 import shlex
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 import pytest
@@ -54,7 +55,7 @@ def columns_of(table: str) -> list[str]:
 @pytest.fixture(scope="module")
 def billed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("docs")
-    stamp = {"hour": [HOUR], "pool": ["chat-8b"]}
+    stamp: dict[str, list[Any]] = {"hour": [HOUR], "pool": ["chat-8b"]}
     lines = pl.DataFrame(
         {
             **{k: v * 3 for k, v in stamp.items()},

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from assets.cli import main
 from pipeline import finance
 from pipeline.simulator import simulate
-from schemas.config import load_pools
+from schemas.config import PoolsFile, load_pools
 from tests.helpers.children import child
 from tests.helpers.dagster_processes import STEPLEDGER
 
@@ -30,7 +30,7 @@ PUBLISHED_AND_HELD = (
 )
 
 
-def small_chat_pool() -> object:
+def small_chat_pool() -> PoolsFile:
     pools = load_pools()
     chat = pools.pool("chat-8b")
     return pools.model_copy(
@@ -38,7 +38,7 @@ def small_chat_pool() -> object:
     )
 
 
-def run(data: Path) -> AbstractContextManager[subprocess.Popen]:
+def run(data: Path) -> AbstractContextManager[subprocess.Popen[str]]:
     return child(
         [STEPLEDGER, "run", "--data", str(data), "--json"],
         stdout=subprocess.PIPE,

@@ -61,7 +61,7 @@ FOCUS_UNIT_PRICING = {
 }
 FOCUS_COSTS = ("BilledCost", "ContractedCost", "EffectiveCost", "ListCost")
 FOCUS_TIMES = ("BillingPeriodEnd", "BillingPeriodStart", "ChargePeriodEnd", "ChargePeriodStart")
-FOCUS_ALLOWED = {
+FOCUS_ALLOWED: dict[str, set[str | None]] = {
     "ChargeCategory": {"Usage", "Purchase", "Tax", "Credit", "Adjustment"},
     "ChargeClass": {None, "Correction"},
     "ChargeFrequency": {"One-Time", "Recurring", "Usage-Based"},

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -24,7 +26,7 @@ FLAWS = (
 
 
 @st.composite
-def steps(draw: st.DrawFn) -> tuple:
+def steps(draw: st.DrawFn) -> tuple[Any, ...]:
     seed = draw(st.integers(0, 2**32 - 1))
     rng = np.random.default_rng(seed)
     slots = draw(st.integers(0, 6))
@@ -36,7 +38,7 @@ def steps(draw: st.DrawFn) -> tuple:
     drafted = np.minimum(new_tokens, rng.integers(0, 4, slots).astype(dtype))
     accepted = drafted // 2
     kv_blocks = rng.random(slots) * 40.0 if draw(st.booleans()) else rng.integers(0, 40, slots)
-    request_ids = [f"r{seed % 997}-{i}-{'ü' * (i % 3)}" for i in range(slots)]
+    request_ids: list[str | None] = [f"r{seed % 997}-{i}-{'ü' * (i % 3)}" for i in range(slots)]
     states = [HOLDER_STATES[i % len(HOLDER_STATES)] for i in range(holders)]
     start = int(rng.integers(0, 2**40))
     end = start + int(rng.integers(0, 10**6))
@@ -84,7 +86,7 @@ def steps(draw: st.DrawFn) -> tuple:
     )
 
 
-def one_by_one(batch: list[tuple]) -> list[bytes | str]:
+def one_by_one(batch: list[tuple[Any, ...]]) -> list[bytes | str]:
     encoded: list[bytes | str] = []
     for step in batch:
         try:
@@ -135,7 +137,7 @@ def test_a_bad_step_fails_alone_and_its_neighbours_keep_their_bytes():
 
 
 def test_a_clean_batch_is_packed_whole_to_the_same_bytes():
-    step = (
+    step: tuple[Any, ...] = (
         1,
         2,
         3,
@@ -154,7 +156,25 @@ def test_a_clean_batch_is_packed_whole_to_the_same_bytes():
         0,
         5,
     )
-    empty = (2, 3, 3, [], [], [], [], [], [], [], [], ["h"], [2.0], ["waiting"], False, 1, 5)
+    empty: tuple[Any, ...] = (
+        2,
+        3,
+        3,
+        [],
+        [],
+        [],
+        [],
+        [],
+        [],
+        [],
+        [],
+        ["h"],
+        [2.0],
+        ["waiting"],
+        False,
+        1,
+        5,
+    )
     expected = [step_frame(*step), step_frame(*empty)]
     assert _batch_frames([step, empty]) == expected
     assert step_frames([step, empty]) == expected

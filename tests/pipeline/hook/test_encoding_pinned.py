@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -14,6 +15,11 @@ from tests.helpers.steplog_samples import HEADER, MONO_ANCHOR, fixed_clocks
 # SHA-256 of every segment's frames after its header frame, concatenated in shipping order.
 PINNED_FRAMES_SHA256 = "992bf1207701867275e8db3835670e22179daf2d647bee087f6f17c2e4519ab9"
 PINNED_SEGMENTS = 5
+
+
+# Engines may report block counts as numpy integers, which the encoder takes as it takes an
+# int (step_frame checks for int or np.integer) though record_step is annotated `int`.
+NUMPY_TOTAL_BLOCKS: Any = np.int64(5000)
 
 
 def _record_fixed_sequence(recorder: StepRecorder) -> None:
@@ -33,7 +39,7 @@ def _record_fixed_sequence(recorder: StepRecorder) -> None:
             accepted = drafted + 1
         as_list = step % 3 == 0
 
-        def column(values: np.ndarray, as_list: bool = as_list) -> object:
+        def column(values: np.ndarray, as_list: bool = as_list) -> list[Any] | np.ndarray:
             return values.tolist() if as_list else values
 
         recorder.record_step(
@@ -52,7 +58,7 @@ def _record_fixed_sequence(recorder: StepRecorder) -> None:
             holder_states=["waiting"] * holders,
             admission_blocked=step % 5 == 0,
             free_blocks=int(rng.integers(0, 5000)),
-            total_blocks=np.int64(5000),
+            total_blocks=NUMPY_TOTAL_BLOCKS,
         )
 
 

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -159,7 +160,9 @@ def test_invalid_steps_are_rejected_loudly_and_leave_a_drop(tmp_path, header, re
             holder_states=["preempted"],
         )
         recorder.record_step(30, 20, [], [], [], [], [], [], [], [])
-        recorder.record_step(10, 20, [7], [1], [0], [1.0], [1], [0], [0], [0])
+        # A request id that is not a string, as a faulty engine could pass despite the types.
+        not_string_ids: list[Any] = [7]
+        recorder.record_step(10, 20, not_string_ids, [1], [0], [1.0], [1], [0], [0], [0])
         record_steps(recorder, 7, 1)
     assert recorder.rejected_steps == 6
     decoded = read_segments(outbox.glob("*.seg"))

@@ -103,7 +103,7 @@ def expected_step(engine: Engine, batch: Any, cached_seen: dict[str, int]) -> di
     }
 
 
-def checked_engine(expected: list[dict]) -> type:
+def checked_engine(expected: list[dict[str, Any]]) -> type:
     """Engine, noting each batch's expected record when it is handed to the model."""
     cached_seen: dict[str, int] = {}
 
@@ -182,7 +182,7 @@ def test_recorded_steps_match_sglangs_own_state(
         )
         return StepRecorder(environment, header)
 
-    expected: list[dict] = []
+    expected: list[dict[str, Any]] = []
     recording = adapter.recording_scheduler_class(checked_engine(expected), recorder_for)
     engine = recording(args, KV_TOKENS, overlap)
     run_scenario(engine)
@@ -218,7 +218,7 @@ def test_recorded_steps_match_sglangs_own_state(
         assert step["admission_blocked"] == want["admission_blocked"], f"step {seq}"
 
     # The scenario reached every case it is meant to check.
-    first = {}
+    first: dict[str, dict[str, Any]] = {}
     for slot in slots:
         first.setdefault(slot["request_id"], slot)
     assert (first["a"]["new_tokens"], first["a"]["prompt_tokens"]) == (64, 100)

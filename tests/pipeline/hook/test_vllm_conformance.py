@@ -117,10 +117,10 @@ def expected_step(scheduler: Any, output: Any) -> dict[str, Any]:
     }
 
 
-def run_scenario(scheduler: Any, async_scheduling: bool, make_request: Any) -> list[dict]:
+def run_scenario(scheduler: Any, async_scheduling: bool, make_request: Any) -> list[dict[str, Any]]:
     """Chunked prefill, a prefix-cache hit, speculative decoding, a streaming session that
     waits between inputs with its KV, a preemption under KV pressure, and an abort."""
-    expected: list[dict] = []
+    expected: list[dict[str, Any]] = []
 
     def on_schedule(scheduler: Any, output: Any) -> None:
         if output.total_num_scheduled_tokens:
@@ -234,7 +234,7 @@ def test_recorded_steps_match_the_real_scheduler(
         assert step["admission_blocked"] == want["admission_blocked"], f"step {seq}"
 
     # The scenario reached every case it is meant to check.
-    first = {}
+    first: dict[str, dict[str, Any]] = {}
     for slot in slots:
         first.setdefault(slot["request_id"], slot)
     assert (first["a"]["new_tokens"], first["a"]["prompt_tokens"]) == (64, 100)

@@ -152,7 +152,7 @@ def test_read_hour_takes_every_host_file_and_only_samples_of_the_hour(tmp_path: 
     assert read_dcgm_hour(tmp_path / "nothing-here", HOUR).schema == DCGM_SCHEMA
 
 
-label_text = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12)
+label_text = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=12)
 
 
 @settings(max_examples=100, deadline=None)

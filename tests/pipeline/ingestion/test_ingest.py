@@ -6,6 +6,7 @@ import shutil
 import threading
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import hypothesis.strategies as st
 import polars as pl
@@ -117,7 +118,7 @@ def test_a_full_outbox_is_ingested_in_batches_of_bounded_bytes(
         outbox, POOL, "chat-8b-r1", start=HOUR, steps=10, step_ns=NS, gap_ns=NS, requests=["c"]
     )
 
-    def lake_content(lake: Path) -> dict[str, list[tuple]]:
+    def lake_content(lake: Path) -> dict[str, list[tuple[Any, ...]]]:
         return {
             table: sorted(
                 row for f in (lake / table).rglob("*.parquet") for row in pl.read_parquet(f).rows()
@@ -193,7 +194,7 @@ def test_a_torn_segment_is_bounded_by_the_next_one_in_the_next_batch(
     torn = segment_files(outbox)[0]
     torn.write_bytes(torn.read_bytes()[:-40])
 
-    def damage(database: str) -> list[tuple]:
+    def damage(database: str) -> list[tuple[Any, ...]]:
         with connect(tmp_path / database) as con:
             ingest_outbox(con, outbox, tmp_path / database.replace(".duckdb", "-lake"))
             return con.execute("SELECT kind, first_seq, last_seq FROM damage").fetchall()
@@ -488,9 +489,11 @@ def test_garbage_after_an_intact_segment_holds_nothing_back(tmp_path: Path) -> N
         ((kind, first, last, detail),) = con.execute(
             "SELECT kind, first_seq, last_seq, detail FROM damage"
         ).fetchall()
-        next_first = con.execute(
+        next_segment = con.execute(
             "SELECT first_seq FROM segments ORDER BY first_seq LIMIT 1 OFFSET 2"
-        ).fetchone()[0]
+        ).fetchone()
+        assert next_segment is not None
+        (next_first,) = next_segment
         # The next segment starts right after the last intact frame: an empty range.
         assert (kind, first, last) == ("recovered", next_first, next_first - 1)
         assert detail.startswith("corrupt_frame (") or detail.startswith("torn_tail (")

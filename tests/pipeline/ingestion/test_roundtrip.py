@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import hypothesis.strategies as st
 from hypothesis import given, settings
@@ -82,7 +84,7 @@ def test_round_trip(header, clocks, log, first_seq, rotate_bytes, columns_as_lis
                 if step["drop"]:
                     recorder.drop_step()
                     continue
-                columns = [
+                columns: list[Sequence[Any]] = [
                     [slot[name] for slot in step["slots"]] for name in ("request_id", *SLOT_COLUMNS)
                 ]
                 if not columns_as_lists:

@@ -7,6 +7,7 @@ import traceback
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,7 +43,7 @@ class Receiver(LocalEndpoint):
     """A local HTTP endpoint that records every POST and answers with a chosen status."""
 
     def __init__(self, status: int = 202) -> None:
-        self.requests: list[tuple[str, dict, dict]] = []
+        self.requests: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
         self.status = status
         super().__init__(SECRET_PATH, self._record)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import TypedDict
 
 import duckdb
 import polars as pl
@@ -54,7 +55,16 @@ UUID0, UUID1 = "GPU-0000-0000", "GPU-0001-0000"
 # Two H100s for an hour at 3.60 USD, all of it one tenant's usage.
 INVOICE_NANO = 7_200_000_000
 KEY = ("llama-3.1-8b-instruct", "h100", "0.25.0", "570.86")
-FITS = {"stored_fit": {"c0_ms": 4.0}, "fresh_fit": {"c0_ms": 8.0}}
+
+
+class Fits(TypedDict):
+    """The stored and the fresh calibration fit, as check_calibration's keyword arguments."""
+
+    stored_fit: dict[str, float]
+    fresh_fit: dict[str, float]
+
+
+FITS: Fits = {"stored_fit": {"c0_ms": 4.0}, "fresh_fit": {"c0_ms": 8.0}}
 
 
 def with_repeats(steps: pl.DataFrame, replica: str, first: int, last: int) -> pl.DataFrame:

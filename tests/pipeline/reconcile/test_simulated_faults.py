@@ -33,6 +33,7 @@ def quiet_pool():
     """Three replicas of the default 8B pool with light traffic, so an hour simulates in seconds."""
     pools = load_pools()
     chat = pools.pool("chat-8b")
+    assert chat.workload is not None
     tenant = next(t for t in chat.workload.tenants if t.name == "globex-search")
     feature = tenant.features[0].model_copy(update={"requests_per_s": 0.3})
     workload = chat.workload.model_copy(
@@ -64,7 +65,7 @@ def simulate_and_check(out_dir: Path, faults: dict[str, float | None]) -> Run:
     simulate(out_dir, pools, hours=1, seed=11, faults=faults)
     log = read_segments(sorted(out_dir.glob("outbox/*/*.seg")))
     steps, slots, holders, segments, damage, drops = (
-        pl.from_arrow(table)
+        pl.DataFrame(table)
         for table in (log.steps, log.slots, log.holders, log.segments, log.damage, log.drops)
     )
     context = pl.concat(

@@ -164,7 +164,9 @@ def test_renders_in_headless_chromium(report: tuple[Path, str], tmp_path: Path) 
     with Image.open(png) as image:
         assert image.size == (1400, 3000)
         # A blank or failed page is one colour; the report has text and charts.
-        assert len(image.convert("RGB").getcolors(maxcolors=1 << 20)) > 50
+        colors = image.convert("RGB").getcolors(maxcolors=1 << 20)
+        assert colors is not None
+        assert len(colors) > 50
     # The page as Chromium built it: the sections in their order, a CSV under every table.
     dom = _chromium(out, "--dump-dom")
     headings = re.findall(r"<h2[^>]*>(.*?)</h2>", dom)

@@ -33,7 +33,7 @@ class Trace:
 def run_to_completion(engine: Engine, chunk: int = 16, max_batches: int = 100_000) -> Trace:
     """Drive the engine with a clock that advances STEP_NS per step until every request finished."""
     now = 0
-    batches = []
+    batches: list[StepBatch] = []
     for _ in range(max_batches):
         if not engine.has_work:
             upcoming = engine.next_arrival_ns
@@ -79,7 +79,8 @@ def make_engine(
 def check_invariants(trace: Trace) -> None:
     engine = trace.engine
     cfg = engine.config
-    context = {}
+    # Each request's context length after its latest step.
+    context: dict[int, int] = {}
     for slots, holders, batch, j in trace.steps():
         requests = batch.slot_request[slots]
         assert len(set(requests.tolist())) == requests.shape[0], "a request twice in one step"

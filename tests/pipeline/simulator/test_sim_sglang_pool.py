@@ -25,12 +25,14 @@ def sglang_pools() -> PoolsFile:
 def test_a_pool_served_by_sglang_is_billed_through_the_pool_hour_job(tmp_path: Path) -> None:
     pools = sglang_pools()
     data = simulate_small(tmp_path / "run", pools)
-    segments = pl.from_arrow(read_segments(sorted((data / "outbox").rglob("*.seg"))).segments)
+    segments = pl.DataFrame(read_segments(sorted((data / "outbox").rglob("*.seg"))).segments)
     assert segments["engine_name"].unique().to_list() == ["sglang"]
 
     (result,) = bill(data, pools, dg.DagsterInstance.ephemeral())
     assert result.success
     published = costs(data)["published"]
     tenants = {tenant for tenant, _, _, _ in published}
-    assert tenants >= {tenant.name for tenant in pools.pool("chat-8b").workload.tenants}
+    workload = pools.pool("chat-8b").workload
+    assert workload is not None
+    assert tenants >= {tenant.name for tenant in workload.tenants}
     assert sum(amount for _, _, _, amount in published) > 0

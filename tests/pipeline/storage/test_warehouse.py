@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from pipeline import finance
 from pipeline.reconcile.alerts import record_alerts
+from pipeline.reconcile.result import CheckResult
 from pipeline.storage import warehouse
 from pipeline.storage.warehouse import (
     STATE_FILE,
@@ -170,7 +171,9 @@ def test_views_show_only_hours_whose_blocking_checks_passed(tmp_path: Path) -> N
             ("other", "failed blocking checks: money"),
             ("unchecked", "not reconciled yet"),
         ]
-        assert con.execute("SELECT sum(BilledCost) FROM focus_costs").fetchone()[0] == 3
+        billed = con.execute("SELECT sum(BilledCost) FROM focus_costs").fetchone()
+        assert billed is not None
+        assert billed[0] == 3
 
 
 def test_non_blocking_failure_still_publishes(tmp_path: Path) -> None:
@@ -187,7 +190,22 @@ def test_non_blocking_failure_still_publishes(tmp_path: Path) -> None:
 
 
 def test_failed_check_alerts_once_per_finding(tmp_path: Path) -> None:
-    failing = [Check(HOUR, "chat", "r1", "sequence", False, detail="missing 10-19", finding="gap")]
+    # A real CheckResult: record_alerts takes those, where record_checks takes any row-like object.
+    failing = [
+        CheckResult(
+            HOUR,
+            "chat",
+            "r1",
+            "sequence",
+            False,
+            expected="e",
+            observed="o",
+            detail="missing 10-19",
+            severity="ERROR",
+            blocking=True,
+            finding="gap",
+        )
+    ]
     with connect(tmp_path / "w.duckdb") as con:
         for _ in range(3):
             record_checks(con, HOUR, "chat", ["sequence"], failing)
@@ -226,7 +244,9 @@ def test_replaying_any_sequence_of_runs_leaves_the_last(
             rows = [("t", f"f{i}", "usage", a, 1, 1) for i, a in enumerate(amounts)]
             publish(con, "chat", rows, sum(amounts))
         stored = con.execute("SELECT amount_nano FROM ledger_lines ORDER BY feature").fetchall()
-        invoiced = con.execute("SELECT sum(amount_nano) FROM tenant_costs_hourly").fetchone()[0]
+        invoiced_row = con.execute("SELECT sum(amount_nano) FROM tenant_costs_hourly").fetchone()
+        assert invoiced_row is not None
+        (invoiced,) = invoiced_row
     assert [r[0] for r in stored] == runs[-1]
     assert invoiced == sum(runs[-1])
 
