@@ -18,7 +18,6 @@ import pytest
 from assets.cli.dev import group_alive
 from assets.schedules import build_hourly_schedule
 from pipeline.cli.dagster_instance import (
-    DATA_ENV,
     INSTANCE_TEMPLATE,
     instance_dir,
     materialize_pool_hours,
@@ -43,12 +42,6 @@ from tests.helpers.fleets import BLOCKING_CHECKS, small_pools
 # alone has taken three minutes.
 STARTUP_SECONDS = 600
 pytestmark = pytest.mark.timeout(1200)
-
-
-def test_the_code_location_reads_the_data_directory_from_the_same_variable() -> None:
-    from assets.resources import DATA_ENV as CODE_LOCATION_DATA_ENV
-
-    assert DATA_ENV == CODE_LOCATION_DATA_ENV
 
 
 def test_dagster_home_when_set_else_the_data_directory_instance(tmp_path: Path) -> None:

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.hook.replica import HookConfigError, ReplicaDescriptor, read_descriptor
+from pipeline.hook.replica import (
+    HookConfigError,
+    ReplicaDescriptor,
+    driver_version,
+    read_descriptor,
+)
 
 SUGGESTION = "; write it with `stepledger hook-config --replica REPLICA`"
 
@@ -67,3 +72,10 @@ def test_a_descriptor_reads_back_as_written(tmp_path):
     path = tmp_path / "replica.json"
     path.write_bytes(descriptor.to_json())
     assert read_descriptor(path) == descriptor
+
+
+def test_the_driver_version_comes_from_the_environment_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("STEPLEDGER_DRIVER_VERSION", "550.54.15")
+    assert driver_version() == "550.54.15"

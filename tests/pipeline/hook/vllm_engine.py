@@ -115,7 +115,12 @@ def vllm_config(
 def kv_cache_config(num_blocks: int, sliding_window: int | None = None) -> KVCacheConfig:
     """One full-attention KV-cache group; with `sliding_window`, layer 1 is a second group
     attending to that many tokens (a hybrid model, as Gemma 3 or gpt-oss)."""
-    shape = {"block_size": BLOCK_SIZE, "num_kv_heads": 2, "head_size": 16, "dtype": torch.float32}
+    shape: dict[str, Any] = {
+        "block_size": BLOCK_SIZE,
+        "num_kv_heads": 2,
+        "head_size": 16,
+        "dtype": torch.float32,
+    }
     groups = [KVCacheGroupSpec(["model.layers.0.self_attn.attn"], FullAttentionSpec(**shape))]
     if sliding_window is not None:
         groups.append(
@@ -208,13 +213,11 @@ class Engine:
             sampled.append(
                 [] if request.is_prefill_chunk else [SAMPLED_TOKEN] * (1 + min(len(drafts), 1))
             )
+        # vLLM 0.33's output also maps each request to its row; 0.34's rows follow req_ids.
+        fields: dict[str, Any] = {"req_ids": request_ids, "sampled_token_ids": sampled}
         if HAS_REQ_ID_TO_INDEX:
-            return ModelRunnerOutput(
-                req_ids=request_ids,
-                req_id_to_index={r: i for i, r in enumerate(request_ids)},
-                sampled_token_ids=sampled,
-            )
-        return ModelRunnerOutput(req_ids=request_ids, sampled_token_ids=sampled)
+            fields["req_id_to_index"] = {r: i for i, r in enumerate(request_ids)}
+        return ModelRunnerOutput(**fields)
 
     def step(self) -> None:
         if self.async_scheduling:
