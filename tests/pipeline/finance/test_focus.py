@@ -228,7 +228,7 @@ def test_closing_a_month_numbers_invoices_and_freezes_its_export(
         "SL-202611-0003  platform  0.000000395 USD",
     ]
     again = CliRunner().invoke(main, ["close", "--data", str(focus_data), "--month", "2026-11"])
-    assert again.exit_code == 1
+    assert again.exit_code == 6  # StateError: the warehouse refuses to close it twice
     assert "2026-11 is closed already" in again.output
     # An hour of the closed month is re-billed: the invoice stands as issued.
     with connect(focus_data / STATE_FILE) as con:
