@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from tests.pipeline.hook.recorded_steps import TINY_LLAMA
 from tests.pipeline.hook.sglang_torchvision import declare_torchvision_operators
 
 declare_torchvision_operators()
@@ -51,21 +52,6 @@ from sglang.srt.server_args import ServerArgs  # noqa: E402
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
 
 SAMPLED_TOKEN = 7
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "num_hidden_layers": 2,
-    "vocab_size": 1000,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-5,
-    "torch_dtype": "float32",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
 
 
 def server_args(

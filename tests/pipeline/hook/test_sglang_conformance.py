@@ -27,6 +27,7 @@ from pipeline.hook import recorder  # noqa: E402
 from pipeline.hook.recorder import StepRecorder  # noqa: E402
 from pipeline.hook.replica import ReplicaDescriptor  # noqa: E402
 from pipeline.ingestion.decoder import read_segments  # noqa: E402
+from tests.pipeline.hook.recorded_steps import assert_steps_match  # noqa: E402
 from tests.pipeline.hook.sglang_engine import Engine, server_args  # noqa: E402
 
 REPLICA = "chat-8b-r0"
@@ -194,28 +195,8 @@ def test_recorded_steps_match_sglangs_own_state(
     segment = log.segments.to_pylist()[0]
     assert (segment["engine_name"], segment["engine_version"]) == ("sglang", "0.5.23")
     assert (segment["gpus_per_replica"], segment["kv_block_size"]) == (1, page_size)
-    steps = log.steps.to_pylist()
-    assert [s["seq"] for s in steps] == list(range(len(expected)))
+    assert_steps_match(log, expected)
     slots, holders = log.slots.to_pylist(), log.holders.to_pylist()
-    for seq, (step, want) in enumerate(zip(steps, expected, strict=True)):
-        recorded_slots = [
-            {key: slot[key] for key in want["slots"][0]}
-            | {"kv_blocks": round(slot["kv_blocks"], 9)}
-            for slot in slots
-            if slot["seq"] == seq
-        ]
-        assert recorded_slots == want["slots"], f"step {seq}"
-        recorded_holders = sorted(
-            (h["request_id"], round(h["kv_blocks"], 9), h["state"])
-            for h in holders
-            if h["seq"] == seq
-        )
-        assert recorded_holders == want["holders"], f"step {seq}"
-        assert (step["free_blocks"], step["total_blocks"]) == (
-            want["free_blocks"],
-            want["total_blocks"],
-        ), f"step {seq}"
-        assert step["admission_blocked"] == want["admission_blocked"], f"step {seq}"
 
     # The scenario reached every case it is meant to check.
     first: dict[str, dict[str, Any]] = {}

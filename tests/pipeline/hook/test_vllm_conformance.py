@@ -24,6 +24,7 @@ from pipeline.ingestion.decoder import read_segments
 from schemas.config import load_pools
 from schemas.records import FRAME_PREFIX, HeaderFrame
 from tests.helpers.steplog_samples import frame_spans
+from tests.pipeline.hook.recorded_steps import assert_steps_match
 from tests.pipeline.hook.vllm_engine import (
     BLOCK_SIZE,
     HAS_RESUMED_REQ_IDS,
@@ -210,28 +211,8 @@ def test_recorded_steps_match_the_real_scheduler(
     start, end = frame_spans(data)[0]
     frame = HeaderFrame.from_json(data[start + FRAME_PREFIX.size : end])
     assert (frame.engine_model, frame.engine_device) == (config.model_config.model, None)
-    steps = log.steps.to_pylist()
-    assert [s["seq"] for s in steps] == list(range(len(expected)))
+    assert_steps_match(log, expected)
     slots, holders = log.slots.to_pylist(), log.holders.to_pylist()
-    for seq, (step, want) in enumerate(zip(steps, expected, strict=True)):
-        recorded_slots = [
-            {key: slot[key] for key in want["slots"][0]}
-            | {"kv_blocks": round(slot["kv_blocks"], 9)}
-            for slot in slots
-            if slot["seq"] == seq
-        ]
-        assert recorded_slots == want["slots"], f"step {seq}"
-        recorded_holders = sorted(
-            (h["request_id"], round(h["kv_blocks"], 9), h["state"])
-            for h in holders
-            if h["seq"] == seq
-        )
-        assert recorded_holders == want["holders"], f"step {seq}"
-        assert (step["free_blocks"], step["total_blocks"]) == (
-            want["free_blocks"],
-            want["total_blocks"],
-        )
-        assert step["admission_blocked"] == want["admission_blocked"], f"step {seq}"
 
     # The scenario reached every case it is meant to check.
     first: dict[str, dict[str, Any]] = {}

@@ -35,23 +35,9 @@ from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from tests.pipeline.hook.recorded_steps import TINY_LLAMA
+
 BLOCK_SIZE = 16
-# A Llama shape small enough that vLLM's architecture inspection is all it costs.
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "num_hidden_layers": 2,
-    "vocab_size": 1000,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-5,
-    "torch_dtype": "float32",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
 # vLLM 0.34 removed ModelRunnerOutput.req_id_to_index.
 HAS_REQ_ID_TO_INDEX = "req_id_to_index" in {f.name for f in fields(ModelRunnerOutput)}
 # vLLM 0.34 removed CachedRequestData.resumed_req_ids (resumed requests are sent as new).
