@@ -5,6 +5,7 @@ by default `pipeline.duckdb` in the data directory; the DuckLake warehouse is ne
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -50,17 +51,35 @@ def build_resources(
     }
 
 
+# Another process holding the state file's lock is waited for, doubling from 0.1 s for about
+# 100 s in all (as DuckDBResource's own retry); nothing else is retried.
+_LOCK_RETRIES = 10
+_FIRST_LOCK_WAIT_S = 0.1
+
+
 @contextmanager
 def open_warehouse(warehouse: DuckDBResource) -> Iterator[duckdb.DuckDBPyConnection]:
     """A read/write warehouse connection with the schema applied. The file's directory is
-    created first: DuckDBResource retries a failing connect for about 100 s before giving up."""
-    Path(warehouse.database).parent.mkdir(parents=True, exist_ok=True)
-    with warehouse.get_connection() as con:
-        # DuckDBResource closes the connection only when the block ends without an error; one
-        # left open would refuse every later connection to the file in this process (another
-        # configuration), hiding the error behind a connection error.
+    created first. A file that cannot be opened (a directory, no permission, a full disk)
+    fails at once; only another process's lock on it is waited for."""
+    path = Path(warehouse.database)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    con = _connect_waiting_for_lock(path, warehouse.connection_config)
+    try:
+        apply_schema(con)
+        yield con
+    finally:
+        con.close()
+
+
+def _connect_waiting_for_lock(path: Path, config: dict[str, Any]) -> duckdb.DuckDBPyConnection:
+    wait_s = _FIRST_LOCK_WAIT_S
+    for _ in range(_LOCK_RETRIES - 1):
         try:
-            apply_schema(con)
-            yield con
-        finally:
-            con.close()
+            return duckdb.connect(str(path), read_only=False, config=config)
+        except duckdb.IOException as err:
+            if "lock" not in str(err).lower():
+                raise
+        time.sleep(wait_s)
+        wait_s *= 2
+    return duckdb.connect(str(path), read_only=False, config=config)
