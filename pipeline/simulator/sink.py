@@ -90,16 +90,18 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m pipeline.simulator.sink", description=__doc__)
     parser.add_argument("run_dir", type=Path)
     args = parser.parse_args(argv)
-    # Taken with sigwait, not by handlers: a process started with them ignored (a shell's
-    # background job ignores SIGINT) or blocked would otherwise outlive whoever started it.
-    # Blocked before the server's thread starts, so that only sigwait receives them.
+    # A handler, set whatever the process was started with (a shell's background job ignores
+    # SIGINT; a parent may have blocked both): CPython runs it in the main thread whichever
+    # thread the signal reaches, so the threads numpy and polars start at import cannot take
+    # the signal's default action and kill the sink before it closes its server.
+    stop = threading.Event()
     stop_signals = {signal.SIGINT, signal.SIGTERM}
     for number in stop_signals:
-        signal.signal(number, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+        signal.signal(number, lambda _number, _frame: stop.set())
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
     with serve_sink(args.run_dir) as sink:
         print(sink.url, flush=True)
-        signal.sigwait(stop_signals)
+        stop.wait()
 
 
 if __name__ == "__main__":
