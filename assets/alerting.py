@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 import dagster as dg
 from dagster_duckdb import DuckDBResource
 
-from assets.partitions import pool_hours_of_run
+from assets.partitions import partition_key, pool_hours_of_run
 from assets.resources import open_warehouse
 from pipeline.reconcile import alerts, failed_checks
 from schemas.config import Settings
@@ -48,6 +48,10 @@ def build_failure_pager(partitions: dg.MultiPartitionsDefinition) -> dg.SensorDe
                 context.dagster_run.run_id,
                 message,
                 now,
+                alerts.links_for(
+                    context.dagster_run.run_id,
+                    str(partition_key(pool_hours[0].hour, pool_hours[0].pool)),
+                ),
             )
             alerts.enqueue(con, owed)
             alerts.deliver_due(con, alerts.sink_from_env(), now)

@@ -6,7 +6,7 @@ warehouse's `reconciliation` table (read-only), hands that to `pipeline.reconcil
 pages each finding once through the sink the environment configures (the same sent-keys file
 as the run-failure sensor, so a finding pages once however often the sensor ticks).
 
-Only hours since the deployment are owed: the sensor's first tick stores its time as the
+Only hours since the deployment (and not before the first partition) are owed: the sensor's first tick stores its time as the
 cursor (kept in the Dagster instance), and hours that began before it never page, however far
 back the first partition lies.
 """
@@ -22,7 +22,6 @@ import duckdb
 import polars as pl
 from dagster_duckdb import DuckDBResource
 
-from assets.partitions import first_hour
 from assets.resources import StepledgerData
 from pipeline.reconcile import alerts
 from pipeline.storage.warehouse import WarehouseError, connect_read_only, query_frame
@@ -53,16 +52,18 @@ def last_reconciled_hours(
     return last
 
 
-def first_owed_hour(deployed_at: datetime) -> datetime:
+def first_owed_hour(deployed_at: datetime, first_partition: datetime) -> datetime:
     """The first hour that began at or after the deployment, and not before the first partition."""
     start = deployed_at.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
     if start < deployed_at:
         start += ONE_HOUR
-    return max(start, first_hour())
+    return max(start, first_partition)
 
 
 def build_deadman_sensor(
-    pools: PoolsFile, clock: Callable[[], datetime] = lambda: datetime.now(UTC)
+    pools: PoolsFile,
+    first_partition: datetime,
+    clock: Callable[[], datetime] = lambda: datetime.now(UTC),
 ) -> dg.SensorDefinition:
     pool_names = [p.name for p in pools.pools]
     settings = pools.settings
@@ -82,7 +83,7 @@ def build_deadman_sensor(
         else:
             deployed_at = now
             context.update_cursor(now.isoformat())
-        owed_from = first_owed_hour(deployed_at)
+        owed_from = first_owed_hour(deployed_at, first_partition)
         try:
             with connect_read_only(warehouse.database) as con:
                 reconciled = query_frame(con, "SELECT DISTINCT pool, hour FROM reconciliation")

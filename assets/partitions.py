@@ -9,6 +9,7 @@ hour's conservation check sees every earlier hour of the range already attribute
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
@@ -16,17 +17,56 @@ from typing import NamedTuple
 
 import dagster as dg
 
-# The first hour Dagster offers; earlier hours can still be run with `stepledger run`.
+from pipeline.datadir import DataDir
+from schemas.units import parse_hour_key
+
+# The first hour Dagster offers, when set; else the data directory's first hour.
 FIRST_HOUR_ENV = "STEPLEDGER_FIRST_HOUR"
-DEFAULT_FIRST_HOUR = "2026-11-01T00"
+DAGSTER_HOUR = "%Y-%m-%d-%H:%M"
+ONE_HOUR = timedelta(hours=1)
 
 
-def first_hour() -> datetime:
-    value = os.environ.get(FIRST_HOUR_ENV, DEFAULT_FIRST_HOUR)
-    try:
-        return datetime.strptime(value, "%Y-%m-%dT%H").replace(tzinfo=UTC)
-    except ValueError as err:
-        raise ValueError(f"{FIRST_HOUR_ENV}={value!r} is not of the form YYYY-MM-DDTHH") from err
+def data_hours(layout: DataDir) -> list[datetime]:
+    """The hours the directory holds gateway files or DCGM scrapes for (files named otherwise
+    are not hours and are left to ingestion to report)."""
+    hours = set(layout.hours())
+    for scrape in layout.dcgm.glob("*/*.prom"):
+        with contextlib.suppress(ValueError):
+            hours.add(parse_hour_key(scrape.stem))
+    return sorted(hours)
+
+
+class HourRange(NamedTuple):
+    first: datetime  # the first hourly partition
+    end: datetime | None  # the hour after the last one; None: up to the current hour
+
+
+def partition_hours(
+    layout: DataDir, now: datetime, run_hours: Sequence[datetime] = ()
+) -> HourRange:
+    """The hours Dagster offers as partitions, so that the UI shows a data directory as it is.
+
+    They start at STEPLEDGER_FIRST_HOUR when set, else at the directory's first hour of data
+    (`data_hours`), else (a directory that holds no data yet) at the hour of `now`. They run
+    up to the current hour, except in a directory whose data stopped before the hour the
+    schedule would still expect (assets.schedules: the hour after its last data) had
+    ended: a demo's directory, whose partitions then end at its last hour. `run_hours`: hours
+    a caller is about to run, always covered (`stepledger run --hour` of any hour)."""
+    value = os.environ.get(FIRST_HOUR_ENV)
+    data = data_hours(layout)
+    if value is not None:
+        try:
+            first = parse_hour_key(value)
+        except ValueError as err:
+            raise ValueError(f"{FIRST_HOUR_ENV}: {err}") from err
+    else:
+        first = data[0] if data else completed_hour(now) + ONE_HOUR
+    stopped = bool(data) and data[-1] + ONE_HOUR < completed_hour(now)
+    end = data[-1] + ONE_HOUR if stopped else None
+    if run_hours:
+        first = min(first, *run_hours)
+        end = max(end, max(run_hours) + ONE_HOUR) if end else None
+    return HourRange(first, end)
 
 
 # One run per contiguous range of a pool's hours, not a run per hour. Dagster groups a
@@ -35,9 +75,11 @@ def first_hour() -> datetime:
 BACKFILL_POLICY = dg.BackfillPolicy.single_run()
 
 
-def pool_hour_partitions(pool_names: list[str]) -> dg.MultiPartitionsDefinition:
+def pool_hour_partitions(pool_names: list[str], hours: HourRange) -> dg.MultiPartitionsDefinition:
     hourly = dg.HourlyPartitionsDefinition(
-        start_date=first_hour().strftime("%Y-%m-%d-%H:%M"), timezone="UTC"
+        start_date=hours.first.astimezone(UTC).strftime(DAGSTER_HOUR),
+        end_date=hours.end.astimezone(UTC).strftime(DAGSTER_HOUR) if hours.end else None,
+        timezone="UTC",
     )
     return dg.MultiPartitionsDefinition(
         {"hour": hourly, "pool": dg.StaticPartitionsDefinition(pool_names)}
@@ -45,9 +87,7 @@ def pool_hour_partitions(pool_names: list[str]) -> dg.MultiPartitionsDefinition:
 
 
 def partition_key(hour: datetime, pool: str) -> dg.MultiPartitionKey:
-    return dg.MultiPartitionKey(
-        {"hour": hour.astimezone(UTC).strftime("%Y-%m-%d-%H:%M"), "pool": pool}
-    )
+    return dg.MultiPartitionKey({"hour": hour.astimezone(UTC).strftime(DAGSTER_HOUR), "pool": pool})
 
 
 class PoolHour(NamedTuple):
@@ -60,7 +100,7 @@ def _pool_hour(key: str) -> PoolHour:
     if not isinstance(key, dg.MultiPartitionKey):
         raise TypeError(f"partition {key!r} is not an (hour, pool) partition")
     keys = key.keys_by_dimension
-    hour = datetime.strptime(keys["hour"], "%Y-%m-%d-%H:%M").replace(tzinfo=UTC)
+    hour = datetime.strptime(keys["hour"], DAGSTER_HOUR).replace(tzinfo=UTC)
     return PoolHour(hour, keys["pool"], str(key))
 
 

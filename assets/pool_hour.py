@@ -1,8 +1,11 @@
 """The hourly chain of one pool: step log -> request context -> attribution -> ledger.
 
-Each asset is a thin call into `pipeline/`. Every asset that touches the DuckDB file runs in
-the `duckdb` concurrency pool (limit 1 in dagster_home/dagster.yaml): DuckDB has one writer.
-`attribution`, the longest step, reads only the lake and runs outside it.
+Each asset is a thin call into `pipeline/`. With the embedded state (a DuckDB file, one writer),
+every asset that touches it runs in the `duckdb` concurrency pool (limit 1 in
+dagster_home/dagster.yaml); `attribution`, the longest step, reads only the lake and runs
+outside it. With the state in PostgreSQL there is no such pool: pool-hours run side by side,
+each transaction locking its own rows, and a transaction that meets another's is run again
+(`retry_conflicts`).
 """
 
 # No `from __future__ import annotations`: Dagster checks the `context` annotation as an
@@ -20,20 +23,22 @@ import polars as pl
 from dagster_duckdb import DuckDBResource
 
 from assets.partitions import BACKFILL_POLICY, pool_hours
-from assets.resources import StepledgerData, open_warehouse
+from assets.resources import DUCKDB_POOL, StepledgerData, open_warehouse
 from pipeline.attribution.attribute import attribute_pool_hour, gather_inputs
 from pipeline.attribution.ledger import LINE_KINDS, HourLedger
 from pipeline.attribution.weights import weight_source
 from pipeline.ingestion import gateway
 from pipeline.ingestion.ingest import ingest_outbox
 from pipeline.report.money import usd
+from pipeline.ship.store import store_from_env
 from pipeline.storage import lake
+from pipeline.storage.integrity import require_lake_files
 from pipeline.storage.publish import publish_hour
+from pipeline.storage.warehouse import retry_conflicts
 from schemas.config import PoolsFile
 from schemas.units import hour_key
 
 GROUP = "pool_hour"
-DUCKDB_POOL = "duckdb"
 # Hours a backfill's attribution works on at once: a busy hour holds up to 3.5 GiB while it
 # is attributed (docs/scale-out.md), so not one per core on a many-core machine.
 ATTRIBUTION_THREADS = min(2, os.cpu_count() or 1)
@@ -119,7 +124,12 @@ def ingest_step_log(
     pool_names = sorted({pool_hour.pool for pool_hour in pool_hours(context)})
     replicas = [r.id for name in pool_names for r in pools.pool(name).replicas]
     with open_warehouse(warehouse) as con:
-        report = ingest_outbox(con, data.layout.outbox, data.layout.lake, replicas=replicas)
+        report = retry_conflicts(
+            lambda: ingest_outbox(
+                con, data.layout.outbox, data.layout.lake, replicas=replicas, store=store_from_env()
+            ),
+            f"ingest {', '.join(pool_names)}",
+        )
     return dg.MaterializeResult(
         metadata={
             "ingested_files": len(report.ingested_files),
@@ -150,9 +160,13 @@ def load_request_context(
         )
     )
     with open_warehouse(warehouse) as con:
-        report = gateway.load_gateway_files(con, files, gateway.key_salt())
+        # Gateway files hold every pool's requests: another pool's run may load one at once.
+        report = retry_conflicts(
+            lambda: gateway.load_gateway_files(con, files, gateway.key_salt()), "gateway files"
+        )
         for hour, pool_name, key in runs:
             inputs = gather_inputs(con, data.layout.lake, pools.pool(pool_name), hour)
+            require_lake_files(data.layout.lake, pool_name, hour, inputs.lake_hashes)
             saved = lake.save_inputs(data.layout.lake, inputs)
             context.add_asset_metadata(
                 {
@@ -222,7 +236,7 @@ def publish_ledgers(
 
 
 def build_pool_hour_assets(
-    partitions: dg.PartitionsDefinition, pools: PoolsFile
+    partitions: dg.PartitionsDefinition, pools: PoolsFile, state_pool: str | None = DUCKDB_POOL
 ) -> list[dg.AssetsDefinition]:
     # Each asset works through the run's pool-hours in order (one for an hourly run, a range
     # for a backfill) and reports each hour's figures on that hour's own materialization.
@@ -242,7 +256,7 @@ def build_pool_hour_assets(
 
         return decorate
 
-    @hourly_asset(pool=DUCKDB_POOL)
+    @hourly_asset(pool=state_pool)
     def step_log(
         context: dg.AssetExecutionContext, data: StepledgerData, warehouse: DuckDBResource
     ) -> dg.MaterializeResult[None]:
@@ -250,7 +264,7 @@ def build_pool_hour_assets(
         segment once, however often it is delivered); damage and drops recorded."""
         return ingest_step_log(context, data, warehouse, pools)
 
-    @hourly_asset(pool=DUCKDB_POOL, deps=[step_log])
+    @hourly_asset(pool=state_pool, deps=[step_log])
     def request_context(
         context: dg.AssetExecutionContext, data: StepledgerData, warehouse: DuckDBResource
     ) -> dg.MaterializeResult[None]:
@@ -258,7 +272,7 @@ def build_pool_hour_assets(
         then what the hour's attribution needs from the warehouse, saved to the lake."""
         return load_request_context(context, data, warehouse, pools)
 
-    # Not in the DuckDB pool: it reads only the lake, so the attribution of one pool-hour runs
+    # Never in the state's pool: it reads only the lake, so the attribution of one pool-hour runs
     # while another pool-hour holds the warehouse.
     @hourly_asset(deps=[request_context])
     def attribution(
@@ -268,7 +282,7 @@ def build_pool_hour_assets(
         labelled, under the pool's policies: the hour's ledger, saved to the lake."""
         return attribute_hours(context, data, pools)
 
-    @hourly_asset(pool=DUCKDB_POOL, deps=[attribution])
+    @hourly_asset(pool=state_pool, deps=[attribution])
     def ledger(
         context: dg.AssetExecutionContext, data: StepledgerData, warehouse: DuckDBResource
     ) -> dg.MaterializeResult[None]:

@@ -16,9 +16,10 @@ import duckdb
 from dagster_duckdb import DuckDBResource
 
 from pipeline.datadir import DATA_ENV, DataDir
-from pipeline.storage.warehouse import WRITER_CONFIG, apply_schema
+from pipeline.storage.warehouse import WRITER_CONFIG, open_state, postgres_from_env
 
 WAREHOUSE_ENV = "STEPLEDGER_WAREHOUSE"
+DUCKDB_POOL = "duckdb"
 DEFAULT_DATA_DIR = "demo-run"
 
 
@@ -40,6 +41,13 @@ def warehouse_path(data_dir: Path) -> Path:
     return Path(os.environ.get(WAREHOUSE_ENV, DataDir(data_dir).state_file)).resolve()
 
 
+def state_pool() -> str | None:
+    """The Dagster pool of the steps that write the pipeline's state: `duckdb` (limit 1) for
+    the embedded file, which one process writes at a time; none with the state in PostgreSQL
+    (STEPLEDGER_POSTGRES), whose transactions lock only the rows of their own pool-hour."""
+    return None if postgres_from_env() else DUCKDB_POOL
+
+
 def build_resources(
     data_dir: Path, warehouse: Path | None = None
 ) -> dict[str, dg.ConfigurableResource[Any]]:
@@ -59,14 +67,16 @@ _FIRST_LOCK_WAIT_S = 0.1
 
 @contextmanager
 def open_warehouse(warehouse: DuckDBResource) -> Iterator[duckdb.DuckDBPyConnection]:
-    """A read/write warehouse connection with the schema applied. The file's directory is
-    created first. A file that cannot be opened (a directory, no permission, a full disk)
-    fails at once; only another process's lock on it is waited for."""
-    path = Path(warehouse.database)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    con = _connect_waiting_for_lock(path, warehouse.connection_config)
+    """A read/write connection to the pipeline's state with the schema applied: the embedded
+    file, or the PostgreSQL store STEPLEDGER_POSTGRES names. The file's directory is created
+    first. A file that cannot be opened (a directory, no permission, a full disk) fails at
+    once; only another process's lock on it is waited for."""
+    con = open_state(
+        Path(warehouse.database),
+        postgres_from_env(),
+        lambda path: _connect_waiting_for_lock(path, warehouse.connection_config),
+    )
     try:
-        apply_schema(con)
         yield con
     finally:
         con.close()

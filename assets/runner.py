@@ -1,11 +1,12 @@
-"""Pool-hours materialized through the Dagster definitions on the persistent instance at
-DAGSTER_HOME, so that the UI shows them afterwards (partitions, runs, check results):
+"""Pool-hours materialized through the Dagster definitions on the data directory's persistent
+instance (DAGSTER_HOME when set, else DATA/dagster), so that the UI shows them afterwards (partitions, runs, check results):
 
     python -m assets.runner --data DIR --hour YYYY-MM-DDTHH [--hour ...] [--warehouse FILE]
 
 One JSON object per line on standard output, per finished pool-hour: hour, pool, success (of
 the run), held_back (a blocking check failed: the finance views leave the hour out),
-failed_checks ("name: detail"), error (the first step failure that is not a failed check).
+failed_checks ("ERROR name: detail" or "WARN name: detail"), error (the first step failure
+that is not a failed check), run_id.
 The command line (`stepledger demo`) starts this as a process of its own: pipeline/ names the
 code location but never imports it.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import warnings
 from collections.abc import Iterator
 from datetime import datetime
@@ -24,6 +26,7 @@ import dagster as dg
 
 from assets.definitions import build_definitions
 from assets.partitions import partition_key
+from pipeline.cli.dagster_instance import instance_dir, prepare_instance
 from pipeline.datadir import DataDir
 from schemas.config import load_pools
 from schemas.units import hour_key, parse_hour_key
@@ -61,9 +64,12 @@ def pool_hour_outcome(result: dg.ExecuteInProcessResult) -> dict[str, Any]:
             for e in evaluations
         ),
         "failed_checks": [
-            f"{e.check_name}: {e.metadata['detail'].value}" for e in evaluations if not e.passed
+            f"{e.severity.value} {e.check_name}: {e.metadata['detail'].value}"
+            for e in evaluations
+            if not e.passed
         ],
         "error": errors[0] if errors else None,
+        "run_id": result.run_id,
     }
 
 
@@ -74,7 +80,12 @@ def execute_pool_hours(
     `instance` and quietly; yields each run's hour, pool and result."""
     warnings.filterwarnings("ignore", module="dagster")
     pools = load_pools(DataDir(data_dir).pools_file)
-    defs = build_definitions(pools, data_dir.resolve(), warehouse.resolve() if warehouse else None)
+    defs = build_definitions(
+        pools,
+        data_dir.resolve(),
+        warehouse.resolve() if warehouse else None,
+        run_hours=hours,
+    )
     job = defs.resolve_job_def("pool_hour_job")
     for hour in hours:
         for pool in pools.pools:
@@ -87,11 +98,20 @@ def execute_pool_hours(
             yield hour, pool.name, result
 
 
+def data_dir_instance(data_dir: Path) -> dg.DagsterInstance:
+    """The persistent instance of `data_dir` (DAGSTER_HOME when set, else DATA/dagster: see
+    pipeline.cli.dagster_instance), the one `stepledger dev` shows: runs made here appear in
+    the UI with their partitions and checks."""
+    home = instance_dir(data_dir, dict(os.environ))
+    prepare_instance(home)
+    return dg.DagsterInstance.from_config(str(home))
+
+
 def materialize(
     data_dir: Path, hour_keys: list[str], warehouse: Path | None
 ) -> Iterator[dict[str, Any]]:
     hours = sorted({parse_hour_key(k) for k in hour_keys})
-    with dg.DagsterInstance.get() as instance:
+    with data_dir_instance(data_dir) as instance:
         for hour, pool, result in execute_pool_hours(data_dir, hours, warehouse, instance):
             yield {"hour": hour_key(hour), "pool": pool, **pool_hour_outcome(result)}
 

@@ -108,17 +108,23 @@ def busy_pool(replicas: int) -> PoolsFile:
     return pools.model_copy(update={"pools": [chat]})
 
 
-def figures(quick: bool) -> list[Figure]:
+def simulate_input(tmp: Path, quick: bool) -> tuple[Path, int, int, float]:
+    """The benchmark's input under `tmp`: the data directory (`run`; QUICK adds `minute`, the
+    fixed hour's), its replicas and minutes, and the factor scaling its hour to the full one."""
     from pipeline.simulator import simulate
 
     # QUICK keeps enough work that the fixed cost (imports, kernel build) does not dominate.
     replicas, minutes = (4, 10) if quick else (REPLICAS, 60)
-    scale = (REPLICAS / replicas) * (60 / minutes)
+    data = tmp / "run"
+    simulate(data, busy_pool(replicas), hours=minutes / 60, seed=11)
+    if quick:
+        simulate(tmp / "minute", busy_pool(1), hours=1 / 60, seed=12)
+    return data, replicas, minutes, (REPLICAS / replicas) * (60 / minutes)
+
+
+def figures(quick: bool) -> list[Figure]:
     with tempfile.TemporaryDirectory(prefix="bench-pool-hour-") as tmp:
-        data = Path(tmp) / "run"
-        simulate(data, busy_pool(replicas), hours=minutes / 60, seed=11)
-        if quick:
-            simulate(Path(tmp) / "minute", busy_pool(1), hours=1 / 60, seed=12)
+        data, replicas, minutes, scale = simulate_input(Path(tmp), quick)
         out = subprocess.run(
             [sys.executable, "-c", _TIMED, str(data), "fixed" if quick else "cold"],
             capture_output=True,

@@ -12,6 +12,7 @@ resources and the benchmarks alike.
     warehouse/                 the DuckLake warehouse (its catalog and data files)
     warehouse.duckdb           the warehouse of the previous layout, one DuckDB file
     alerts_sent.keys           the alerts already delivered
+    api_tokens.json            the read API's bearer tokens, hashed (`stepledger tokens`)
 
 `DataDir` names each path and `check_output` keeps a command's output file from replacing any of these.
 """
@@ -95,6 +96,11 @@ class DataDir:
         """The dedup keys of the alerts already delivered."""
         return self.root / "alerts_sent.keys"
 
+    @property
+    def api_tokens(self) -> Path:
+        """The read API's bearer tokens, stored hashed."""
+        return self.root / "api_tokens.json"
+
     def hours(self) -> list[datetime]:
         """The hours the gateway logged requests for (one file per hour)."""
         return sorted(parse_hour_key(p.stem) for p in self.gateway.glob("*.jsonl"))
@@ -114,6 +120,7 @@ class DataDir:
             self.calibration_file,
             self.state_file,
             self.previous_layout_file,
+            self.api_tokens,
         ]
 
 

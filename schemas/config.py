@@ -11,7 +11,7 @@ import json
 import math
 from decimal import Decimal
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -285,6 +285,8 @@ class PoolsFile(_Strict):
         raise KeyError(f"no pool named {name!r}; the pools file has {[p.name for p in self.pools]}")
 
 
+Model = TypeVar("Model", bound=BaseModel)
+
 DEFAULT_POOLS_PATH = Path(__file__).resolve().parent.parent / "pipeline/data/pools.yaml"
 
 
@@ -311,11 +313,16 @@ def _line_of(text: str, loc: tuple[int | str, ...]) -> int | None:
 
 def load_pools(path: str | Path = DEFAULT_POOLS_PATH) -> PoolsFile:
     """Read and validate a pools file; errors name the file, line and field."""
+    return load_yaml_model(path, PoolsFile, "pools file")
+
+
+def load_yaml_model(path: str | Path, model: type[Model], what: str) -> Model:
+    """Read a YAML file and validate it as `model`; errors name the file, line and field."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as err:
-        raise ConfigError(f"{path}: cannot read pools file: {err.strerror}") from err
+        raise ConfigError(f"{path}: cannot read {what}: {err.strerror}") from err
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}): {err.reason}") from err
     try:
@@ -325,7 +332,7 @@ def load_pools(path: str | Path = DEFAULT_POOLS_PATH) -> PoolsFile:
         where = f":{mark.line + 1}" if mark else ""
         raise ConfigError(f"{path}{where}: not valid YAML: {err}") from err
     try:
-        return PoolsFile.model_validate(raw)
+        return model.model_validate(raw)
     except ValidationError as err:
         first = err.errors()[0]
         field = ".".join(str(p) for p in first["loc"]) or "(top level)"

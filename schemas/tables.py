@@ -96,6 +96,7 @@ DAMAGE_KINDS = (
     "unknown_version",
     "bad_header",
     "duplicate_segment",
+    "divergent_copy",
 )
 DAMAGE = pa.schema(
     [
@@ -216,7 +217,58 @@ WAREHOUSE_TABLES: dict[str, pa.Schema] = {
         ("invoice_id", _STR, False),
         ("amount_nano", _I64, False),
     ),
+    "invoice_adjustments": _table(
+        ("recorded_at", _TSTZ, False),
+        ("hour", _TS, False),
+        ("pool", _STR, False),
+        ("tenant", _STR, False),
+        ("charge_month", pa.date32(), False),
+        ("invoice_month", pa.date32(), False),
+        ("corrects_invoice_id", _STR, True),
+        ("amount_nano", _I64, False),
+        ("reason", _STR, False),
+        ("previous_snapshot", _I64, False),
+    ),
 }
+
+# What the live path (pipeline.live) stamps on each row it prices.
+_PRICED = (("batch_id", _STR, False), ("priced_at", _TS, False))
+WAREHOUSE_TABLES["provisional_request_costs"] = pa.schema(
+    [
+        *WAREHOUSE_TABLES["request_costs"].remove(
+            WAREHOUSE_TABLES["request_costs"].get_field_index("line_kind")
+        ),
+        pa.field("line_kind", _STR, nullable=False),
+        pa.field("last_step_end_utc_ns", _I64, nullable=False),
+        *_table(*_PRICED),
+    ]
+)
+WAREHOUSE_TABLES["provisional_lines"] = pa.schema(
+    [
+        *WAREHOUSE_TABLES["ledger_lines"].remove(
+            WAREHOUSE_TABLES["ledger_lines"].get_field_index("requests")
+        ),
+        *_table(*_PRICED),
+    ]
+)
+WAREHOUSE_TABLES["live_segments"] = _table(
+    ("path", _STR, False),
+    ("segment_id", _STR, False),
+    ("pool", _STR, False),
+    ("replica", _STR, False),
+    ("steps", _I64, False),
+    *_PRICED,
+)
+WAREHOUSE_TABLES["published_digests"] = _table(
+    ("hour", _TS, False), ("pool", _STR, False), ("rows_sha256", _STR, False)
+)
+WAREHOUSE_TABLES["published_files"] = _table(
+    ("hour", _TS, False),
+    ("pool", _STR, False),
+    ("table_name", _STR, False),
+    ("path", _STR, False),
+    ("sha256", _STR, False),
+)
 
 # The pipeline's bookkeeping tables (sql/pipeline_state.sql), in its own DuckDB file.
 PIPELINE_STATE_TABLES: dict[str, pa.Schema] = {

@@ -131,5 +131,5 @@ FROM (
                                ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) + 1 AS first_missing_seq,
            first_seq - 1 AS last_missing_seq
     FROM segments
-)
+) AS spans
 WHERE first_missing_seq IS NOT NULL AND last_missing_seq >= first_missing_seq;

@@ -123,3 +123,98 @@ CREATE TABLE IF NOT EXISTS invoice_numbers (
     invoice_id  VARCHAR NOT NULL,
     amount_nano BIGINT  NOT NULL
 );
+
+-- Provisional figures (pipeline.live): each request's usage priced from the segments closed
+-- so far, by the hourly path's kernel, weights and allocator, one row per request and pricing
+-- batch (a request running through several batches has a row in each; the views sum them).
+-- Usage only: idle and headroom are known when the hour closes. The hourly ledger supersedes
+-- them; they stay, so `provisional_vs_final` can show what the hour changed.
+CREATE TABLE IF NOT EXISTS provisional_request_costs (
+    hour          TIMESTAMP NOT NULL,
+    pool          VARCHAR   NOT NULL,
+    request_id    VARCHAR   NOT NULL,
+    tenant        VARCHAR,
+    feature       VARCHAR,
+    api_key_id    VARCHAR,
+    compute_nano  BIGINT    NOT NULL,
+    kv_nano       BIGINT    NOT NULL,
+    amount_nano   BIGINT    NOT NULL,
+    steps         BIGINT    NOT NULL,
+    new_tokens    BIGINT    NOT NULL,
+    cached_tokens BIGINT    NOT NULL,
+    prompt_tokens BIGINT    NOT NULL,
+    output_tokens BIGINT    NOT NULL,
+    line_kind     VARCHAR   NOT NULL,
+    -- The UTC end of the request's last step in the batch (ns): how fresh the figure is.
+    last_step_end_utc_ns BIGINT NOT NULL,
+    batch_id      VARCHAR   NOT NULL,
+    priced_at     TIMESTAMP NOT NULL
+);
+
+-- The provisional usage lines of each pricing batch (ledger_lines' usage, unattributed and
+-- platform_retry kinds, as the hourly ledger labels them).
+CREATE TABLE IF NOT EXISTS provisional_lines (
+    hour            TIMESTAMP NOT NULL,
+    pool            VARCHAR   NOT NULL,
+    tenant          VARCHAR   NOT NULL,
+    feature         VARCHAR   NOT NULL,
+    line_kind       VARCHAR   NOT NULL,
+    amount_nano     BIGINT    NOT NULL,
+    new_tokens      BIGINT    NOT NULL,
+    cached_tokens   BIGINT    NOT NULL,
+    weights_version VARCHAR   NOT NULL,
+    policy_version  VARCHAR   NOT NULL,
+    batch_id        VARCHAR   NOT NULL,
+    priced_at       TIMESTAMP NOT NULL
+);
+
+-- Segments the live path has priced, committed in the same snapshot as the figures priced
+-- from them: a restarted live path never prices a segment twice, nor skips one.
+CREATE TABLE IF NOT EXISTS live_segments (
+    path       VARCHAR   NOT NULL,
+    segment_id VARCHAR   NOT NULL,
+    pool       VARCHAR   NOT NULL,
+    replica    VARCHAR   NOT NULL,
+    steps      BIGINT    NOT NULL,
+    batch_id   VARCHAR   NOT NULL,
+    priced_at  TIMESTAMP NOT NULL
+);
+
+-- Corrections of closed months: an hour of a closed month billed again changes what its
+-- tenants owe, but the issued invoice (invoice_numbers) is never changed. Each tenant's change
+-- (amount_nano = new - previous: positive a debit, negative a credit) is carried on its
+-- invoice of invoice_month, the first month after charge_month not closed when the hour was
+-- billed again. corrects_invoice_id is the issued invoice of charge_month (null if the tenant
+-- had none); previous_snapshot holds the charges replaced.
+CREATE TABLE IF NOT EXISTS invoice_adjustments (
+    recorded_at         TIMESTAMPTZ NOT NULL,
+    hour                TIMESTAMP   NOT NULL,
+    pool                VARCHAR     NOT NULL,
+    tenant              VARCHAR     NOT NULL,
+    charge_month        DATE        NOT NULL,
+    invoice_month       DATE        NOT NULL,
+    corrects_invoice_id VARCHAR,
+    amount_nano         BIGINT      NOT NULL,
+    reason              VARCHAR     NOT NULL,
+    previous_snapshot   BIGINT      NOT NULL
+);
+
+-- What each published pool-hour held when it was published (pipeline.storage.integrity): a
+-- digest of its invoices, ledger lines and request costs (rows in one canonical order and
+-- encoding), written in the transaction that publishes the hour. A re-run verifies it before
+-- replacing the hour.
+CREATE TABLE IF NOT EXISTS published_digests (
+    hour        TIMESTAMP NOT NULL,
+    pool        VARCHAR   NOT NULL,
+    rows_sha256 VARCHAR   NOT NULL
+);
+
+-- The sha256 of each data file holding a published pool-hour's rows (path relative to the
+-- warehouse's data directory): finance connections verify every such file they read.
+CREATE TABLE IF NOT EXISTS published_files (
+    hour       TIMESTAMP NOT NULL,
+    pool       VARCHAR   NOT NULL,
+    table_name VARCHAR   NOT NULL,
+    path       VARCHAR   NOT NULL,
+    sha256     VARCHAR   NOT NULL
+);

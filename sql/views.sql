@@ -142,7 +142,9 @@ CREATE OR REPLACE TEMP MACRO gpu_hours(nano, price_nano) AS
 -- the list price. The cache credit is a Credit: no SKU, no quantity. Times carry their zone
 -- (UTC); quantities are decimals. Every line is on an invoice: the number `stepledger close`
 -- gave it, or, while its month is open, the provisional invoice of its tenant and month
--- (SL-YYYYMM-provisional-TENANT). CommitmentDiscountStatus is there, always null, because
+-- (SL-YYYYMM-provisional-TENANT). A closed month's hour billed again is an Adjustment of
+-- ChargeClass Correction per tenant (invoice_adjustments), for the hour it corrects, billed on
+-- the invoice that carries it. CommitmentDiscountStatus is there, always null, because
 -- FinOps validators test ConsumedQuantity's nullability against it. `stepledger export
 -- focus` writes the view to a file.
 CREATE OR REPLACE TEMP VIEW focus_costs AS
@@ -152,10 +154,11 @@ SELECT
     tenant                                                              AS BillingAccountName,
     'Tenant'                                                            AS BillingAccountType,
     'USD'                                                               AS BillingCurrency,
-    timezone('UTC', date_trunc('month', hour) + INTERVAL 1 MONTH)       AS BillingPeriodEnd,
-    timezone('UTC', date_trunc('month', hour))                          AS BillingPeriodStart,
-    CASE WHEN priced THEN 'Usage' ELSE 'Credit' END                     AS ChargeCategory,
-    CAST(NULL AS VARCHAR)                                               AS ChargeClass,
+    timezone('UTC', billing_month + INTERVAL 1 MONTH)                   AS BillingPeriodEnd,
+    timezone('UTC', CAST(billing_month AS TIMESTAMP))                   AS BillingPeriodStart,
+    CASE WHEN line_kind = 'adjustment' THEN 'Adjustment'
+         WHEN priced THEN 'Usage' ELSE 'Credit' END                     AS ChargeCategory,
+    CASE WHEN line_kind = 'adjustment' THEN 'Correction' END            AS ChargeClass,
     CASE line_kind
         WHEN 'usage'          THEN 'GPU inference on pool ' || pool || ', measured engine steps'
         -- The capacity_owner policy books idle on the owner's '(idle)' feature; spread idle
@@ -167,8 +170,11 @@ SELECT
         WHEN 'unattributed'   THEN 'GPU inference on pool ' || pool || ' by requests without tenant context'
         WHEN 'platform_retry' THEN 'GPU inference on pool ' || pool || ' retried after a platform timeout'
         WHEN 'cache_credit'   THEN 'Prefix-cache read credit on pool ' || pool
+        WHEN 'adjustment'     THEN 'Correction of ' || coalesce('invoice ' || corrects_invoice_id, 'a closed month')
+                                   || ': the hour on pool ' || pool || ' was billed again (' || reason || ')'
     END                                                                 AS ChargeDescription,
-    'Usage-Based'                                                       AS ChargeFrequency,
+    CASE WHEN line_kind = 'adjustment' THEN 'One-Time' ELSE 'Usage-Based' END
+                                                                        AS ChargeFrequency,
     timezone('UTC', hour + INTERVAL 1 HOUR)                             AS ChargePeriodEnd,
     timezone('UTC', hour)                                               AS ChargePeriodStart,
     CAST(NULL AS VARCHAR)                                               AS CommitmentDiscountStatus,
@@ -178,7 +184,7 @@ SELECT
     CASE WHEN priced THEN nano_to_usd(price_nano) END                   AS ContractedUnitPrice,
     nano_to_usd(amount_nano)                                            AS EffectiveCost,
     'stepledger'                                                        AS InvoiceIssuerName,
-    coalesce(invoice_id, strftime(hour, 'SL-%Y%m-provisional-') || tenant)
+    coalesce(invoice_id, strftime(billing_month, 'SL-%Y%m-provisional-') || tenant)
                                                                         AS InvoiceId,
     nano_to_usd(amount_nano)                                            AS ListCost,
     CASE WHEN priced THEN nano_to_usd(price_nano) END                   AS ListUnitPrice,
@@ -214,8 +220,116 @@ SELECT
     cached_tokens                                                       AS x_CachedTokens,
     policy_version                                                      AS x_PolicyVersion,
     weights_version                                                     AS x_WeightsVersion
-FROM (SELECT l.*, p.price_nano, p.sku_id, l.line_kind <> 'cache_credit' AS priced
+FROM (SELECT l.*, p.price_nano, p.sku_id, l.line_kind <> 'cache_credit' AS priced,
+             CAST(date_trunc('month', l.hour) AS DATE) AS billing_month
       FROM published_ledger_lines l
-      JOIN gpu_hour_prices p ON p.hour = l.hour AND p.pool = l.pool)
+      JOIN gpu_hour_prices p ON p.hour = l.hour AND p.pool = l.pool
+      UNION ALL BY NAME
+      SELECT hour, pool, tenant, '(adjustment)' AS feature, 'adjustment' AS line_kind,
+             amount_nano, 0 AS requests, 0 AS new_tokens, 0 AS cached_tokens, FALSE AS priced,
+             invoice_month AS billing_month, reason, corrects_invoice_id
+      FROM invoice_adjustments)
 LEFT JOIN (SELECT month AS invoice_month, tenant AS invoice_tenant, invoice_id FROM invoice_numbers)
-       ON invoice_month = CAST(date_trunc('month', hour) AS DATE) AND invoice_tenant = tenant;
+       ON invoice_month = billing_month AND invoice_tenant = tenant;
+
+-- Provisional figures (pipeline.live): usage priced from closed segments while the hour runs.
+-- Idle and headroom are not in them (known when the hour closes); once an hour is published
+-- its final ledger lines replace them in `spend_lines`.
+CREATE OR REPLACE TEMP VIEW provisional_cost_per_request AS
+SELECT hour, pool, request_id,
+       arg_max(tenant, priced_at) AS tenant, arg_max(feature, priced_at) AS feature,
+       arg_max(api_key_id, priced_at) AS api_key_id, arg_max(line_kind, priced_at) AS line_kind,
+       CAST(sum(amount_nano) AS BIGINT) AS amount_nano, nano_to_usd(sum(amount_nano)) AS amount_usd,
+       CAST(sum(compute_nano) AS BIGINT) AS compute_nano, CAST(sum(kv_nano) AS BIGINT) AS kv_nano,
+       CAST(sum(steps) AS BIGINT) AS steps, CAST(sum(new_tokens) AS BIGINT) AS new_tokens,
+       CAST(sum(cached_tokens) AS BIGINT) AS cached_tokens,
+       max(last_step_end_utc_ns) AS last_step_end_utc_ns, max(priced_at) AS priced_at
+FROM provisional_request_costs
+GROUP BY hour, pool, request_id;
+
+-- Provisional usage lines of the hours not published yet, per tenant and feature.
+CREATE OR REPLACE TEMP VIEW provisional_spend_lines AS
+SELECT l.hour, l.pool, l.tenant, l.feature, l.line_kind,
+       CAST(sum(l.amount_nano) AS BIGINT) AS amount_nano,
+       CAST(sum(l.new_tokens) AS BIGINT) AS new_tokens,
+       CAST(sum(l.cached_tokens) AS BIGINT) AS cached_tokens,
+       max(l.priced_at) AS priced_at
+FROM provisional_lines l
+WHERE NOT EXISTS (SELECT 1 FROM published_hours p WHERE p.hour = l.hour AND p.pool = l.pool)
+GROUP BY ALL;
+
+-- Spend as a budget or a gateway sees it: the final lines of published hours, every kind,
+-- and the provisional usage of the others (basis says which).
+CREATE OR REPLACE TEMP VIEW spend_lines AS
+SELECT hour, pool, tenant, feature, line_kind, amount_nano, new_tokens, cached_tokens,
+       'final' AS basis
+FROM published_ledger_lines
+UNION ALL
+SELECT hour, pool, tenant, feature, line_kind, amount_nano, new_tokens, cached_tokens,
+       'provisional' AS basis
+FROM provisional_spend_lines;
+
+-- Per billed tenant-hour, the provisional usage beside the hourly ledger's usage lines (usage,
+-- unattributed, platform_retry) once the hour is billed: what closing the hour changed.
+CREATE OR REPLACE TEMP VIEW provisional_vs_final AS
+WITH provisional AS (
+    SELECT hour, pool, tenant, CAST(sum(amount_nano) AS BIGINT) AS provisional_nano
+    FROM provisional_lines GROUP BY ALL),
+final AS (
+    SELECT hour, pool, tenant, CAST(sum(amount_nano) AS BIGINT) AS final_nano
+    FROM ledger_lines
+    WHERE line_kind IN ('usage', 'unattributed', 'platform_retry') GROUP BY ALL)
+SELECT hour, pool, tenant, provisional_nano, final_nano,
+       final_nano - provisional_nano AS delta_nano,
+       abs(final_nano - provisional_nano)
+           / nullif(greatest(abs(final_nano), abs(provisional_nano)), 0) AS delta_fraction,
+       EXISTS (SELECT 1 FROM published_hours p WHERE p.hour = x.hour AND p.pool = x.pool)
+           AS published
+FROM (SELECT hour, pool, tenant, coalesce(provisional_nano, 0) AS provisional_nano,
+             coalesce(final_nano, 0) AS final_nano
+      FROM provisional FULL JOIN final USING (hour, pool, tenant)) x
+WHERE EXISTS (SELECT 1 FROM invoices i WHERE i.hour = x.hour AND i.pool = x.pool);
+
+-- Every hour known, final or provisional: published, held back (and why), or provisional
+-- (priced live, not billed yet).
+CREATE OR REPLACE TEMP VIEW hour_status AS
+SELECT hour, pool, 'published' AS status, NULL AS reason FROM published_hours
+UNION ALL
+SELECT hour, pool, 'held_back', reason FROM held_back_hours
+UNION ALL
+SELECT DISTINCT l.hour, l.pool, 'provisional', 'priced live; not billed yet'
+FROM provisional_lines l
+WHERE NOT EXISTS (SELECT 1 FROM invoices i WHERE i.hour = l.hour AND i.pool = l.pool);
+
+-- Each tenant's invoice of each month: issued (its month closed by `stepledger close`, the
+-- invoice never changed since) or open (provisional, as the ledger stands). charges_nano is
+-- what the month's published hours cost (for an issued invoice, as they stood when it was
+-- issued), adjustments_nano the corrections of closed months carried on it
+-- (invoice_adjustments), amount_nano their sum: what the tenant owes on it.
+CREATE OR REPLACE TEMP VIEW tenant_invoices AS
+WITH charges AS (
+    SELECT CAST(date_trunc('month', hour) AS DATE) AS month, tenant, sum(amount_nano) AS nano
+    FROM published_ledger_lines GROUP BY ALL),
+carried AS (
+    SELECT invoice_month AS month, tenant, sum(amount_nano) AS nano
+    FROM invoice_adjustments GROUP BY ALL),
+invoiced AS (
+    SELECT month, tenant FROM charges UNION SELECT month, tenant FROM carried
+    UNION SELECT month, tenant FROM invoice_numbers),
+totals AS (
+    SELECT i.month, i.tenant, n.invoice_id, m.month IS NOT NULL AS closed,
+           coalesce(n.amount_nano, 0) AS issued, coalesce(c.nano, 0) AS charged,
+           coalesce(a.nano, 0) AS adjusted
+    FROM invoiced i
+    LEFT JOIN charges c USING (month, tenant)
+    LEFT JOIN carried a USING (month, tenant)
+    LEFT JOIN invoice_numbers n USING (month, tenant)
+    LEFT JOIN closed_months m USING (month))
+SELECT month, tenant,
+       coalesce(invoice_id, strftime(month, 'SL-%Y%m-provisional-') || tenant) AS invoice_id,
+       CASE WHEN closed THEN 'issued' ELSE 'open' END AS status,
+       CAST(CASE WHEN closed THEN issued - adjusted ELSE charged END AS BIGINT) AS charges_nano,
+       CAST(adjusted AS BIGINT) AS adjustments_nano,
+       CAST(CASE WHEN closed THEN issued ELSE charged + adjusted END AS BIGINT) AS amount_nano,
+       nano_to_usd(CASE WHEN closed THEN issued ELSE charged + adjusted END) AS amount_usd
+FROM totals;

@@ -9,13 +9,13 @@ import dataclasses
 import json
 import os
 import shutil
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
 
-from pipeline.cli.costs import cost_report, print_report
+from pipeline.cli.costs import print_report
 from pipeline.cli.dagster_instance import (
     instance_dir,
     materialize_pool_hours,
@@ -23,7 +23,9 @@ from pipeline.cli.dagster_instance import (
     print_outcome,
 )
 from pipeline.cli.options import DEMO_DIR, directory_option, workers_option
+from pipeline.cli.stack import STACK_DIR
 from pipeline.datadir import DataDir
+from pipeline.finance.costs import cost_report
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
     from pipeline.attribution.calibration import CalibrationEntry
     from schemas.config import PoolsFile
 
+REPORT_NAME = "report.html"
 # Written into a demo's output directory, so a later demo may replace it (and nothing else).
 DEMO_MARKER = ".stepledger-demo"
 
@@ -112,7 +115,78 @@ def bill_through_dagster(
     console.print(
         f"Dagster history in {home}: `stepledger dev --data {out}` shows it", markup=False
     )
+    page_failed_runs(out, runs)
     return runs
+
+
+def page_failed_runs(out: Path, runs: list[dict[str, Any]]) -> None:
+    """Page on-call for the failed pool-hours as the daemon's failure sensor does in
+    production: record each one's pages in the outbox and deliver them through the sink the
+    environment configures, linking the report the demo writes. Done once billing is over (the
+    runner process holds the pipeline's state while it bills), and reported after the table."""
+    from assets.cli.run import default_sink_to_stderr, report_pages
+    from assets.partitions import partition_key
+    from pipeline.reconcile import alerts, failed_checks
+    from pipeline.storage.warehouse import connect
+    from schemas.units import parse_hour_key
+
+    state_file = DataDir(out).state_file
+    now = datetime.now(UTC)
+    with alerts.Courier(state_file, default_sink_to_stderr(alerts.sink_from_env())) as courier:
+        with connect(state_file) as con:
+            for run in runs:
+                if run["success"]:
+                    continue
+                hour = parse_hour_key(run["hour"])
+                links = alerts.links_for(
+                    run["run_id"],
+                    str(partition_key(hour, run["pool"])),
+                    report=(out / REPORT_NAME).resolve().as_uri(),
+                )
+                findings = failed_checks(con, run["pool"], hour)
+                owed = alerts.hour_alerts(
+                    findings, run["pool"], hour, run["run_id"], run["error"], now, links
+                )
+                alerts.enqueue(con, owed)
+        courier.wake()
+    report_pages(courier)
+
+
+def use_profile(profile: str, stack: Path, out: Path) -> None:
+    """With the production profile, bill into `out` through the running stack in `stack`: a
+    store of the demo's own on its server, and its Dagster instance; the runner, the report
+    and finance's reads reach it through the environment."""
+    if profile == "production":
+        from pipeline.stack import demo_environment
+
+        os.environ.update(demo_environment(stack, out))
+
+
+def echo_json(**parts: Any) -> None:
+    click.echo(json.dumps(parts, default=str, indent=2))
+
+
+def price_provisionally(out: Path, pools: PoolsFile, console: Console) -> list[dict[str, Any]]:
+    """Price the segments as `stepledger live` does while an hour runs, before it is billed:
+    each tenant's provisional usage, which the hourly ledger then supersedes."""
+    from pipeline.live.price import PROVISIONAL_NOTE
+    from pipeline.live.service import LivePricer
+    from pipeline.report.money import usd
+
+    pricer = LivePricer(out, pools)
+    con = pricer.open_warehouse()
+    try:
+        pricer.cycle(con)
+        rows = con.execute(
+            "SELECT tenant, CAST(sum(amount_nano) AS BIGINT) AS amount_nano FROM provisional_lines "
+            "GROUP BY tenant ORDER BY amount_nano DESC, tenant"
+        ).fetchall()
+    finally:
+        con.close()
+    console.print(f"provisional usage before the hours are billed ({PROVISIONAL_NOTE}):")
+    for tenant, amount in rows:
+        console.print(f"  {tenant:24} {usd(amount):>16}", markup=False)
+    return [{"tenant": tenant, "amount_nano": amount} for tenant, amount in rows]
 
 
 @click.command("demo")
@@ -138,13 +212,28 @@ def bill_through_dagster(
 )
 @workers_option(2, help="processes simulating replicas in parallel (one per core)")
 @click.option(
+    "--profile",
+    type=click.Choice(["embedded", "production"]),
+    default="embedded",
+    show_default=True,
+    help="embedded: no server; production: through the running `stepledger stack` (--stack)",
+)
+@directory_option("--stack", default=STACK_DIR, help="the stack's directory (--profile production)")
+@click.option(
     "--json",
     "as_json",
     is_flag=True,
     help="print one JSON object (calibration, simulation, runs, costs, report path) instead of tables",
 )
 def demo_command(
-    out: Path, hours: float, seed: int, faults: tuple[str, ...], workers: int, as_json: bool
+    out: Path,
+    hours: float,
+    seed: int,
+    faults: tuple[str, ...],
+    workers: int,
+    profile: str,
+    stack: Path,
+    as_json: bool,
 ) -> None:
     """Simulate the default pools, calibrate them, bill them hour by hour through the Dagster
     pipeline, and write an HTML report (OUT/report.html)."""
@@ -161,6 +250,7 @@ def demo_command(
     except FaultError as err:
         raise click.BadParameter(str(err), param_hint="--fault") from err
     prepare_out_dir(out)
+    use_profile(profile, stack, out)
     pools = load_pools()
     # With --json, standard output carries only the JSON; progress and status go to stderr.
     console = Console(stderr=as_json, quiet=as_json)
@@ -189,6 +279,7 @@ def demo_command(
     )
     for name, what in summary.faults.items():
         console.print(Text.assemble("  ", ("fault", "yellow"), f" {name}: {what}"))
+    provisional = price_provisionally(out, pools, console)
     runs = bill_through_dagster(out, DataDir(out).hours(), pools, console)
     costs = cost_report(out, "tenant")
     if not as_json:
@@ -199,23 +290,17 @@ def demo_command(
         f"Query it with `stepledger sql --data {out}`, or run `stepledger costs --data {out} --by feature`.",
         markup=False,
     )
-    report = out / "report.html"
+    report = out / REPORT_NAME
     with console.status("writing the report"):
-        layout = DataDir(out)
-        write_report(layout.state_file, pools, layout.lake, Scope.everything(), report)
+        write_report(DataDir(out).state_file, pools, DataDir(out).lake, Scope.everything(), report)
     if as_json:
-        click.echo(
-            json.dumps(
-                {
-                    "calibration": [dataclasses.asdict(e) for e in entries],
-                    "simulation": dataclasses.asdict(summary),
-                    "runs": runs,
-                    "costs": costs,
-                    "report": str(report),
-                },
-                default=str,
-                indent=2,
-            )
+        echo_json(
+            calibration=[dataclasses.asdict(e) for e in entries],
+            simulation=dataclasses.asdict(summary),
+            provisional=provisional,
+            runs=runs,
+            costs=costs,
+            report=str(report),
         )
         return
     # Plain, unwrapped: the path is meant to be copied.

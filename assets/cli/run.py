@@ -15,19 +15,20 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import click
-import dagster as dg
 import duckdb
 
+from assets.partitions import partition_key
 from assets.resources import warehouse_path
-from assets.runner import execute_pool_hours, pool_hour_outcome
+from assets.runner import data_dir_instance, execute_pool_hours, pool_hour_outcome
 from pipeline.cli.dagster_instance import print_outcome
 from pipeline.cli.options import data_dir_option, file_option
+from pipeline.cli.status import pool_hour_statuses
 from pipeline.datadir import DataDir
 from pipeline.reconcile import alerts, failed_checks
 from pipeline.storage.warehouse import connect
 from schemas.config import load_pools
 from schemas.errors import StepledgerError
-from schemas.units import hour_key, parse_hour_key
+from schemas.units import hour_key, parse_hour_key, parse_range_bound
 
 
 @dataclass(frozen=True)
@@ -36,8 +37,9 @@ class PoolHourRun:
     pool: str
     success: bool  # the Dagster run succeeded: no step failed and no check failed with ERROR
     held_back: bool  # a blocking check failed: the finance views leave the hour out
-    failed_checks: list[str]  # "name: detail" of every failed check
+    failed_checks: list[str]  # "ERROR name: detail" or "WARN name: detail" of every failed check
     error: str | None  # the root cause of the first step failure that is not a failed check
+    run_id: str  # the Dagster run
 
 
 class HoursHeldBack(click.ClickException):
@@ -50,7 +52,8 @@ class HoursHeldBack(click.ClickException):
 class RunStopped(StepledgerError):
     """SIGTERM or SIGINT stopped `run_pool_hours` between pool-hours, or in one, which Dagster
     interrupted: its step in flight failed and rolled back, so the hour is as before the run or
-    as its last finished step left it. `runs`: the pool-hours done, then the interrupted one
+    as its last finished step left it (invoiced and not reconciled: held back), which its
+    error says. `runs`: the pool-hours done, then the interrupted one
     (with its error) if any; `not_started` were never begun."""
 
     def __init__(
@@ -64,7 +67,7 @@ class RunStopped(StepledgerError):
         self.not_started = not_started
         parts = [f"stopped by {signal_name}: {len(runs)} pool-hour(s) done ({_listed(runs)})"]
         if interrupted:
-            parts.append(f"interrupted and rolled back: {_listed([interrupted])}")
+            parts.append(f"interrupted: {_listed([interrupted])} ({interrupted.error})")
         parts.append(f"not started: {len(not_started)} ({_listed(not_started)})")
         super().__init__("; ".join(parts) + "; run those hours again to bill them")
 
@@ -114,25 +117,30 @@ def run_pool_hours(
     *,
     warehouse: Path | None = None,
     on_done: Callable[[PoolHourRun], None] | None = None,
-    keep_stdout: bool = False,
+    on_courier: Callable[[alerts.Courier], None] | None = None,
 ) -> list[PoolHourRun]:
-    """Materialize every (hour, pool) in order, in-process, on one ephemeral Dagster instance.
+    """Materialize every (hour, pool) in order, in-process, on the data directory's Dagster
+    instance (assets.runner.data_dir_instance), so the UI shows the runs.
 
     A failed pool-hour owes on-call the same pages as under the daemon (`pipeline.reconcile.alerts`:
-    recorded in the outbox, delivered now if the sink accepts, else by the delivery sensor or
-    the next run). SIGTERM or SIGINT stops the run after the pool-hour in flight (interrupted
-    and rolled back) and starts no other: `RunStopped` says which were done and which not.
-    `keep_stdout`: pages the default sink would print go to stderr."""
+    recorded in the outbox and delivered by a courier thread while the next pool-hour bills,
+    else by the delivery sensor or the next run); the run returns once the courier's last
+    round is over. SIGTERM or SIGINT stops the run after the pool-hour in flight and starts no
+    other: `RunStopped` says which were done and which not. `on_courier` is handed the
+    courier, whose report says what became of the pages."""
     state_file = warehouse.resolve() if warehouse else warehouse_path(data_dir.resolve())
     # A sink configured wrong is refused before any pool-hour is billed, not after the first.
-    sink = alerts.sink_from_env()
-    if keep_stdout and isinstance(sink, alerts.JsonLinesSink) and sink.target is None:
-        # Standard output is the caller's (run --json): pages printed go to stderr instead.
-        sink = alerts.JsonLinesSink(sys.stderr)
+    sink = default_sink_to_stderr(alerts.sink_from_env())
     pools = load_pools(DataDir(data_dir).pools_file).pools
     pool_hours = [(hour, pool.name) for hour in hours for pool in pools]
     runs: list[PoolHourRun] = []
-    with dg.DagsterInstance.ephemeral() as instance, _stop_signals() as stop_signal:
+    with (
+        alerts.Courier(state_file, sink) as courier,
+        data_dir_instance(data_dir) as instance,
+        _stop_signals() as stop_signal,
+    ):
+        if on_courier:
+            on_courier(courier)
         if stopped := stop_signal():
             raise RunStopped(stopped, runs, None, pool_hours)
         # The generator starts a pool-hour only when asked for it: leaving the loop on a
@@ -143,12 +151,11 @@ def run_pool_hours(
             stopped = stop_signal()
             if stopped and not result.success:
                 # Stopped on purpose, not a fault: on-call is not paged for it.
-                error = f"interrupted by {stopped}: its step in flight was rolled back"
-                interrupted = dataclasses.replace(run, error=error)
+                interrupted = dataclasses.replace(run, error=interruption(stopped, state_file, run))
                 if on_done:
                     on_done(interrupted)
                 raise RunStopped(stopped, runs, interrupted, pool_hours[index + 1 :])
-            _page(state_file, sink, run, result.run_id)
+            _page(state_file, courier, run)
             runs.append(run)
             if on_done:
                 on_done(run)
@@ -157,32 +164,70 @@ def run_pool_hours(
     return runs
 
 
-def _page(state_file: Path, sink: alerts.AlertSink, run: PoolHourRun, run_id: str) -> None:
+def interruption(signal_name: str, state_file: Path, run: PoolHourRun) -> str:
+    """What a pool-hour interrupted by a signal left: its step in flight rolled back, and the
+    steps before it stay committed, so the hour may be invoiced but not reconciled (held
+    back), or as published as before."""
+    try:
+        standing = [
+            status
+            for status in pool_hour_statuses(
+                state_file, run.hour, parse_range_bound(hour_key(run.hour), end=True)
+            )
+            if status.pool == run.pool
+        ]
+    except (StepledgerError, duckdb.Error) as err:
+        return f"interrupted by {signal_name}: its step in flight rolled back ({err})"
+    left = "the hour has no invoice: nothing of it is published"
+    for status in standing:
+        left = f"the hour is {status.standing}" + (
+            f" ({status.reason})" if status.standing == "held back" else ""
+        )
+    return (
+        f"interrupted by {signal_name}: its step in flight rolled back, the steps before it "
+        f"stay committed; {left}"
+    )
+
+
+def default_sink_to_stderr(sink: alerts.AlertSink) -> alerts.AlertSink:
+    """The sink, but pages the default sink would print go to standard error: standard output
+    is the command's table (or its JSON), which pages printed as they are delivered would cut."""
+    if isinstance(sink, alerts.JsonLinesSink) and sink.target is None:
+        return alerts.JsonLinesSink(sys.stderr)
+    return sink
+
+
+def _page(state_file: Path, courier: alerts.Courier, run: PoolHourRun) -> None:
+    """Record what a failed pool-hour owes on-call in the outbox and wake the courier, which
+    delivers it apart from billing."""
     now = datetime.now(UTC)
+    links = alerts.links_for(run.run_id, str(partition_key(run.hour, run.pool)))
     try:
         with connect(state_file) as con:
             if not run.success:
                 findings = failed_checks(con, run.pool, run.hour)
-                alerts.enqueue(
-                    con, alerts.hour_alerts(findings, run.pool, run.hour, run_id, run.error, now)
+                owed = alerts.hour_alerts(
+                    findings, run.pool, run.hour, run.run_id, run.error, now, links
                 )
-            alerts.deliver_due(con, sink, now)
+                alerts.enqueue(con, owed)
     except (duckdb.Error, OSError) as err:
-        _page_without_state(state_file, sink, run, run_id, err, now)
+        _page_without_state(state_file, courier, run, err, now, links)
+    courier.wake()
 
 
 def _page_without_state(
     state_file: Path,
-    sink: alerts.AlertSink,
+    courier: alerts.Courier,
     run: PoolHourRun,
-    run_id: str,
     err: Exception,
     now: datetime,
+    links: tuple[alerts.Link, ...],
 ) -> None:
     """The pipeline's state cannot be opened or written (a read-only or full data directory,
     a path that is no file): the outbox cannot hold what the run owes on-call, so the run's
-    failure goes straight to the sink, which needs no disk for a webhook or standard output;
-    when that fails too, it is said plainly. Either way the run goes on to the next pool-hour."""
+    failure goes straight to the sink, which needs no disk for a webhook or standard error;
+    the courier says plainly when that fails too. Either way the run goes on to the next
+    pool-hour."""
     click.echo(
         f"{state_file}: the pipeline's state cannot be written ({err}); "
         f"{hour_key(run.hour)} {run.pool} cannot be recorded or its pages kept",
@@ -193,21 +238,14 @@ def _page_without_state(
     detail = "; ".join([*filter(None, [run.error]), *run.failed_checks])
     if str(err) not in detail:
         detail += f" ({state_file} cannot be written: {err})"
-    owed = alerts.hour_alerts([], run.pool, run.hour, run_id, detail, now)
-    try:
-        for alert in owed:
-            sink.send(alert)
-    except (alerts.AlertDeliveryError, OSError) as failed:
-        click.echo(
-            f"on-call could not be paged for {hour_key(run.hour)} {run.pool} either: {failed}",
-            err=True,
-        )
+    courier.send(alerts.hour_alerts([], run.pool, run.hour, run.run_id, detail, now, links))
 
 
 def run_with_progress(
     data_dir: Path, hours: list[datetime], warehouse: Path | None = None, *, quiet: bool = False
 ) -> list[PoolHourRun]:
-    """run_pool_hours with a rich progress bar and, unless quiet, one line per finished pool-hour."""
+    """run_pool_hours with a rich progress bar and, unless quiet, one line per finished
+    pool-hour; what was paged is reported after them, on standard error."""
     from rich.console import Console
     from rich.progress import Progress
 
@@ -229,7 +267,25 @@ def run_with_progress(
                     failed_checks=run.failed_checks,
                 )
 
-        return run_pool_hours(data_dir, hours, warehouse=warehouse, on_done=done, keep_stdout=quiet)
+        couriers: list[alerts.Courier] = []
+        try:
+            return run_pool_hours(
+                data_dir, hours, warehouse=warehouse, on_done=done, on_courier=couriers.append
+            )
+        finally:
+            for courier in couriers:
+                report_pages(courier)
+
+
+def report_pages(courier: alerts.Courier) -> None:
+    """After the table, on standard error: what was paged, and what could not be."""
+    if courier.delivered:
+        click.echo(
+            f"paged on-call: {len(courier.delivered)} alert(s) delivered to {courier.sink!r}",
+            err=True,
+        )
+    for line in courier.report:
+        click.echo(line, err=True)
 
 
 @click.command("run")

@@ -30,6 +30,7 @@ COMMANDS: dict[str, str] = {
     "close": "pipeline.cli.close:close_command",
     "migrate": "pipeline.cli.migrate:migrate_command",
     "report": "pipeline.cli.report:report_command",
+    "status": "pipeline.cli.status:status_command",
     "inspect": "pipeline.cli.inspect:inspect_command",
     "hook-config": "pipeline.cli.hook_config:hook_config_command",
     "price": "pipeline.cli.price:price_command",
@@ -37,6 +38,12 @@ COMMANDS: dict[str, str] = {
     "explain": "pipeline.cli.explain_request:explain_command",
     "whatif": "pipeline.cli.whatif:whatif_command",
     "explain-step": "pipeline.cli.explain_step:explain_step_command",
+    "stack": "pipeline.cli.stack:stack_group",
+    "live": "pipeline.cli.live:live_command",
+    "serve": "pipeline.cli.serve:serve_command",
+    "tokens": "pipeline.cli.serve:tokens_group",
+    "budgets": "pipeline.cli.budgets:budgets_command",
+    "ship": "pipeline.cli.ship:ship_command",
 }
 
 
@@ -45,12 +52,20 @@ Environment:
   STEPLEDGER_DATA                 data directory of the Dagster code location (default demo-run)
   STEPLEDGER_WAREHOUSE            the pipeline's DuckDB state file (default DATA/pipeline.duckdb);
                                   the DuckLake warehouse is the directory warehouse/ next to it
+  STEPLEDGER_POSTGRES             PostgreSQL (libpq connection string) holding the pipeline's
+                                  state and the warehouse's catalog instead
+  STEPLEDGER_STORE                s3://bucket/prefix the engines' segments are shipped to and
+                                  ingested from (AWS_* variables: endpoint, region, credentials)
   STEPLEDGER_FIRST_HOUR           first hourly partition, YYYY-MM-DDTHH
   STEPLEDGER_KEY_SALT             key of the HMAC that turns API keys into api_key_id
   STEPLEDGER_ALERT_WEBHOOK_URL    page through a webhook (never logged)
   STEPLEDGER_ALERT_FORMAT         pagerduty or slack
   STEPLEDGER_PAGERDUTY_ROUTING_KEY  PagerDuty Events v2 routing key (never logged)
-  STEPLEDGER_ALERT_FILE           JSON-lines file for alerts when no webhook is set (default stdout)
+  STEPLEDGER_ALERT_FILE           JSON-lines file for alerts when no webhook is set (default stdout;
+                                  `run` and `demo` print them to stderr)
+  STEPLEDGER_ALERT_DEADLINE_S     how long one delivery to the webhook may take in all (default 10)
+  STEPLEDGER_DAGSTER_URL          the Dagster UI's base URL: pages link the run and the hour there
+  STEPLEDGER_REPORT_URL           where the HTML report is served: pages link it
   STEPLEDGER_OUTBOX, STEPLEDGER_HOOK_CONFIG, STEPLEDGER_DRIVER_VERSION
                                   the vLLM hook's outbox, replica descriptor (written by
                                   `stepledger hook-config`) and driver version
@@ -89,9 +104,16 @@ class _LazyGroup(click.Group):
             ctx.exit(err.exit_code)
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise
-        except Exception:
+        except Exception as err:
             if ctx.params.get("debug"):
                 raise
+            # Imported here: --help must not pay for the file system's imports.
+            from pipeline.storage.read_only_files import refusal_in
+
+            refused = refusal_in(err)
+            if refused is not None:
+                click.echo(f"Error: {refused}", err=True)
+                ctx.exit(refused.exit_code)
             traceback.print_exc()
             click.echo(
                 "Error: this is a bug in stepledger (the traceback above); please report it",
@@ -132,6 +154,9 @@ def command_line(commands: Mapping[str, str]) -> click.Group:
           stepledger run --data DIR              ingest, attribute, publish and reconcile every hour
           stepledger calibrate --data DIR        fit the work model for an engine version
           stepledger dev --data DIR              the Dagster UI, schedules and sensors
+          stepledger live --data DIR             provisional costs as segments close
+          stepledger serve --data DIR            the read API (tokens: stepledger tokens mint)
+          stepledger budgets --config FILE       spend against budgets, projected month-end
         \b
         Understand a number:
           stepledger price --model M --gpu G --tp N --decode B --context L

@@ -83,11 +83,6 @@ def materialize_pool_hours(
             )
 
 
-# A failed check's detail shown in full up to this many characters; the rest is in the
-# warehouse's `reconciliation` table and the report.
-FINDING_SHOWN = 150
-
-
 def print_outcome(
     console: Console,
     hour: str,
@@ -97,18 +92,26 @@ def print_outcome(
     error: str | None,
     failed_checks: list[str],
 ) -> None:
-    """One finished pool-hour, as `stepledger run` and `demo` show it. Errors and findings
+    """One finished pool-hour, as `stepledger run` and `demo` show it: its standing (held back,
+    published, published with WARN or ERROR findings) and each failed check in full, under the
+    severity it failed with ("ERROR name: detail", "WARN name: detail"). Errors and findings
     quote input (file paths, names), so they print as text, never as markup."""
     from rich.text import Text
 
-    status = Text("held back", "red") if held_back else Text("published", "green")
+    severities = {finding.split(" ", 1)[0] for finding in failed_checks}
+    worst = next((s for s in ("ERROR", "WARN") if s in severities), None)
+    status = (
+        Text("held back", "red")
+        if held_back
+        else Text.assemble(("published", "green"), f" with {worst}" if worst else "")
+    )
     if error:
         status = Text.assemble(("failed", "red"), f": {error.splitlines()[0]}")
     console.print(Text.assemble(f"{hour} {pool}: ", status))
     for finding in failed_checks:
-        shown = finding if len(finding) <= FINDING_SHOWN else finding[: FINDING_SHOWN - 1] + "…"
+        severity, _, rest = finding.partition(" ")
         console.print(
-            Text.assemble("    ", ("check failed", "yellow"), f" {shown}"),
-            overflow="ellipsis",
-            no_wrap=True,
+            Text.assemble(
+                "    ", (severity, "red" if severity == "ERROR" else "yellow"), f" {rest}"
+            )
         )

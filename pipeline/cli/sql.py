@@ -15,6 +15,7 @@ import duckdb
 from pipeline import finance
 from pipeline.cli.costs import _plain, parse_as_of
 from pipeline.cli.options import data_dir_option
+from pipeline.storage.read_only_files import refusal_in
 from pipeline.storage.warehouse import WarehouseError
 
 FORMATS = ("table", "csv", "json")
@@ -114,4 +115,4 @@ def _run(con: duckdb.DuckDBPyConnection, query: str, fmt: str) -> None:
     try:
         print_result(con, query, fmt)
     except duckdb.Error as err:
-        raise click.ClickException(str(err)) from err
+        raise refusal_in(err) or click.ClickException(str(err)) from err

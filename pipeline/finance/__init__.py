@@ -18,10 +18,10 @@ from pathlib import Path
 import duckdb
 
 from pipeline.storage.warehouse import (
-    CATALOG_FILE,
     WarehouseError,
     commit_message,
     current_snapshot,
+    has_catalog,
     ledger_writer,
     read_connection,
     transaction,
@@ -39,14 +39,15 @@ def connect(
 
 def _warehouse_of(data_dir: str | Path) -> Path:
     directory = Path(data_dir)
-    return directory if (directory / CATALOG_FILE).is_file() else warehouse_dir(directory)
+    return directory if has_catalog(directory) else warehouse_dir(directory)
 
 
 def close_month(data_dir: str | Path, month: date) -> list[tuple[str, str, int]]:
     """Close a UTC month: number one invoice per tenant with published charges in it, and
     freeze the snapshot they were computed from (`closed_months.snapshot`), so its FOCUS
     export stays what was invoiced even after an hour of it is re-billed. Refused if the
-    month is closed already, has hours held back, or has no published hour. Returns
+    month is closed already, has hours held back, or has no published hour. Each tenant's
+    invoice adds the adjustments carried on it (`invoice_adjustments`). Returns
     (invoice id, tenant, amount in nano-dollars) per invoice."""
     month = month.replace(day=1)
     label = month.strftime("%Y-%m")
@@ -67,10 +68,13 @@ def close_month(data_dir: str | Path, month: date) -> list[tuple[str, str, int]]
                 "reconcile before closing the month"
             )
         frozen = current_snapshot(con)
+        # The month's charges, and the corrections of closed months carried on its invoices.
         totals = con.execute(
-            "SELECT tenant, sum(amount_nano)::BIGINT FROM published_ledger_lines "
-            f"WHERE {in_month} GROUP BY tenant ORDER BY tenant",
-            [month],
+            "SELECT tenant, sum(amount_nano)::BIGINT FROM ("
+            f"SELECT tenant, amount_nano FROM published_ledger_lines WHERE {in_month} "
+            "UNION ALL SELECT tenant, amount_nano FROM invoice_adjustments WHERE invoice_month = ?"
+            ") GROUP BY tenant ORDER BY tenant",
+            [month, month],
         ).fetchall()
         if not totals:
             raise WarehouseError(f"{label}: no published hours to invoice")

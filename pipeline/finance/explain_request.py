@@ -82,10 +82,55 @@ class RequestHour:
         return int(self.steps["share_nano"].sum()) + self.cache_read_nano == self.amount_nano
 
 
+# How many of a request's steps the summary names, the most expensive first.
+LARGEST_STEPS = 5
+
+
+@dataclass(frozen=True)
+class Summary:
+    """A request's charge over all its hours in parts that add up to it exactly: `parts`
+    (name -> nano-dollars: compute on its steps, KV memory-time, the prefix-cache read
+    charge) sum to `amount_nano` when the charge is reproduced; `resources` splits the
+    compute charge (steps and cache read) over the kernel's resources; `largest` are its
+    most expensive steps (hour, pool and the step columns)."""
+
+    amount_nano: int
+    parts: dict[str, int]
+    resources: dict[str, int]
+    steps: int
+    largest: pl.DataFrame
+
+
 @dataclass(frozen=True)
 class Explanation:
     request_id: str
     hours: list[RequestHour]
+
+    def summary(self, largest: int = LARGEST_STEPS) -> Summary:
+        steps = [
+            h.steps.with_columns(hour=pl.lit(hour_key(h.hour)), pool=pl.lit(h.pool))
+            for h in self.hours
+        ]
+        every = pl.concat(steps) if steps else pl.DataFrame()
+        resources: dict[str, int] = {}
+        for h in self.hours:
+            for resource, nano in h.resources.items():
+                resources[resource] = resources.get(resource, 0) + nano
+        parts = {
+            "compute": sum(int(h.steps["compute_nano"].sum()) for h in self.hours),
+            "kv_memory_time": sum(int(h.steps["kv_nano"].sum()) for h in self.hours),
+            "cache_read": sum(h.cache_read_nano for h in self.hours),
+        }
+        top = (
+            every.sort(
+                ["share_nano", "hour", "replica", "seq"], descending=[True, False, False, False]
+            )
+            .head(largest)
+            .select("hour", "pool", *STEP_COLUMNS)
+            if every.height
+            else every
+        )
+        return Summary(self.amount_nano, parts, resources, every.height, top)
 
     @property
     def amount_nano(self) -> int:
@@ -100,6 +145,7 @@ class Explanation:
             "request_id": self.request_id,
             "amount_nano": self.amount_nano,
             "reproduced": self.reproduced,
+            "summary": _summary_json(self.summary()),
             "hours": [
                 {
                     "hour": hour_key(h.hour),
@@ -114,6 +160,16 @@ class Explanation:
                 for h in self.hours
             ],
         }
+
+
+def _summary_json(summary: Summary) -> dict[str, object]:
+    return {
+        "amount_nano": summary.amount_nano,
+        "parts": summary.parts,
+        "resources": summary.resources,
+        "steps": summary.steps,
+        "largest_steps": summary.largest.to_dicts(),
+    }
 
 
 _CHARGES = """

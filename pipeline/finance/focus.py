@@ -3,7 +3,8 @@
 Open months come from the latest snapshot, on their tenants' provisional invoices; a closed
 month (`stepledger close`) from the snapshot frozen when it was closed, with its invoice
 numbers, so an export reproduces what was invoiced even after an hour of the month was
-re-billed.
+re-billed. Such a re-bill is exported as Adjustment rows (ChargeClass Correction) on the
+invoices of the month that carries them.
 """
 
 from __future__ import annotations
@@ -19,8 +20,15 @@ import pyarrow.parquet as pq
 from pipeline import finance
 
 FORMATS = ("parquet", "csv")
-_RANGE = "ChargePeriodStart >= ? AND ChargePeriodStart < ?"
-_MONTH = "CAST(date_trunc('month', ChargePeriodStart) AS DATE)"
+# A row is in a range by the hour it charges; a correction (Adjustment) by the first hour of
+# the billing period whose invoice carries it, so a month's export has its invoices' every
+# row and ranges that split a month share none.
+_PLACED_AT = (
+    "CASE WHEN ChargeCategory = 'Adjustment' THEN BillingPeriodStart ELSE ChargePeriodStart END"
+)
+_RANGE = f"{_PLACED_AT} >= ? AND {_PLACED_AT} < ?"
+# The month whose invoice a row is on: a correction's is not the month of the hour it corrects.
+_MONTH = "CAST(BillingPeriodStart AS DATE)"
 # FOCUS date-times are ISO 8601 in UTC with a Z; CSV has no types, so they are written so.
 _TIME_COLUMNS = ("BillingPeriodEnd", "BillingPeriodStart", "ChargePeriodEnd", "ChargePeriodStart")
 
@@ -52,7 +60,7 @@ def focus_table(data_dir: str | Path, start: datetime, end: datetime) -> pa.Tabl
                 frozen.execute(
                     "SELECT f.* REPLACE (n.invoice_id AS InvoiceId) FROM focus_costs f "
                     "LEFT JOIN numbers n "
-                    "ON n.month = CAST(date_trunc('month', f.ChargePeriodStart) AS DATE) "
+                    "ON n.month = CAST(f.BillingPeriodStart AS DATE) "
                     "AND n.tenant = f.BillingAccountId "
                     f"WHERE {_RANGE} AND {_MONTH} = ?",
                     [*params, month],

@@ -65,6 +65,17 @@ class WhatIf:
     hours: pl.DataFrame
 
     @property
+    def tenants(self) -> pl.DataFrame:
+        """`changes` summed per tenant: billed (`before_nano`), what-if (`after_nano`), the
+        change and its percentage, largest increase first."""
+        return _with_change(
+            self.changes.group_by("tenant").agg(
+                pl.col("before_nano").sum(), pl.col("after_nano").sum()
+            ),
+            ["tenant"],
+        )
+
+    @property
     def balanced(self) -> bool:
         return bool(
             (self.hours["invoice_nano"] == self.hours["before_nano"]).all()
@@ -136,12 +147,19 @@ def what_if(data_dir: Path, start: datetime, end: datetime, settings: dict[str, 
             coalesce=True,
         )
         .fill_null(0)
-        .with_columns(change_nano=pl.col("after_nano") - pl.col("before_nano"))
+    )
+    return WhatIf(_with_change(changes, keys), pl.DataFrame(hours))
+
+
+def _with_change(totals: pl.DataFrame, keys: list[str]) -> pl.DataFrame:
+    """`totals` (keys, before_nano, after_nano) with the change in nano-dollars and percent of
+    what was billed (none where nothing was), largest increase first."""
+    return (
+        totals.with_columns(change_nano=pl.col("after_nano") - pl.col("before_nano"))
         .with_columns(
             change_pct=pl.when(pl.col("before_nano") != 0).then(
                 100.0 * pl.col("change_nano") / pl.col("before_nano").abs()
             )
         )
-        .sort("change_nano", "tenant", "feature", descending=[True, False, False])
+        .sort(["change_nano", *keys], descending=[True, *(False for _ in keys)])
     )
-    return WhatIf(changes, pl.DataFrame(hours))

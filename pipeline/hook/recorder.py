@@ -2,7 +2,8 @@
 
 The engine thread only appends a tuple to a bounded deque. A writer thread takes queued steps
 in batches, encodes each batch's frames together, writes them to a segment file in the outbox
-under a temporary name, rotates by size and by time, and ships each finished segment
+under a temporary name, rotates by size and by time (every `ROTATE_SECONDS` by default, so
+the live path prices a step within seconds of it), and ships each finished segment
 atomically (fsync, then rename to `*.seg`), so the pipeline never reads a half-written file
 unless the process died mid-segment.
 """
@@ -49,6 +50,9 @@ _LOGGED_REJECTIONS = 10
 ENCODE_BATCH_STEPS = 256
 # Keeps a segment's request-id bytes within Arrow's 32-bit string offsets when decoded.
 MAX_SEGMENT_BYTES = 1 << 30
+# A segment is shipped at least this often: provisional costs (pipeline.live) can be no fresher
+# than the segment that holds a request's last step.
+ROTATE_SECONDS = 15.0
 _UNSAFE_NAME = re.compile(r"[^A-Za-z0-9_.-]")
 
 
@@ -151,7 +155,7 @@ class StepRecorder:
         *,
         buffer_steps: int = 4096,
         rotate_bytes: int = 64 << 20,
-        rotate_seconds: float = 300.0,
+        rotate_seconds: float = ROTATE_SECONDS,
         overflow: Literal["drop", "block"] = "drop",
         mono_clock: Callable[[], int] = time.monotonic_ns,
         wall_clock: Callable[[], int] = time.time_ns,

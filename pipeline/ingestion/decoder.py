@@ -93,10 +93,11 @@ def open_segment(path: Path) -> Iterator[BinaryIO]:
         yield handle
 
 
-def _read_segment(path: Path) -> bytes:
+def _read_segment(path: Path, limit: int = -1) -> bytes:
+    """The segment's bytes, its first `limit` only when that is not -1."""
     with open_segment(path) as handle:
         try:
-            return handle.read()
+            return handle.read(limit)
         except OSError as err:
             raise UnreadableSegment(f"cannot read: {err.strerror}") from None
 
@@ -268,6 +269,25 @@ def _read_header(decoded: _File, data: bytes) -> int | None:
         return None
     decoded.header = header
     return end
+
+
+# A header frame is about a kilobyte; this leaves room for long names and a longer layout.
+HEADER_READ_BYTES = 1 << 13
+
+
+def segment_header(path: Path) -> HeaderFrame | None:
+    """The header of the segment at `path`, from the file's first bytes only (what the segment
+    is and when it began, without decoding its records); None when those bytes hold no intact
+    header: ingestion reports that damage.
+
+    Raises UnreadableSegment for what cannot be opened or read."""
+    data = _read_segment(path, HEADER_READ_BYTES)
+    decoded = _new_file(path, data)
+    try:
+        _read_header(decoded, data)
+    except _ResyncGaveUp:
+        return None
+    return decoded.header
 
 
 def _frames_follow(decoded: _File, pos: int) -> bool:
@@ -636,7 +656,10 @@ def _discard_steps(decoded: _File, discard: np.ndarray, seqs: np.ndarray, why: s
                 int(discarded_seqs[run_last]),
             )
         )
-    keep = ~discard
+    _keep_steps(decoded, ~discard)
+
+
+def _keep_steps(decoded: _File, keep: np.ndarray) -> None:
     decoded.step_offsets = decoded.step_offsets[keep]
     decoded.step_ends = decoded.step_ends[keep]
     decoded.fixed = decoded.fixed[keep]
@@ -656,8 +679,16 @@ def _copy_key(decoded: _File) -> str | bytes:
     return decoded.data or str(decoded.path)
 
 
-def _resolve_duplicates(files: list[_File]) -> tuple[list[_File], list[tuple[_File, _Damage]]]:
-    """Keep one copy of each segment; the others become duplicate_segment damage.
+_COPY_KINDS = ("duplicate_segment", "divergent_copy")
+
+
+def _resolve_duplicates(
+    files: list[_File],
+) -> tuple[list[_File], list[tuple[_File, _Damage]], list[_File]]:
+    """Keep one copy of each segment; the others become duplicate_segment damage, or
+    divergent_copy damage when they hold frames the kept copy lacks or other bytes for one of
+    its steps. A divergent copy's steps that the kept one lacks are kept too (the third list:
+    those copies, cut to those steps).
 
     Copies share a segment_id; files without a readable header are copies only when their
     bytes are identical. The kept copy is the one with the most intact steps.
@@ -676,18 +707,46 @@ def _resolve_duplicates(files: list[_File]) -> tuple[list[_File], list[tuple[_Fi
         kept[key] = best
         duplicates.append((worse, best))
     damage = []
+    extras = []
     for copy, keeper in duplicates:
         keeper = kept[_copy_key(keeper)]
+        kind = "duplicate_segment"
         if copy.data == keeper.data or copy.header is None:
             why = f"identical content to {keeper.path}, which was kept"
         else:
             why = f"same segment_id {copy.header.segment_id} as {keeper.path}, which was kept"
             missing = int(np.isin(copy.mark_first, keeper.mark_first, invert=True).sum())
-            if missing:
-                why += f"; {missing} of this copy's frames are not in the kept copy"
+            changed = _steps_changed(copy, keeper)
+            if missing or changed:
+                # Another log under the same id, not a copy.
+                kind = "divergent_copy"
+                why += (
+                    f"; {missing} of this copy's frames are not in the kept copy (its steps "
+                    f"among them decoded too), {changed} of its steps differ from the kept copy's"
+                )
+            unique = ~np.isin(copy.fixed["seq"], keeper.fixed["seq"])
+            if unique.any():
+                _keep_steps(copy, unique)
+                extras.append(copy)
         first, last = _seq_range(copy)
-        damage.append((copy, _Damage("duplicate_segment", 0, copy.size, why, first, last)))
-    return list(kept.values()), damage
+        damage.append((copy, _Damage(kind, 0, copy.size, why, first, last)))
+    return list(kept.values()), damage, extras
+
+
+def _steps_changed(copy: _File, keeper: _File) -> int:
+    """How many steps both files hold with other bytes in each."""
+    frame_of = {
+        int(seq): keeper.data[start:end]
+        for seq, start, end in zip(
+            keeper.fixed["seq"], keeper.step_offsets, keeper.step_ends, strict=True
+        )
+    }
+    return sum(
+        int(seq) in frame_of and frame_of[int(seq)] != copy.data[start:end]
+        for seq, start, end in zip(
+            copy.fixed["seq"], copy.step_offsets, copy.step_ends, strict=True
+        )
+    )
 
 
 def _replica_and_name_seq(decoded: _File) -> tuple[str | None, int | None]:
@@ -719,7 +778,7 @@ def _bound_by_next_segment(files: list[_File], following: list[_File]) -> None:
             continue
         later = sorted(starts.get(replica, []))
         for damage in decoded.damage:
-            if damage.first_seq is None and damage.kind != "duplicate_segment":
+            if damage.first_seq is None and damage.kind not in _COPY_KINDS:
                 damage.first_seq = name_seq
             if damage.last_seq is None and damage.first_seq is not None:
                 after = [s for s in later if s >= damage.first_seq]
@@ -739,12 +798,12 @@ def read_segments(paths: Iterable[Path], following: Iterable[Path] = ()) -> Deco
     """
     unique = sorted({Path(p) for p in paths}, key=str)
     decoded_files = [_decode_file(path) for path in unique]
-    files, duplicate_damage = _resolve_duplicates(decoded_files)
+    files, duplicate_damage, divergent = _resolve_duplicates(decoded_files)
     _bound_by_next_segment(
         files, [_decode_file(Path(p)) for p in following if Path(p) not in unique]
     )
     readable = sorted(
-        ((f, f.header) for f in files if f.header is not None),
+        ((f, f.header) for f in [*files, *divergent] if f.header is not None),
         key=lambda fh: (fh[1].pool, fh[1].replica, _seq_range(fh[0])[0] or 0, fh[1].segment_id),
     )
 
@@ -756,6 +815,8 @@ def read_segments(paths: Iterable[Path], following: Iterable[Path] = ()) -> Deco
         step_tables.append(steps)
         slot_tables.append(slots)
         holder_tables.append(holders)
+        if any(decoded is copy for copy in divergent):
+            continue  # its segment id, drops and range are its kept copy's
         first, last = _seq_range(decoded)
         dropped = sum(b - a + 1 for a, b in decoded.drops)
         segment_rows.append(

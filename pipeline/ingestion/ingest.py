@@ -47,6 +47,7 @@ import pyarrow.compute as pc
 
 from pipeline.ahead import ordered_ahead
 from pipeline.ingestion.decoder import DecodedLog, UnreadableSegment, open_segment, read_segments
+from pipeline.ship.store import SegmentStore, pull_segments
 from pipeline.storage.warehouse import insert_frame, query_frame, transaction
 from schemas.tables import HOLDERS, SLOTS, STEPS
 from schemas.units import HOUR_NS, NS_PER_SECOND, hour_at, hour_key, warehouse_now
@@ -258,8 +259,12 @@ def ingest_outbox(
     lake: Path,
     *,
     replicas: Iterable[str] | None = None,
+    store: SegmentStore | None = None,
 ) -> IngestReport:
     """Ingest the segments not seen before, a replica at a time; return what was written.
+
+    `store`: the object store the engines' segments are shipped to; those not yet in the
+    outbox are pulled into it first (`pipeline.ship.store.pull_segments`).
 
     Each batch holds consecutive segments of one replica, up to BATCH_BYTES, so memory is
     bounded by the batch, not by how much waited in the outbox; the decoder bounds a torn
@@ -270,6 +275,8 @@ def ingest_outbox(
     """
     with _ingest_lock(lake) as intents:
         removed = remove_uncommitted(con, lake, intents)
+        if store is not None:
+            pull_segments(store, outbox, replicas)
         report = _ingest_new(con, outbox, lake, intents, replicas)
     return dataclasses.replace(report, uncommitted_removed=removed)
 
@@ -812,6 +819,23 @@ def _dropped_within(dropped: list[tuple[int, int]], first: int, last: int) -> in
 HIDING_DAMAGE = ("torn_tail", "corrupt_frame", "bad_header", "unknown_version", "unreadable")
 
 
+# A damage row is named by all its columns (PostgreSQL's tables, where the state may live,
+# have no row ids): rows alike in every column are one finding recorded twice, settled alike.
+DAMAGE_FIELDS = (
+    "path",
+    "kind",
+    "byte_offset",
+    "byte_length",
+    "first_seq",
+    "last_seq",
+    "detail",
+    "batch_id",
+)
+DAMAGE_COLUMNS = len(DAMAGE_FIELDS)
+DAMAGE_ROW = ", ".join(DAMAGE_FIELDS)
+DAMAGE_ROW_IS = " AND ".join(f"{field} IS NOT DISTINCT FROM ?" for field in DAMAGE_FIELDS)
+
+
 def _settle_damage(
     con: duckdb.DuckDBPyConnection,
     lake: Path,
@@ -830,7 +854,7 @@ def _settle_damage(
     becomes `recovered`, its original kind and detail kept in the detail. Only damage this
     batch could change is looked at: its own, what it bounded, what its steps fall in."""
     open_rows = con.execute(
-        "SELECT d.rowid, "
+        f"SELECT {', '.join('d.' + field for field in DAMAGE_FIELDS)}, "
         "(SELECT min(s.first_seq) - 1 FROM segments s WHERE s.replica = $replica "
         " AND s.first_seq >= d.first_seq), "
         "(SELECT max(s.last_seq) FROM segments s WHERE s.replica = $replica "
@@ -840,26 +864,30 @@ def _settle_damage(
         {"replica": replica},
     ).fetchall()
     bounded = set()
-    for rowid, *bounds in open_rows:
+    for row in open_rows:
+        damage, bounds = row[:DAMAGE_COLUMNS], row[DAMAGE_COLUMNS:]
         known = [bound for bound in bounds if bound is not None]
         if known:
-            con.execute("UPDATE damage SET last_seq = ? WHERE rowid = ?", [min(known), rowid])
-            bounded.add(rowid)
+            con.execute(
+                f"UPDATE damage SET last_seq = ? WHERE {DAMAGE_ROW_IS}", [min(known), *damage]
+            )
+            bounded.add((*damage[:5], min(known), *damage[6:]))
     hiding = con.execute(
-        "SELECT rowid, kind, detail, first_seq, last_seq, batch_id FROM damage "
+        f"SELECT {DAMAGE_ROW} FROM damage "
         "WHERE list_contains(?, kind) AND first_seq IS NOT NULL AND last_seq IS NOT NULL "
         "AND regexp_extract(path, '([^/]+)/[^/]*$', 1) = ?",
         [list(HIDING_DAMAGE), replica],
     ).fetchall()
     dropped: list[tuple[int, int]] | None = None
-    for rowid, kind, detail, first, last, found_by in hiding:
+    for damage in hiding:
+        kind, first, last, detail, found_by = damage[1], *damage[4:]
         if last < first:
             why = (
                 f"it can hide no step: a segment held starts at seq {first}, where its range begins"
             )
         elif (
             found_by == batch_id
-            or rowid in bounded
+            or damage in bounded
             or new_seqs.is_between(first, last).any()
             or _dropped_within(new_drops, first, last)
         ):
@@ -875,6 +903,6 @@ def _settle_damage(
         else:
             continue
         con.execute(
-            "UPDATE damage SET kind = 'recovered', detail = ? WHERE rowid = ?",
-            [f"{kind} ({detail}); {why}", rowid],
+            f"UPDATE damage SET kind = 'recovered', detail = ? WHERE {DAMAGE_ROW_IS}",
+            [f"{kind} ({detail}); {why}", *damage],
         )

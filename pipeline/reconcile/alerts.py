@@ -13,6 +13,12 @@ Events v2 or Slack-compatible JSON. Configuration comes from the environment:
   neither, they are printed to stdout.
 - `STEPLEDGER_ALERT_DEADLINE_S`: how long one delivery to the webhook may take in all (10 s
   by default); a sink that has not answered by then is abandoned, and the alert stays owed.
+- `STEPLEDGER_DAGSTER_URL`: the Dagster UI's base URL; pages then link the run and the hour's
+  partition there.
+- `STEPLEDGER_REPORT_URL`: where the HTML report is served; pages then link it.
+
+A page says what failed, whether the hour is held back from finance and what releases it,
+and what on-call does next: the texts of the findings registry (`findings.py`).
 
 Deduplication: a finding's key hashes (kind, hour, pool, replica, finding code). Keys already
 in the `SentKeys` store are not sent again; a key is stored only after its alert was
@@ -36,16 +42,16 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal, Protocol, TextIO
 
 import duckdb
 
-from pipeline.reconcile.findings import NOT_RECONCILED, UNDELIVERED
+from pipeline.reconcile.findings import NOT_RECONCILED, UNDELIVERED, kinds_found
 from pipeline.reconcile.result import CheckResult, failed
-from pipeline.storage.warehouse import transaction
+from pipeline.storage.warehouse import connect, transaction
 from schemas.config import Settings
 from schemas.errors import ConfigError, ExternalError
 from schemas.units import (
@@ -66,6 +72,8 @@ ENV_ROUTING_KEY = "STEPLEDGER_PAGERDUTY_ROUTING_KEY"
 ENV_FORMAT = "STEPLEDGER_ALERT_FORMAT"
 ENV_FILE = "STEPLEDGER_ALERT_FILE"
 ENV_DEADLINE = "STEPLEDGER_ALERT_DEADLINE_S"
+ENV_DAGSTER_URL = "STEPLEDGER_DAGSTER_URL"
+ENV_REPORT_URL = "STEPLEDGER_REPORT_URL"
 # How long one delivery to a webhook may take, all of it, before it is abandoned and retried.
 DEFAULT_DEADLINE_S = 10.0
 
@@ -80,9 +88,28 @@ class AlertDeliveryError(ExternalError):
     """An alert could not be delivered; the message never contains the webhook URL or key."""
 
 
+# What on-call does when a pool-hour run failed before its checks could say what is wrong.
+RUN_FAILED_TODO = (
+    "the error names the file, record or field that failed: fix it and re-run the hour "
+    "(`stepledger run --hour`, or re-materialize the partition); until then the hour stays as "
+    "its last finished run left it"
+)
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link a page carries: the Dagster run, the hour in the UI, the report."""
+
+    text: str
+    href: str
+
+
 @dataclass(frozen=True)
 class Alert:
-    """What on-call is told of one finding: a failed result, when it was raised and its dedup key."""
+    """What on-call is told of one finding: a failed result, when it was raised and its dedup key,
+    whether the hour is held back from finance (None when the alert is not about one hour's
+    publication: a dead-man page, a run that failed before its checks), what to do, what
+    releases a held hour, and links."""
 
     raised_at: datetime
     severity: str
@@ -93,12 +120,33 @@ class Alert:
     finding: str
     detail: str
     dedup_key: str
+    held_back: bool | None = None
+    todo: str = ""
+    releases: str = ""
+    links: tuple[Link, ...] = ()
 
     @property
     def summary(self) -> str:
-        """One line: severity, check, where, hour and the detail."""
+        """One line: severity, check, where, hour, whether it is published, and the detail."""
         where = self.pool if self.replica is None else f"{self.pool}/{self.replica}"
-        return f"[{self.severity}] stepledger {self.kind} failed for {where} hour {hour_key(self.hour)}: {self.detail}"
+        standing = {None: "", True: " (held back)", False: " (published)"}[self.held_back]
+        return (
+            f"[{self.severity}] stepledger {self.kind} failed for {where} hour "
+            f"{hour_key(self.hour)}{standing}: {self.detail}"
+        )
+
+    def message(self) -> str:
+        """The whole page as lines of text: the summary, the hour's standing and what releases
+        it, what to do, the links."""
+        lines = [self.summary]
+        if self.held_back:
+            lines.append(f"The hour is held back from finance. Released by: {self.releases}.")
+        elif self.held_back is False:
+            lines.append("The hour is published: finance sees it.")
+        if self.todo:
+            lines.append(f"What to do: {self.todo}.")
+        lines.extend(f"{link.text}: {link.href}" for link in self.links)
+        return "\n".join(lines)
 
     def as_json(self) -> dict[str, Any]:
         """The alert as JSON values (times as ISO strings, the hour as its key)."""
@@ -112,7 +160,47 @@ class Alert:
             "finding": self.finding,
             "detail": self.detail,
             "dedup_key": self.dedup_key,
+            "held_back": self.held_back,
+            "todo": self.todo,
+            "releases": self.releases,
+            "links": [asdict(link) for link in self.links],
         }
+
+
+def links_for(
+    run_id: str | None,
+    partition: str,
+    environ: Mapping[str, str] | None = None,
+    *,
+    report: str | None = None,
+) -> tuple[Link, ...]:
+    """The links a page of the run `run_id` for the partition `partition` carries: the run and
+    the partition in the Dagster UI when `STEPLEDGER_DAGSTER_URL` is set, the report at
+    `STEPLEDGER_REPORT_URL` (or `report`, where the caller writes it)."""
+    env = os.environ if environ is None else environ
+    links = []
+    if dagster := env.get(ENV_DAGSTER_URL, "").rstrip("/"):
+        if run_id:
+            links.append(Link("Dagster run", f"{dagster}/runs/{urllib.parse.quote(run_id)}"))
+        links.append(
+            Link(
+                "the hour in the Dagster UI",
+                f"{dagster}/assets/ledger?view=partitions&partition="
+                + urllib.parse.quote(partition, safe=""),
+            )
+        )
+    if report := env.get(ENV_REPORT_URL) or report:
+        links.append(Link("report", report))
+    return tuple(links)
+
+
+def _runbook(result: CheckResult) -> tuple[str, str]:
+    """What to do about a failed result, and what releases the hour it holds back (the
+    registry's texts of the kinds it found, each once)."""
+    kinds = kinds_found(result.check_name, result.finding, result.severity)
+    todo = "; ".join(dict.fromkeys(kind.runbook for kind in kinds))
+    releases = "; ".join(dict.fromkeys(kind.releases for kind in kinds if kind.releases))
+    return todo, releases
 
 
 def dedup_key(kind: str, hour: datetime, pool: str, replica: str | None, finding: str) -> str:
@@ -125,17 +213,30 @@ def dedup_key(kind: str, hour: datetime, pool: str, replica: str | None, finding
 _FROM_RESULT = ("severity", "hour", "pool", "replica", "finding", "detail")
 
 
-def alert_for(result: CheckResult, raised_at: datetime) -> Alert:
-    """The alert of a failed result, raised at `raised_at`; a passed result is refused."""
+def alert_for(
+    result: CheckResult,
+    raised_at: datetime,
+    *,
+    held_back: bool | None = None,
+    links: tuple[Link, ...] = (),
+) -> Alert:
+    """The alert of a failed result, raised at `raised_at`, with the registry's texts;
+    `held_back`: whether the result's hour is held back (None: not about its publication).
+    A passed result is refused."""
     if result.passed:
         raise ValueError(
             f"{result.check_name} for {result.pool} passed; only failed results are alerts"
         )
     key = dedup_key(result.check_name, result.hour, result.pool, result.replica, result.finding)
+    todo, releases = _runbook(result)
     return Alert(
         raised_at=raised_at,
         kind=result.check_name,
         dedup_key=key,
+        held_back=held_back,
+        todo=todo,
+        releases=releases if held_back else "",
+        links=links,
         **{name: getattr(result, name) for name in _FROM_RESULT},
     )
 
@@ -338,7 +439,8 @@ class WebhookSink:
     def payload(self, alert: Alert) -> dict[str, Any]:
         """The JSON body posted for the alert in this sink's format."""
         if self.format == "slack":
-            return {"text": alert.summary}
+            return {"text": alert.message()}
+        links = {"links": [asdict(link) for link in alert.links]} if alert.links else {}
         return {
             "routing_key": self._routing_key,
             "event_action": "trigger",
@@ -353,6 +455,7 @@ class WebhookSink:
                 "class": alert.kind,
                 "custom_details": alert.as_json(),
             },
+            **links,
         }
 
     def _redact(self, text: str) -> str:
@@ -485,6 +588,8 @@ def _alert_from_json(text: str) -> Alert:
             **fields,
             "raised_at": datetime.fromisoformat(fields["raised_at"]),
             "hour": parse_hour_key(fields["hour"]),
+            # Alerts owed since before pages carried links have none.
+            "links": tuple(Link(**link) for link in fields.get("links", ())),
         }
     )
 
@@ -495,20 +600,19 @@ def enqueue(con: duckdb.DuckDBPyConnection, alerts: Iterable[Alert]) -> int:
     added = 0
     with transaction(con):
         for alert in alerts:
-            added += (
-                con.execute(
-                    "INSERT INTO alert_outbox VALUES (?, ?, ?, 0, ?, NULL, NULL) "
-                    "ON CONFLICT (dedup_key) DO NOTHING RETURNING 1",
-                    [
-                        alert.dedup_key,
-                        json.dumps(alert.as_json(), sort_keys=True),
-                        instant_to_warehouse(alert.raised_at),
-                        instant_to_warehouse(alert.raised_at),
-                    ],
-                )
-                .fetchall()
-                .__len__()
-            )
+            # Not ON CONFLICT ... RETURNING: DuckDB runs no RETURNING against PostgreSQL, where
+            # the outbox lives in production.
+            added += con.execute(
+                "INSERT INTO alert_outbox SELECT ?, ?, ?, 0, ?, NULL, NULL "
+                "WHERE NOT EXISTS (SELECT 1 FROM alert_outbox WHERE dedup_key = ?)",
+                [
+                    alert.dedup_key,
+                    json.dumps(alert.as_json(), sort_keys=True),
+                    instant_to_warehouse(alert.raised_at),
+                    instant_to_warehouse(alert.raised_at),
+                    alert.dedup_key,
+                ],
+            ).fetchall()[0][0]
     return added
 
 
@@ -546,6 +650,99 @@ def deliver_due(con: duckdb.DuckDBPyConnection, sink: AlertSink, now: datetime) 
     return delivered
 
 
+class Courier:
+    """Delivers alerts on a thread of its own, so that billing never waits on a sink: the
+    billing thread records what is owed in the outbox of `state_file` and calls `wake`, or,
+    when the outbox cannot be written, hands the alerts to `send`, which needs no disk. Each
+    delivery is bounded by the sink's deadline; `close` waits for the last round.
+
+    `report` lists, for the caller to show after its own output, what became of each round:
+    alerts delivered, alerts still owed and why, alerts that could not be paged at all."""
+
+    def __init__(self, state_file: Path, sink: AlertSink) -> None:
+        self.state_file = state_file
+        self.sink = sink
+        self.delivered: list[Alert] = []
+        self.report: list[str] = []
+        self._direct: list[Alert] = []
+        self._lock = threading.Lock()
+        self._wanted = threading.Event()
+        self._closing = False
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._deliver_rounds, name="alert-courier")
+
+    def __enter__(self) -> Courier:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def wake(self) -> None:
+        """Deliver what the outbox owes, on the courier's thread."""
+        self._wanted.set()
+
+    def send(self, alerts: Iterable[Alert]) -> None:
+        """Deliver `alerts` straight to the sink, not through the outbox (which cannot be
+        written): a failure is reported, and the alert is lost to the next run."""
+        with self._lock:
+            self._direct.extend(alerts)
+        self._wanted.set()
+
+    def close(self) -> None:
+        """Finish the round under way and one more for anything owed since; raise what the
+        courier's thread raised, if anything."""
+        self._closing = True
+        self._wanted.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        if self._failure is not None:
+            raise self._failure
+
+    def _deliver_rounds(self) -> None:
+        try:
+            while True:
+                self._wanted.wait()
+                self._wanted.clear()
+                closing = self._closing
+                self._round(datetime.now(UTC))
+                if closing:
+                    return
+        except BaseException as err:  # raised again by close(), on the caller's thread
+            self._failure = err
+
+    def _tell(self, line: str) -> None:
+        if line not in self.report:
+            self.report.append(line)
+
+    def _round(self, now: datetime) -> None:
+        with self._lock:
+            direct, self._direct = self._direct, []
+        for alert in direct:
+            try:
+                self.sink.send(alert)
+                self.delivered.append(alert)
+            except (AlertDeliveryError, OSError) as err:
+                self._tell(
+                    f"on-call could not be paged for {hour_key(alert.hour)} {alert.pool}: {err}"
+                )
+        try:
+            with connect(self.state_file) as con:
+                self.delivered.extend(deliver_due(con, self.sink, now))
+                owed = con.execute(
+                    "SELECT count(*), max(last_error) FROM alert_outbox WHERE delivered_at IS NULL"
+                ).fetchall()
+        except (duckdb.Error, OSError) as err:
+            self._tell(f"{self.state_file}: the alert outbox cannot be read ({err})")
+            return
+        ((count, last_error),) = owed
+        if count and self._closing:
+            self._tell(
+                f"{count} alert(s) still owed in the outbox ({last_error}): the `deliver_alerts` "
+                "sensor or the next run delivers them"
+            )
+
+
 def hour_alerts(
     findings: Iterable[CheckResult],
     pool: str,
@@ -553,10 +750,18 @@ def hour_alerts(
     run_id: str,
     error: str | None,
     now: datetime,
+    links: tuple[Link, ...] = (),
 ) -> list[Alert]:
-    """What a failed pool-hour run owes on-call: its ERROR findings, each once per hour; when it
-    has none, the run's failure itself (`run_failed`, once per run)."""
-    errors = [alert_for(r, now) for r in findings if not r.passed and r.severity == "ERROR"]
+    """What a failed pool-hour run owes on-call: its ERROR findings, each once per hour and
+    saying whether the hour is held back; when it has none, the run's failure itself
+    (`run_failed`, once per run)."""
+    failures = [r for r in findings if not r.passed]
+    held_back = any(r.blocking for r in failures)
+    errors = [
+        alert_for(r, now, held_back=held_back, links=links)
+        for r in failures
+        if r.severity == "ERROR"
+    ]
     if errors:
         return errors
     return [
@@ -570,6 +775,8 @@ def hour_alerts(
             finding=run_id,
             detail=error or "the pool-hour run failed",
             dedup_key=dedup_key("run_failed", hour, pool, None, run_id),
+            todo=RUN_FAILED_TODO,
+            links=links,
         )
     ]
 

@@ -38,7 +38,8 @@ class HourFacts:
     `steps` (STEPS): the pool's steps of the hour's lake partition. `drops`, `damage`,
     `segments`, `clock_jumps`: the warehouse's rows for the pool's replicas. `last_seq_before`:
     each replica's last sequence number before the hour. `invoices`, `ledger_lines`: the
-    warehouse's rows of the pool-hour. `dcgm`: the hour's DCGM samples. `elsewhere`: `replica`,
+    warehouse's rows of the pool-hour. `dcgm`: the hour's DCGM samples. `kv_held`: `replica`, `seq`
+    and the KV blocks each step's requests hold (`plausibility.kv_held_by_step`). `elsewhere`: `replica`,
     `seq` and `hour` (key) of the pool's steps in hours not attributed yet.
     """
 
@@ -54,6 +55,7 @@ class HourFacts:
     invoices: pl.DataFrame
     ledger_lines: pl.DataFrame
     dcgm: pl.DataFrame
+    kv_held: pl.DataFrame
     elsewhere: pl.DataFrame
     calibration: CalibrationFacts
 

@@ -16,14 +16,15 @@ def _cell(text: str) -> str:
 def findings_table() -> str:
     """The registry as a markdown table, one row per finding kind."""
     header = (
-        "| check | finding | scope | severity | holds the hour back | what it means | what to do |\n"
-        "|---|---|---|---|---|---|---|\n"
+        "| check | finding | scope | severity | holds the hour back | what it means | what to do "
+        "| what releases the hour |\n"
+        "|---|---|---|---|---|---|---|---|\n"
     )
     rows = [
         f"| {kind.check} | `{kind.code}` | {kind.scope}"
         + (f" (`weights: {kind.weights}`)" if kind.weights else "")
         + f" | {kind.severity} | {'yes' if kind.blocks else 'no'} | {_cell(kind.description)}"
-        f" | {_cell(kind.runbook)} |"
+        f" | {_cell(kind.runbook)} | {_cell(kind.releases) or 'not held: the hour is published'} |"
         for kind in FINDINGS
     ]
     return header + "\n".join(rows) + "\n"

@@ -3,7 +3,7 @@ table's rows of the hour, and durations as they are shown in a result."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import polars as pl
 
@@ -43,3 +43,9 @@ def rows_of_hour(frame: pl.DataFrame, hour: datetime, pool: str, table: str) -> 
 def seconds(ns: int) -> str:
     """A duration in nanoseconds as seconds with millisecond digits ("1.500 s")."""
     return f"{ns / NS_PER_SECOND:.3f} s"
+
+
+def utc_clock(ns: int) -> str:
+    """An instant in UTC nanoseconds as the time of day ("05:14:03.512")."""
+    moment = datetime(1970, 1, 1, tzinfo=UTC) + timedelta(microseconds=ns // 1000)
+    return moment.strftime("%H:%M:%S.%f")[:-3]

@@ -88,6 +88,9 @@ def reconcile_hour(
     # The checks read the steps; only a fitted pool's drift check reads their slots.
     tables = ("steps", "slots") if pool.policies.weights == "fitted" else ("steps",)
     data = load_hour(lake, pool.name, hour, batches, tables=tables)
+    kv = load_hour(
+        lake, pool.name, hour, batches, ["replica", "seq", "kv_blocks"], tables=("slots", "holders")
+    )
     at_hour = [to_warehouse(hour), pool.name]
     segments = _pool_rows(con, "segments", pool)
     facts = HourFacts(
@@ -105,6 +108,7 @@ def reconcile_hour(
             con, "SELECT * FROM ledger_lines WHERE hour = ? AND pool = ?", at_hour
         ),
         dcgm=read_dcgm_hour(dcgm_dir, hour),
+        kv_held=plausibility.kv_held_by_step(kv.slots, kv.holders),
         elsewhere=steps_of_other_hours(lake, pool.name, attributed_hours(con, pool, hour), batches),
         calibration=calibration.calibration_facts(pool, segments, data, store),
     )

@@ -1,4 +1,5 @@
-"""The plausibility check: each replica's engine busy fraction against DCGM's activity."""
+"""The plausibility check: each replica's engine busy fraction against DCGM's activity, and
+the KV blocks its steps' requests hold against the blocks the engine has."""
 
 from __future__ import annotations
 
@@ -8,8 +9,15 @@ from datetime import datetime
 import polars as pl
 
 from pipeline.reconcile.facts import HourFacts
-from pipeline.reconcile.findings import DCGM_MISSING, GPU_BUSIER, HOST_STALL
+from pipeline.reconcile.findings import (
+    DCGM_MISSING,
+    GPU_BUSIER,
+    HOST_STALL,
+    IMPOSSIBLE_KV,
+    Finding,
+)
 from pipeline.reconcile.frames import steps_of_hour
+from pipeline.reconcile.ranges import RANGES_LISTED, compact_ranges, runs
 from pipeline.reconcile.result import CheckResult, fold
 from schemas.config import Pool, Replica, Settings
 from schemas.units import HOUR_NS, hour_bounds_ns, hour_key
@@ -17,11 +25,25 @@ from schemas.units import HOUR_NS, hour_bounds_ns, hour_key
 
 def run(facts: HourFacts) -> list[CheckResult]:
     """The plausibility check of the gathered pool-hour."""
-    return check_plausibility(facts.hour, facts.pool, facts.steps, facts.dcgm, facts.settings)
+    return check_plausibility(
+        facts.hour, facts.pool, facts.steps, facts.dcgm, facts.settings, kv_held=facts.kv_held
+    )
+
+
+def kv_held_by_step(slots: pl.DataFrame, holders: pl.DataFrame) -> pl.DataFrame:
+    """`replica`, `seq` and the KV blocks (`kv_blocks`) a step's slots and holders hold."""
+    parts = [frame.select("replica", "seq", "kv_blocks") for frame in (slots, holders)]
+    return pl.concat(parts).group_by("replica", "seq").agg(pl.col("kv_blocks").sum())
 
 
 def check_plausibility(
-    hour: datetime, pool: Pool, steps: pl.DataFrame, dcgm: pl.DataFrame, settings: Settings
+    hour: datetime,
+    pool: Pool,
+    steps: pl.DataFrame,
+    dcgm: pl.DataFrame,
+    settings: Settings,
+    *,
+    kv_held: pl.DataFrame | None = None,
 ) -> list[CheckResult]:
     """The engine's busy fraction against the mean DCGM engine activity of the replica's GPUs.
 
@@ -29,7 +51,9 @@ def check_plausibility(
     as `pipeline.ingestion.dcgm.parse_dcgm` returns them, matched to the pool's replicas by GPU UUID; the
     hour's samples are averaged per GPU, then over the replica's GPUs. DCGM readings are
     instantaneous, so the comparison uses the band `settings.dcgm_tolerance`. A GPU without
-    samples is its own failed finding.
+    samples is its own failed finding. `kv_held` (`kv_held_by_step`): the KV blocks each
+    step's requests hold, against the step's `total_blocks`; a block shared by k requests
+    counts 1/k, so they never exceed it.
     """
     start_ns, end_ns = hour_bounds_ns(hour)
     band = settings.dcgm_tolerance
@@ -48,29 +72,66 @@ def check_plausibility(
         .agg(pl.col("value").mean(), pl.len())
         .iter_rows()
     }
+    overfull = _overfull_steps(steps_of_hour(steps, hour, pool), kv_held)
     return [
-        _plausibility_of_replica(hour, pool, replica, busy.get(replica.id), activity, band)
+        _plausibility_of_replica(
+            (hour, pool, replica), busy.get(replica.id), activity, band, overfull
+        )
         for replica in pool.replicas
     ]
 
 
+# Sums of 1/k shares of blocks round: a step exceeds its blocks beyond this many.
+_KV_ROUNDING_BLOCKS = 1e-6
+
+
+def _overfull_steps(steps: pl.DataFrame, kv_held: pl.DataFrame | None) -> pl.DataFrame:
+    """`replica`, `seq`, `kv_blocks` and `total_blocks` of the steps holding more KV blocks
+    than the engine has."""
+    if kv_held is None:
+        kv_held = pl.DataFrame(
+            schema={"replica": pl.String, "seq": pl.Int64, "kv_blocks": pl.Float64}
+        )
+    return (
+        steps.select("replica", "seq", "total_blocks")
+        .join(kv_held, on=["replica", "seq"])
+        .filter(pl.col("kv_blocks") > pl.col("total_blocks") + _KV_ROUNDING_BLOCKS)
+        .sort("replica", "seq")
+    )
+
+
+def _impossible_kv(overfull: pl.DataFrame) -> list[Finding]:
+    if not overfull.height:
+        return []
+    worst = overfull.row(int(overfull["kv_blocks"].arg_max() or 0), named=True)
+    seqs = runs(overfull["seq"].to_numpy())
+    return [
+        IMPOSSIBLE_KV.found(
+            f"{overfull.height} steps (seq {compact_ranges(seqs, RANGES_LISTED)}) hold more KV "
+            f"blocks than the engine has; the most, step {worst['seq']}: "
+            f"{worst['kv_blocks']:.1f} blocks of {worst['total_blocks']}"
+        )
+    ]
+
+
 def _plausibility_of_replica(
-    hour: datetime,
-    pool: Pool,
-    replica: Replica,
+    where: tuple[datetime, Pool, Replica],
     busy_ns: int | None,
     activity: Mapping[str, tuple[float, int]],
     band: float,
+    overfull: pl.DataFrame,
 ) -> CheckResult:
     """The replica's result: its step time in the hour (`busy_ns`, None without steps) against
-    the mean activity of its GPUs (`activity`: uuid -> mean, samples)."""
+    the mean activity of its GPUs (`activity`: uuid -> mean, samples), and its steps among
+    the pool's `overfull` ones."""
+    hour, pool, replica = where
     busy_fraction = (busy_ns or 0) / HOUR_NS
     seen = [uuid for uuid in replica.gpu_uuids if uuid in activity]
     missing = [uuid for uuid in replica.gpu_uuids if uuid not in activity]
     expected = (
         f"DCGM_FI_PROF_GR_ENGINE_ACTIVE mean within ±{band:.2f} of engine busy {busy_fraction:.3f}"
     )
-    findings = []
+    findings = _impossible_kv(overfull.filter(pl.col("replica") == replica.id))
     if missing:
         findings.append(
             DCGM_MISSING.found(

@@ -32,6 +32,23 @@ clock-jump[=SECONDS]         Halfway through the span the replica's wall clock s
                              (default 7200; negative steps it back), as a bad NTP source or a
                              hand-set clock does. The recorder opens a segment there, anchored
                              on the stepped wall clock; the monotonic clock runs on.
+missing-head[=FRACTION]      The segments holding the replica's steps of the first FRACTION of
+                             the span (default 0.25) are never delivered: the log of the
+                             hour starts late, DCGM and the gateway still show the work.
+missing-middle[=FRACTION]    As missing-head, for a window of FRACTION (default 0.1) from 40%
+                             of the span in.
+missing-tail[=FRACTION]      As missing-head, for the last FRACTION of the span (default 0.25):
+                             the log stops early with nothing after it.
+torn-last-segment            The replica's last segment is truncated in the middle of a frame,
+                             as a crash during its last write leaves it: no later segment
+                             bounds what the tear hid.
+divergent-copy               The replica's last segment is split in two files under its one
+                             segment id, the first half of its frames in one and the rest in
+                             the other, as two writers sharing a segment id leave them.
+impossible-kv[=FACTOR]       The replica's hook reports every request's KV blocks FACTOR times
+                             over (default 100): its steps hold more blocks than the engine has.
+no-dcgm                      The replica's DCGM samples are never scraped (with silent-replica:
+                             a replica with neither log nor DCGM).
 silent-replica               The replica's segments are never delivered (a recorder whose outbox
                              is not shipped), while DCGM shows its GPUs busy and the gateway
                              its requests.
@@ -56,7 +73,7 @@ from pathlib import Path
 from pipeline.datadir import DataDir
 from pipeline.ingestion.decoder import read_segments
 from schemas.errors import InputError
-from schemas.records import FRAME_MARKER, PREAMBLE
+from schemas.records import FRAME_MARKER, FRAME_PREFIX, PREAMBLE
 
 # name -> (default value, name of the value or None when it takes none, one-line help)
 FAULTS: dict[str, tuple[float | None, str | None, str]] = {
@@ -78,6 +95,17 @@ FAULTS: dict[str, tuple[float | None, str | None, str]] = {
     ),
     "clock-skew": (36.0, "SECONDS", "a replica's wall clock runs slow by SECONDS per hour"),
     "clock-jump": (7200.0, "SECONDS", "a replica's wall clock steps by SECONDS halfway through"),
+    "missing-head": (0.25, "FRACTION", "the segments of the span's first FRACTION never arrive"),
+    "missing-middle": (
+        0.1,
+        "FRACTION",
+        "the segments of FRACTION of the span from 40% never arrive",
+    ),
+    "missing-tail": (0.25, "FRACTION", "the segments of the span's last FRACTION never arrive"),
+    "torn-last-segment": (None, None, "truncate the replica's last segment mid-frame"),
+    "divergent-copy": (None, None, "split the last segment in two files with one segment id"),
+    "impossible-kv": (100.0, "FACTOR", "the hook reports FACTOR times each request's KV blocks"),
+    "no-dcgm": (None, None, "the replica's DCGM samples are never scraped"),
     "silent-replica": (None, None, "a replica's segments are never delivered"),
     "sink-down": (1.0, "ATTEMPTS", "the alert webhook refuses its first ATTEMPTS deliveries"),
     "missing-context": (0.05, "FRACTION", "FRACTION of requests have no gateway line"),
@@ -90,6 +118,10 @@ FAULTS: dict[str, tuple[float | None, str | None, str]] = {
 ENGINE_VERSION = "0.11.0"
 UNCALIBRATED_ENGINE_VERSION = "0.12.0rc2"
 DRIVER_VERSION = "570.172.08"
+
+
+# Faults whose value is a fraction of the span or of the requests.
+_FRACTIONS = ("drop-records", "missing-context", "missing-head", "missing-middle", "missing-tail")
 
 
 class FaultError(InputError):
@@ -120,8 +152,10 @@ def validate_fault(name: str, value: float | None) -> float | None:
     default, value_name, _ = FAULTS[name]
     if value is None or value_name is None:
         return default
-    if name in ("drop-records", "missing-context") and not 0.0 < value <= 1.0:
+    if name in _FRACTIONS and not 0.0 < value <= 1.0:
         raise FaultError(f"fault {name!r}: fraction {value} must be in (0, 1]")
+    if name == "impossible-kv" and value <= 1.0:
+        raise FaultError(f"fault {name!r}: factor {value} must exceed 1")
     if name == "host-stall" and value <= 0.0:
         raise FaultError(f"fault {name!r}: fraction {value} must be positive")
     if name == "sink-down" and (value < 1 or value != int(value)):
@@ -140,10 +174,13 @@ class ReplicaFaults:
     """The faults that act while one replica is simulated."""
 
     drop_window_ns: tuple[int, int] | None = None  # steps starting in [a, b) are dropped
+    # steps starting in [a, b) are logged in segments that are never delivered
+    lost_window_ns: tuple[int, int] | None = None
     wall_rate: float = 1.0  # wall-clock seconds per true second
     # (from ns into the span, step ns): the wall clock steps once
     wall_jump: tuple[int, int] | None = None
     host_stall_fraction: float = 0.0
+    kv_factor: float = 1.0  # the hook reports each request's KV blocks this many times over
     engine_version: str = ENGINE_VERSION
 
 
@@ -151,6 +188,8 @@ class ReplicaFaults:
 # taken before any damage, and every later fault starts from the intact middle segment.
 FILE_FAULTS = (
     "duplicate-segment",
+    "divergent-copy",
+    "torn-last-segment",
     "torn-segment",
     "bit-flip",
     "trailing-garbage",
@@ -187,28 +226,7 @@ def damage_segments(
     intact = segment.read_bytes()
     shown = segment.relative_to(out_dir)
     for name in wanted:
-        if name == "duplicate-segment":
-            # From another segment when there is one, so each fault leaves its own artefact.
-            original = segments[max(middle - 1, 0)]
-            copy = original.with_name(f"{original.stem}-redelivered.seg")
-            shutil.copyfile(original, copy)
-            notes[name] = f"{original.relative_to(out_dir)} delivered again as {copy.name}"
-        elif name == "torn-segment":
-            notes[name] = f"{shown} truncated to {_tear(segment)} bytes mid-frame"
-        elif name == "bit-flip":
-            notes[name] = f"{shown}: bit {_flip(segment)} flipped inside a step frame"
-        elif name == "trailing-garbage":
-            with segment.open("ab") as handle:
-                handle.write(GARBAGE)
-            notes[name] = f"{shown}: {len(GARBAGE)} bytes appended after the last frame"
-        elif name == "empty-segment":
-            empty = _beside(segment, "0e")
-            empty.touch()
-            notes[name] = f"{empty.relative_to(out_dir)}: zero bytes, named like {segment.name}"
-        else:
-            notes[name] = "; ".join(
-                f"{path.relative_to(out_dir)}: {what}" for path, what in _hostile_entries(segment)
-            )
+        notes[name] = _apply_file_fault(name, segments, out_dir)
     if "intact-copy" in faults:
         if not {"torn-segment", "bit-flip"} & set(faults):
             raise FaultError("fault 'intact-copy' needs torn-segment or bit-flip")
@@ -217,6 +235,39 @@ def damage_segments(
         kept.write_bytes(intact)
         notes["intact-copy"] = f"intact bytes of {shown} kept as {kept.relative_to(out_dir)}"
     return notes
+
+
+def _apply_file_fault(name: str, segments: list[Path], out_dir: Path) -> str:
+    """Damage the files as the file fault `name` does (the middle segment unless it says
+    otherwise); what was done."""
+    segment = segments[len(segments) // 2]
+    shown = segment.relative_to(out_dir)
+    if name == "duplicate-segment":
+        # From another segment when there is one, so each fault leaves its own artefact.
+        original = segments[max(len(segments) // 2 - 1, 0)]
+        copy = original.with_name(f"{original.stem}-redelivered.seg")
+        shutil.copyfile(original, copy)
+        return f"{original.relative_to(out_dir)} delivered again as {copy.name}"
+    if name == "divergent-copy":
+        return _split(segments[-1], out_dir)
+    if name == "torn-last-segment":
+        last = segments[-1]
+        return f"{last.relative_to(out_dir)} truncated to {_tear(last)} bytes mid-frame"
+    if name == "torn-segment":
+        return f"{shown} truncated to {_tear(segment)} bytes mid-frame"
+    if name == "bit-flip":
+        return f"{shown}: bit {_flip(segment)} flipped inside a step frame"
+    if name == "trailing-garbage":
+        with segment.open("ab") as handle:
+            handle.write(GARBAGE)
+        return f"{shown}: {len(GARBAGE)} bytes appended after the last frame"
+    if name == "empty-segment":
+        empty = _beside(segment, "0e")
+        empty.touch()
+        return f"{empty.relative_to(out_dir)}: zero bytes, named like {segment.name}"
+    return "; ".join(
+        f"{path.relative_to(out_dir)}: {what}" for path, what in _hostile_entries(segment)
+    )
 
 
 def _beside(segment: Path, id_prefix: str) -> Path:
@@ -242,6 +293,27 @@ def _hostile_entries(segment: Path) -> list[tuple[Path, str]]:
         (loop, "a symlink to itself"),
         (unreadable, "a copy of mode 000"),
     ]
+
+
+def _split(segment: Path, out_dir: Path) -> str:
+    """Write `segment`'s step frames after its middle one into a second file behind the same
+    preamble and header frame, and cut them from `segment`; what was done."""
+    data = segment.read_bytes()
+    payload_length = FRAME_PREFIX.unpack_from(data, PREAMBLE.size)[4]
+    header_end = PREAMBLE.size + FRAME_PREFIX.size + payload_length
+    cut = data.find(FRAME_MARKER, header_end + (len(data) - header_end) // 2)
+    if cut < 0:
+        raise FaultError(f"fault 'divergent-copy': {segment} has too few frames to split")
+    other = _beside(segment, "d2")
+    other.write_bytes(data[:header_end] + data[cut:])
+    segment.write_bytes(data[:cut])
+    for part in (segment, other):
+        if read_segments([part]).damage.num_rows:
+            raise RuntimeError(f"{part}: the split did not fall on a frame boundary")
+    return (
+        f"{segment.relative_to(out_dir)} cut at byte {cut}; its frames from there on written "
+        f"as {other.relative_to(out_dir)} under the same segment id"
+    )
 
 
 def _tear(segment: Path) -> int:

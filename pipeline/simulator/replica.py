@@ -117,16 +117,16 @@ def simulate_replica(
     rng: np.random.Generator,
     step_noise: float,
     progress: Callable[[int], None] | None = None,
+    rotate_ns: int = ROTATE_NS,
 ) -> ReplicaRun:
-    """Run one replica over [0, span_ns) and log its steps into `outbox`.
+    """Run one replica over [0, span_ns) and log its steps into `outbox`, a segment per
+    `rotate_ns` of simulated time.
 
     Steps that start before the span ends are logged, even when they end after it.
     `progress` is called with the simulated ns advanced since its previous call.
     """
     engine = _engine(pool, arrival_ns, prompt_tokens, output_tokens, feature, prefix_tokens, rng)
-    log = _Log(
-        outbox, _header(pool, replica, faults), start_wall_ns, faults.wall_rate, faults.wall_jump
-    )
+    log = _Log(outbox, _header(pool, replica, faults), start_wall_ns, faults, rotate_ns)
     arrivals = engine.arrival_ns
     total_blocks = pool.engine.total_kv_blocks
     tally = _Tally()
@@ -304,33 +304,41 @@ def _durations(
 
 
 class _Log:
-    """Feeds steps to one StepRecorder per rotation window, continuing sequence numbers."""
+    """Feeds steps to one StepRecorder per rotation window, continuing sequence numbers. Steps
+    starting in the faults' lost window get recorders of their own whose segments are never
+    delivered."""
 
     def __init__(
         self,
         outbox: Path,
         header: SegmentHeader,
         start_wall_ns: int,
-        wall_rate: float,
-        wall_jump: tuple[int, int] | None = None,
+        faults: ReplicaFaults,
+        rotate_ns: int,
     ) -> None:
         self.outbox = outbox
+        self.rotate_ns = rotate_ns
         self.header = header
         self.start_wall_ns = start_wall_ns
-        self.wall_rate = wall_rate
-        self.wall_jump = wall_jump
+        self.wall_rate = faults.wall_rate
+        self.wall_jump = faults.wall_jump
+        self.lost_window = faults.lost_window_ns
+        self.kv_factor = faults.kv_factor
         self.recorder: StepRecorder | None = None
-        self.window: tuple[int, bool] = (-1, False)
+        self.window: tuple[int, bool, bool] = (-1, False, False)
         self.next_seq = 0
         self.dropped = 0
         self.segments: list[Path] = []
 
     def _recorder_for(self, start_ns: int) -> StepRecorder:
         jumped = self.wall_jump is not None and start_ns >= self.wall_jump[0]
-        window = (start_ns // ROTATE_NS, jumped)
+        lost = (
+            self.lost_window is not None and self.lost_window[0] <= start_ns < self.lost_window[1]
+        )
+        window = (start_ns // self.rotate_ns, jumped, lost)
         if window != self.window:
             self.close()
-            opened = window[0] * ROTATE_NS
+            opened = window[0] * self.rotate_ns
             wall_ns = self.start_wall_ns + round(opened * self.wall_rate)
             if jumped and self.wall_jump is not None:
                 # The recorder rotates where the clock stepped, so the new segment is anchored on it.
@@ -381,7 +389,7 @@ class _Log:
                 slot_ids[a:b].tolist(),
                 batch.new_tokens[a:b],
                 batch.context_tokens[a:b],
-                batch.kv_blocks[a:b],
+                batch.kv_blocks[a:b] * self.kv_factor,
                 batch.prompt_tokens[a:b],
                 batch.prefix_hit_tokens[a:b],
                 batch.spec_drafted[a:b],
@@ -397,5 +405,9 @@ class _Log:
     def close(self) -> None:
         if self.recorder is not None:
             self.recorder.close()
-            self.segments.extend(self.recorder.shipped_segments)
+            if self.window[2]:
+                for segment in self.recorder.shipped_segments:
+                    segment.unlink()
+            else:
+                self.segments.extend(self.recorder.shipped_segments)
             self.recorder = None

@@ -128,6 +128,12 @@ def _replica_faults(
             f"{replica}: steps starting {drop_window[0] / NS_PER_SECOND:.0f}-{drop_window[1] / NS_PER_SECOND:.0f} s "
             "into the span recorded as counted drops"
         )
+    lost_window = _lost_window(faults, span_ns)
+    if lost_window is not None:
+        notes["missing-segments"] = (
+            f"{replica}: the segments of steps starting {lost_window[0] / NS_PER_SECOND:.0f}-"
+            f"{lost_window[1] / NS_PER_SECOND:.0f} s into the span are never delivered"
+        )
     wall_rate = 1.0
     if "clock-skew" in faults:
         wall_rate = 1.0 - _fault_value(faults, "clock-skew") / 3600.0
@@ -146,17 +152,50 @@ def _replica_faults(
         notes["host-stall"] = (
             f"{replica}: every step waits on the host for {stall:g} of its GPU time"
         )
+    if "impossible-kv" in faults:
+        notes["impossible-kv"] = (
+            f"{replica}: the hook reports {faults['impossible-kv']:g} times each request's KV blocks"
+        )
     version = ENGINE_VERSION
     if "new-engine-version" in faults:
         version = UNCALIBRATED_ENGINE_VERSION
         notes["new-engine-version"] = f"{replica}: reports engine version {version}"
     return ReplicaFaults(
         drop_window_ns=drop_window,
+        lost_window_ns=lost_window,
         wall_rate=wall_rate,
         wall_jump=wall_jump,
         host_stall_fraction=stall,
+        kv_factor=faults.get("impossible-kv") or 1.0,
         engine_version=version,
     )
+
+
+def _lost_window(faults: dict[str, float | None], span_ns: int) -> tuple[int, int] | None:
+    """Where the missing-head, -middle or -tail fault loses the replica's segments."""
+    wanted = [name for name in ("missing-head", "missing-middle", "missing-tail") if name in faults]
+    if not wanted:
+        return None
+    if len(wanted) > 1:
+        raise FaultError(f"faults {wanted[0]!r} and {wanted[1]!r} cannot be combined")
+    length = int(_fault_value(faults, wanted[0]) * span_ns)
+    first = {"missing-head": 0, "missing-middle": int(0.4 * span_ns)}.get(
+        wanted[0], span_ns - length
+    )
+    return first, first + length
+
+
+def _unscrape(written: list[Path], pools: PoolsFile, target: str) -> str:
+    """Remove the target replica's samples from the DCGM files (the other GPUs' stay as they
+    were drawn); what was done."""
+    (replica,) = [r for pool in pools.pools for r in pool.replicas if r.id == target]
+    labels = tuple(f'UUID="{uuid}"' for uuid in replica.gpu_uuids)
+    for path in written:
+        lines = path.read_text().splitlines(keepends=True)
+        path.write_text(
+            "".join(line for line in lines if not any(label in line for label in labels))
+        )
+    return f"{target}: no DCGM sample of its GPUs {', '.join(replica.gpu_uuids)}"
 
 
 def _rng(seed: int, *keys: int) -> np.random.Generator:
@@ -284,7 +323,9 @@ def _write_telemetry(
         for pool in pools.pools
         for replica in pool.replicas
     ]
-    write_dcgm(out_dir, activities, start, plan.span_ns, _rng(seed, _DCGM))
+    written = write_dcgm(out_dir, activities, start, plan.span_ns, _rng(seed, _DCGM))
+    if "no-dcgm" in faults:
+        notes["no-dcgm"] = _unscrape(written, pools, plan.target)
     if "sink-down" in faults:
         notes["sink-down"] = write_sink(out_dir, int(_fault_value(faults, "sink-down")))
     target_segments = sorted(run_of[plan.target].segments) if plan.target in run_of else []
@@ -302,12 +343,15 @@ def simulate(
     faults: dict[str, float | None] | None = None,
     progress: Callable[[float, float], None] | None = None,
     workers: int = 1,
+    rotate_seconds: float | None = None,
 ) -> SimulationSummary:
     """Simulate every replica of every pool for `hours` (fractions allowed) from `start` into `out_dir`.
 
     `faults` maps fault names (see `pipeline.simulator.faults`) to a value or None for the
     default. `progress(done, total)` is called in simulated replica-seconds. `workers` > 1
     simulates replicas in that many processes (progress then advances per finished replica).
+    `rotate_seconds`: simulated time per segment (by default `replica.ROTATE_NS`), e.g. the
+    recorder's `ROTATE_SECONDS` to replay a pool as the live path sees it.
     """
     out_dir = Path(out_dir)
     _check_arguments(out_dir, hours, workers, start)
@@ -318,6 +362,9 @@ def simulate(
     )
     notes: dict[str, str] = {}
     plan = _plan(out_dir, pools, hours, seed, start, faults, notes)
+    if rotate_seconds is not None:
+        for _, _, job in plan.jobs:
+            job["rotate_ns"] = round(rotate_seconds * NS_PER_SECOND)
     total_s = plan.span_ns / NS_PER_SECOND * sum(len(p.replicas) for p in pools.pools)
     done_s = 0.0
 

@@ -8,22 +8,86 @@ registered under its own protocol with the DuckLake's data path pointing into it
 DuckDB's local file system disabled. It opens files for reading and lists directories, inside
 the directories it was given only; anything else (opening to write, removing, moving, copying,
 creating directories) is refused.
+
+It also verifies what it serves: each data file of a published pool-hour (the warehouse's
+`published_files`, pipeline.storage.integrity) is hashed when a query first opens it and
+refused unless its sha256 is the one recorded when the hour was published. Hashes are cached
+in the process by (path, size, modification time), out of reach of the reader's SQL, so a
+file is read through once per process and only if a query reads it.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
+from schemas.errors import DataError
+from schemas.units import hour_key
+
 PROTOCOL = "ledgerfiles"
+HASH_CHUNK_BYTES = 1 << 20
+# Files whose sha256 a process keeps; beyond this the least recently read are hashed again.
+CACHED_HASHES = 1 << 16
 
 
 class ReadOnlyFileRefused(PermissionError):
     """A finance connection tried to change a file, or to read outside its directories."""
+
+
+@dataclass(frozen=True)
+class PublishedFile:
+    """A DuckLake data file holding rows of a published pool-hour, as it was published."""
+
+    path: str  # relative to the warehouse's data directory
+    table_name: str
+    hour: datetime
+    pool: str
+    sha256: str
+
+    def changed(self, local: Path, found: str) -> str:
+        """What is wrong when the file at `local` now has sha256 `found`."""
+        return (
+            f"{local} ({self.table_name} of pool {self.pool} hour {hour_key(self.hour)}): "
+            f"sha256 {found}, but it was published as {self.sha256}: the warehouse data file "
+            "was changed after publishing, so it is not served (restore it from a backup)"
+        )
+
+
+class PublishedFileChanged(DataError):
+    """A data file of a published pool-hour is not what was published."""
+
+
+def refusal_in(err: BaseException) -> PublishedFileChanged | None:
+    """The PublishedFileChanged a DuckDB error carries, if any: DuckDB reports an exception
+    raised in a file system as text (the class name, the message, then a traceback)."""
+    prefix = f"{PublishedFileChanged.__name__}: "
+    text = str(err)
+    if prefix not in text:
+        return None
+    return PublishedFileChanged(text.split(prefix, 1)[1].split("\n\nAt:", 1)[0])
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while chunk := file.read(HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@functools.lru_cache(maxsize=CACHED_HASHES)
+def cached_sha256(path: str, size: int, mtime_ns: int) -> str:
+    """The sha256 of the file at `path`, hashed once per version of it in this process."""
+    return file_sha256(Path(path))
 
 
 # fsspec ships no type hints: its base class is Any to mypy.
@@ -41,6 +105,13 @@ class ReadOnlyFiles(AbstractFileSystem):  # type: ignore[misc]
         super().__init__()
         self.roots = [Path(os.path.realpath(root)) for root in roots]
         self._local = LocalFileSystem()
+        self._published: dict[str, PublishedFile] = {}
+
+    def verify_published(self, data_dir: Path, files: Mapping[str, PublishedFile]) -> None:
+        """From now on, serve the data files `files` (by path relative to `data_dir`) only
+        while their sha256 is the one they were published with."""
+        real = os.path.realpath(data_dir)
+        self._published = {os.path.join(real, path): file for path, file in files.items()}
 
     def url(self, root: Path) -> str:
         """A directory `root` (one of `roots`, or below one) as a URL of this file system, with
@@ -72,7 +143,14 @@ class ReadOnlyFiles(AbstractFileSystem):  # type: ignore[misc]
     def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
         if mode != "rb":
             raise ReadOnlyFileRefused(f"{path}: read-only here")
-        return self._local._open(self._inside(path), mode="rb")
+        local = self._inside(path)
+        published = self._published.get(local)
+        if published is not None:
+            version = os.stat(local)
+            found = cached_sha256(local, version.st_size, version.st_mtime_ns)
+            if found != published.sha256:
+                raise PublishedFileChanged(published.changed(Path(local), found))
+        return self._local._open(local, mode="rb")
 
     def _refuse(self, path: Any, *args: Any, **kwargs: Any) -> None:
         raise ReadOnlyFileRefused(f"{path}: read-only here")

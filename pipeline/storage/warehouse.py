@@ -1,11 +1,16 @@
 """The warehouse and the pipeline's own state: connections, schemas, exact replacement of an hour.
 
 The ledger (invoices, ledger lines, request costs, reconciliation, alerts, re-runs) lives in a
-DuckLake: Parquet data files under `<dir>/warehouse/data/` and a SQLite catalog,
-`<dir>/warehouse/catalog.sqlite`. Every committed transaction is a snapshot, so a finance
+DuckLake: Parquet data files under `<dir>/warehouse/data/` and a catalog, the SQLite file
+`<dir>/warehouse/catalog.sqlite` by default, or tables in PostgreSQL (schema `ducklake`). Every committed transaction is a snapshot, so a finance
 session reads one snapshot while the pipeline commits the next, and neither waits for the
 other. The pipeline's bookkeeping (segment and gateway files seen, ingest batches, request
-context) stays in its own DuckDB file, `<dir>/pipeline.duckdb`, which finance never opens.
+context, the alert outbox) stays in its own store, which finance never opens: by default the
+embedded DuckDB file `<dir>/pipeline.duckdb` (one writing process at a time); with
+`STEPLEDGER_POSTGRES` set (a libpq connection string), a PostgreSQL database that holds the
+state tables and the DuckLake catalog, where any number of processes write side by side, each
+transaction locking only the rows it writes. The SQL is DuckDB's either way: DuckDB's postgres
+extension runs it against PostgreSQL in PostgreSQL transactions.
 
 A writing connection is a connection to the state file with the warehouse attached as
 `ledger` and both on the search path, so unqualified table names reach either. One
@@ -17,19 +22,22 @@ from __future__ import annotations
 import functools
 import importlib
 import json
+import os
+import random
 import shutil
-from collections.abc import Iterator, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import duckdb
 import polars as pl
 
-from pipeline.storage.read_only_files import ReadOnlyFiles
+from pipeline.storage.read_only_files import PublishedFile, ReadOnlyFiles
 from schemas.errors import StateError
-from schemas.units import hour_key, to_warehouse, warehouse_now
+from schemas.units import from_warehouse, hour_key, to_warehouse, warehouse_now
 
 SQL_DIR = Path(__file__).resolve().parents[2] / "sql"
 SCHEMA_SQL = SQL_DIR / "schema.sql"
@@ -39,12 +47,24 @@ VIEWS_SQL = SQL_DIR / "views.sql"
 STATE_FILE = "pipeline.duckdb"
 WAREHOUSE_DIR = "warehouse"
 CATALOG_FILE = "catalog.sqlite"
+# A warehouse whose catalog is in PostgreSQL holds, instead of the SQLite file, this JSON file:
+# how finance's readers connect to the catalog (host, port, database, and a role that can
+# only SELECT: `create_reader_role`).
+CATALOG_POINTER = "catalog.postgres.json"
+# The PostgreSQL schema of the DuckLake catalog's tables, beside the state tables in `public`.
+CATALOG_SCHEMA = "ducklake"
+POSTGRES_ENV = "STEPLEDGER_POSTGRES"
+STATE = "state"
 LAKE_DIR = "lake"
 DATA_FILES_DIR = "data"
 # The single DuckDB file that held ledger and bookkeeping together (schema version 1).
 PREVIOUS_LAYOUT_FILE = "warehouse.duckdb"
-# 1: one DuckDB file; 2: the DuckLake warehouse and pipeline.duckdb.
-SCHEMA_VERSION = 2
+# 1: one DuckDB file; 2: the DuckLake warehouse and pipeline.duckdb; 3: version 2 and the
+# tables of provisional costs, closed-month adjustments and published digests.
+SCHEMA_VERSION = 3
+# Versions a writing connection brings to SCHEMA_VERSION in place: they lack tables only, which
+# schema.sql's CREATE TABLE IF NOT EXISTS adds.
+ADDITIVE_FROM = {2}
 LEDGER = "ledger"
 
 # The tables one pool-hour of attribution writes; replaced together, in one transaction.
@@ -100,6 +120,11 @@ WRITER_CONFIG: dict[str, str | bool | int | float | list[str]] = {"allow_unsigne
 # extension installed or loaded behind a query's back. `_seal` closes the rest once the
 # warehouse is attached.
 READER_CONFIG: dict[str, str | bool | int | float | list[str]] = {
+    # A reader's files come through a Python file system (ReadOnlyFiles). DuckDB's worker
+    # threads call it needing the GIL, which the thread that fetches a result may hold while
+    # it waits for them: the query then spins for good (duckdb/duckdb#16501; seen here as a
+    # report that never finished, now and then). One thread does every read itself.
+    "threads": 1,
     "allow_persistent_secrets": False,
     "autoinstall_known_extensions": False,
     "autoload_known_extensions": False,
@@ -117,10 +142,11 @@ def _check_signature(path: Path, size: int, mtime_ns: int) -> None:
         checking.execute(f"LOAD {_quoted(path)}")
 
 
-def load_extensions(con: duckdb.DuckDBPyConnection) -> None:
-    """Load DuckLake and its SQLite catalog support from the installed packages, each file's
-    signature verified (once per process, see WRITER_CONFIG)."""
-    for name in ("sqlite_scanner", "ducklake"):
+def load_extensions(con: duckdb.DuckDBPyConnection, catalog: str = "sqlite_scanner") -> None:
+    """Load DuckLake and its catalog's database support (`sqlite_scanner` or
+    `postgres_scanner`) from the installed packages, each file's signature verified (once per
+    process, see WRITER_CONFIG)."""
+    for name in (catalog, "ducklake"):
         path = extension_file(name)
         version = path.stat()
         _check_signature(path, version.st_size, version.st_mtime_ns)
@@ -134,10 +160,13 @@ def attach_warehouse(
     read_only: bool,
     as_of: datetime | int | None = None,
     data_path: str | None = None,
+    postgres: str | None = None,
 ) -> None:
     """Attach the DuckLake in `directory` as `ledger`: read-only, or for writing (created if
     missing); `as_of` a snapshot id or a time (the last snapshot at or before it); `data_path`
-    where its data files are read (by default `directory`/data)."""
+    where its data files are read (by default `directory`/data). Its catalog is the SQLite file
+    in `directory`, or in PostgreSQL: `postgres` (the writer's connection string), or for a
+    reader the connection `directory`'s CATALOG_POINTER names."""
     # The catalog stores the data path it was created with; a data directory moved or restored
     # elsewhere must still find its files, so the path is always given and overrides it.
     data_path = data_path or str(directory / DATA_FILES_DIR)
@@ -150,16 +179,38 @@ def attach_warehouse(
         options.append(f"SNAPSHOT_TIME {_quoted(as_of.astimezone(UTC).isoformat())}")
     elif as_of is not None:
         options.append(f"SNAPSHOT_VERSION {int(as_of)}")
-    load_extensions(con)
+    catalog = _catalog_location(con, directory, postgres, options)
     try:
-        con.execute(
-            f"ATTACH {_quoted('ducklake:sqlite:' + str(directory / CATALOG_FILE))} AS {LEDGER} "
-            f"({', '.join(options)})"
-        )
+        con.execute(f"ATTACH {_quoted(catalog)} AS {LEDGER} ({', '.join(options)})")
     except duckdb.Error as err:
         if as_of is None:
             raise
         raise WarehouseError(f"{directory}: no snapshot as of {as_of} ({err})") from err
+
+
+def _catalog_location(
+    con: duckdb.DuckDBPyConnection, directory: Path, postgres: str | None, options: list[str]
+) -> str:
+    """What to ATTACH for the catalog of the warehouse in `directory`, the extensions it needs
+    loaded and its options added. A reader of a PostgreSQL catalog connects through a temporary
+    secret: the connection string of an ATTACH would be looked up among persistent secrets,
+    which a reader's connection refuses to use (READER_CONFIG)."""
+    pointer = directory / CATALOG_POINTER
+    if postgres is None and not pointer.is_file():
+        load_extensions(con)
+        return "ducklake:sqlite:" + str(directory / CATALOG_FILE)
+    load_extensions(con, "postgres_scanner")
+    options.append(f"METADATA_SCHEMA {_quoted(CATALOG_SCHEMA)}")
+    if postgres is not None:
+        return "ducklake:postgres:" + postgres
+    reader = json.loads(pointer.read_text())
+    fields = ", ".join(
+        f"{key.upper()} {_quoted(reader[key])}"
+        for key in ("host", "port", "database", "user", "password")
+    )
+    con.execute(f"CREATE TEMPORARY SECRET {LEDGER}_catalog (TYPE postgres, {fields})")
+    options.append(f"META_SECRET {_quoted(LEDGER + '_catalog')}")
+    return "ducklake:postgres:"
 
 
 def lake_dir(directory: Path) -> Path:
@@ -167,15 +218,26 @@ def lake_dir(directory: Path) -> Path:
     return directory.parent / LAKE_DIR
 
 
-def _check_version(con: duckdb.DuckDBPyConnection, directory: Path) -> None:
-    versions = {
+def _schema_versions(con: duckdb.DuckDBPyConnection) -> set[int]:
+    return {
         row[0] for row in con.execute(f"SELECT version FROM {LEDGER}.schema_version").fetchall()
     }
-    if versions != {SCHEMA_VERSION}:
-        raise WarehouseError(
-            f"{directory}: warehouse schema version {sorted(versions)}, this stepledger "
-            f"reads version {SCHEMA_VERSION}"
+
+
+def _check_version(con: duckdb.DuckDBPyConnection, directory: Path) -> None:
+    versions = _schema_versions(con)
+    if versions == {SCHEMA_VERSION}:
+        return
+    upgrade = ""
+    if versions <= ADDITIVE_FROM:
+        upgrade = (
+            f"; the next billing run, or `stepledger migrate --data {directory.parent}`, "
+            f"upgrades it in place (version {SCHEMA_VERSION} adds tables only)"
         )
+    raise WarehouseError(
+        f"{directory}: warehouse schema version {sorted(versions)}, this stepledger "
+        f"reads version {SCHEMA_VERSION}{upgrade}"
+    )
 
 
 def _refuse_previous_layout(con: duckdb.DuckDBPyConnection, state_file: Path) -> None:
@@ -193,35 +255,60 @@ def _refuse_previous_layout(con: duckdb.DuckDBPyConnection, state_file: Path) ->
         )
 
 
-def apply_schema(con: duckdb.DuckDBPyConnection, *, migrating: bool = False) -> None:
-    """Make a connection to the pipeline's state file a writing connection: its tables created
+def apply_schema(
+    con: duckdb.DuckDBPyConnection,
+    *,
+    migrating: bool = False,
+    postgres: str | None = None,
+    directory: Path | None = None,
+) -> None:
+    """Make a connection to the pipeline's state a writing connection: its tables created
     (if missing), the warehouse attached (created if missing) with its tables, both on the
-    search path, the finance views defined for this connection. Safe on every open."""
-    attached = con.execute(
-        "SELECT database_name, path FROM duckdb_databases() WHERE database_name = current_database()"
-    ).fetchall()
-    state_db, path = attached[0]
-    if path is None:
-        raise WarehouseError("the pipeline's state needs a DuckDB file, not an in-memory database")
-    state_file = Path(path).resolve()
-    if not migrating:
-        _refuse_previous_layout(con, state_file)
+    search path, the finance views defined for this connection. Safe on every open.
+
+    The state is the connection's own DuckDB file, or with `postgres` the PostgreSQL database
+    attached as `state` (`open_state`), whose warehouse keeps its catalog in the same database
+    and its data files in `directory`."""
+    if postgres is not None:
+        if directory is None:
+            raise WarehouseError("a PostgreSQL store needs the warehouse directory of its files")
+        state_db, state_schema = STATE, "public"
+        con.execute(f"USE {STATE}")
+    else:
+        attached = con.execute(
+            "SELECT database_name, path FROM duckdb_databases() "
+            "WHERE database_name = current_database()"
+        ).fetchall()
+        state_db, path = attached[0]
+        if path is None:
+            raise WarehouseError(
+                "the pipeline's state needs a DuckDB file, not an in-memory database"
+            )
+        state_file = Path(path).resolve()
+        if not migrating:
+            _refuse_previous_layout(con, state_file)
+        state_schema = "main"
+        directory = warehouse_dir(state_file.parent)
     con.execute(STATE_SQL.read_text())
-    directory = warehouse_dir(state_file.parent)
     if not con.execute(
         "SELECT count(*) FROM duckdb_databases() WHERE database_name = ?", [LEDGER]
     ).fetchall()[0][0]:
         (directory / DATA_FILES_DIR).mkdir(parents=True, exist_ok=True)
-        attach_warehouse(con, directory, read_only=False)
+        attach_warehouse(con, directory, read_only=False, postgres=postgres)
     con.execute(f"USE {LEDGER}")
     try:
         con.execute(SCHEMA_SQL.read_text())
         if not con.execute("SELECT count(*) FROM schema_version").fetchall()[0][0]:
             con.execute("INSERT INTO schema_version VALUES (?, now()::TIMESTAMP)", [SCHEMA_VERSION])
+        elif _schema_versions(con) <= ADDITIVE_FROM:
+            con.execute(
+                "UPDATE schema_version SET version = ?, applied_at = now()::TIMESTAMP",
+                [SCHEMA_VERSION],
+            )
     finally:
         con.execute(f"USE {_identifier(state_db)}")
     _check_version(con, directory)
-    con.execute(f"SET search_path = {_quoted(f'{state_db}.main,{LEDGER}.main')}")
+    con.execute(f"SET search_path = {_quoted(f'{state_db}.{state_schema},{LEDGER}.main')}")
     _define_views(con)
 
 
@@ -235,17 +322,99 @@ def _define_views(con: duckdb.DuckDBPyConnection) -> None:
     con.execute(VIEWS_SQL.read_text())
 
 
-@contextmanager
-def connect(path: str | Path) -> Iterator[duckdb.DuckDBPyConnection]:
-    """A writing connection (`apply_schema`) to the pipeline's state file `path`; closed on exit."""
-    path = Path(path)
+def postgres_from_env() -> str | None:
+    """The PostgreSQL database of the pipeline's state and catalog (STEPLEDGER_POSTGRES, a
+    libpq connection string whose password may come from PGPASSWORD), or None: embedded."""
+    return os.environ.get(POSTGRES_ENV) or None
+
+
+def open_state(
+    path: Path, postgres: str | None, open_file: Callable[[Path], duckdb.DuckDBPyConnection]
+) -> duckdb.DuckDBPyConnection:
+    """A writing connection (`apply_schema`) to the pipeline's state: the DuckDB file `path`
+    opened by `open_file`, or with `postgres` that database (then no file is opened: `path`
+    only places the warehouse's data files, in the warehouse directory beside it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    con = duckdb.connect(str(path), config=WRITER_CONFIG)
+    con = open_file(path) if postgres is None else duckdb.connect(config=WRITER_CONFIG)
     try:
-        apply_schema(con)
+        if postgres is not None:
+            load_extensions(con, "postgres_scanner")
+            con.execute(f"ATTACH {_quoted(postgres)} AS {STATE} (TYPE postgres)")
+        # Processes opening the PostgreSQL store at once create its tables and views at once.
+        retry_conflicts(
+            lambda: apply_schema(
+                con, postgres=postgres, directory=warehouse_dir(path.resolve().parent)
+            ),
+            "the pipeline state's schema",
+        )
+    except BaseException:
+        con.close()
+        raise
+    return con
+
+
+@contextmanager
+def connect(
+    path: str | Path, *, postgres: str | None = None
+) -> Iterator[duckdb.DuckDBPyConnection]:
+    """A writing connection (`open_state`) to the pipeline's state file `path`, or to the
+    PostgreSQL store `postgres`; closed on exit."""
+    con = open_state(
+        Path(path), postgres, lambda file: duckdb.connect(str(file), config=WRITER_CONFIG)
+    )
+    try:
         yield con
     finally:
         con.close()
+
+
+FINANCE_ROLE = "stepledger_finance"
+
+
+def create_reader_role(
+    con: duckdb.DuckDBPyConnection, directory: Path, password: str, role: str = FINANCE_ROLE
+) -> Path:
+    """Give finance's readers of a PostgreSQL catalog a role of their own that can only SELECT
+    the catalog's tables (those DuckLake adds later too), never the pipeline's state, with
+    every transaction read-only; and write the CATALOG_POINTER of the warehouse in
+    `directory`, which
+    `pipeline.finance.connect` connects with. `con`: a writing connection to the PostgreSQL
+    store (`open_state`), whose role owns the catalog. Safe to repeat (a new password
+    replaces the old). Returns the pointer file."""
+    role_name = _identifier(role)
+    secret = "'" + password.replace("'", "''") + "'"
+    server = con.execute(
+        f"SELECT * FROM postgres_query({_quoted(STATE)}, 'SELECT host(inet_server_addr()), "
+        "inet_server_port(), current_database()')"
+    ).fetchall()[0]
+    host, port, database = server
+    statements = [
+        f"DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = {_quoted(role)}) "
+        f"THEN CREATE ROLE {role_name}; END IF; END $$",
+        f"ALTER ROLE {role_name} LOGIN PASSWORD {secret} NOSUPERUSER NOCREATEDB NOCREATEROLE",
+        f"ALTER ROLE {role_name} SET default_transaction_read_only = on",
+        f"GRANT CONNECT ON DATABASE {_identifier(database)} TO {role_name}",
+        f"REVOKE ALL ON ALL TABLES IN SCHEMA public FROM {role_name}",
+        f"GRANT USAGE ON SCHEMA {CATALOG_SCHEMA} TO {role_name}",
+        f"GRANT SELECT ON ALL TABLES IN SCHEMA {CATALOG_SCHEMA} TO {role_name}",
+        f"ALTER DEFAULT PRIVILEGES IN SCHEMA {CATALOG_SCHEMA} GRANT SELECT ON TABLES TO {role_name}",
+    ]
+    for statement in statements:
+        con.execute(f"CALL postgres_execute({_quoted(STATE)}, {_quoted(statement)})")
+    pointer = directory / CATALOG_POINTER
+    pointer.write_text(
+        json.dumps(
+            {
+                "host": host,
+                "port": str(port),
+                "database": database,
+                "user": role,
+                "password": password,
+            },
+            indent=2,
+        )
+    )
+    return pointer
 
 
 # The tables of the previous layout that belong to the warehouse; the rest are bookkeeping.
@@ -337,7 +506,7 @@ def read_connection(
     `as_of` a time or snapshot id), with the finance views; it never opens the pipeline's
     state file, so it never blocks the pipeline."""
     directory = Path(directory)
-    if not (directory / CATALOG_FILE).is_file():
+    if not has_catalog(directory):
         previous = directory.parent / PREVIOUS_LAYOUT_FILE
         how = (
             f"{previous} is of the previous layout: run `stepledger migrate --data {directory.parent}`"
@@ -353,13 +522,23 @@ def ledger_writer(directory: str | Path) -> duckdb.DuckDBPyConnection:
     finance's own writes such as closing a month; DuckLake commits it beside a running
     pipeline."""
     directory = Path(directory)
-    if not (directory / CATALOG_FILE).is_file():
+    if not has_catalog(directory):
         raise WarehouseError(f"{directory / CATALOG_FILE}: no warehouse")
-    return _warehouse_connection(directory, read_only=False)
+    return _warehouse_connection(directory, read_only=False, postgres=postgres_from_env())
+
+
+def has_catalog(directory: Path) -> bool:
+    """Whether `directory` is a warehouse: its SQLite catalog, or the pointer to its
+    PostgreSQL one."""
+    return (directory / CATALOG_FILE).is_file() or (directory / CATALOG_POINTER).is_file()
 
 
 def _warehouse_connection(
-    directory: Path, *, read_only: bool, as_of: datetime | int | None = None
+    directory: Path,
+    *,
+    read_only: bool,
+    as_of: datetime | int | None = None,
+    postgres: str | None = None,
 ) -> duckdb.DuckDBPyConnection:
     """A connection whose default catalog is the warehouse in `directory`, with the finance
     views. Being the default catalog, a write through a read-only connection is refused
@@ -378,16 +557,35 @@ def _warehouse_connection(
             read_only=read_only,
             as_of=as_of,
             data_path=files.url(directory / DATA_FILES_DIR) if files else None,
+            postgres=postgres,
         )
         _check_version(con, directory)
         con.execute(f"USE {LEDGER}")
         _define_views(con)
         if files:
+            files.verify_published(directory / DATA_FILES_DIR, published_files(con))
             _seal(con, files, lake_dir(directory))
     except BaseException:
         con.close()
         raise
     return con
+
+
+def published_files(con: duckdb.DuckDBPyConnection) -> dict[str, PublishedFile]:
+    """Every data file of a published pool-hour in the snapshot `con` reads, by its path
+    relative to the data directory (none in a warehouse published before they were kept)."""
+    if not con.execute(
+        "SELECT count(*) FROM duckdb_tables() "
+        f"WHERE database_name = '{LEDGER}' AND table_name = 'published_files'"
+    ).fetchall()[0][0]:
+        return {}
+    rows = con.execute(
+        f"SELECT path, table_name, hour, pool, sha256 FROM {LEDGER}.published_files"
+    ).fetchall()
+    return {
+        path: PublishedFile(path, table_name, from_warehouse(hour), pool, sha256)
+        for path, table_name, hour, pool, sha256 in rows
+    }
 
 
 def _seal(con: duckdb.DuckDBPyConnection, files: ReadOnlyFiles, lake: Path) -> None:
@@ -424,6 +622,14 @@ def connect_read_only(state_file: str | Path) -> Iterator[duckdb.DuckDBPyConnect
         con.close()
 
 
+def data_files_dir(con: duckdb.DuckDBPyConnection) -> Path:
+    """Where the warehouse attached to a writing connection keeps its data files."""
+    (path,) = con.execute(
+        "SELECT path FROM duckdb_databases() WHERE database_name = current_database()"
+    ).fetchall()[0]
+    return warehouse_dir(Path(path).resolve().parent) / DATA_FILES_DIR
+
+
 def current_snapshot(con: duckdb.DuckDBPyConnection) -> int:
     """The id of the warehouse snapshot the connection reads."""
     return int(con.execute(f"SELECT id FROM {LEDGER}.current_snapshot()").fetchall()[0][0])
@@ -446,6 +652,42 @@ def transaction(con: duckdb.DuckDBPyConnection) -> Iterator[duckdb.DuckDBPyConne
         con.execute("ROLLBACK")
         raise
     con.execute("COMMIT")
+
+
+# What concurrent writers of the state and the warehouse report when their transactions meet:
+# DuckLake refuses a commit that conflicts with one committed since it began (its conflict
+# rules: a table inserted into while another transaction deleted from it, one file deleted from
+# twice); PostgreSQL refuses a row another transaction inserted with the same key, and a
+# definition (a table or view) created or replaced by two at once. The transaction rolled back
+# whole, so it is run again; it then sees what the other committed.
+CONFLICTS = (
+    "Transaction conflict",
+    "duplicate key value violates unique constraint",
+    "could not serialize access",
+    "tuple concurrently updated",
+    "deadlock detected",
+)
+CONFLICT_ATTEMPTS = 10
+FIRST_CONFLICT_WAIT_S = 0.05
+Result = TypeVar("Result")
+
+
+def retry_conflicts(work: Callable[[], Result], what: str) -> Result:
+    """Run `work` (one or more whole transactions) until it commits without conflicting with a
+    concurrent writer, waiting a random, doubling time between attempts so that writers who
+    met do not meet again; other errors are raised at once."""
+    for attempt in range(CONFLICT_ATTEMPTS):
+        try:
+            return work()
+        except duckdb.Error as err:
+            if not any(conflict in str(err) for conflict in CONFLICTS):
+                raise
+            last = err
+        time.sleep(random.uniform(0, FIRST_CONFLICT_WAIT_S * 2**attempt))
+    raise WarehouseError(
+        f"{what}: still conflicting with concurrent writers after {CONFLICT_ATTEMPTS} "
+        f"attempts ({last})"
+    )
 
 
 def _naive_hours(frame: pl.DataFrame) -> pl.DataFrame:
@@ -487,7 +729,12 @@ def _tenant_totals(lines: pl.DataFrame, name: str) -> pl.DataFrame:
 
 
 def replace_hour(
-    con: duckdb.DuckDBPyConnection, hour: datetime, pool: str, tables: Mapping[str, pl.DataFrame]
+    con: duckdb.DuckDBPyConnection,
+    hour: datetime,
+    pool: str,
+    tables: Mapping[str, pl.DataFrame],
+    *,
+    then: Callable[[duckdb.DuckDBPyConnection], None] | None = None,
 ) -> None:
     """Replace the (hour, pool) rows of each table with `tables[name]`, all in one transaction,
     which is one warehouse snapshot. The hour's reconciliation rows go too: the new charges
@@ -496,7 +743,9 @@ def replace_hour(
     Rows are inserted by column name, so frames may list columns in any order; a frame whose
     rows belong to another hour or pool is refused, because it would survive the next replace.
     If the hour was billed before, `reruns` gets a row per tenant with the old and new amounts
-    and the reason, and the snapshot that still holds the old charges.
+    and the reason, and the snapshot that still holds the old charges; in a closed month, each
+    change is also an invoice adjustment (`pipeline.finance.adjustments`). `then` runs inside
+    the transaction once the new rows are in (to record what was published with them).
     """
     naive_hour = to_warehouse(hour)
     tables = {name: _naive_hours(frame) for name, frame in tables.items()}
@@ -513,6 +762,21 @@ def replace_hour(
                 f"ledger_lines of {hour_key(hour)} pool {pool!r}: line_kind {unknown} "
                 f"not one of {list(LINE_KINDS)}"
             )
+    retry_conflicts(
+        lambda: _replace_hour_rows(con, hour, pool, tables, lines, then),
+        f"bill {hour_key(hour)} {pool}",
+    )
+
+
+def _replace_hour_rows(
+    con: duckdb.DuckDBPyConnection,
+    hour: datetime,
+    pool: str,
+    tables: Mapping[str, pl.DataFrame],
+    lines: pl.DataFrame | None,
+    then: Callable[[duckdb.DuckDBPyConnection], None] | None,
+) -> None:
+    naive_hour = to_warehouse(hour)
     at_hour = [naive_hour, pool]
     previous_snapshot = current_snapshot(con)
     with transaction(con):
@@ -548,6 +812,12 @@ def replace_hour(
                 .sort("tenant")
             )
             insert_frame(con, "reruns", reruns)
+            # Imported here: pipeline.finance reads through this module.
+            from pipeline.finance.adjustments import record_adjustments
+
+            record_adjustments(con, naive_hour, pool, reruns)
+        if then is not None:
+            then(con)
         commit_message(
             con, f"bill {hour_key(hour)} {pool}", hour=hour_key(hour), pool=pool, rerun=reason
         )
@@ -557,7 +827,7 @@ def query_frame(
     con: duckdb.DuckDBPyConnection, sql: str, params: list[Any] | None = None
 ) -> pl.DataFrame:
     """A query's result as a polars frame."""
-    frame: pl.DataFrame = con.sql(sql, params=params).pl()
+    frame: pl.DataFrame = con.execute(sql, params or []).pl()
     return frame
 
 
@@ -625,11 +895,18 @@ def record_checks(
     severities = sorted(set(rows["severity"].to_list()) - set(SEVERITIES))
     if severities:
         raise WarehouseError(f"reconciliation: severity {severities} not one of {list(SEVERITIES)}")
-    with transaction(con):
-        con.execute(
-            "DELETE FROM reconciliation WHERE hour = ? AND pool = ? AND list_contains(?, check_name)",
-            [naive_hour, pool, check_names],
-        )
-        if rows.height:
-            insert_frame(con, "reconciliation", rows)
-        commit_message(con, f"reconcile {hour_key(hour)} {pool}", hour=hour_key(hour), pool=pool)
+
+    def record() -> None:
+        with transaction(con):
+            con.execute(
+                "DELETE FROM reconciliation WHERE hour = ? AND pool = ? "
+                "AND list_contains(?, check_name)",
+                [naive_hour, pool, check_names],
+            )
+            if rows.height:
+                insert_frame(con, "reconciliation", rows)
+            commit_message(
+                con, f"reconcile {hour_key(hour)} {pool}", hour=hour_key(hour), pool=pool
+            )
+
+    retry_conflicts(record, f"reconcile {hour_key(hour)} {pool}")

@@ -41,7 +41,9 @@ def run_damaged(
         "STEPLEDGER_ALERT_FORMAT",
     ):
         monkeypatch.delenv(name, raising=False)
-    return data, alert_file, build_definitions(small_pools(), data), dg.DagsterInstance.ephemeral()
+    # The tests bill the hour after the simulated minutes too.
+    defs = build_definitions(small_pools(), data, run_hours=[SIMULATED_HOUR + timedelta(hours=1)])
+    return data, alert_file, defs, dg.DagsterInstance.ephemeral()
 
 
 def paged_errors(alert_file: Path) -> list[tuple[str, str, str]]:
@@ -86,7 +88,7 @@ def test_a_failed_blocking_check_holds_the_hour_back_and_pages_once(
     assert [key for (key,) in delivered] == [a["dedup_key"] for a in paged]
 
 
-def test_a_backfill_range_holds_back_and_pages_only_the_hour_that_failed(
+def test_a_backfill_range_holds_back_and_pages_only_the_hours_that_failed(
     simulated: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     data, alert_file, defs, instance = run_damaged(simulated, tmp_path, monkeypatch)
@@ -104,10 +106,17 @@ def test_a_backfill_range_holds_back_and_pages_only_the_hour_that_failed(
         for e in result.get_asset_check_evaluations()
         if e.blocking and not e.passed and e.severity == dg.AssetCheckSeverity.ERROR
     }
-    assert held == {("sequence", str(partition_key(SIMULATED_HOUR, "chat-8b")))}
+    # The hour after the simulated minutes holds no data at all: held too, never billed idle.
+    assert held == {
+        ("sequence", str(partition_key(SIMULATED_HOUR, "chat-8b"))),
+        ("silence", str(partition_key(next_hour, "chat-8b"))),
+    }
     with finance.connect(data) as con:
-        assert con.execute("SELECT pool, hour, reason FROM held_back_hours").fetchall() == [
-            ("chat-8b", SIMULATED_HOUR.replace(tzinfo=None), "failed blocking checks: sequence")
+        assert con.execute(
+            "SELECT pool, hour, reason FROM held_back_hours ORDER BY hour"
+        ).fetchall() == [
+            ("chat-8b", SIMULATED_HOUR.replace(tzinfo=None), "failed blocking checks: sequence"),
+            ("chat-8b", next_hour.replace(tzinfo=None), "failed blocking checks: silence"),
         ]
         assert con.execute("SELECT hour FROM invoices ORDER BY hour").fetchall() == [
             (SIMULATED_HOUR.replace(tzinfo=None),),
@@ -115,7 +124,11 @@ def test_a_backfill_range_holds_back_and_pages_only_the_hour_that_failed(
         ]
 
     page_on_call(defs, instance, result)
-    assert paged_errors(alert_file) == [("sequence", "chat-8b-r1", "2026-11-30T00")]
+    assert sorted(paged_errors(alert_file)) == [
+        ("sequence", "chat-8b-r1", "2026-11-30T00"),
+        ("silence", "chat-8b-r0", "2026-11-30T01"),
+        ("silence", "chat-8b-r1", "2026-11-30T01"),
+    ]
 
 
 def test_the_pager_pages_for_a_backfill_launched_from_the_assets(

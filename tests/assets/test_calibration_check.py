@@ -164,7 +164,8 @@ def test_a_drifted_fit_of_a_fitted_pool_fails_the_run(calibrated: Path) -> None:
     error = failure.step_failure_data.error
     assert error is not None
     assert error.message.startswith(
-        "dagster._core.definitions.events.Failure: ERROR findings, the hour is published: calibration_drift"
+        "dagster._core.definitions.events.Failure: ERROR findings of checks that hold no hour "
+        "back: calibration_drift (2026-11-30T00 chat-8b: the hour is published)"
     )
     ((detail,),) = [(r[4],) for r in calibration_rows(calibrated) if r[0] == "calibration_drift"]
     assert detail.startswith("a fresh fit drifted beyond 15% in c0_ms: ")

@@ -17,7 +17,10 @@ from schemas.config import load_pools
 from tests.helpers.fleets import small_pools
 
 
-def test_run_then_costs_without_sql(simulated: Path, tmp_path: Path) -> None:
+def test_run_then_costs_without_sql(
+    simulated: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
     data = tmp_path / "run"
     shutil.copytree(simulated, data)
     runner = CliRunner()
@@ -32,6 +35,12 @@ def test_run_then_costs_without_sql(simulated: Path, tmp_path: Path) -> None:
     ]
     # The short fixture hour warns (plausibility, calibration) without holding the hour back.
     assert all(isinstance(r["failed_checks"], list) for r in runs)
+    # Both runs are in the data directory's instance, the one `stepledger dev` shows.
+    with dg.DagsterInstance.from_config(str(data / "dagster")) as instance:
+        recorded = [r.dagster_run for r in instance.get_run_records()]
+    assert [(r.job_name, r.tags["dagster/partition"], r.status) for r in recorded] == [
+        ("pool_hour_job", "2026-11-30-00:00|chat-8b", dg.DagsterRunStatus.SUCCESS)
+    ] * 2
     report = json.loads(
         runner.invoke(main, ["costs", "--data", str(data), "--by", "feature", "--json"]).output
     )
@@ -145,7 +154,7 @@ def test_demo_calibrates_bills_and_writes_the_report(
     assert materialized == {"2026-11-30-00:00|chat-8b", "2026-11-30-00:00|reason-dsv3"}
     # A span shorter than the hour leaves the GPUs' DCGM activity above the engine's (a
     # plausibility WARN); the fleet's own engine version is calibrated.
-    assert "check failed calibration" not in result.output
+    assert "calibration:" not in result.output
     store = yaml.safe_load((out / "calibration.yaml").read_text())
     assert sorted((e["model"], e["gpu_type"], e["engine_version"]) for e in store["entries"]) == [
         ("deepseek-v3", "h200", ENGINE_VERSION),

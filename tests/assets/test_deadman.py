@@ -65,13 +65,14 @@ def alert_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return path
 
 
-# The deployment of most tests: before the first partition (STEPLEDGER_FIRST_HOUR 2026-11-30T00).
+FIRST_PARTITION = datetime(2026, 11, 30, tzinfo=UTC)  # as STEPLEDGER_FIRST_HOUR sets it
+# The deployment of most tests: before the first partition.
 DEPLOYED = datetime(2026, 11, 29, 12, tzinfo=UTC)
 
 
 def tick_with_cursor(data: Path, now: datetime, cursor: str | None) -> tuple[str, str | None]:
     """The sensor's message and its cursor after the tick."""
-    sensor = build_deadman_sensor(small_pools(), clock=lambda: now)
+    sensor = build_deadman_sensor(small_pools(), FIRST_PARTITION, clock=lambda: now)
     resources = {
         "data": StepledgerData(data_dir=str(data)),
         "warehouse": DuckDBResource(database=str(data / "warehouse.duckdb")),

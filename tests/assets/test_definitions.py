@@ -10,12 +10,17 @@ import dagster as dg
 import pytest
 
 from assets.definitions import build_definitions
+from assets.resources import StepledgerData
 from schemas.config import load_pools
 from tests.helpers.fleets import BLOCKING_CHECKS, small_pools
+from tests.helpers.hours import SIMULATED_HOUR
 
 
 def test_definitions_load(tmp_path: Path) -> None:
-    defs = build_definitions(load_pools(), tmp_path)
+    # A directory with no data yet: its partitions start at the hour the definitions load.
+    defs = build_definitions(
+        load_pools(), tmp_path, clock=lambda: datetime(2026, 11, 1, 0, 40, tzinfo=UTC)
+    )
     dg.Definitions.validate_loadable(defs)
     job = defs.resolve_job_def("pool_hour_job")
     # Every step that opens the DuckDB file is in the single-writer pool; the attribution
@@ -81,33 +86,98 @@ def test_importing_the_code_location_does_no_io(tmp_path: Path) -> None:
     assert out.stdout.strip() == "[]"
 
 
+def hour_partitions(defs: dg.Definitions, now: datetime) -> list[str]:
+    partitions = defs.resolve_job_def("pool_hour_job").partitions_def
+    assert partitions is not None
+    return [str(k) for k in partitions.get_partition_keys(current_time=now)]
+
+
+def test_partitions_span_the_data_directorys_hours(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = data_with(tmp_path, *(f"gateway/2026-11-30T0{h}.jsonl" for h in (5, 4, 6)))
+    # Long after its data stopped (a demo's directory): its hours exactly.
+    now = datetime(2026, 12, 4, 21, 30, tzinfo=UTC)
+    defs = build_definitions(small_pools(), data, clock=lambda: now)
+    assert hour_partitions(defs, now) == [f"2026-11-30-0{h}:00|chat-8b" for h in (4, 5, 6)]
+    # Hours about to be run by `stepledger run --hour` are partitions whatever the data.
+    later = datetime(2026, 11, 30, 9, tzinfo=UTC)
+    defs = build_definitions(small_pools(), data, clock=lambda: now, run_hours=[later])
+    assert hour_partitions(defs, now)[-1] == "2026-11-30-09:00|chat-8b"
+    assert len(hour_partitions(defs, now)) == 6
+    # While the hour after its last data may still come, up to the current hour.
+    live = datetime(2026, 11, 30, 8, 10, tzinfo=UTC)
+    defs = build_definitions(small_pools(), data, clock=lambda: live)
+    assert hour_partitions(defs, live) == [f"2026-11-30-0{h}:00|chat-8b" for h in range(4, 8)]
+    monkeypatch.setenv("STEPLEDGER_FIRST_HOUR", "2026-11-30T03")
+    defs = build_definitions(small_pools(), data, clock=lambda: now)
+    assert hour_partitions(defs, now)[0] == "2026-11-30-03:00|chat-8b"
+    monkeypatch.setenv("STEPLEDGER_FIRST_HOUR", "yesterday")
+    with pytest.raises(
+        ValueError, match="STEPLEDGER_FIRST_HOUR: hour 'yesterday' is not of the form"
+    ):
+        build_definitions(small_pools(), data)
+
+
 def scheduled_partitions(
-    delay_minutes: int, tmp_path: Path
-) -> tuple[str, list[tuple[str | None, str | None]]]:
-    """The schedule's cron, and the (partition, run key) pairs its 06:15 UTC tick requests."""
+    delay_minutes: int, data: Path, at: datetime = datetime(2026, 11, 30, 6, 15, tzinfo=UTC)
+) -> tuple[str, list[tuple[str | None, str | None]] | str]:
+    """The schedule's cron, and the (partition, run key) pairs its tick at `at` requests, or
+    why it skipped."""
     pools = small_pools()
     pools = pools.model_copy(
         update={
             "settings": pools.settings.model_copy(update={"late_file_delay_minutes": delay_minutes})
         }
     )
-    defs = build_definitions(pools, tmp_path)
+    defs = build_definitions(pools, data, clock=lambda: at)
     schedule = defs.resolve_schedule_def("hourly_ledger")
     tick = dg.build_schedule_context(
-        scheduled_execution_time=datetime(2026, 11, 30, 6, 15, tzinfo=UTC),
+        scheduled_execution_time=at,
         repository_def=defs.get_repository_def(),
+        resources={"data": StepledgerData(data_dir=str(data))},
     )
-    requests = schedule.evaluate_tick(tick).run_requests
-    assert requests is not None
+    result = schedule.evaluate_tick(tick)
     assert isinstance(schedule.cron_schedule, str)
-    return schedule.cron_schedule, [(r.partition_key, r.run_key) for r in requests]
+    if result.skip_message is not None:
+        return schedule.cron_schedule, result.skip_message
+    assert result.run_requests is not None
+    return schedule.cron_schedule, [(r.partition_key, r.run_key) for r in result.run_requests]
+
+
+def data_with(tmp_path: Path, *files: str) -> Path:
+    for name in files:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    return tmp_path
 
 
 def test_schedule_targets_each_pool_after_the_late_file_delay(tmp_path: Path) -> None:
-    assert scheduled_partitions(15, tmp_path) == (
+    data = data_with(tmp_path, "gateway/2026-11-30T05.jsonl")
+    assert scheduled_partitions(15, data) == (
         "15 * * * *",
         [("2026-11-30-05:00|chat-8b", "2026-11-30T05|chat-8b")],
     )
+
+
+def test_the_schedule_bills_only_hours_the_directory_has_data_for_or_expects(
+    tmp_path: Path,
+) -> None:
+    # The hour after the feed's last gateway file is expected (a gap, billed and held back);
+    # the hour after that, or an hour of a directory holding other hours only, is not.
+    data = data_with(tmp_path, "gateway/2026-11-30T04.jsonl")
+    assert scheduled_partitions(15, data)[1] == [
+        ("2026-11-30-05:00|chat-8b", "2026-11-30T05|chat-8b")
+    ]
+    later = datetime(2026, 11, 30, 7, 15, tzinfo=UTC)
+    assert scheduled_partitions(15, data, later)[1] == (
+        f"{data} has no data for 2026-11-30T06 and expects none (no gateway file of the hour "
+        "or the hour before, no DCGM scrape of the hour)"
+    )
+    data_with(tmp_path, "dcgm/gpu-node-01/2026-11-30T06.prom")
+    assert scheduled_partitions(15, data, later)[1] == [
+        ("2026-11-30-06:00|chat-8b", "2026-11-30T06|chat-8b")
+    ]
 
 
 def test_the_schedule_and_sensors_run_as_soon_as_a_daemon_loads_them(tmp_path: Path) -> None:
@@ -123,7 +193,8 @@ def test_the_schedule_and_sensors_run_as_soon_as_a_daemon_loads_them(tmp_path: P
 
 
 def test_a_delay_past_the_hour_targets_an_earlier_hour(tmp_path: Path) -> None:
-    assert scheduled_partitions(75, tmp_path) == (
+    data = data_with(tmp_path, "gateway/2026-11-30T04.jsonl")
+    assert scheduled_partitions(75, data) == (
         "15 * * * *",
         [("2026-11-30-04:00|chat-8b", "2026-11-30T04|chat-8b")],
     )
@@ -147,10 +218,10 @@ def description(spec: dg.AssetCheckSpec) -> str:
 
 
 def test_checks_are_per_pool_hour_described_and_only_those_holding_an_hour_back_block() -> None:
-    from assets.partitions import pool_hour_partitions
+    from assets.partitions import HourRange, pool_hour_partitions
     from assets.reconciliation import build_reconciliation_checks
 
-    partitions = pool_hour_partitions(["chat-8b"])
+    partitions = pool_hour_partitions(["chat-8b"], HourRange(SIMULATED_HOUR, None))
     (checks,) = build_reconciliation_checks(small_pools(), partitions)
     specs = {spec.name: spec for spec in checks.check_specs}
     assert {name: spec.blocking for name, spec in specs.items()} == BLOCKING_CHECKS

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from assets.cli.dev import group_alive
 from assets.schedules import build_hourly_schedule
+from assets.supervise import group_alive
 from pipeline.cli.dagster_instance import (
     INSTANCE_TEMPLATE,
     instance_dir,
@@ -63,7 +63,7 @@ def test_an_instance_directory_gets_the_committed_configuration_only_when_it_has
 HISTORY_QUERY = """{
   assetNodeOrError(assetKey: {path: ["ledger"]}) {
     ... on AssetNode {
-      partitionStats { numMaterialized numFailed }
+      partitionStats { numMaterialized numFailed numPartitions }
       assetChecksOrError { ... on AssetChecks { checks { name blocking } } }
     }
   }
@@ -91,8 +91,8 @@ def test_dev_serves_the_data_directory_history_on_loopback_and_stops_every_proce
     ]
     # The short fixture hour warns; nothing holds it back.
     assert sorted(f.split(":")[0] for f in outcomes[0]["failed_checks"]) == [
-        "calibration",
-        "plausibility",
+        "WARN calibration",
+        "WARN plausibility",
     ]
 
     # The history is the test's own at any time of day: the hourly schedule never ticks here
@@ -123,7 +123,12 @@ def test_dev_serves_the_data_directory_history_on_loopback_and_stops_every_proce
             "deliver_alerts": "RUNNING",
         }
         ledger = history["assetNodeOrError"]
-        assert ledger["partitionStats"] == {"numMaterialized": 1, "numFailed": 0}
+        # The partitions are the data directory's one hour (its data stopped long ago).
+        assert ledger["partitionStats"] == {
+            "numMaterialized": 1,
+            "numFailed": 0,
+            "numPartitions": 1,
+        }
         assert {
             c["name"]: c["blocking"] for c in ledger["assetChecksOrError"]["checks"]
         } == BLOCKING_CHECKS
@@ -131,9 +136,12 @@ def test_dev_serves_the_data_directory_history_on_loopback_and_stops_every_proce
         tags = {t["key"]: t["value"] for t in run["tags"]}
         assert (run["status"], tags["dagster/partition"]) == ("SUCCESS", "2026-11-30-00:00|chat-8b")
 
+        started = time.monotonic()
         dev.send_signal(signal.SIGTERM)
         _, stderr = dev.communicate(timeout=STOP_GRACE_SECONDS)
+        stopped_in = time.monotonic() - started
     assert dev.returncode == 0, stderr.decode()[-2000:]
+    assert stopped_in < 10
     assert [pid for pid in children if running(pid)] == []
     assert not group_alive(next(pid for pid, cmd in children.items() if "dagster dev" in cmd))
     assert listening_addresses(port) == set()

@@ -5,6 +5,7 @@ from datetime import timedelta
 import pytest
 
 from assets.partitions import (
+    HourRange,
     partition_key,
     pool_hour_partitions,
     pool_hours_of_run,
@@ -12,7 +13,7 @@ from assets.partitions import (
 )
 from tests.helpers.hours import SIMULATED_HOUR
 
-PARTITIONS = pool_hour_partitions(["chat-8b", "reason-dsv3"])
+PARTITIONS = pool_hour_partitions(["chat-8b", "reason-dsv3"], HourRange(SIMULATED_HOUR, None))
 
 
 def test_a_runs_pool_hours_come_from_its_partition_or_its_range() -> None:

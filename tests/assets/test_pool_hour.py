@@ -1,8 +1,9 @@
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from collections.abc import Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from pipeline.storage.warehouse import STATE_FILE, connect
 from schemas.config import load_pools
 from tests.helpers.fleets import small_pools
 from tests.helpers.hours import SIMULATED_HOUR
+from tests.helpers.segment_bytes import resealed
 
 
 def run_hour(data: Path, instance: dg.DagsterInstance) -> dg.ExecuteInProcessResult:
@@ -124,24 +126,61 @@ def test_rerunning_an_hour_and_redelivering_a_segment_change_nothing(data: Path)
         ).fetchone() == (1,)
 
 
-def test_sensor_requests_ingestion_for_new_segments(data: Path) -> None:
-    sensor = build_new_segments_sensor(
-        small_pools(), clock=lambda: datetime(2026, 11, 30, 6, 1, tzinfo=UTC)
-    )
+def sense(data: Path, cursor: str | None = None) -> dg.SensorResult | dg.SkipReason:
+    """The new-segments sensor's tick on `data` after `cursor`."""
+    sensor = build_new_segments_sensor(small_pools())
     resources = {"data": StepledgerData(data_dir=str(data))}
-    with dg.build_sensor_context(resources=resources) as context:
-        first = sensor(context)
+    with dg.build_sensor_context(cursor=cursor, resources=resources) as context:
+        result = sensor(context)
+    assert isinstance(result, dg.SensorResult | dg.SkipReason)
+    return result
+
+
+def test_sensor_requests_ingestion_for_new_segments_labelled_with_their_datas_hour(
+    data: Path,
+) -> None:
+    # A file named like a segment without a header tells no hour; ingestion reports it.
+    replica = segment_files(data / "outbox")[0].parent
+    (replica / f"{replica.name}.000009999999.0badc0de.seg").write_bytes(b"not a segment")
+    first = sense(data)
     assert isinstance(first, dg.SensorResult)
     assert first.run_requests is not None
     assert [run_key(r).split("|")[0] for r in first.run_requests] == ["chat-8b"]
-    # Labelled with the hour that last ended; ingestion takes every new segment whatever it is.
+    # The simulated hour its records belong to, whenever the files were written and sensed.
     assert [multi_partition_key(r).keys_by_dimension for r in first.run_requests] == [
-        {"hour": "2026-11-30-05:00", "pool": "chat-8b"}
+        {"hour": "2026-11-30-00:00", "pool": "chat-8b"}
     ]
     newest = max(p.stat().st_mtime_ns for p in segment_files(data / "outbox"))
     assert first.cursor == str(newest)
-    with dg.build_sensor_context(cursor=first.cursor, resources=resources) as context:
-        assert isinstance(sensor(context), dg.SkipReason)
+    assert isinstance(sense(data, first.cursor), dg.SkipReason)
+
+
+def test_new_segments_over_several_hours_are_one_run_over_their_range(data: Path) -> None:
+    from schemas.records import FRAME_PREFIX, PREAMBLE, HeaderFrame
+
+    first = sense(data)
+    assert isinstance(first, dg.SensorResult)
+    # A segment of the next hour: a recorded one whose header's wall clock is an hour later.
+    segment = segment_files(data / "outbox")[0]
+    raw = segment.read_bytes()
+    length = FRAME_PREFIX.unpack_from(raw, PREAMBLE.size)[4]
+    start = PREAMBLE.size + FRAME_PREFIX.size
+    header = HeaderFrame.from_json(raw[start : start + length])
+    later = dataclasses.replace(header, wall_anchor_ns=header.wall_anchor_ns + 3_600 * 10**9)
+    next_hour = segment.with_name(segment.name.replace(".seg", "0.seg"))
+    next_hour.write_bytes(resealed(raw, PREAMBLE.size, later.to_json()))
+    again_result = sense(data, first.cursor)
+    assert isinstance(again_result, dg.SensorResult)
+    (again,) = again_result.run_requests or []
+    assert multi_partition_key(again).keys_by_dimension == {
+        "hour": "2026-11-30-01:00",
+        "pool": "chat-8b",
+    }
+    both_result = sense(data)
+    assert isinstance(both_result, dg.SensorResult)
+    (both,) = both_result.run_requests or []
+    assert both.partition_key is None
+    assert both.tags == range_tags(SIMULATED_HOUR, SIMULATED_HOUR + timedelta(hours=1), "chat-8b")
 
 
 def test_the_ledger_materialization_tells_the_hour(data: Path) -> None:
@@ -217,7 +256,9 @@ def test_a_backfill_range_bills_each_hour_as_its_hourly_run_does(
     hourly, ranged = tmp_path / "hourly", tmp_path / "ranged"
     for copy in (hourly, ranged):
         shutil.copytree(simulated, copy)
-    hourly_job = build_definitions(small_pools(), hourly).resolve_job_def("pool_hour_job")
+    hourly_job = build_definitions(small_pools(), hourly, run_hours=hours).resolve_job_def(
+        "pool_hour_job"
+    )
     hourly_results = [
         hourly_job.execute_in_process(
             partition_key=partition_key(hour, "chat-8b"),
@@ -227,15 +268,16 @@ def test_a_backfill_range_bills_each_hour_as_its_hourly_run_does(
         )
         for hour in hours
     ]
-    job = build_definitions(small_pools(), ranged).resolve_job_def("pool_hour_job")
+    job = build_definitions(small_pools(), ranged, run_hours=hours).resolve_job_def("pool_hour_job")
     result = job.execute_in_process(
         tags=range_tags(hours[0], hours[1], "chat-8b"),
         instance=dg.DagsterInstance.ephemeral(),
         run_config=QUIET,
         raise_on_error=False,
     )
-    # The empty hour's WARN findings (no steps against DCGM's samples) fail no run.
-    assert [r.success for r in [result, *hourly_results]] == [True] * 3
+    # The hour after holds neither steps nor DCGM samples: it is held back (silence), never
+    # billed as idle, and fails its run and the range's alike.
+    assert [r.success for r in [result, *hourly_results]] == [False, True, False]
     assert snapshot(ranged) == snapshot(hourly)
     with finance.connect(ranged) as con:
         assert con.execute("SELECT hour, amount_nano FROM invoices ORDER BY hour").fetchall() == [
@@ -271,7 +313,8 @@ def test_a_days_backfill_of_the_default_pools_is_one_run_per_pool(tmp_path: Path
     from dagster._core.definitions.events import AssetKeyPartitionKey
 
     pools = load_pools()
-    defs = build_definitions(pools, tmp_path)
+    # A directory with no data yet, whose partitions start at the day backfilled.
+    defs = build_definitions(pools, tmp_path, clock=lambda: SIMULATED_HOUR)
     hours = [SIMULATED_HOUR + timedelta(hours=h) for h in range(24)]
     selection = [
         AssetKeyPartitionKey(dg.AssetKey(asset), partition_key(hour, pool.name))

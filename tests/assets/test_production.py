@@ -5,7 +5,6 @@ checked per partition."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import os
@@ -37,7 +36,7 @@ from tests.helpers.dagster_processes import (
     wait_for_daemons,
 )
 from tests.helpers.fleets import SIMULATED_HOURS, small_pools
-from tests.helpers.postgres_server import PostgresServer, PostgresUnavailable, throwaway_postgres
+from tests.helpers.postgres_server import PostgresServer, postgres_or_skip
 
 PROFILE = Path(__file__).resolve().parents[2] / "dagster_home" / "production" / "dagster.yaml"
 # Bounds for a webserver, daemon or run that hangs, not waits: on a loaded two-core machine the
@@ -57,11 +56,7 @@ LAUNCH = """mutation Launch($params: ExecutionParams!) {
 
 @pytest.fixture(scope="module")
 def postgres() -> Iterator[PostgresServer]:
-    with contextlib.ExitStack() as stack:
-        try:
-            server = stack.enter_context(throwaway_postgres())
-        except PostgresUnavailable as err:
-            pytest.skip(f"no PostgreSQL server could start here: {err}")
+    with postgres_or_skip() as server:
         yield server
 
 
@@ -120,7 +115,10 @@ def test_the_profile_keeps_everything_in_postgres_and_queues_runs(
         "PostgresScheduleStorage",
         "QueuedRunCoordinator",
         4,
-        [{"key": "dagster/backfill", "limit": 1}],
+        [
+            {"key": "dagster/backfill", "limit": 1},
+            {"key": "dagster/partition", "value": {"applyLimitPerUniqueValue": True}, "limit": 1},
+        ],
         1,
     ]
 

@@ -62,9 +62,9 @@ def main(argv: list[str]) -> None:
     ]
     for module, name in stages:
         setattr(module, name, announced(name, getattr(module, name)))
-    job = build_definitions(load_pools(DataDir(data).pools_file), data).resolve_job_def(
-        "pool_hour_job"
-    )
+    job = build_definitions(
+        load_pools(DataDir(data).pools_file), data, run_hours=[hour]
+    ).resolve_job_def("pool_hour_job")
     print("ready", flush=True)
     job.execute_in_process(
         partition_key=partition_key(hour, pool),

@@ -46,11 +46,11 @@ def test_run_prints_a_finding_naming_a_markup_named_replica(tmp_path: Path) -> N
     data = simulate_small(tmp_path / MARKUP, pools, faults={"clock-jump": 7200.0})
     # The recorder opened a segment where the clock stepped: the finding names it.
     segment = sorted((data / "outbox" / "[bold]r0").glob("*.seg"))[-1].relative_to(data)
-    finding = f"clock: [bold]r0: {segment}: the wall clock stepped +7200.000 s"
+    finding = f"WARN clock: [bold]r0: {segment}: the wall clock stepped +7200.000 s"
     result = CliRunner().invoke(main, ["run", "--data", str(data)])
     assert result.exit_code == 0, result.output
-    assert "2026-11-30T00 chat-8b: published" in result.output
-    assert f"    check failed {finding}" in result.output
+    assert "2026-11-30T00 chat-8b: published with WARN" in result.output
+    assert f"    {finding}" in result.output
     as_json = CliRunner().invoke(main, ["run", "--data", str(data), "--json"])
     (run,) = json.loads(as_json.stdout)
     assert [f for f in run["failed_checks"] if f.startswith(finding)]

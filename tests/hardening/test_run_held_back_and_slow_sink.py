@@ -49,3 +49,9 @@ def test_a_held_back_hour_exits_3_and_a_trickling_sink_delays_nothing(
         ).fetchall()
     assert [(kind, attempts) for kind, attempts, _ in owed] == [("sequence", 1)]
     assert owed[0][2].endswith(f"no answer within {DEADLINE_S:g} s; abandoned")
+    # `stepledger status` says why the hour is held and that its page is still owed.
+    status = CliRunner().invoke(main, ["status", "--data", str(data), "--json"])
+    (hour,) = json.loads(status.stdout)
+    assert (hour["standing"], hour["reason"]) == ("held back", "failed blocking checks: sequence")
+    (error,) = [f for f in hour["failed"] if f["severity"] == "ERROR"]
+    assert error["page"] == f"owed after 1 attempt(s): {owed[0][2]}"

@@ -70,7 +70,7 @@ def bill(
     from assets.partitions import partition_key
 
     warnings.filterwarnings("ignore", module="dagster")
-    job = build_definitions(pools, data).resolve_job_def("pool_hour_job")
+    job = build_definitions(pools, data, run_hours=[hour]).resolve_job_def("pool_hour_job")
     return [
         job.execute_in_process(
             partition_key=partition_key(hour, pool.name),

@@ -5,23 +5,22 @@ installs it); as root, the server runs as the `postgres` user, which refuses to 
 from __future__ import annotations
 
 import contextlib
-import getpass
 import os
 import shutil
-import subprocess
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
+from pipeline import stack
+from schemas.errors import ExternalError
 from tests.helpers.dagster_processes import free_port
 
-USER = "stepledger"
+USER = stack.PIPELINE_ROLE
 PASSWORD = "throwaway"
 DATABASE = "dagster"
-# How long pg_ctl waits for the server to start or stop: a bound for a server that cannot, far
-# above what a loaded machine needs (the tests run no timer of their own on these commands).
-SERVER_WAIT_SECONDS = 600
 
 
 class PostgresUnavailable(Exception):
@@ -48,100 +47,45 @@ class PostgresServer:
 
 
 def server_binaries() -> Path:
-    """The directory holding initdb and pg_ctl: on PATH, else Debian's versioned directory."""
-    on_path = shutil.which("initdb")
-    if on_path:
-        return Path(on_path).resolve().parent
-    versions = sorted(
-        Path("/usr/lib/postgresql").glob("*/bin/initdb"), key=lambda p: int(p.parts[-3])
-    )
-    if not versions:
-        raise PostgresUnavailable(
-            "no PostgreSQL server binaries (initdb): install Debian's `postgresql` package"
-        )
-    return versions[-1].parent
+    """The directory holding initdb and pg_ctl (pipeline.stack finds it)."""
+    try:
+        return stack.server_binaries()
+    except ExternalError as err:
+        raise PostgresUnavailable(str(err)) from err
+
+
+@contextlib.contextmanager
+def postgres_or_skip() -> Iterator[PostgresServer]:
+    """A throwaway server, or the test skipped with the reason none could start here."""
+    with contextlib.ExitStack() as servers:
+        try:
+            server = servers.enter_context(throwaway_postgres())
+        except PostgresUnavailable as err:
+            pytest.skip(f"no PostgreSQL server could start here: {err}")
+        yield server
 
 
 @contextlib.contextmanager
 def throwaway_postgres() -> Iterator[PostgresServer]:
-    binaries = server_binaries()
-    run_as = "postgres" if os.geteuid() == 0 else getpass.getuser()
+    server_binaries()
     root = Path(tempfile.mkdtemp(prefix="stepledger-pg-"))
-    cluster = root / "cluster"
-    password_file = root / "password"
-    password_file.write_text(PASSWORD)
     if os.geteuid() == 0:
         try:
-            shutil.chown(root, user=run_as)
-            shutil.chown(password_file, user=run_as)
+            shutil.chown(root, user="postgres")
         except LookupError as err:
             shutil.rmtree(root)
             raise PostgresUnavailable(
                 f"running as root and there is no `postgres` user: {err}"
             ) from err
     port = free_port()
-
-    def run(*command: str) -> None:
-        done = subprocess.run(
-            [str(binaries / command[0]), *command[1:]],
-            user=run_as,
-            capture_output=True,
-            text=True,
-            cwd=root,
-        )
-        if done.returncode != 0:
-            raise PostgresUnavailable(
-                f"`{' '.join(command[:2])}` failed ({done.returncode}): {done.stderr.strip()[-500:]}"
-            )
-
     try:
-        run(
-            "initdb",
-            "-D",
-            str(cluster),
-            "-U",
-            USER,
-            f"--pwfile={password_file}",
-            "--auth=scram-sha-256",
-            "--no-sync",
-        )
-        run(
-            "pg_ctl",
-            "-D",
-            str(cluster),
-            "-l",
-            str(root / "server.log"),
-            "-o",
-            f"-h 127.0.0.1 -p {port} -k {root} -c fsync=off",
-            "-w",
-            "-t",
-            str(SERVER_WAIT_SECONDS),
-            "start",
-        )
-        # The database through the server itself, as a client would create it.
-        subprocess.run(
-            [
-                str(binaries / "psql") if (binaries / "psql").exists() else "psql",
-                f"postgresql://{USER}:{PASSWORD}@127.0.0.1:{port}/postgres",
-                "-c",
-                f"CREATE DATABASE {DATABASE}",
-            ],
-            check=True,
-            capture_output=True,
-        )
+        try:
+            binaries = stack.start_postgres(root, PASSWORD, port, durable=False)
+            stack.psql(binaries, PASSWORD, port, f"CREATE DATABASE {DATABASE};\n")
+        except ExternalError as err:
+            raise PostgresUnavailable(str(err)) from err
         yield PostgresServer("127.0.0.1", port, USER, PASSWORD, DATABASE)
     finally:
         # Also after a start that failed or outlasted pg_ctl's wait: the server may be running.
-        if (cluster / "postmaster.pid").exists():
-            run(
-                "pg_ctl",
-                "-D",
-                str(cluster),
-                "-m",
-                "fast",
-                "-w",
-                "-t",
-                str(SERVER_WAIT_SECONDS),
-                "stop",
-            )
+        stack.stop_postgres(root / "postgres")
         shutil.rmtree(root, ignore_errors=True)

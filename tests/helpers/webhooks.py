@@ -3,10 +3,11 @@ that is stopped when the `with` block ends."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Self
+from typing import Any, Self
 
 
 class LocalEndpoint:
@@ -64,4 +65,29 @@ class TricklingSink(LocalEndpoint):
 
     def __exit__(self, *exc) -> None:
         self.stopping.set()
+        super().__exit__(*exc)
+
+
+class RecordingSink(LocalEndpoint):
+    """Keeps every POSTed JSON body and answers 202; a `held` one answers only once the test
+    sets `release`: a sink that is slow for as long as the test says."""
+
+    def __init__(self, path: str = "/hooks/pages", *, held: bool = False) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        self.got_request = threading.Event()
+        self.release = threading.Event()
+        if not held:
+            self.release.set()
+        super().__init__(path, self._record)
+
+    def _record(self, handler: BaseHTTPRequestHandler) -> None:
+        body = handler.rfile.read(int(handler.headers["Content-Length"]))
+        self.bodies.append(json.loads(body))
+        self.got_request.set()
+        self.release.wait()
+        handler.send_response(202)
+        handler.end_headers()
+
+    def __exit__(self, *exc) -> None:
+        self.release.set()
         super().__exit__(*exc)

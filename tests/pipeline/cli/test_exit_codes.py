@@ -82,7 +82,7 @@ RAISED: dict[str, BaseException] = {
     "input": InputError("step.json: step 3: field tokens: not an integer"),
     "config": ConfigError("pools.yaml:7: field pools.0.gpu_type: unknown chip"),
     "data": DataError("outbox/r0/7.seg: frame 12: checksum mismatch"),
-    "state": StateError("DATA/warehouse: schema version [1], this stepledger reads version 2"),
+    "state": StateError("DATA/warehouse: schema version [1], this stepledger reads version 3"),
     "external": ExternalError("alert sink https://hooks.example: refused for 20 minutes"),
     "bug": KeyError("slots"),
 }

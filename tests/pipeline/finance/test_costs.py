@@ -11,13 +11,16 @@ from pathlib import Path
 from typing import Any
 
 import polars as pl
+import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 from hypothesis import given
 from hypothesis import strategies as st
 
 from pipeline import finance
+from pipeline.cli import main
 from pipeline.cli.costs import costs_command
+from pipeline.cli.options import NOW_VARIABLE, period_bounds
 from pipeline.storage.warehouse import connect
 from schemas.units import parse_range_bound
 from tests.pipeline.storage.test_warehouse import publish
@@ -228,3 +231,98 @@ def test_every_breakdown_of_costs_counts_the_same_requests(data: Path, by: str) 
     report = costs(data, "--by", by)
     assert sum(row["requests"] for row in report["costs"]) == PUBLISHED_REQUESTS
     assert sum(row["amount_nano"] for row in report["costs"]) == PUBLISHED_NANO
+
+
+# A clock fixed on the morning of the second day: yesterday is day one, today day two.
+MORNING_OF_DAY_TWO = {NOW_VARIABLE: "2026-12-01T09:41:00+00:00"}
+
+
+@pytest.mark.parametrize(
+    ("bounds", "amount_nano"),
+    [
+        # Both bounds name whole periods, inclusive: all of November is its first to last day.
+        (("--from", "2026-11-01", "--to", "2026-11-30"), 1000),
+        (("--from", "2026-11", "--to", "2026-11"), 1000),
+        (("--from", "2026-11-30T22", "--to", "2026-12-01T01"), 1500),
+        (("--from", "2026-11-30T23", "--to", "2026-12-01T00"), None),
+        (("--to", "2026-11-30"), 1000),
+        (("--from", "yesterday", "--to", "yesterday"), 1000),
+        (("--from", "today"), 500),
+        (("--from", "last-month", "--to", "last-month"), 1000),
+        (("--from", "this-month", "--to", "this-month"), 500),
+        (("--from", "mtd"), 500),
+        (("--from", "last-month", "--to", "mtd"), 1500),
+    ],
+)
+def test_costs_ranges_name_whole_periods(
+    data: Path, bounds: tuple[str, ...], amount_nano: int | None
+) -> None:
+    result = CliRunner(env=MORNING_OF_DAY_TWO).invoke(
+        costs_command, ["--data", str(data), "--format", "json", "--by", "pool", *bounds]
+    )
+    assert result.exit_code == 0, result.output
+    total = sum(row["amount_nano"] for row in json.loads(result.output)["costs"])
+    assert total == (amount_nano or 0)
+
+
+def test_focus_export_reads_the_same_range_as_costs(data: Path, tmp_path: Path) -> None:
+    runner = CliRunner(env=MORNING_OF_DAY_TWO)
+    for bounds, amounts in (
+        (("--from", "2026-11-01", "--to", "2026-11-30"), [1000]),
+        (("--from", "last-month", "--to", "last-month"), [1000]),
+        (("--from", "2026-12-01", "--to", "2026-12-01"), [500]),
+        (("--from", "yesterday"), [1000, 500]),
+    ):
+        out = tmp_path / "focus.parquet"
+        result = runner.invoke(
+            main, ["export", "focus", "--data", str(data), "--out", str(out), *bounds]
+        )
+        assert result.exit_code == 0, result.output
+        rows = pq.read_table(out).to_pylist()
+        by_hour: dict[datetime, int] = {}
+        for row in rows:
+            start = row["ChargePeriodStart"]
+            by_hour[start] = by_hour.get(start, 0) + row["x_AmountNano"]
+        assert list(by_hour.values()) == amounts, bounds
+
+
+def test_an_unknown_name_says_which_names_there_are(data: Path) -> None:
+    runner = CliRunner()
+    for args, message in (
+        (["--tenant", "acm"], "no tenant `acm` (did you mean `acme`?)"),
+        (["--tenant", "acme", "--tenant", "globx"], "no tenant `globx` (did you mean `globex`?)"),
+        (["--pool", "cha"], "no pool `cha` (did you mean `chat` or `batch`?)"),
+        (
+            ["--feature", "zzz"],
+            "no feature `zzz` (known: `(headroom)`, `(idle)`, `(platform-retry)`, "
+            "`(prefix-cache)`, `(unattributed)`, `bot`, `qa`, `search`)",
+        ),
+    ):
+        result = runner.invoke(main, ["costs", "--data", str(data), *args])
+        assert result.exit_code == 3, result.output
+        assert message in result.output, result.output
+    # A held-back hour's tenant is known: its hours match nothing published, and say so.
+    held = runner.invoke(
+        costs_command, ["--data", str(data), "--pool", "chat", "--from", "2026-12"]
+    )
+    assert held.exit_code == 0, held.output
+    assert "no published hours match" in held.output
+
+
+@given(
+    st.datetimes(
+        min_value=datetime(2000, 1, 1), max_value=datetime(2099, 12, 31), timezones=st.just(UTC)
+    )
+)
+def test_relative_periods_tile_the_calendar_around_now(now: datetime) -> None:
+    yesterday, today, this_month, last_month, mtd = (
+        period_bounds(name, now)
+        for name in ("yesterday", "today", "this-month", "last-month", "mtd")
+    )
+    assert yesterday[1] == today[0] <= now < today[1]
+    assert today[1] - today[0] == yesterday[1] - yesterday[0] == timedelta(days=1)
+    assert last_month[1] == this_month[0] == mtd[0] <= today[0] < today[1] <= this_month[1]
+    assert mtd[1] - timedelta(hours=1) <= now < mtd[1] <= this_month[1]
+    assert (this_month[0].day, last_month[0].day, this_month[1].day) == (1, 1, 1)
+    assert this_month[0].hour == last_month[0].hour == 0
+    assert (this_month[0] - timedelta(days=1)).month == last_month[0].month

@@ -6,7 +6,7 @@ from __future__ import annotations
 import csv
 import subprocess
 import xml.etree.ElementTree as ET
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
 
@@ -230,7 +230,9 @@ def test_closing_a_month_numbers_invoices_and_freezes_its_export(
     again = CliRunner().invoke(main, ["close", "--data", str(focus_data), "--month", "2026-11"])
     assert again.exit_code == 6  # StateError: the warehouse refuses to close it twice
     assert "2026-11 is closed already" in again.output
-    # An hour of the closed month is re-billed: the invoice stands as issued.
+    # An hour of the closed month is re-billed: the invoices stand as issued, and each
+    # tenant's change (globex -5, platform +5; acme's 1000 is unchanged) is an adjustment on
+    # its December invoice.
     with connect(focus_data / STATE_FILE) as con:
         publish(con, "chat", [("acme", "bot", "usage", 1000, 3, 30)], 1000)
     out = tmp_path / "closed.parquet"
@@ -239,13 +241,61 @@ def test_closing_a_month_numbers_invoices_and_freezes_its_export(
     assert [(r["InvoiceId"], r["x_AmountNano"]) for r in rows] == [
         ("SL-202611-0001", 300),
         ("SL-202611-0001", 700),
+        ("SL-202612-provisional-globex", -5),
         ("SL-202611-0002", 5),
+        ("SL-202612-provisional-platform", 5),
         ("SL-202611-0003", -5),
         ("SL-202611-0001", 600),
         ("SL-202611-0003", 400),
     ]
+    (credit, debit) = (r for r in rows if r["x_LineKind"] == "adjustment")
+    assert (credit["ChargeCategory"], credit["ChargeClass"], credit["BilledCost"]) == (
+        "Adjustment",
+        "Correction",
+        Decimal("-0.000000005"),
+    )
+    assert credit["ChargePeriodStart"] == datetime(2026, 11, 30, 5, tzinfo=UTC)
+    assert credit["BillingPeriodStart"] == datetime(2026, 12, 1, tzinfo=UTC)
+    assert credit["ChargeDescription"].startswith("Correction of invoice SL-202611-0002: ")
+    assert debit["SkuId"] is None
+    assert debit["PricingQuantity"] is None
+    # A correction is exported with the month whose invoice carries it, once.
+    for bounds, corrections in (
+        (("--from", "2026-11", "--to", "2026-11"), []),
+        (("--from", "2026-12-01", "--to", "2026-12-01"), [-5, 5]),
+        (("--from", "2026-12-02", "--to", "2026-12"), []),
+    ):
+        export(focus_data, out, *bounds)
+        kinds = pq.read_table(out, columns=["x_LineKind", "x_AmountNano"]).to_pylist()
+        assert [r["x_AmountNano"] for r in kinds if r["x_LineKind"] == "adjustment"] == corrections
     with finance.connect(focus_data) as now:
         assert now.execute("SELECT sum(x_AmountNano) FROM focus_costs").fetchall() == [(2000,)]
+        warned = now.execute("SELECT severity, kind, pool FROM alerts").fetchall()
+    assert warned == [("WARN", "closed_month", "chat")]
+    # December's invoices carry the adjustments.
+    with connect(focus_data / STATE_FILE) as con:
+        publish(con, "chat", [("acme", "bot", "usage", 1000, 1, 10)], 1000, hour=DECEMBER)
+    closed = CliRunner().invoke(main, ["close", "--data", str(focus_data), "--month", "2026-12"])
+    assert closed.exit_code == 0, closed.output
+    assert closed.output.splitlines() == [
+        "SL-202612-0001  acme  0.000001000 USD",
+        "SL-202612-0002  globex  -0.000000005 USD",
+        "SL-202612-0003  platform  0.000000005 USD",
+    ]
+    with finance.connect(focus_data) as now:
+        invoices = now.execute(
+            "SELECT month, tenant, invoice_id, status, charges_nano, adjustments_nano, "
+            "amount_nano FROM tenant_invoices ORDER BY month, tenant"
+        ).fetchall()
+    nov, dec = date(2026, 11, 1), date(2026, 12, 1)
+    assert invoices == [
+        (nov, "acme", "SL-202611-0001", "issued", 1600, 0, 1600),
+        (nov, "globex", "SL-202611-0002", "issued", 5, 0, 5),
+        (nov, "platform", "SL-202611-0003", "issued", 395, 0, 395),
+        (dec, "acme", "SL-202612-0001", "issued", 1000, 0, 1000),
+        (dec, "globex", "SL-202612-0002", "issued", 0, -5, -5),
+        (dec, "platform", "SL-202612-0003", "issued", 0, 5, 5),
+    ]
 
 
 # The FinOps FOCUS validator, installed by `make focus-validator` (Makefile) in a venv of its
@@ -309,7 +359,10 @@ def validate(packages: Path, data_file: Path, report: Path) -> dict[str, str]:
     return outcomes
 
 
-@pytest.mark.parametrize(("months", "fmt"), [("open", "csv"), ("closed, then open", "parquet")])
+@pytest.mark.parametrize(
+    ("months", "fmt"),
+    [("open", "csv"), ("closed, then open", "parquet"), ("closed, re-billed", "csv")],
+)
 def test_the_focus_validator_passes_every_rule(
     focus_data: Path, tmp_path: Path, months: str, fmt: str
 ) -> None:
@@ -327,13 +380,28 @@ def test_the_focus_validator_passes_every_rule(
         close_november(focus_data)
         with connect(focus_data / STATE_FILE) as con:
             publish(con, "chat", [("acme", "bot", "usage", 900, 3, 30)], 900, hour=DECEMBER)
+        if months == "closed, re-billed":
+            # Its correction (globex -5, platform +5) is on their December invoices.
+            with connect(focus_data / STATE_FILE) as con:
+                publish(con, "chat", [("acme", "bot", "usage", 1000, 3, 30)], 1000)
         export(focus_data, out, "--format", fmt)
-        invoices = set(pq.read_table(out, columns=["InvoiceId"]).column(0).to_pylist())
+        rows = pq.read_table(out) if fmt == "parquet" else None
+        invoices = (
+            set(rows.column("InvoiceId").to_pylist())
+            if rows is not None
+            else {r["InvoiceId"] for r in read_csv(out)}
+        )
+        corrections = (
+            {"SL-202612-provisional-globex", "SL-202612-provisional-platform"}
+            if months == "closed, re-billed"
+            else set()
+        )
         assert invoices == {
             "SL-202611-0001",
             "SL-202611-0002",
             "SL-202611-0003",
             "SL-202612-provisional-acme",
+            *corrections,
         }
     outcomes = validate(packages, out, tmp_path / "report.xml")
     failed = {rule for rule, outcome in outcomes.items() if outcome == "failed"}

@@ -5,14 +5,21 @@ so its hour has platform retries and a cache credit."""
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from click.testing import CliRunner
 
 from assets.cli import main
 from pipeline import finance
+from pipeline.datadir import DataDir
 from pipeline.finance.explain_request import explain_requests
+from pipeline.finance.whatif import with_policies
+from schemas.config import load_pools
 from tests.helpers.fleets import simulate_small, small_pools
 
 HOUR = "2026-11-30T00"
@@ -181,3 +188,181 @@ def test_whatif_changes_costs_without_publishing(billed: Path) -> None:
     assert (
         "2026-11-30T00 chat-8b: no calibration for model 'llama-3.1-8b-instruct'" in fitted.output
     )
+
+
+# The hour's tenants summed from the per-feature changes above (billed, what-if).
+TENANT_TOTALS = {
+    "platform-inference": (-1_342_858 + 352_322, 6_843_539_209 - 671_320 + 291_704),
+    "acme-support": (169_408_260 + 753_735_341, 26_205_190 + 89_662_447),
+    "initech-docs": (265_862_417, 56_481_360),
+    "globex-search": (262_050_082, 23_461_661),
+    "umbrella-labs": (1_066_395_227, 161_029_749),
+    "support-bot": (4_683_539_209, 0),
+}
+
+
+def test_whatif_totals_each_tenant_in_dollars_over_a_named_range(billed: Path) -> None:
+    # On 2026-12-01 the billed hour is yesterday's.
+    runner = CliRunner(env={"STEPLEDGER_NOW": "2026-12-01T03:00:00Z"})
+    scenario = ["--set", "idle=capacity_owner", "--set", "alpha=0.5"]
+    ranged = runner.invoke(
+        main,
+        [
+            "whatif",
+            "--data",
+            str(billed),
+            "--from",
+            "yesterday",
+            "--to",
+            "yesterday",
+            *scenario,
+            "--json",
+        ],
+    )
+    assert ranged.exit_code == 0, ranged.output
+    tenants = {
+        r["tenant"]: (r["before_nano"], r["after_nano"], r["change_nano"])
+        for r in json.loads(ranged.stdout)["tenants"]
+    }
+    assert tenants == {t: (b, a, a - b) for t, (b, a) in TENANT_TOTALS.items()}
+    assert (
+        sum(b for b, _, _ in tenants.values())
+        == sum(a for _, a, _ in tenants.values())
+        == 7_200_000_000
+    )
+    table = runner.invoke(
+        main,
+        ["whatif", "--data", str(billed), "--from", "2026-11-30", "--to", "2026-11-30", *scenario],
+    )
+    assert table.exit_code == 0, table.output
+    lines = [" ".join(line.replace("│", " ").split()) for line in table.output.splitlines()]
+    assert "support-bot 4.683539209 0.000000000 -4.683539209 -100.00%" in lines
+    assert "platform-inference -0.000990536 6.843159593 +6.844150129 +690954.20%" in lines
+    assert (
+        "1 pool-hour(s), invoices 7.200000000 USD (7,200,000,000 nano-dollars): both ledgers balance"
+        in " ".join(lines)
+    )
+    empty = runner.invoke(main, ["whatif", "--data", str(billed), "--from", "today", *scenario])
+    assert empty.exit_code == 3
+    assert "no billed hours from 2026-12-01T00" in empty.output
+
+
+def test_explain_leads_with_parts_that_add_up_to_the_charge(billed: Path) -> None:
+    request_id = "req-chat-8b-0001097"
+    with finance.connect(billed) as con:
+        ((amount, compute, kv),) = con.execute(
+            "SELECT amount_nano, compute_nano, kv_nano FROM request_costs WHERE request_id = ?",
+            [request_id],
+        ).fetchall()
+    result = CliRunner().invoke(main, ["explain", request_id, "--data", str(billed), "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)["summary"]
+    parts = summary["parts"]
+    # The warehouse's own split of the charge is the oracle: compute (steps and cache read)
+    # and KV memory-time (none: the hour never waited on KV blocks, alpha is 1).
+    assert parts == {"compute": 3_230_256, "kv_memory_time": 0, "cache_read": 1_134}
+    assert parts["compute"] + parts["cache_read"] == compute
+    assert parts["kv_memory_time"] == kv
+    assert sum(parts.values()) == summary["amount_nano"] == amount == 3_231_390
+    assert summary["resources"] == {
+        "sm": 860_840,
+        "hbm": 2_104_084,
+        "nvlink": 0,
+        "nic": 0,
+        "host": 266_466,
+    }
+    assert sum(summary["resources"].values()) == compute
+    assert summary["steps"] == 1_667
+    assert [(s["seq"], s["share_nano"]) for s in summary["largest_steps"]] == [
+        (13_602, 12_376),
+        (14_985, 3_561),
+        (14_987, 3_519),
+        (14_566, 3_463),
+        (14_988, 3_456),
+    ]
+    table = CliRunner().invoke(main, ["explain", request_id, "--data", str(billed)])
+    assert table.exit_code == 0, table.output
+    lines = [" ".join(line.replace("│", " ").split()) for line in table.output.splitlines()]
+    assert lines[0].startswith("request req-chat-8b-0001097: 0.003231390 USD (3,231,390")
+    for row in (
+        "compute on its steps 3,230,256 0.003230256",
+        "KV memory-time 0 0.000000000",
+        "prefix-cache read 1,134 0.000001134",
+        "total 3,231,390 0.003231390",
+    ):
+        assert row in lines
+    assert len(lines) < 60
+    every = CliRunner().invoke(main, ["explain", request_id, "--data", str(billed), "--steps"])
+    assert every.exit_code == 0, every.output
+    step_rows = [line for line in every.output.splitlines() if "│ chat-8b-r" in line]
+    assert len(step_rows) == 5 + 1_667
+
+
+def test_rebilling_a_closed_month_warns_and_adjusts_the_next_invoice(
+    billed: Path, tmp_path: Path
+) -> None:
+    data = tmp_path / "run"
+    shutil.copytree(billed, data)
+    runner = CliRunner()
+    # What the pool's hour costs with idle charged to its capacity owner: the oracle.
+    scenario = runner.invoke(
+        main,
+        ["whatif", "--data", str(data), "--hour", HOUR, "--set", "idle=capacity_owner", "--json"],
+    )
+    assert scenario.exit_code == 0, scenario.output
+    changes = {r["tenant"]: r["change_nano"] for r in json.loads(scenario.stdout)["tenants"]}
+    closed = runner.invoke(main, ["close", "--data", str(data), "--month", "2026-11"])
+    assert closed.exit_code == 0, closed.output
+    with finance.connect(data) as con:
+        issued = con.execute(
+            "SELECT tenant, amount_nano FROM invoice_numbers ORDER BY 1"
+        ).fetchall()
+    # The pools file changes the policy, and the hour is billed again.
+    layout = DataDir(data)
+    pools = load_pools(layout.pools_file)
+    chat = with_policies(pools.pools[0], {"idle": "capacity_owner"})
+    layout.own_pools_file.write_text(
+        yaml.safe_dump(pools.model_copy(update={"pools": [chat]}).model_dump(mode="json"))
+    )
+    # A process of its own: the warning is what a user's terminal shows.
+    rerun = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from assets.cli import main; main()",
+            "run",
+            "--data",
+            str(data),
+            "--hour",
+            HOUR,
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
+    assert rerun.returncode == 0, rerun.stderr
+    warning = "2026-11-30T00 chat-8b is in 2026-11, a closed month, and was billed again"
+    assert warning in rerun.stderr
+    with finance.connect(data) as con:
+        adjustments = dict(
+            con.execute(
+                "SELECT tenant, amount_nano FROM invoice_adjustments "
+                "WHERE invoice_month = DATE '2026-12-01' ORDER BY 1"
+            ).fetchall()
+        )
+        assert (
+            con.execute("SELECT tenant, amount_nano FROM invoice_numbers ORDER BY 1").fetchall()
+            == issued
+        )
+        owed = con.execute(
+            "SELECT tenant, adjustments_nano, amount_nano FROM tenant_invoices "
+            "WHERE month = DATE '2026-12-01' ORDER BY 1"
+        ).fetchall()
+        warned = con.execute(
+            "SELECT severity, kind FROM alerts WHERE kind = 'closed_month'"
+        ).fetchall()
+    assert adjustments == {t: c for t, c in changes.items() if c != 0}
+    assert sum(adjustments.values()) == 0
+    assert owed == [(t, c, c) for t, c in sorted(adjustments.items())]
+    assert warned == [("WARN", "closed_month")]

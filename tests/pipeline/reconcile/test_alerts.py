@@ -23,6 +23,7 @@ from pipeline.reconcile.alerts import (
     page,
     sink_from_env,
 )
+from pipeline.reconcile.findings import HOST_STALL
 from schemas.config import Settings
 from tests.helpers.hours import HOUR
 from tests.helpers.reconcile_builders import clean_steps, make_dcgm, make_pool
@@ -102,6 +103,11 @@ def test_failed_check_reaches_pagerduty_webhook_once(tmp_path: Path, caplog):
                 "finding": "host_stall",
                 "detail": failed.detail,
                 "dedup_key": key,
+                # Paged through `page`, as dead-man pages are: not about one hour's publication.
+                "held_back": None,
+                "todo": HOST_STALL.runbook,
+                "releases": "",
+                "links": [],
             },
         },
     }

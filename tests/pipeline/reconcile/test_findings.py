@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import date, timedelta
 from pathlib import Path
 from typing import TypedDict
 
@@ -11,6 +11,7 @@ import duckdb
 import polars as pl
 import pytest
 
+from pipeline.finance.adjustments import rebilled_closed_month
 from pipeline.reconcile import (
     CHECKS,
     CheckResult,
@@ -24,11 +25,21 @@ from pipeline.reconcile import (
     check_unattributed,
 )
 from pipeline.reconcile.alerts import alert_for, deadman, enqueue, undelivered
-from pipeline.reconcile.findings import CHECK_SPECS, FINDINGS, FindingKind
+from pipeline.reconcile.findings import (
+    CHECK_SPECS,
+    DRIFT,
+    FINDINGS,
+    GAP,
+    KERNEL_DRIFT,
+    SHORTFALL,
+    FindingKind,
+    kinds_found,
+)
 from pipeline.reconcile.findings_doc import findings_table, with_findings_table
-from pipeline.storage.warehouse import STATE_SQL
+from pipeline.storage.integrity import IntegrityError, require_lake_files, verify_published_hour
+from pipeline.storage.warehouse import SCHEMA_SQL, STATE_SQL
 from schemas.config import Settings
-from schemas.units import hour_key
+from schemas.units import hour_key, to_warehouse
 from tests.helpers.hours import HOUR
 from tests.helpers.reconcile_builders import (
     HOUR_START_NS,
@@ -94,6 +105,23 @@ def undelivered_alert() -> list[CheckResult]:
         return undelivered(con, late, SETTINGS)
 
 
+def integrity_refusal(refuse: Callable[[], None]) -> list[CheckResult]:
+    """The failed result of an integrity refusal."""
+    with pytest.raises(IntegrityError) as refused:
+        refuse()
+    return [refused.value.result]
+
+
+def published_rows_changed() -> None:
+    """A pool-hour whose rows are not those it was published with."""
+    with duckdb.connect() as con:
+        con.execute(SCHEMA_SQL.read_text())
+        con.execute(
+            "INSERT INTO published_digests VALUES (?, ?, ?)", [to_warehouse(HOUR), POOL.name, "0"]
+        )
+        verify_published_hour(con, Path("/nonexistent/warehouse/data"), HOUR, POOL.name)
+
+
 CLOCK_JUMPS = pl.DataFrame(
     {
         "path": [f"outbox/{R0}/{R0}-001.seg"],
@@ -114,6 +142,19 @@ SCENARIOS: dict[tuple[str, str, str | None], Callable[[], list[CheckResult]]] = 
     ("sequence", "damage", None): lambda: sequence(
         without_seq(clean_steps(POOL), R1, 100, 199),
         damage=make_damage(f"outbox/{R1}/{R1}-000.seg", "torn_frame", first=100, last=199),
+    ),
+    ("sequence", "missing_head", None): lambda: sequence(without_seq(clean_steps(POOL), R0, 0, 99)),
+    ("sequence", "lost_tail", None): lambda: sequence(
+        without_seq(clean_steps(POOL), R0, 71_990, 71_999),
+        damage=make_damage(f"outbox/{R0}/{R0}-000.seg", "torn_tail", first=71_990),
+    ),
+    ("sequence", "harmless_damage", None): lambda: sequence(
+        clean_steps(POOL),
+        damage=make_damage(f"outbox/{R0}/{R0}-000.seg", "corrupt_frame", first=100, last=99),
+    ),
+    ("sequence", "divergent_copy", None): lambda: sequence(
+        clean_steps(POOL),
+        damage=make_damage(f"outbox/{R0}/{R0}-001.seg", "divergent_copy", first=0, last=99),
     ),
     ("sequence", "repeated", None): lambda: sequence(with_repeats(clean_steps(POOL), R0, 5, 6)),
     ("sequence", "duplicate_segment", None): lambda: sequence(
@@ -157,6 +198,14 @@ SCENARIOS: dict[tuple[str, str, str | None], Callable[[], list[CheckResult]]] = 
     ),
     ("money", "mismatch", None): lambda: money([("acme", "usage", INVOICE_NANO - 1, 1)]),
     ("plausibility", "host_stall", None): lambda: plausibility({UUID0: [0.6], UUID1: [0.25]}),
+    ("plausibility", "impossible_kv", None): lambda: check_plausibility(
+        HOUR,
+        POOL,
+        clean_steps(POOL),
+        make_dcgm(POOL, {UUID0: [0.6], UUID1: [0.6]}),
+        SETTINGS,
+        kv_held=pl.DataFrame({"replica": [R0], "seq": [7], "kv_blocks": [1e6]}),
+    ),
     ("plausibility", "gpu_busier", None): lambda: plausibility({UUID0: [0.95], UUID1: [0.6]}),
     ("plausibility", "dcgm_missing", None): lambda: plausibility({UUID0: [0.6]}),
     ("unattributed", "over_threshold", None): lambda: check_unattributed(
@@ -190,6 +239,20 @@ SCENARIOS: dict[tuple[str, str, str | None], Callable[[], list[CheckResult]]] = 
         make_dcgm(POOL, {UUID0: [0.6], UUID1: [0.6]}),
         SETTINGS,
     ),
+    ("silence", "silent_unverified", None): lambda: check_silence(
+        HOUR,
+        POOL,
+        clean_steps(POOL).filter(pl.col("replica") == R1),
+        make_dcgm(POOL, {UUID1: [0.6]}),
+        SETTINGS,
+    ),
+    ("silence", "silent_tail", None): lambda: check_silence(
+        HOUR,
+        POOL,
+        without_seq(clean_steps(POOL), R0, 36_000, 71_999),
+        make_dcgm(POOL, {UUID0: [0.6], UUID1: [0.6]}),
+        SETTINGS,
+    ),
     ("conservation", "unbilled_steps", None): lambda: check_conservation(
         HOUR,
         POOL,
@@ -200,6 +263,23 @@ SCENARIOS: dict[tuple[str, str, str | None], Callable[[], list[CheckResult]]] = 
         {POOL.name: HOUR}, HOUR + timedelta(hours=12), SETTINGS
     ),
     ("alert_delivery", "undelivered", None): undelivered_alert,
+    ("closed_month", "rebilled", None): lambda: [
+        rebilled_closed_month(
+            HOUR,
+            POOL.name,
+            pl.DataFrame({"tenant": ["acme"], "amount_nano": [-5]}),
+            date(2026, 12, 1),
+        )
+    ],
+    ("integrity", "lake_files_missing", None): lambda: integrity_refusal(
+        lambda: require_lake_files(
+            Path("/nonexistent/lake"),
+            POOL.name,
+            HOUR,
+            {f"slots/pool={POOL.name}/hour={hour_key(HOUR)}/{R0}.0.b.parquet": "0" * 64},
+        )
+    ),
+    ("integrity", "published_changed", None): lambda: integrity_refusal(published_rows_changed),
 }
 
 
@@ -251,10 +331,32 @@ def test_the_table_has_a_row_per_finding_with_its_severity_and_blocking() -> Non
         "| sequence | `gap` | replica | ERROR | yes | sequence numbers missing with no counted drop "
         "or damage to explain them (a segment lost in shipping) | `stepledger inspect "
         "<outbox>/<replica>` shows which; ship the lost or late segment to the outbox and re-run "
-        "the hour |"
+        "the hour | a re-run of the hour that finds every sequence number in the outbox |"
     )
+    (host_stall,) = [row for row in rows if "`host_stall`" in row]
+    assert host_stall.endswith(" | not held: the hour is published |")
     assert [row.split(" | ")[1:5] for row in rows if "`drift`" in row] == [
         ["`drift`", "pool (`weights: fitted`)", "ERROR", "no"],
         ["`drift`", "pool (`weights: kernel`)", "WARN", "no"],
     ]
     assert len(rows) == len(FINDINGS)
+
+
+@pytest.mark.parametrize("kind", FINDINGS, ids=["-".join(map(str, identity(k))) for k in FINDINGS])
+def test_every_kind_says_what_it_means_what_to_do_and_what_releases_a_held_hour(
+    kind: FindingKind,
+) -> None:
+    # Pages, `stepledger status` and the docs read these texts: a kind without them would page
+    # on-call with nothing to act on.
+    assert kind.description.strip()
+    assert kind.runbook.strip()
+    # Only a kind that holds the hour back has something that releases it.
+    assert bool(kind.releases.strip()) == kind.blocks
+
+
+def test_a_results_codes_name_their_kinds_and_severity_tells_the_two_drifts_apart() -> None:
+    assert kinds_found("sequence", "gap", "ERROR") == (GAP,)
+    assert kinds_found("time", "shortfall+excess", "ERROR")[0] == SHORTFALL
+    assert kinds_found("calibration_drift", "drift", "ERROR") == (DRIFT,)
+    assert kinds_found("calibration_drift", "drift", "WARN") == (KERNEL_DRIFT,)
+    assert kinds_found("sequence", "no_such_code", "ERROR") == ()

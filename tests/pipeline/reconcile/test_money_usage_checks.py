@@ -301,3 +301,31 @@ def test_naive_hour_is_refused():
         check_money(
             datetime(2026, 11, 30, 5), POOL, make_invoice(POOL, 1), make_ledger(POOL, LEDGER)
         )
+
+
+def test_steps_holding_more_kv_blocks_than_the_engine_has_are_flagged_without_holding():
+    """A block shared by k requests counts 1/k, so a step's requests hold at most its
+    total_blocks (6000 here); shares summing to it exactly are plausible."""
+    dcgm = make_dcgm(POOL, {"GPU-0000-0000": [0.6], "GPU-0001-0000": [0.6]})
+    held = pl.DataFrame(
+        {
+            "replica": ["chat-r0"] * 4 + ["chat-r1"],
+            "seq": [10, 11, 12, 40, 10],
+            "kv_blocks": [6000.5, 600_000.0, 7000.0, 9000.0, 6000.0],
+        }
+    )
+    results = by_replica(
+        check_plausibility(HOUR, POOL, clean_steps(POOL), dcgm, SETTINGS, kv_held=held)
+    )
+    r0 = results["chat-r0"]
+    assert (r0.passed, r0.severity, r0.blocking, r0.finding) == (
+        False,
+        "ERROR",
+        False,
+        "impossible_kv",
+    )
+    assert r0.detail == (
+        "4 steps (seq 10-12, 40) hold more KV blocks than the engine has; the most, step 11: "
+        "600000.0 blocks of 6000"
+    )
+    assert results["chat-r1"].passed

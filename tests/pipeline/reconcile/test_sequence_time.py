@@ -70,7 +70,9 @@ def test_dropped_records_fail_sequence_with_missing_ranges_and_time_with_shortfa
     assert r0.severity == "ERROR"
     assert r0.finding == "gap"
     assert r0.detail == (
-        "missing seq 1200-1299, 4000-4010, 10000-10999 (1111 steps) with no counted drop or damage to explain them"
+        "missing seq 1200-1299, 4000-4010, 10000-10999 (1111 steps) with no counted drop or damage "
+        "to explain them, UTC 05:00:59.980-05:01:05.000, 05:03:19.980-05:03:20.550, "
+        "05:08:19.980-05:09:10.000"
     )
     # 1111 lost steps of 50 ms, plus one 20 ms gap per break that the lost steps took with them.
     time_r0 = time_check(steps, "chat-r0")
@@ -97,8 +99,8 @@ def test_counted_drop_is_still_a_failure_saying_the_recorder_dropped_steps():
     assert r0.blocking
     assert r0.finding == "gap+dropped"
     assert r0.detail == (
-        "missing seq 1000-1499 (500 steps) with no counted drop or damage to explain them; "
-        "recorder dropped 500 steps (seq 1500-1999): its buffer overflowed"
+        "missing seq 1000-1499 (500 steps) with no counted drop or damage to explain them, "
+        "UTC 05:00:49.980-05:01:40.000; recorder dropped 500 steps (seq 1500-1999): its buffer overflowed"
     )
     assert (
         r0.observed
@@ -169,14 +171,49 @@ def test_repeated_sequence_numbers_block_the_hour():
     assert time_r0.observed.endswith("unaccounted -3.000 s per GPU")
 
 
-def test_gap_at_the_start_of_the_hour_is_seen_with_the_previous_last_seq():
+def test_missing_head_is_seen_with_the_previous_last_seq():
     steps = pl.concat([make_steps(POOL, "chat-r0", first_seq=500), make_steps(POOL, "chat-r1")])
-    assert by_replica(sequence(steps))["chat-r0"].passed
     r0 = by_replica(sequence(steps, last_seq_before={"chat-r0": 449, "chat-r1": -1}))["chat-r0"]
-    assert (
-        r0.detail == "missing seq 450-499 (50 steps) with no counted drop or damage to explain them"
+    assert (r0.severity, r0.blocking, r0.finding) == ("ERROR", True, "missing_head")
+    assert r0.detail == (
+        "missing seq 450-499 (50 steps) before the hour's first logged step, "
+        "UTC 05:00:00.000-05:00:00.000: no segment holds them (the log continues seq 449)"
     )
     assert r0.expected == "seq 450-72499 contiguous (72050 steps)"
+
+
+def test_missing_head_without_a_previous_hour_counts_from_the_start_of_the_log():
+    """The first segments of a replica's first hour never arrived: its log starts at seq 0."""
+    steps = pl.concat(
+        [make_steps(POOL, "chat-r0").filter(pl.col("seq") >= 532), make_steps(POOL, "chat-r1")]
+    )
+    r0 = by_replica(sequence(steps))["chat-r0"]
+    assert (r0.severity, r0.blocking, r0.finding) == ("ERROR", True, "missing_head")
+    assert r0.detail == (
+        "missing seq 0-531 (532 steps) before the hour's first logged step, "
+        "UTC 05:00:00.000-05:00:26.600: no segment holds them (the log continues seq -1)"
+    )
+
+
+def test_an_hour_continues_the_replicas_latest_earlier_segment():
+    """No step in the previous hour (the replica sat idle), but an earlier segment ends at
+    seq 499: the hour's first step 500 continues it."""
+    steps = pl.concat([make_steps(POOL, "chat-r0", first_seq=500), make_steps(POOL, "chat-r1")])
+    earlier = make_segments(POOL).with_columns(
+        pl.lit("outbox/chat-r0/earlier.seg").alias("path"),
+        pl.lit("earlier").alias("segment_id"),
+        pl.lit(499, pl.Int64).alias("last_seq"),
+    )
+    (r0, r1) = check_sequence(
+        HOUR,
+        POOL,
+        steps,
+        empty(DROPS),
+        empty(DAMAGE),
+        pl.concat([make_segments(POOL), earlier]),
+    )
+    assert r0.passed
+    assert r1.passed
 
 
 @pytest.mark.parametrize(
@@ -267,10 +304,14 @@ def test_sequence_reports_exactly_the_missing_steps(lost):
     steps = make_steps(pool, "chat-r0", count=2_000).filter(~pl.col("seq").is_in(sorted(lost)))
     (result,) = check_sequence(HOUR, pool, steps, empty(DROPS), empty(DAMAGE), make_segments(pool))
     kept = set(range(2_000)) - lost
-    interior = {s for s in lost if kept and min(kept) < s < max(kept)}
-    assert result.passed == (not interior)
-    if interior:
-        assert f"({len(interior)} steps)" in result.detail
+    # A log starts at seq 0: steps lost before the first kept one are its missing head.
+    detected = {s for s in lost if kept and s < max(kept)}
+    assert result.passed == (not detected)
+    head = {s for s in detected if s < min(kept)}
+    if head:
+        assert f"({len(head)} steps) before the hour's first logged step" in result.detail
+    if detected - head:
+        assert f"({len(detected - head)} steps) with no counted drop" in result.detail
 
 
 def test_step_time_beyond_the_hour_fails_time_as_excess():

@@ -186,7 +186,8 @@ def test_renders_in_headless_chromium(report: tuple[Path, str], tmp_path: Path) 
 @pytest.mark.parametrize(
     ("args", "exit_code", "message"),
     [
-        (["--hour", "2026-11-30T05", "--day", "2026-11-30"], 2, "give --hour or --day, not both"),
+        (["--hour", "2026-11-30T05", "--day", "2026-11-30"], 2, "give one of --hour, --day or"),
+        (["--day", "2026-11-30", "--from", "2026-11"], 2, "give one of --hour, --day or"),
         (["--hour", "yesterday"], 2, "is not of the form YYYY-MM-DDTHH"),
         (["--day", "2026-13-01"], 2, "is not of the form YYYY-MM-DD"),
         (["--hour", "2026-12-01T00"], 6, "no invoiced hours in hour 2026-12-01T00 UTC"),
@@ -341,3 +342,27 @@ def test_trend_month_to_date_and_utilisation(report: tuple[Path, str]) -> None:
         '<td class="num warn">50.0%</td><td class="num">70%</td><td class="num">0.50</td>'
         '<td class="num">0.71</td>'
     ) in _row(page, "chat-test")
+
+
+def test_a_range_report_reads_from_to_as_costs_does(fleet: Path, tmp_path: Path) -> None:
+    # The fleet's published hour is 2026-11-30T05; on 2026-12-01, that is yesterday.
+    runner = CliRunner(env={"STEPLEDGER_NOW": "2026-12-01T08:00:00Z"})
+    for bounds, title in (
+        (["--from", "2026-11-01", "--to", "2026-11-30"], "2026-11-01 to 2026-11-30 UTC"),
+        (["--from", "yesterday", "--to", "yesterday"], "2026-11-30 UTC"),
+        (["--from", "2026-11-30T05", "--to", "2026-11-30T05"], "2026-11-30T05 UTC"),
+    ):
+        out = tmp_path / "range.html"
+        result = runner.invoke(main, ["report", "--data", str(fleet), "--out", str(out), *bounds])
+        assert result.exit_code == 0, result.output
+        page = out.read_text()
+        assert f"stepledger report: {title}" in page
+        assert "$0.900000" in _row(page[page.index("By tenant") :], "acme-support")
+    later = runner.invoke(main, ["report", "--data", str(fleet), "--from", "today"])
+    assert later.exit_code == 6
+    assert "no invoiced hours in 2026-12-01 to the last hour UTC" in later.output
+    named = runner.invoke(
+        main, ["report", "--data", str(fleet), "--from", "last-month", "--to", "last-month"]
+    )
+    assert named.exit_code == 0, named.output
+    assert (fleet / "report-2026-11-01T00_2026-11-30T23.html").is_file()

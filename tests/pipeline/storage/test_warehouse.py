@@ -284,3 +284,43 @@ def test_a_writing_connection_refuses_an_extension_file_whose_signature_fails(
         pytest.raises(duckdb.Error, match="signature"),
     ):
         warehouse.load_extensions(con)
+
+
+def test_a_version_2_warehouse_is_refused_to_readers_until_a_writer_upgrades_it(
+    tmp_path: Path,
+) -> None:
+    state = tmp_path / STATE_FILE
+    with connect(state) as con:
+        replace_hour(con, HOUR, "p", {"invoices": invoice("p", 7_200_000_000)})
+        # What a version-2 writer left: the same tables but those version 3 added.
+        con.execute("UPDATE ledger.schema_version SET version = 2")
+        con.execute("DROP TABLE ledger.published_files")
+        con.execute("DROP TABLE ledger.invoice_adjustments")
+    with pytest.raises(WarehouseError) as refused:
+        finance.connect(tmp_path).close()
+    assert str(refused.value) == (
+        f"{tmp_path / 'warehouse'}: warehouse schema version [2], this stepledger reads "
+        f"version 3; the next billing run, or `stepledger migrate --data {tmp_path}`, upgrades "
+        "it in place (version 3 adds tables only)"
+    )
+    with connect(state):
+        pass
+    reader = finance.connect(tmp_path)
+    try:
+        assert reader.execute("SELECT version FROM ledger.schema_version").fetchall() == [(3,)]
+        assert reader.execute("SELECT amount_nano FROM invoices").fetchall() == [(7_200_000_000,)]
+        assert reader.execute("SELECT count(*) FROM invoice_adjustments").fetchall() == [(0,)]
+    finally:
+        reader.close()
+
+
+def test_a_finance_connection_reads_on_one_thread(tmp_path: Path) -> None:
+    with connect(tmp_path / STATE_FILE) as con:
+        replace_hour(con, HOUR, "p", {"invoices": invoice("p", 7_200_000_000)})
+    reader = finance.connect(tmp_path)
+    try:
+        assert reader.execute("SELECT current_setting('threads')").fetchall() == [(1,)]
+        with pytest.raises(duckdb.Error, match="lock"):
+            reader.execute("SET threads = 4")
+    finally:
+        reader.close()

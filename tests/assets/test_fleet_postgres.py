@@ -1,0 +1,336 @@
+"""A fleet billed side by side on the production store: the pipeline's state and the DuckLake
+catalog in a real PostgreSQL server (started here), four pools' hours billed by four processes
+at once while finance reads, and the ledger equal to the embedded store's to the nano-dollar."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from assets.definitions import build_definitions
+from pipeline import finance
+from pipeline.storage import warehouse
+from schemas.config import PoolsFile, load_pools
+from tests.helpers.fleets import SIMULATED_HOURS, small_pools
+from tests.helpers.hours import SIMULATED_HOUR
+from tests.helpers.postgres_server import PostgresServer, postgres_or_skip
+
+pytestmark = pytest.mark.timeout(1800)
+POOLS = ("chat-8b", "chat-8b-eu", "chat-8b-us", "chat-8b-ap")
+HOUR = SIMULATED_HOUR
+FINANCE_PASSWORD = "finance-reads-only"
+# What each billing process runs: the pool-hour job of one pool, in-process, as a run pod would.
+BILL_ONE_POOL = """
+import sys, warnings
+from pathlib import Path
+import dagster as dg
+from assets.definitions import build_definitions
+from assets.partitions import partition_key
+from assets.runner import QUIET_RUN_CONFIG, pool_hour_outcome
+from pipeline.datadir import DataDir
+from schemas.config import load_pools
+from schemas.units import parse_hour_key
+warnings.filterwarnings("ignore")
+data, hour, pool = Path(sys.argv[1]), parse_hour_key(sys.argv[2]), sys.argv[3]
+defs = build_definitions(load_pools(DataDir(data).pools_file), data)
+with dg.DagsterInstance.ephemeral() as instance:
+    result = defs.resolve_job_def("pool_hour_job").execute_in_process(
+        partition_key=partition_key(hour, pool), instance=instance,
+        run_config=QUIET_RUN_CONFIG, raise_on_error=False)
+print(pool_hour_outcome(result))
+sys.exit(0 if result.success else 1)
+"""
+LEDGER_QUERIES = {
+    "invoices": "SELECT * FROM invoices ORDER BY ALL",
+    "ledger_lines": "SELECT * FROM ledger_lines ORDER BY ALL",
+    "request_costs": "SELECT * FROM request_costs ORDER BY ALL",
+    "reconciliation": "SELECT * EXCLUDE (checked_at) FROM reconciliation ORDER BY ALL",
+}
+
+
+@pytest.fixture(scope="module")
+def postgres() -> Iterator[PostgresServer]:
+    with postgres_or_skip() as server:
+        yield server
+
+
+def dsn(server: PostgresServer) -> str:
+    return (
+        f"host={server.host} port={server.port} user={server.user} "
+        f"password={server.password} dbname={server.database}"
+    )
+
+
+def four_pools() -> PoolsFile:
+    """The default chat pool's four replicas as four pools of one replica each."""
+    chat = load_pools().pool("chat-8b")
+    base = small_pools()
+    return base.model_copy(
+        update={
+            "pools": [
+                chat.model_copy(update={"name": name, "replicas": [replica]})
+                for name, replica in zip(POOLS, chat.replicas, strict=True)
+            ]
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def fleet_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from pipeline.simulator import simulate
+
+    out = tmp_path_factory.mktemp("fleet") / "data"
+    simulate(out, four_pools(), hours=SIMULATED_HOURS, seed=13)
+    return out
+
+
+def bill(data: Path, pool: str, env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", BILL_ONE_POOL, str(data), HOUR.strftime("%Y-%m-%dT%H"), pool],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finished(process: subprocess.Popen[str]) -> tuple[int, str, str]:
+    out, err = process.communicate()
+    return process.returncode, out, err
+
+
+def ledger(data: Path) -> dict[str, list[tuple[object, ...]]]:
+    con = finance.connect(data)
+    try:
+        return {name: con.execute(sql).fetchall() for name, sql in LEDGER_QUERIES.items()}
+    finally:
+        con.close()
+
+
+def environment(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != warehouse.POSTGRES_ENV}
+    return {**env, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), **extra}
+
+
+@pytest.fixture(scope="module")
+def embedded_ledger(
+    fleet_data: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, list[tuple[object, ...]]]:
+    """The fleet's hour billed pool after pool on the embedded store."""
+    embedded = tmp_path_factory.mktemp("embedded") / "data"
+    shutil.copytree(fleet_data, embedded)
+    for pool in POOLS:
+        code, out, err = finished(bill(embedded, pool, environment()))
+        assert code == 0, (out + err)[-3000:]
+    return ledger(embedded)
+
+
+def production_store(server: PostgresServer, name: str, data: Path) -> str:
+    """A store of its own on the server for the data directory `data` (a database per test),
+    finance's role created; its connection string."""
+    subprocess.run(
+        [
+            "psql",
+            f"postgresql://{server.user}:{server.password}@{server.host}:{server.port}/"
+            f"{server.database}",
+            "-c",
+            f"CREATE DATABASE {name}",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    store = dsn(server).replace(f"dbname={server.database}", f"dbname={name}")
+    with warehouse.connect(data / "pipeline.duckdb", postgres=store) as con:
+        warehouse.create_reader_role(con, warehouse.warehouse_dir(data), FINANCE_PASSWORD)
+    return store
+
+
+def production_copy(
+    server: PostgresServer, fleet_data: Path, tmp_path: Path, name: str
+) -> tuple[Path, str, dict[str, str]]:
+    """A copy of the fleet's data with a store of its own: the copy, the store's connection
+    string and the environment that bills into it."""
+    production = tmp_path / "production"
+    shutil.copytree(fleet_data, production)
+    store = production_store(server, name, production)
+    return production, store, environment(**{warehouse.POSTGRES_ENV: store})
+
+
+def test_four_pools_billed_at_once_on_postgres_equal_the_embedded_ledger(
+    postgres: PostgresServer,
+    fleet_data: Path,
+    embedded_ledger: dict[str, list[tuple[object, ...]]],
+    tmp_path: Path,
+) -> None:
+    production, _, env = production_copy(postgres, fleet_data, tmp_path, "side_by_side")
+    seen_invoices: list[int] = []
+    stop_reading = threading.Event()
+
+    def read_while_billing() -> None:
+        con = finance.connect(production)
+        try:
+            while not stop_reading.is_set():
+                seen_invoices.append(con.execute("SELECT count(*) FROM invoices").fetchall()[0][0])
+        finally:
+            con.close()
+
+    reader = threading.Thread(target=read_while_billing)
+    reader.start()
+    try:
+        runs = [bill(production, pool, env) for pool in POOLS]
+        outcomes = [finished(run) for run in runs]
+    finally:
+        stop_reading.set()
+        reader.join()
+    for code, out, err in outcomes:
+        assert code == 0, (out + err)[-3000:]
+
+    assert not (production / "pipeline.duckdb").exists()
+    assert (production / "warehouse" / warehouse.CATALOG_POINTER).is_file()
+    assert [row[1] for row in embedded_ledger["invoices"]] == sorted(POOLS)
+    assert ledger(production) == embedded_ledger
+    # The reader saw the ledger grow from nothing to the four invoices, a snapshot at a time.
+    assert seen_invoices, "finance read nothing while the pools were billed"
+    assert seen_invoices == sorted(seen_invoices)
+    assert seen_invoices[-1] <= len(POOLS)
+
+
+def test_without_the_embedded_file_no_step_waits_for_a_pool(postgres: PostgresServer) -> None:
+    pools = four_pools()
+    embedded = build_definitions(pools, Path("unused"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(warehouse.POSTGRES_ENV, dsn(postgres))
+        production = build_definitions(pools, Path("unused"))
+
+    def pools_of(defs: object) -> set[str | None]:
+        job = defs.resolve_job_def("pool_hour_job")  # type: ignore[attr-defined]
+        return {node.definition.pool for node in job.graph.node_dict.values()}
+
+    assert pools_of(embedded) == {None, "duckdb"}
+    assert pools_of(production) == {None}
+
+
+def test_the_finance_role_reads_the_catalog_and_can_write_nothing(
+    postgres: PostgresServer, tmp_path: Path
+) -> None:
+    count_snapshots = "SELECT count(*) FROM ducklake.ducklake_snapshot"
+    with warehouse.connect(tmp_path / "pipeline.duckdb", postgres=dsn(postgres)) as con:
+        pointer = warehouse.create_reader_role(
+            con, warehouse.warehouse_dir(tmp_path), FINANCE_PASSWORD
+        )
+        snapshots = con.execute(
+            f"SELECT * FROM postgres_query('{warehouse.STATE}', '{count_snapshots}')"
+        ).fetchall()
+    as_finance = duckdb.connect(config={"allow_unsigned_extensions": True})
+    warehouse.load_extensions(as_finance, "postgres_scanner")
+    as_finance.execute(
+        f"ATTACH 'host={postgres.host} port={postgres.port} dbname={postgres.database} "
+        f"user={warehouse.FINANCE_ROLE} password={FINANCE_PASSWORD}' AS pg (TYPE postgres)"
+    )
+
+    def refused(sql: str) -> str:
+        with pytest.raises(duckdb.Error) as err:
+            as_finance.execute(f"CALL postgres_execute('pg', {sql!r})")
+        return str(err.value)
+
+    assert (
+        as_finance.execute(f"SELECT * FROM postgres_query('pg', '{count_snapshots}')").fetchall()
+        == snapshots
+    )
+    assert "read-only transaction" in refused("DELETE FROM ducklake.ducklake_snapshot")
+    assert "read-only transaction" in refused("CREATE TABLE ducklake.stray (a int)")
+    assert "permission denied" in refused(
+        "SET TRANSACTION READ WRITE; DELETE FROM ducklake.ducklake_snapshot"
+    )
+    assert "permission denied" in refused("SELECT * FROM public.segments")
+    assert "permission denied" in refused("SET SESSION AUTHORIZATION stepledger")
+    assert pointer.name == warehouse.CATALOG_POINTER
+
+
+def rows_of(con: duckdb.DuckDBPyConnection, table: str) -> int:
+    return int(con.execute(f"SELECT count(*) FROM {table}").fetchall()[0][0])
+
+
+def test_a_run_killed_mid_hour_then_run_again_bills_the_same_ledger(
+    postgres: PostgresServer,
+    fleet_data: Path,
+    embedded_ledger: dict[str, list[tuple[object, ...]]],
+    tmp_path: Path,
+) -> None:
+    production, store, env = production_copy(postgres, fleet_data, tmp_path, "killed_mid_hour")
+    segment_files = sorted((production / "outbox").glob("*/*.seg"))
+    state = duckdb.connect(config={"allow_unsigned_extensions": True})
+    warehouse.load_extensions(state, "postgres_scanner")
+    # Killed once its first step has committed the segments it ingested, in its next steps.
+    first = bill(production, POOLS[0], env)
+    try:
+        ingested = 0
+        while ingested == 0 and first.poll() is None:
+            with contextlib.suppress(duckdb.Error):
+                state.execute(f"ATTACH IF NOT EXISTS '{store}' AS pg (TYPE postgres, READ_ONLY)")
+                state.execute("CALL pg_clear_cache()")
+                ingested = rows_of(state, "pg.public.segments")
+        first.send_signal(signal.SIGKILL)
+    finally:
+        first.communicate()
+    assert ingested > 0, "the run ended before it could be killed"
+    for pool in POOLS:
+        code, out, err = finished(bill(production, pool, env))
+        assert code == 0, (out + err)[-3000:]
+
+    assert ledger(production) == embedded_ledger
+    state.execute("CALL pg_clear_cache()")
+    assert rows_of(state, "pg.public.segment_files") == len(segment_files)
+    assert rows_of(state, "pg.public.segments") == len(
+        {row[0] for row in state.execute("SELECT segment_id FROM pg.public.segments").fetchall()}
+    )
+
+
+def test_ducklake_commits_first_publications_side_by_side_and_retries_replacements(
+    postgres: PostgresServer, tmp_path: Path
+) -> None:
+    """DuckLake's conflict rules on the PostgreSQL catalog, as replace_hour meets them: two
+    pool-hours published for the first time (their deletes find no row) both commit; two
+    re-published at once conflict (a table inserted into while the other deleted from it),
+    and the loser, run again by retry_conflicts, commits."""
+    store = production_store(postgres, "conflict_rules", tmp_path)
+    writers = []
+    for _ in range(2):
+        con = duckdb.connect(config={"allow_unsigned_extensions": True})
+        warehouse.attach_warehouse(con, tmp_path / "warehouse", read_only=False, postgres=store)
+        writers.append(con)
+    first, second = writers
+    first.execute("CREATE TABLE ledger.lines (pool VARCHAR, amount_nano BIGINT)")
+
+    def publish(con: duckdb.DuckDBPyConnection, pool: str, amount: int) -> None:
+        con.execute("DELETE FROM ledger.lines WHERE pool = ?", [pool])
+        con.execute("INSERT INTO ledger.lines VALUES (?, ?)", [pool, amount])
+
+    def side_by_side(amounts: dict[str, int]) -> None:
+        first.execute("BEGIN")
+        second.execute("BEGIN")
+        publish(first, "a", amounts["a"])
+        publish(second, "b", amounts["b"])
+        first.execute("COMMIT")
+        second.execute("COMMIT")
+
+    side_by_side({"a": 1, "b": 2})
+    with pytest.raises(duckdb.TransactionException, match="Transaction conflict"):
+        side_by_side({"a": 10, "b": 20})
+
+    def publish_b() -> None:
+        with warehouse.transaction(second):
+            publish(second, "b", 20)
+
+    warehouse.retry_conflicts(publish_b, "publish b")
+    assert first.execute("FROM ledger.lines ORDER BY pool").fetchall() == [("a", 10), ("b", 20)]

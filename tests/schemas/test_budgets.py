@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+
+from schemas.budgets import load_budgets
+from schemas.errors import ConfigError
+
+
+def test_a_budgets_file_is_read_with_exact_dollars(tmp_path: Path):
+    path = tmp_path / "budgets.yaml"
+    path.write_text(
+        "thresholds_pct: [80, 100]\n"
+        "budgets:\n"
+        "  - {tenant: acme, monthly_usd: 2500.000000001, daily_usd: 120, channel: '#acme'}\n"
+        "  - {tenant: acme, feature: bot, monthly_usd: 1500, channel: '#acme', page_on_call: true}\n"
+    )
+    budgets = load_budgets(path)
+    assert budgets.thresholds_pct == [80, 100]
+    assert [b.label for b in budgets.budgets] == ["acme", "acme/bot"]
+    assert budgets.budgets[0].monthly_nano == 2_500_000_000_001
+    assert budgets.budgets[0].daily_nano == 120_000_000_000
+    assert budgets.budgets[1].daily_nano is None
+    assert budgets.budgets[1].monthly_usd == Decimal(1500)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            "budgets:\n  - {tenant: a, monthly_usd: 0.0000000001, channel: c}\n",
+            ":2: field budgets.0.monthly_usd",
+        ),
+        ("thresholds_pct: [80, 50]\n", ":1: field thresholds_pct"),
+        (
+            "budgets:\n  - {tenant: a, monthly_usd: 1, channel: c}\n"
+            "  - {tenant: a, monthly_usd: 2, channel: d}\n",
+            "more than one budget for ['a']",
+        ),
+        ("budgets:\n  - {tenant: a, monthly_usd: 1, channel: c, colour: red}\n", "colour"),
+        ("budgets:\n  - {tenant: a, monthly_usd: -1, channel: c}\n", "monthly_usd"),
+    ],
+)
+def test_a_bad_budgets_file_is_refused_naming_file_and_field(
+    tmp_path: Path, text: str, message: str
+):
+    path = tmp_path / "budgets.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=str(path)) as raised:
+        load_budgets(path)
+    assert message in str(raised.value)
