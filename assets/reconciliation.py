@@ -22,7 +22,6 @@ from dagster_duckdb import DuckDBResource
 from assets.partitions import pool_hours
 from assets.resources import DUCKDB_POOL, StepledgerData, open_warehouse
 from pipeline.reconcile import CHECKS, CheckResult, reconcile_hour
-from pipeline.reconcile.alerts import record_alerts
 from pipeline.reconcile.findings import CHECK_SPECS
 from schemas.config import PoolsFile
 from schemas.units import hour_key
@@ -87,7 +86,6 @@ def build_reconciliation_checks(
                     pools.settings,
                     calibration_file=data.layout.calibration_file,
                 )
-                record_alerts(con, results)
                 standing = (
                     "held back"
                     if any(r.blocking and not r.passed for r in results)

@@ -158,11 +158,18 @@ def start_postgres(server_root: Path, password: str, port: int, *, durable: bool
         cwd=server_root,
     )
     password_file.unlink()
+    run_postgres(server_root, port, durable=durable)
+    return binaries
+
+
+def run_postgres(server_root: Path, port: int, *, durable: bool = True) -> None:
+    """Start the server of the cluster in `server_root`/postgres on loopback and wait until it
+    takes connections (after a crash, once it has replayed its write-ahead log)."""
     _pg(
-        binaries,
+        server_binaries(),
         "pg_ctl",
         "-D",
-        str(cluster),
+        str(server_root / "postgres"),
         "-l",
         str(server_root / "postgres.log"),
         "-o",
@@ -173,7 +180,6 @@ def start_postgres(server_root: Path, password: str, port: int, *, durable: bool
         "start",
         cwd=server_root,
     )
-    return binaries
 
 
 def psql(binaries: Path, password: str, port: int, sql: str) -> None:

@@ -244,27 +244,32 @@ def alert_for(
 def record_alerts(con: duckdb.DuckDBPyConnection, results: Iterable[CheckResult]) -> None:
     """Add an `alerts` row for each failed result not recorded before (keyed by `dedup_key`),
     so a re-run of a failing hour adds no second row."""
-    raised_at = warehouse_now()
     with transaction(con):
-        for r in results:
-            if r.passed:
-                continue
-            key = dedup_key(r.check_name, r.hour, r.pool, r.replica, r.finding)
-            con.execute(
-                "INSERT INTO alerts SELECT ?, ?, ?, ?, ?, ?, ?, ? "
-                "WHERE NOT EXISTS (SELECT 1 FROM alerts WHERE dedup_key = ?)",
-                [
-                    raised_at,
-                    r.severity,
-                    r.check_name,
-                    to_warehouse(r.hour),
-                    r.pool,
-                    r.replica,
-                    r.detail,
-                    key,
-                    key,
-                ],
-            )
+        add_alerts(con, results)
+
+
+def add_alerts(con: duckdb.DuckDBPyConnection, results: Iterable[CheckResult]) -> None:
+    """`record_alerts` inside the caller's transaction (the one recording the checks)."""
+    raised_at = warehouse_now()
+    for r in results:
+        if r.passed:
+            continue
+        key = dedup_key(r.check_name, r.hour, r.pool, r.replica, r.finding)
+        con.execute(
+            "INSERT INTO alerts SELECT ?, ?, ?, ?, ?, ?, ?, ? "
+            "WHERE NOT EXISTS (SELECT 1 FROM alerts WHERE dedup_key = ?)",
+            [
+                raised_at,
+                r.severity,
+                r.check_name,
+                to_warehouse(r.hour),
+                r.pool,
+                r.replica,
+                r.detail,
+                key,
+                key,
+            ],
+        )
 
 
 # --- where sent keys live -----------------------------------------------------------------

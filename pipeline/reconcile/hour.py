@@ -23,6 +23,7 @@ from pipeline.reconcile import (
     timing,
     unattributed,
 )
+from pipeline.reconcile.alerts import add_alerts
 from pipeline.reconcile.facts import Check, HourFacts
 from pipeline.reconcile.findings import CHECKS
 from pipeline.reconcile.result import CheckResult
@@ -73,7 +74,8 @@ def reconcile_hour(
     calibration_file: Path | None = None,
 ) -> list[CheckResult]:
     """Run the CHECKS on one published pool-hour and record them in the warehouse's
-    `reconciliation` table (`pipeline.reconcile.alerts.record_alerts` adds the failures to `alerts`).
+    `reconciliation` table, and the failures in `alerts` (`pipeline.reconcile.alerts.add_alerts`),
+    in one transaction.
 
     Everything the checks read is read once, from the committed batches of the lake, the
     warehouse and the DCGM scrapes, before any check runs. `calibration_file`: the calibration
@@ -113,7 +115,10 @@ def reconcile_hour(
         calibration=calibration.calibration_facts(pool, segments, data, store),
     )
     results = [result for check in REGISTRY for result in check(facts)]
-    record_checks(con, hour, pool.name, list(CHECKS), results)
+    # The failures' alerts in the same snapshot: one warehouse commit per reconciled hour.
+    record_checks(
+        con, hour, pool.name, list(CHECKS), results, then=lambda con: add_alerts(con, results)
+    )
     return results
 
 

@@ -790,7 +790,7 @@ def _replace_hour_rows(
             at_hour,
         )
         for name in (*tables, "reconciliation"):
-            con.execute(f"DELETE FROM {name} WHERE hour = ? AND pool = ?", at_hour)
+            _delete_if_any(con, name, "hour = ? AND pool = ?", at_hour)
         for name, frame in tables.items():
             if frame.height:
                 insert_frame(con, name, frame)
@@ -823,6 +823,17 @@ def _replace_hour_rows(
         )
 
 
+def _delete_if_any(
+    con: duckdb.DuckDBPyConnection, table: str, where: str, params: list[Any]
+) -> None:
+    """Delete a table's rows matching `where`, if there are any. A pool-hour published for the
+    first time then only appends: DuckLake commits concurrent appends to one table side by side
+    and refuses the second of two transactions that delete from a table (or insert into one
+    the other deleted from), so only re-runs take turns."""
+    if con.execute(f"SELECT count(*) FROM {table} WHERE {where}", params).fetchall()[0][0]:
+        con.execute(f"DELETE FROM {table} WHERE {where}", params)
+
+
 def query_frame(
     con: duckdb.DuckDBPyConnection, sql: str, params: list[Any] | None = None
 ) -> pl.DataFrame:
@@ -850,9 +861,12 @@ def record_checks(
     pool: str,
     check_names: list[str],
     results: Sequence[Any],
+    *,
+    then: Callable[[duckdb.DuckDBPyConnection], None] | None = None,
 ) -> None:
     """Replace the hour's rows of the named checks with `results` (objects with the
-    reconciliation columns as attributes, e.g. pipeline.reconcile.CheckResult)."""
+    reconciliation columns as attributes, e.g. pipeline.reconcile.CheckResult); `then` runs in
+    the same transaction (one warehouse snapshot) once they are in."""
     stray = sorted({r.check_name for r in results} - set(check_names))
     if stray:
         raise WarehouseError(
@@ -898,13 +912,16 @@ def record_checks(
 
     def record() -> None:
         with transaction(con):
-            con.execute(
-                "DELETE FROM reconciliation WHERE hour = ? AND pool = ? "
-                "AND list_contains(?, check_name)",
+            _delete_if_any(
+                con,
+                "reconciliation",
+                "hour = ? AND pool = ? AND list_contains(?, check_name)",
                 [naive_hour, pool, check_names],
             )
             if rows.height:
                 insert_frame(con, "reconciliation", rows)
+            if then is not None:
+                then(con)
             commit_message(
                 con, f"reconcile {hour_key(hour)} {pool}", hour=hour_key(hour), pool=pool
             )

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import duckdb
@@ -19,11 +20,14 @@ import pytest
 
 from assets.definitions import build_definitions
 from pipeline import finance
+from pipeline.reconcile import alerts
 from pipeline.storage import warehouse
 from schemas.config import PoolsFile, load_pools
+from tests.helpers.dagster_processes import free_port
 from tests.helpers.fleets import SIMULATED_HOURS, small_pools
 from tests.helpers.hours import SIMULATED_HOUR
-from tests.helpers.postgres_server import PostgresServer, postgres_or_skip
+from tests.helpers.postgres_server import PostgresServer, crash, postgres_or_skip, restart
+from tests.helpers.webhooks import RecordingSink
 
 pytestmark = pytest.mark.timeout(1800)
 POOLS = ("chat-8b", "chat-8b-eu", "chat-8b-us", "chat-8b-ap")
@@ -109,10 +113,17 @@ def finished(process: subprocess.Popen[str]) -> tuple[int, str, str]:
     return process.returncode, out, err
 
 
-def ledger(data: Path) -> dict[str, list[tuple[object, ...]]]:
+def ledger(data: Path, pool: str | None = None) -> dict[str, list[tuple[object, ...]]]:
+    """The ledger finance reads, or one pool's part of it."""
     con = finance.connect(data)
     try:
-        return {name: con.execute(sql).fetchall() for name, sql in LEDGER_QUERIES.items()}
+        return {
+            name: con.execute(
+                sql if pool is None else sql.replace(" ORDER BY", " WHERE pool = ? ORDER BY"),
+                [] if pool is None else [pool],
+            ).fetchall()
+            for name, sql in LEDGER_QUERIES.items()
+        }
     finally:
         con.close()
 
@@ -123,15 +134,18 @@ def environment(**extra: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def embedded_ledger(
-    fleet_data: Path, tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, list[tuple[object, ...]]]:
-    """The fleet's hour billed pool after pool on the embedded store."""
-    embedded = tmp_path_factory.mktemp("embedded") / "data"
-    shutil.copytree(fleet_data, embedded)
+def embedded(fleet_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The fleet's hour billed pool after pool on the embedded store: its data directory."""
+    billed = tmp_path_factory.mktemp("embedded") / "data"
+    shutil.copytree(fleet_data, billed)
     for pool in POOLS:
-        code, out, err = finished(bill(embedded, pool, environment()))
+        code, out, err = finished(bill(billed, pool, environment()))
         assert code == 0, (out + err)[-3000:]
+    return billed
+
+
+@pytest.fixture(scope="module")
+def embedded_ledger(embedded: Path) -> dict[str, list[tuple[object, ...]]]:
     return ledger(embedded)
 
 
@@ -334,3 +348,79 @@ def test_ducklake_commits_first_publications_side_by_side_and_retries_replacemen
 
     warehouse.retry_conflicts(publish_b, "publish b")
     assert first.execute("FROM ledger.lines ORDER BY pool").fetchall() == [("a", 10), ("b", 20)]
+
+
+def ingested_segments(state: duckdb.DuckDBPyConnection, store: str) -> int:
+    """Segments the store has committed, 0 while it cannot be read."""
+    with contextlib.suppress(duckdb.Error):
+        state.execute(f"ATTACH IF NOT EXISTS '{store}' AS pg (TYPE postgres, READ_ONLY)")
+        state.execute("CALL pg_clear_cache()")
+        return rows_of(state, "pg.public.segments")
+    return 0
+
+
+def page_owed_with_the_sink_down(store: str, data: Path, now: datetime) -> str:
+    """What the failure pager owes for a run of POOLS[0]'s hour, recorded in the store's outbox
+    and tried once on a sink that refuses connections; its dedup key."""
+    down = alerts.WebhookSink(f"http://127.0.0.1:{free_port()}/hooks/pages", format="slack")
+    (owed,) = alerts.hour_alerts([], POOLS[0], HOUR, "run-killed-with-postgres", None, now)
+    with warehouse.connect(data / "pipeline.duckdb", postgres=store) as con:
+        assert alerts.enqueue(con, [owed]) == 1
+        assert alerts.deliver_due(con, down, now) == []
+    return owed.dedup_key
+
+
+SEGMENTS_OF_POOL = (
+    "SELECT segment_id, replica, first_seq, last_seq, steps, dropped_steps, sha256 "
+    "FROM {table} WHERE pool = ? ORDER BY ALL"
+)
+
+
+def test_postgres_killed_mid_hour_then_restarted_bills_the_same_ledger_and_pages(
+    fleet_data: Path, embedded: Path, tmp_path: Path
+) -> None:
+    """Every process of the server SIGKILLed while a pool-hour ingests, with a page owed: after
+    a restart (PostgreSQL replays its log) the hour billed again equals the embedded ledger,
+    each segment is recorded once, and the page is delivered once."""
+    pool = POOLS[0]
+    with postgres_or_skip() as server:
+        production, store, env = production_copy(server, fleet_data, tmp_path, "crashed")
+        now = datetime.now(UTC)
+        owed_key = page_owed_with_the_sink_down(store, production, now)
+        state = duckdb.connect(config={"allow_unsigned_extensions": True})
+        warehouse.load_extensions(state, "postgres_scanner")
+        run = bill(production, pool, env)
+        try:
+            ingested = 0
+            while ingested == 0 and run.poll() is None:
+                ingested = ingested_segments(state, store)
+            state.execute("DETACH DATABASE IF EXISTS pg")
+            crash(server)
+        finally:
+            code, out, err = finished(run)
+        assert ingested > 0, "the run ended before the server could be killed"
+        assert code != 0, "the run billed its hour without the server"
+
+        restart(server)
+        code, out, err = finished(bill(production, pool, env))
+        assert code == 0, (out + err)[-3000:]
+        assert ledger(production, pool) == ledger(embedded, pool)
+        assert ingested_segments(state, store) > 0
+        with duckdb.connect(str(embedded / "pipeline.duckdb"), read_only=True) as con:
+            segments = con.execute(SEGMENTS_OF_POOL.format(table="segments"), [pool]).fetchall()
+        assert segments
+        assert (
+            state.execute(SEGMENTS_OF_POOL.format(table="pg.public.segments"), [pool]).fetchall()
+            == segments
+        )
+        assert rows_of(state, "pg.public.segment_files") == len(
+            list((production / "outbox").glob(f"{segments[0][1]}/*.seg"))
+        )
+        state.close()
+        with RecordingSink() as sink:
+            up = alerts.WebhookSink(sink.url, format="slack")
+            with warehouse.connect(production / "pipeline.duckdb", postgres=store) as con:
+                delivered = alerts.deliver_due(con, up, now + alerts.LAST_RETRY)
+                assert alerts.deliver_due(con, up, now + 2 * alerts.LAST_RETRY) == []
+        assert [a.dedup_key for a in delivered] == [owed_key]
+        assert len(sink.bodies) == 1

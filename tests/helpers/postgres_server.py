@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import shutil
+import signal
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,6 +36,8 @@ class PostgresServer:
     user: str
     password: str
     database: str
+    # The directory of the cluster (`postgres/`), its log and socket.
+    root: Path
 
     def env(self) -> dict[str, str]:
         """The variables dagster_home/production/dagster.yaml reads."""
@@ -84,8 +88,45 @@ def throwaway_postgres() -> Iterator[PostgresServer]:
             stack.psql(binaries, PASSWORD, port, f"CREATE DATABASE {DATABASE};\n")
         except ExternalError as err:
             raise PostgresUnavailable(str(err)) from err
-        yield PostgresServer("127.0.0.1", port, USER, PASSWORD, DATABASE)
+        yield PostgresServer("127.0.0.1", port, USER, PASSWORD, DATABASE, root)
     finally:
         # Also after a start that failed or outlasted pg_ctl's wait: the server may be running.
         stack.stop_postgres(root / "postgres")
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _server_processes(postmaster: int) -> list[int]:
+    """The postmaster and the processes it started (backends, writer, checkpointer...)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            # The command (field 2) may hold spaces; the parent id is the second field after it.
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == postmaster:
+                children.append(int(stat.parent.name))
+    return [postmaster, *children]
+
+
+def crash(server: PostgresServer, deadline_s: float = 60.0) -> None:
+    """SIGKILL every process of the server at once, as the kernel's OOM killer or a lost node
+    would, and wait until each has exited. Its files stay as the crash left them."""
+    postmaster = int((server.root / "postgres" / "postmaster.pid").read_text().split()[0])
+    # Stopped first, it starts no backend while its processes are listed.
+    os.kill(postmaster, signal.SIGSTOP)
+    exits = []
+    for pid in _server_processes(postmaster):
+        with contextlib.suppress(ProcessLookupError):
+            # A pidfd becomes readable when its process exits, whoever its parent is.
+            exits.append(os.pidfd_open(pid))
+            os.kill(pid, signal.SIGKILL)
+    try:
+        for fd in exits:
+            if not select.select([fd], [], [], deadline_s)[0]:
+                raise TimeoutError(f"a PostgreSQL process outlived SIGKILL by {deadline_s} s")
+    finally:
+        for fd in exits:
+            os.close(fd)
+
+
+def restart(server: PostgresServer) -> None:
+    """Start the crashed server again on its port: PostgreSQL replays its write-ahead log."""
+    stack.run_postgres(server.root, server.port, durable=False)

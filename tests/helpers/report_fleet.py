@@ -21,7 +21,6 @@ from pipeline.datadir import DataDir
 from pipeline.ingestion import gateway
 from pipeline.ingestion.ingest import ingest_outbox
 from pipeline.reconcile import reconcile_hour
-from pipeline.reconcile.alerts import record_alerts
 from pipeline.storage.lake import save_ledger
 from pipeline.storage.publish import publish_hour
 from pipeline.storage.warehouse import connect
@@ -108,5 +107,5 @@ def build_fleet(root: Path) -> Path:
             ledger = attribute_pool_hour(lake, pool, inputs, weights).ledger
             save_ledger(lake, ledger)
             publish_hour(con, ledger)
-            record_alerts(con, reconcile_hour(con, lake, root / "dcgm", pool, hour, pools.settings))
+            reconcile_hour(con, lake, root / "dcgm", pool, hour, pools.settings)
     return root

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline import finance
-from pipeline.reconcile.alerts import record_alerts
+from pipeline.reconcile.alerts import add_alerts, record_alerts
 from pipeline.reconcile.result import CheckResult
 from pipeline.storage import warehouse
 from pipeline.storage.warehouse import (
@@ -324,3 +324,21 @@ def test_a_finance_connection_reads_on_one_thread(tmp_path: Path) -> None:
             reader.execute("SET threads = 4")
     finally:
         reader.close()
+
+
+def test_an_hours_checks_and_their_alerts_commit_as_one_snapshot(tmp_path: Path) -> None:
+    """Reconciling an hour is one warehouse commit, its alerts included (each commit is a turn
+    on the catalog that concurrent pool-hours take one after the other)."""
+    failing = [
+        CheckResult(HOUR, "chat", "r0", "sequence", False, "e", "o", "d", "ERROR", True, "gap")
+    ]
+    with connect(tmp_path / "w.duckdb") as con:
+        publish(con, "chat", [("acme", "bot", "usage", 900, 3, 30)], 900)
+        before = warehouse.current_snapshot(con)
+        record_checks(
+            con, HOUR, "chat", ["sequence"], failing, then=lambda con: add_alerts(con, failing)
+        )
+        assert warehouse.current_snapshot(con) == before + 1
+        assert con.execute("SELECT kind, replica FROM alerts").fetchall() == [("sequence", "r0")]
+        record_checks(con, HOUR, "chat", [], [], then=lambda con: add_alerts(con, failing))
+        assert con.execute("SELECT count(*) FROM alerts").fetchall() == [(1,)]
