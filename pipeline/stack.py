@@ -9,10 +9,11 @@ SeaweedFS: `pipeline.ship.s3server`), the Dagster instance (`dagster/`, the prod
 profile), the services' logs (`logs/`) and `stack.json`, which
 records what runs (process groups, ports) and the environment that reaches the stack (with its
 passwords and the store's keys: the file is the owner's alone, and nothing else records them;
-the services and clients get them through their environment). PostgreSQL comes from the machine's packages
-(`initdb`, `pg_ctl`, `psql`); it refuses to run as root, so as root it runs as the `postgres`
-user. More services (an object store) join through `up(..., services=...)`: each is started
-after PostgreSQL and before Dagster, with the stack's environment, and stopped by `down`.
+the services and clients get them through their environment). PostgreSQL comes from the
+machine's packages (`initdb`, `pg_ctl`, `psql`); it refuses to run as root, so as root it runs
+as the `postgres` user. More services join through `up(..., services=...)`: each is started
+after PostgreSQL and the S3 server and before Dagster, with the stack's environment, and
+stopped by `down`.
 
 pipeline/ never imports the code location: the Dagster commands are started naming it.
 """
