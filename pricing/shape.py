@@ -206,7 +206,7 @@ class EngineSettings:
 
 
 # InferenceX's TensorRT-LLM DeepSeek-R1 fp8 H200 runs: experts spread whole over the TP group
-# ("EP=TP", .github/configs/nvidia-master.yaml `dsr1-fp8-h200-trt`), attention data parallelism
+# ("EP=TP", .github/configs/nvidia-master.yaml@0004cf5 `dsr1-fp8-h200-trt`), attention DP
 # on 8k/1k above 32 concurrent requests ("If CONC > 32, then DP_ATTN=true"), on the other
 # workloads above 64.
 TRT_ATTENTION_DP_ABOVE = {8192: 32}
@@ -215,22 +215,32 @@ TRT_ATTENTION_DP_ABOVE_OTHERWISE = 64
 
 def engine_settings(sweep: Sweep, concurrency: int, compat: str = "physics") -> EngineSettings:
     """The engine settings of a measured run, from InferenceX's launch scripts
-    (github.com/SemiAnalysisAI/InferenceX `benchmarks/`):
+    (github.com/SemiAnalysisAI/InferenceX `benchmarks/`, at the commits named):
 
-    * vLLM (`70b_fp8_h100_slurm.sh`, `70b_fp8_h200_slurm.sh`, `70b_b200_slurm.sh`): an fp8 KV
-      cache, `max-num-batched-tokens 8192`, `max-num-seqs` the client concurrency.
-    * SGLang (`dsr1_fp8_h200.sh`): `--chunked-prefill-size 32768` (a whole prompt in one
-      prefill), the KV cache in the model's dtype, TP only; the scheduler's default
+    * vLLM (`70b_fp8_h100_slurm.sh`@2a205bb, `70b_fp8_h200_slurm.sh`@6ebc882 and @409e9a4,
+      `70b_b200_slurm.sh`@2caa5e5): an fp8 KV cache, `max-num-batched-tokens 8192`,
+      `max-num-seqs` the client concurrency; the image `vllm/vllm-openai:v0.10.2`
+      (`.github/configs/master.json`@8d330cd), whose default CUDA graph mode was still
+      PIECEWISE (FULL_AND_PIECEWISE became the default after it, vllm-project/vllm#25444).
+    * SGLang (`dsr1_fp8_h200.sh`@1fc5d73; `.github/configs/nvidia-master.yaml`@0004cf5
+      `dsr1-fp8-h200-sglang`: TP 8, no EP): `--chunked-prefill-size 32768` (a whole prompt in
+      one prefill), the KV cache in the model's dtype; the scheduler's default
       `enable_mixed_chunk=False` runs a prefill batch apart from the decodes.
-    * TensorRT-LLM (`dsr1_fp8_h200_trt_slurm.sh`): an fp8 KV cache, `--ep_size` the TP width,
-      `--max_num_tokens` (concurrency + isl + 64) rounded up to 64, so a prompt is never chunked
-      and joins the decodes' step (in-flight batching); attention data parallelism over the
-      TP ranks above the concurrency `TRT_ATTENTION_DP_ABOVE` names.
+    * TensorRT-LLM (`dsr1_fp8_h200_trt_slurm.sh`@2e46dba): an fp8 KV cache, `--ep_size` the TP
+      width, `--max_num_tokens` (concurrency + isl + 64) rounded up to 64, so a prompt is never
+      chunked and joins the decodes' step (in-flight batching); attention data parallelism over
+      the TP ranks above the concurrency `TRT_ATTENTION_DP_ABOVE` names.
     """
     served = {"model": sweep.model, "chip": sweep.chip, "dtype": sweep.dtype, "compat": compat}
     if sweep.framework == "vllm":
         return EngineSettings(
-            Deployment(**served, tp=sweep.tp, cache_dtype="fp8", max_num_seqs=concurrency),
+            Deployment(
+                **served,
+                tp=sweep.tp,
+                cache_dtype="fp8",
+                max_num_seqs=concurrency,
+                cudagraph_mode="PIECEWISE",
+            ),
             token_budget=LARGE_PART_TOKEN_BUDGET,
         )
     if sweep.framework == "sglang":
