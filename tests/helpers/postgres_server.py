@@ -10,6 +10,7 @@ import select
 import shutil
 import signal
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,6 +126,16 @@ def crash(server: PostgresServer, deadline_s: float = 60.0) -> None:
     finally:
         for fd in exits:
             os.close(fd)
+    # The lock file names the postmaster, and a restart takes an exited postmaster not yet
+    # reaped (a zombie, whose parent is init since pg_ctl exited) for a live one. Init reaps it
+    # when it gets to it (1.6 s once on this machine), which nothing signals: polled.
+    deadline = time.monotonic() + deadline_s
+    while Path(f"/proc/{postmaster}").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"the killed postmaster {postmaster} was not reaped in {deadline_s} s"
+            )
+        time.sleep(0.05)
 
 
 def restart(server: PostgresServer) -> None:
