@@ -281,6 +281,29 @@ def scan_us(
     return _floats(tokens) * _floats(flops_per_token) / rate
 
 
+def hyper_connection_us(
+    tokens: ArrayLike,
+    floor_us: float,
+    stream_bytes_per_token: float,
+    pre_rate_bytes_per_us: float,
+    post_rate_bytes_per_us: float,
+) -> np.ndarray:
+    """One mHC hyper-connection (DeepSeek-V4.1) where the chip has its measured form: a fixed
+    cost plus the residual streams' bytes at a measured rate for each of its two halves, the
+    pre-mix that collapses the streams and the post-mix that writes them back (the step-pricing
+    spec). The measured kernels include the small mixing GEMM, so it replaces both the graph's
+    stated bytes and that GEMM. Zero for a step without tokens."""
+    if pre_rate_bytes_per_us <= 0 or post_rate_bytes_per_us <= 0 or floor_us < 0:
+        raise ValueError(
+            f"a hyper-connection needs positive rates and a floor >= 0, got "
+            f"{pre_rate_bytes_per_us}, {post_rate_bytes_per_us}, {floor_us}"
+        )
+    m = _floats(tokens)
+    per_token = stream_bytes_per_token / pre_rate_bytes_per_us
+    per_token += stream_bytes_per_token / post_rate_bytes_per_us
+    return np.where(m > 0, floor_us + m * per_token, 0.0)
+
+
 def collective_us(
     message_bytes: ArrayLike, t0_us: ArrayLike, r_t: ArrayLike, r_peak: ArrayLike
 ) -> np.ndarray:
@@ -322,6 +345,39 @@ def capture_ceiling(max_num_seqs: int, num_spec_tokens: int, blackwell: bool) ->
             f"got {max_num_seqs} and {num_spec_tokens}"
         )
     return min(max_num_seqs * (1 + num_spec_tokens) * 2, 1024 if blackwell else 512)
+
+
+def drafter_capture_rows(capture_tokens: int, num_spec_tokens: int, target_decode_mode: str) -> int:
+    """Most requests a parallel-block drafter (DSpark) replays its own CUDA graph for: its rows
+    are num_spec_tokens wide, not the target's 1 + num_spec_tokens, so a 64-token capture with
+    five draft tokens holds 12 of its rows against the target's 10 (the step-pricing spec). Its
+    graphs are captured only when the target decodes in full mode; otherwise none (0)."""
+    if capture_tokens < 0 or num_spec_tokens < 1:
+        raise ValueError(
+            f"a drafter's ceiling needs capture_tokens >= 0 and num_spec_tokens >= 1, got "
+            f"{capture_tokens} and {num_spec_tokens}"
+        )
+    if target_decode_mode != "full":
+        return 0
+    return capture_tokens // num_spec_tokens
+
+
+def drafter_host_us(
+    rows: ArrayLike,
+    prefilling: ArrayLike,
+    ceiling_rows: int,
+    replay_us: float,
+    eager_us: float,
+    store_us: float,
+) -> np.ndarray:
+    """CPU cost of a parallel-block drafter's pass over a step's `rows` requests: one replay of
+    its own graph up to its ceiling (`drafter_capture_rows`), its kernels launched eagerly past
+    it or without a graph; a step with a prefill row also stores the drafter's extra context
+    eagerly before the replay (the step-pricing spec). Nothing for a step without rows."""
+    n = _floats(rows)
+    graph = np.where(n <= ceiling_rows, replay_us, eager_us)
+    store = np.where(np.asarray(prefilling, dtype=bool), store_us, 0.0)
+    return np.where(n > 0, graph + store, 0.0)
 
 
 def graph_host_us(

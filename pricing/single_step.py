@@ -22,10 +22,12 @@ BOUND_SPARSE, BOUND_WINDOW, BOUND_TOP_K, BOUND_RATIO, BOUND_RANKS = range(5)
 COLL_BYTES, COLL_T0, COLL_RT, COLL_PEAK, COLL_ROWS = range(5)
 ACTIVE, TOKENS, DECODING, PREFILLING, MIXED, ROWS, PREFILL_TOKENS, DECODE_TOKENS = range(8)
 # StepConstants.host: graph costs of a uniform-decode and any other step, eager, the capture
-# ceiling in tokens, kernels launched, dispatch per kernel, tokens of a uniform decode row.
+# ceiling in tokens, kernels launched, dispatch per kernel, tokens of a uniform decode row; then
+# the drafter's (`plan.Drafter`): its ceiling in rows, replay, eager and context-store costs.
 HOST_DECODE, HOST_OTHER, HOST_EAGER, HOST_CEILING, HOST_KERNELS, HOST_DISPATCH, HOST_UNIFORM = (
     range(7)
 )
+DRAFTER_ROWS, DRAFTER_REPLAY, DRAFTER_EAGER, DRAFTER_STORE = range(7, 11)
 
 
 class StepConstants(NamedTuple):
@@ -42,7 +44,7 @@ class StepConstants(NamedTuple):
     collectives: np.ndarray  # (collectives, 5)
     fabric_launches: np.ndarray  # (2 * kinds, collectives)
     experts: np.ndarray  # (kinds, 4): tokens routed per step token, miss, local, us per expert
-    host: np.ndarray  # (7,)
+    host: np.ndarray  # (11,)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
@@ -190,6 +192,12 @@ def compose_one(
     if tokens > host[HOST_CEILING]:
         graph = host[HOST_EAGER]
     totals[4] = graph + host[HOST_KERNELS] * host[HOST_DISPATCH]
+    rows = features[ROWS]
+    if rows > 0:
+        drafter = host[DRAFTER_REPLAY] if rows <= host[DRAFTER_ROWS] else host[DRAFTER_EAGER]
+        if features[PREFILLING] > 0:
+            drafter += host[DRAFTER_STORE]
+        totals[4] += drafter
     nooverlap = totals.sum()
     out[:5] = totals
     out[5] = min(staged + max(head_sm, head_hbm) + totals[4], nooverlap)

@@ -220,3 +220,35 @@ def test_chunked_scan_flops_are_linear_in_tokens_with_the_chunk_bounding_the_qua
     assert laws.scan_us(0, 2_949_120, 989.5e6, 0.992, 0.4) == 0.0
     with pytest.raises(ValueError, match="positive rate"):
         laws.scan_us(1, 1, 989.5e6, 0.992, 0.0)
+
+
+def test_a_hyper_connection_is_a_floor_plus_the_streams_bytes_at_each_halfs_rate():
+    # 4 streams of a 7168-wide bf16 hidden state: 57,344 B a token. 100 tokens at a 2e6 B/us
+    # pre-mix and a 1.6e6 B/us post-mix over a 4 us floor:
+    # 4 + 5,734,400 / 2e6 + 5,734,400 / 1.6e6 = 4 + 2.8672 + 3.584 = 10.4512 us
+    streams = 4 * 7168 * 2
+    assert laws.hyper_connection_us(100, 4.0, streams, 2e6, 1.6e6) == pytest.approx(
+        10.4512, rel=1e-15
+    )
+    assert laws.hyper_connection_us(0, 4.0, streams, 2e6, 1.6e6) == 0.0
+    with pytest.raises(ValueError, match="positive rates"):
+        laws.hyper_connection_us(1, 4.0, streams, 0.0, 1.6e6)
+
+
+def test_a_parallel_block_drafter_fits_more_requests_in_the_same_capture():
+    # The spec's example: a 64-token capture with five draft tokens holds 12 of the drafter's
+    # 5-token rows, against the target's 10 rows of 1 + 5 tokens.
+    assert laws.drafter_capture_rows(64, 5, "full") == 12 == 64 // 5
+    assert 64 // (1 + 5) == 10
+    # captured only when the target decodes in full mode
+    assert laws.drafter_capture_rows(64, 5, "piecewise") == 0
+    assert laws.drafter_capture_rows(64, 5, "none") == 0
+    with pytest.raises(ValueError, match="num_spec_tokens >= 1"):
+        laws.drafter_capture_rows(64, 0, "full")
+
+
+def test_a_drafter_replays_to_its_ceiling_launches_eagerly_past_it_and_stores_on_prefill():
+    rows = np.array([0, 1, 12, 13, 12, 0])
+    prefilling = np.array([False, False, False, False, True, True])
+    host = laws.drafter_host_us(rows, prefilling, 12, replay_us=7.0, eager_us=21.0, store_us=14.0)
+    np.testing.assert_array_equal(host, [0.0, 7.0, 7.0, 21.0, 7.0 + 14.0, 0.0])
