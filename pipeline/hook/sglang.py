@@ -15,8 +15,10 @@ there: `sglang/srt/managers/scheduler.py` (`Scheduler.run_batch`, `process_batch
 `mem_cache/common.py` (`checkpoint_kv_cache`, `release_kv_cache`: when that tree-owned part
 changes), `mem_cache/radix_cache.py` (`evictable_size`), `speculative/eagle_utils.py`
 (`eagle_prepare_for_decode`: a verify batch's KV is allocated, with a reserve, before it runs),
-`scheduler_components/batch_result_processor.py` (`_resolve_spec_v2_tokens`: a verify result
-grows `Req.spec_num_correct_drafts`; `GenerationBatchResult.speculative_num_draft_tokens`) and
+`speculative/eagle_worker_common.py` (a verify advances the batch's sequence lengths by the
+tokens it accepts), `scheduler_components/batch_result_processor.py`
+(`_resolve_spec_v2_tokens`: a verify result's `num_correct_drafts_per_req_cpu` grows
+`Req.spec_num_correct_drafts`; `GenerationBatchResult.speculative_num_draft_tokens`) and
 `srt/plugins` (`HookRegistry`).
 The scheduler is not a stable SGLang API: an unsupported release is refused when the recording
 scheduler is built, before the server serves.
@@ -176,18 +178,16 @@ class ExtendRow:
 @dataclass(slots=True)
 class VerifiedRows:
     """A speculative decode (verify) batch's rows, from SGLang's own counts: each row's KV
-    length once `eagle_prepare_for_decode` allocated the step's drafts (at launch); the
-    tokens verified per row, the result's `speculative_num_draft_tokens` (the token sampled
-    last and the drafts after it; kept as the result says, checked on the writer thread);
-    each request's tokens in KV before the step (`Req.seqlen` − 1: the token sampled last is
-    not in KV yet) and its accepted drafts (`Req.spec_num_correct_drafts`) before and after
-    SGLang processed the result."""
+    length once `eagle_prepare_for_decode` allocated the step's drafts (at launch); from the
+    result SGLang processed, the tokens verified per row (`speculative_num_draft_tokens`: the
+    token sampled last and the drafts after it) and each row's accepted drafts
+    (`num_correct_drafts_per_req_cpu`, what SGLang adds to `Req.spec_num_correct_drafts`),
+    kept as the result says and checked on the writer thread. In the normal event loop every
+    row's result is settled: finished and retracted requests leave the batch before it runs."""
 
     kv_allocated: Sequence[int]
     num_draft_tokens: Any = None
-    context: Sequence[int] = ()
-    accepted_before: Sequence[int] = ()
-    accepted_after: Sequence[int] = ()
+    accepted: Any = None
 
 
 @dataclass(slots=True)
@@ -221,6 +221,8 @@ class Checkpointed:
 
 
 _NO_ROWS: tuple[()] = ()
+# What a verify batch reads of each request: its KV once the step's drafts were allocated.
+_KV_ALLOCATED = operator.attrgetter("kv.kv_allocated_len")
 
 
 def tree_owned(req: Any, req_to_token: Any) -> TreeOwned:
@@ -259,7 +261,7 @@ def launched_step(
         prefix_lens: Sequence[int] = _NO_ROWS
         extend_lens: Sequence[int] = _NO_ROWS
         if speculative:
-            verified = VerifiedRows([req.kv.kv_allocated_len for req in reqs])
+            verified = VerifiedRows(list(map(_KV_ALLOCATED, reqs)))
     else:
         # A mixed batch appends the running requests' decode rows after the prefill rows.
         prefill_rows = len(reqs) - len(batch.decoding_reqs or ())
@@ -325,13 +327,11 @@ def kv_page_shares(
 
 
 def spec_counts(verified: VerifiedRows | None, slots: int) -> tuple[list[int], list[int]]:
-    """Each slot's drafts verified and drafts accepted: the growth of SGLang's count of a
-    request's accepted drafts while it processed the result (none for a row whose result it
-    discards); zeros outside a verify batch."""
+    """Each slot's drafts verified (the tokens verified less the one sampled last, as
+    SGLang counts proposed drafts) and drafts accepted; zeros outside a verify batch."""
     if verified is None:
         return [0] * slots, [0] * slots
-    accepted = list(map(operator.sub, verified.accepted_after, verified.accepted_before))
-    return [verified.num_draft_tokens - 1] * slots, accepted
+    return [verified.num_draft_tokens - 1] * slots, list(verified.accepted)
 
 
 @dataclass(slots=True)
@@ -375,16 +375,16 @@ class RequestMirror:
         requests = self._requests
         hits = [0] * len(request_ids)
         verified = step.verified
+        seq_lens = step.seq_lens.tolist()
         if verified is not None:
+            # A verify batch's sequence lengths are the tokens in KV before the step: the
+            # token sampled last is verified with the drafts after it.
             new_tokens = [verified.num_draft_tokens] * len(request_ids)
-            context = list(verified.context)
-            seq_lens = list(verified.kv_allocated)
+            context, seq_lens = seq_lens, list(verified.kv_allocated)
         elif step.decoding:
-            seq_lens = step.seq_lens.tolist()
             new_tokens = [1] * len(request_ids)
             context = [length - 1 for length in seq_lens]
         else:
-            seq_lens = step.seq_lens.tolist()
             new_tokens, context = list(step.extend_lens), list(step.prefix_lens)
             for row, extend in enumerate(step.extend_rows):
                 known = requests.get(extend.request_id)
@@ -502,23 +502,18 @@ class StepTracker:
         self._follow(step)
         self._outstanding.append(step)
 
-    def result_arrived(self, result: Any) -> LaunchedStep:
-        """The step's end; for a verify batch, SGLang's counts before it processes `result`
-        (all earlier results are processed by now, so they hold up to this step)."""
+    def result_arrived(self) -> LaunchedStep:
         step = self._outstanding.popleft()
         step.end_ns = time.monotonic_ns()
+        return step
+
+    def result_processed(self, step: LaunchedStep, result: Any) -> None:
+        """Queue the step's record once SGLang processed its `result` (for a verify batch,
+        only then does the result hold each row's accepted drafts)."""
         verified = step.verified
         if verified is not None:
             verified.num_draft_tokens = result.speculative_num_draft_tokens
-            verified.context = [req.seqlen - 1 for req in step.reqs]
-            verified.accepted_before = [req.spec_num_correct_drafts for req in step.reqs]
-        return step
-
-    def result_processed(self, step: LaunchedStep) -> None:
-        """Queue the step's record once SGLang processed its result."""
-        verified = step.verified
-        if verified is not None:
-            verified.accepted_after = [req.spec_num_correct_drafts for req in step.reqs]
+            verified.accepted = result.num_correct_drafts_per_req_cpu
         self._record_later(step.start_ns, step.end_ns, partial(self._columns, step))
         if step.extend_rows:
             self._follow(checkpointed(step, self.req_to_token))
@@ -657,9 +652,9 @@ def recording_scheduler_class(
             tracker = self.step_tracker
             if tracker is None or not batch.reqs:
                 return super().process_batch_result(batch, result)
-            step = tracker.result_arrived(result)
+            step = tracker.result_arrived()
             processed = super().process_batch_result(batch, result)
-            tracker.result_processed(step)
+            tracker.result_processed(step, result)
             return processed
 
         def release_host_resources(self) -> None:

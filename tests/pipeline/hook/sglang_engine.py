@@ -384,13 +384,18 @@ class Engine:
         for a verify result: each request commits its accepted run, counts a verify and its
         accepted drafts, and releases its KV once finished."""
         accept_lens = result.accept_lens.tolist()
-        for req, accept_len in zip(batch.reqs, accept_lens, strict=True):
+        result.num_correct_drafts_per_req_cpu = [
+            length - result.num_non_draft_tokens_per_req for length in accept_lens
+        ]
+        for req, accept_len, correct in zip(
+            batch.reqs, accept_lens, result.num_correct_drafts_per_req_cpu, strict=True
+        ):
             if req.is_retracted or req.finished():
                 continue
             req.kv.kv_committed_len += accept_len
             req.spec_verify_ct += 1
-            req.spec_num_correct_drafts += accept_len - result.num_non_draft_tokens_per_req
-            req.update_spec_correct_drafts_histogram(accept_len - 1)
+            req.spec_num_correct_drafts += correct
+            req.update_spec_correct_drafts_histogram(correct)
             req.output_ids.extend([SAMPLED_TOKEN] * accept_len)
             req.update_finish_state(accept_len)
             if req.finished():
