@@ -24,8 +24,9 @@ The scheduler is not a stable SGLang API: an unsupported release is refused when
 scheduler is built, before the server serves.
 
 The engine thread keeps each batch's own per-step objects and, for the rows of prefill (extend)
-batches only, copies the tree-owned part of their KV row; the recorder's writer thread mirrors
-every live request from those and builds the step (`RequestMirror`).
+batches only, copies the tree-owned part of their KV row (for the rows of a verify batch, their
+allocated KV length); the recorder's writer thread mirrors every live request from those and
+builds the step (`RequestMirror`).
 
 Use: install stepledger in SGLang's environment (its `sglang.srt.plugins` entry point is
 `register_plugin`), set STEPLEDGER_OUTBOX, STEPLEDGER_HOOK_CONFIG (the replica descriptor
