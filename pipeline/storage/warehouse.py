@@ -623,11 +623,10 @@ def connect_read_only(state_file: str | Path) -> Iterator[duckdb.DuckDBPyConnect
 
 
 def data_files_dir(con: duckdb.DuckDBPyConnection) -> Path:
-    """Where the warehouse attached to a writing connection keeps its data files."""
-    (path,) = con.execute(
-        "SELECT path FROM duckdb_databases() WHERE database_name = current_database()"
-    ).fetchall()[0]
-    return warehouse_dir(Path(path).resolve().parent) / DATA_FILES_DIR
+    """Where the warehouse attached to a writing connection keeps its data files: the data
+    path it was attached with (the state may be a PostgreSQL database, which has no directory)."""
+    (path,) = con.execute(f"SELECT data_path FROM ducklake_settings('{LEDGER}')").fetchall()[0]
+    return Path(path)
 
 
 def current_snapshot(con: duckdb.DuckDBPyConnection) -> int:
