@@ -38,7 +38,7 @@ from pipeline.live.service import LivePricer
 from pipeline.reconcile.alerts import JsonLinesSink, deliver_due
 from pipeline.simulator import simulate
 from pipeline.storage import warehouse
-from schemas.budgets import Budget, BudgetsFile
+from schemas.budgets import Budget, BudgetsFile, Channel
 from schemas.config import PoolsFile, load_pools
 from schemas.units import HOUR_NS, NS_PER_SECOND, hour_key, hour_start_ns
 from tests.helpers.fleets import SIMULATED_HOURS, small_pools
@@ -195,7 +195,12 @@ def live(source: tuple[Path, int], tmp_path_factory: pytest.TempPathFactory) -> 
     pools = load_pools(DataDir(data).own_pools_file)
     # 90% of the tenant's usage over the span: 80% and 100% are crossed while it runs.
     limit = Decimal(tenant_total * 9 // 10).scaleb(-9)
-    budgets = BudgetsFile(budgets=[Budget(tenant=TENANT, monthly_usd=limit, channel="#acme")])
+    # On-call's copy of each notice is what the test follows (the channel's URL is not set here:
+    # its copies stay owed, tests/pipeline/budgets delivers them).
+    budgets = BudgetsFile(
+        channels={"#acme": Channel(webhook_url_env="ACME_SPEND_WEBHOOK_URL")},
+        budgets=[Budget(tenant=TENANT, monthly_usd=limit, channel="#acme", page_on_call=True)],
+    )
     LivePricer(data, pools).open_warehouse().close()
     with _server(data) as api:
         run = LiveRun(data, api, budgets, data.parent / "notices.jsonl")
