@@ -17,6 +17,10 @@ Events v2 or Slack-compatible JSON. Configuration comes from the environment:
   partition there.
 - `STEPLEDGER_REPORT_URL`: where the HTML report is served; pages then link it.
 
+An alert may instead be for a channel of its own (a budget notice for a tenant's channel:
+`Alert.destination`): it goes to a Slack-compatible webhook whose URL is in the environment
+variable the alert names (`destination_env`), read by the process delivering it.
+
 A page says what failed, whether the hour is held back from finance and what releases it,
 and what on-call does next: the texts of the findings registry (`findings.py`).
 
