@@ -63,7 +63,7 @@ from pricing.spec import (
 
 # Raised with every change to a law or to how the plan reads the data files, so a ledger priced
 # before and after does not share a weights version (CHANGELOG.md records each).
-LAWS_REVISION = 6
+LAWS_REVISION = 7
 RESOURCES = ("sm", "hbm", "nvlink", "nic", "host")
 # Deployment fields added since LAWS_REVISION 6 whose default (None) changes no price.
 ADDED_DEPLOYMENT_FIELDS = ("drafter",)
@@ -360,6 +360,7 @@ class Kernel:
             [0 if e is None else e.top_k for e in experts],
         )
         self._local_experts = np.array([0.0 if e is None else e.local_experts for e in experts])
+        self._busiest_of = np.array([1 if e is None else e.busiest_of for e in experts])
         self._expert_us = np.array(
             [0.0 if e is None else self._read_us(e.bytes_per_expert) for e in experts]
         )
@@ -449,7 +450,13 @@ class Kernel:
             ).reshape(len(self._collective_bytes), 5),
             fabric_launches=np.ascontiguousarray(self._fabric_launches),
             experts=np.column_stack(
-                [self._routed, self._miss, self._local_experts, self._expert_us]
+                [
+                    self._routed,
+                    self._miss,
+                    self._local_experts,
+                    self._expert_us,
+                    self._busiest_of.astype(np.float64),
+                ]
             ),
             host=np.array(
                 [
@@ -769,6 +776,13 @@ class Kernel:
             touched = laws.distinct_experts(
                 self._routed[:, None] * tokens, self._miss[:, None], self._local_experts[:, None]
             )
+            for kind in np.flatnonzero(self._busiest_of > 1):
+                touched[kind] = laws.busiest_rank_distinct_experts(
+                    self._routed[kind] * tokens,
+                    float(self._miss[kind]),
+                    int(self._local_experts[kind]),
+                    int(self._busiest_of[kind]),
+                )
             expert[1] = touched * self._expert_us[:, None]
         head = linear[4 * kinds :]
         composed = laws.compose_step(layer, expert, self.repeat, head, self._host_us(features))

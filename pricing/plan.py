@@ -176,6 +176,9 @@ class PlannedExperts:
     ramp_overhead_tokens: int
     # The experts routing chooses among when counting the distinct ones a step touches.
     coverage_experts: int
+    # Ranks holding whole experts whose busiest one the layer waits for (the expected largest
+    # distinct count, `laws.busiest_rank_distinct_experts`); 1 prices the mean rank's count.
+    busiest_of: int = 1
 
 
 @dataclass(frozen=True)
@@ -603,6 +606,8 @@ class _Planner:
                 # A logical expert's tokens are dealt over its copies, so a token reaches a
                 # given physical expert with probability top_k / physical on average.
                 coverage_experts=physical,
+                # The Go kernel reads the mean rank's distinct experts.
+                busiest_of=group if self.physics else 1,
             )
         # Every rank holds a 1/group shard of every expert. The Go kernel divides the routed
         # arithmetic by the DP width only (a documented over-charge); physics by the group.

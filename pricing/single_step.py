@@ -43,7 +43,9 @@ class StepConstants(NamedTuple):
     repeat: np.ndarray  # (kinds,)
     collectives: np.ndarray  # (collectives, 5)
     fabric_launches: np.ndarray  # (2 * kinds, collectives)
-    experts: np.ndarray  # (kinds, 4): tokens routed per step token, miss, local, us per expert
+    # (kinds, 5): tokens routed per step token, miss, local, us per expert, ranks whose busiest
+    # one the layer waits for
+    experts: np.ndarray
     host: np.ndarray  # (11,)
 
 
@@ -134,6 +136,25 @@ def _dot(weights: np.ndarray, values: np.ndarray) -> float:
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
+def _busiest_rank_distinct(tokens: float, miss: float, n: int, ranks: float) -> float:
+    """`laws.busiest_rank_distinct_experts` for one step."""
+    reached = 1.0 - miss**tokens
+    if reached <= 0.0:
+        return 0.0
+    missed = 1.0 - reached
+    if missed <= 0.0:
+        return float(n)
+    log_reached, log_missed = np.log(reached), np.log(missed)
+    cdf, expected, log_choose = 0.0, 0.0, 0.0
+    for x in range(n):
+        if x:
+            log_choose += np.log((n - x + 1) / x)
+        cdf = min(cdf + np.exp(log_choose + x * log_reached + (n - x) * log_missed), 1.0)
+        expected += 1.0 - cdf**ranks
+    return expected
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
 def compose_one(
     features: np.ndarray,
     uniform: bool,
@@ -173,7 +194,13 @@ def compose_one(
         nic = _dot(fabric_launches[kinds + k], launch_us)
         routed = experts[k, 0] * tokens
         expert_sm = terms[3 * kinds + k]
-        expert_hbm = experts[k, 2] * (1.0 - experts[k, 1] ** routed) * experts[k, 3]
+        if experts[k, 4] > 1:
+            touched = _busiest_rank_distinct(
+                routed, experts[k, 1], int(experts[k, 2]), experts[k, 4]
+            )
+        else:
+            touched = experts[k, 2] * (1.0 - experts[k, 1] ** routed)
+        expert_hbm = touched * experts[k, 3]
         stage = max(max(sm, hbm), max(nvlink, nic)) + expert_sm + expert_hbm
         for r, value in enumerate((sm, hbm, nvlink, nic)):
             out[layer_at + r * kinds + k] = value

@@ -7,6 +7,8 @@ is the property tests' job (test_kernel.DEPLOYMENTS holds these deployments).
 
 from __future__ import annotations
 
+from math import comb
+
 import pytest
 from pydantic import ValidationError
 
@@ -25,6 +27,17 @@ def _decode(kernel: Kernel, batch: int):
     return kernel.price([1] * batch, [4095] * batch, [4096] * batch)
 
 
+def _busiest(experts: int, reached: float, ranks: int) -> float:
+    """The expected largest of `ranks` binomial(experts, reached) counts, summed from the
+    distribution function: E[max] = sum over x < experts of 1 - P(count <= x)^ranks."""
+    below = 0.0
+    total = 0.0
+    for x in range(experts):
+        below += comb(experts, x) * reached**x * (1 - reached) ** (experts - x)
+        total += 1 - min(below, 1.0) ** ranks
+    return total
+
+
 def test_expert_parallel_with_eplb_prices_the_busiest_rank_by_hand():
     kernel = Kernel.build(Deployment(**DSV3, expert_parallel=True, eplb_redundant_experts=32))
     moe = _decode(kernel, 1).per_kind["attn_moe"]
@@ -32,10 +45,10 @@ def test_expert_parallel_with_eplb_prices_the_busiest_rank_by_hand():
     local = 36
     flops = 8 * EXPERT_FLOPS * 0.999 * local / 288
     assert moe["expert_sm_us"] == pytest.approx(flops * (1 + 113) / (H200_FP8 * 0.736), rel=1e-12)
-    # a logical expert's tokens are dealt over its copies: one token touches 36 * 8/288 of the
-    # local experts on average, each read whole
+    # a logical expert's tokens are dealt over its copies: one token reaches a given physical
+    # expert with chance 8/288, and the busiest of the 8 ranks reads its touched experts whole
     assert moe["expert_hbm_us"] == pytest.approx(
-        local * (8 / 288) * EXPERT_BYTES / H200_READ, rel=1e-12
+        _busiest(local, 8 / 288, 8) * EXPERT_BYTES / H200_READ, rel=1e-12
     )
     # attention and MLP all-reduces (4.71 us + 14336 B at 104,250 B/us each) and the MoE
     # dispatch over the default all-gather/reduce-scatter backend (7.39 us + 14336 B at 143,750)
@@ -82,8 +95,13 @@ def test_expert_parallel_reads_whole_experts_where_tp_reads_shards():
     tp = _decode(Kernel.build(Deployment(**DSV3)), 256).per_kind["attn_moe"]
     ep = _decode(Kernel.build(Deployment(**DSV3, expert_parallel=True)), 256).per_kind["attn_moe"]
     touched = 1 - (248 / 256) ** 256
+    # TP: every rank reads its eighth of every touched expert, the same on every rank
     assert tp["expert_hbm_us"] == pytest.approx(256 * touched * EXPERT_BYTES / 8 / H200_READ)
-    assert ep["expert_hbm_us"] == pytest.approx(32 * touched * EXPERT_BYTES / H200_READ)
+    # EP: the busiest of the 8 ranks of 32 whole experts, above the mean rank's 32 x touched
+    assert ep["expert_hbm_us"] == pytest.approx(
+        _busiest(32, touched, 8) * EXPERT_BYTES / H200_READ, rel=1e-12
+    )
+    assert _busiest(32, touched, 8) > 32 * touched
 
 
 def test_attention_data_parallel_funnels_every_replicas_tokens_into_the_experts():
@@ -97,7 +115,7 @@ def test_attention_data_parallel_funnels_every_replicas_tokens_into_the_experts(
         8 * EXPERT_FLOPS * 0.999 * 32 / 256 * (16 + 113) / (H200_FP8 * 0.736), rel=1e-12
     )
     assert moe["expert_hbm_us"] == pytest.approx(
-        32 * (1 - (248 / 256) ** 16) * EXPERT_BYTES / H200_READ, rel=1e-12
+        _busiest(32, 1 - (248 / 256) ** 16, 8) * EXPERT_BYTES / H200_READ, rel=1e-12
     )
     # TP 1: no all-reduce; the dispatch spans the 8-rank MoE group
     assert moe["nvlink_us"] == pytest.approx(7.39 + 2 * 14336 / 143750, rel=1e-12)

@@ -132,6 +132,27 @@ def test_distinct_experts():
     assert laws.distinct_experts(100_000, miss, 256) == pytest.approx(256.0, rel=1e-12)
 
 
+def test_the_busiest_of_several_ranks_touches_the_largest_expected_count():
+    # two ranks of two experts, each touched with chance 1/2: a rank's count is 0, 1, 2 with
+    # chances 1/4, 1/2, 1/4; the larger of two is 0 with 1/16, at most 1 with 9/16, so its
+    # expectation is (1 - 1/16) + (1 - 9/16) = 1.375
+    assert laws.busiest_rank_distinct_experts(1, 0.5, 2, 2) == pytest.approx(1.375, rel=1e-14)
+    # one rank is the mean rank; no token touches nothing; every expert reached is all of them
+    assert laws.busiest_rank_distinct_experts(4, 248 / 256, 32, 1) == pytest.approx(
+        laws.distinct_experts(4, 248 / 256, 32), rel=1e-15
+    )
+    assert laws.busiest_rank_distinct_experts(0, 248 / 256, 32, 8) == 0.0
+    assert laws.busiest_rank_distinct_experts(3, 0.0, 32, 8) == 32.0
+    # DeepSeek-V3 over 8 ranks: between the mean rank and all 32, rising with the tokens
+    tokens = np.array([1, 4, 16, 64, 256])
+    busiest = laws.busiest_rank_distinct_experts(tokens, 248 / 256, 32, 8)
+    assert np.all(busiest > laws.distinct_experts(tokens, 248 / 256, 32))
+    assert np.all(busiest <= 32.0)
+    assert np.all(np.diff(busiest) > 0)
+    with pytest.raises(ValueError, match="ranks >= 1"):
+        laws.busiest_rank_distinct_experts(1, 0.5, 2, 0)
+
+
 def test_collective_fixed_cost_then_peak_rate():
     # DeepSeek-V3 all-reduce of one token's 7168 bf16 activations on 8 H200s
     # 14,336 B at 104,250 B/us is 0.13752 us after the 4.71 us launch cost
