@@ -18,6 +18,7 @@ from dagster_duckdb import DuckDBResource
 from assets.verification import build_verify_published_sensor
 from pipeline.datadir import DataDir
 from pipeline.storage import warehouse
+from tests.helpers.alert_file import page_to_file
 from tests.helpers.postgres_server import postgres_or_skip
 from tests.helpers.published import double_every_amount, ledger_lines_file, publish_by_hand
 
@@ -46,15 +47,7 @@ def profile(
 
 @pytest.fixture
 def alert_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    path = tmp_path / "alerts.jsonl"
-    monkeypatch.setenv("STEPLEDGER_ALERT_FILE", str(path))
-    for name in (
-        "STEPLEDGER_ALERT_WEBHOOK_URL",
-        "STEPLEDGER_PAGERDUTY_ROUTING_KEY",
-        "STEPLEDGER_ALERT_FORMAT",
-    ):
-        monkeypatch.delenv(name, raising=False)
-    return path
+    return page_to_file(tmp_path / "alerts.jsonl", monkeypatch)
 
 
 def tick(data: Path) -> str:
