@@ -23,10 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import dagster as dg
+import sqlalchemy.exc
 
 from assets.definitions import build_definitions
 from assets.partitions import partition_key
-from pipeline.cli.dagster_instance import instance_dir, prepare_instance
+from pipeline.cli.dagster_instance import instance_dir, instance_unwritable, prepare_instance
 from pipeline.datadir import DataDir
 from schemas.config import load_pools
 from schemas.units import hour_key, parse_hour_key
@@ -104,7 +105,11 @@ def data_dir_instance(data_dir: Path) -> dg.DagsterInstance:
     the UI with their partitions and checks."""
     home = instance_dir(data_dir, dict(os.environ))
     prepare_instance(home)
-    return dg.DagsterInstance.from_config(str(home))
+    try:
+        return dg.DagsterInstance.from_config(str(home))
+    except sqlalchemy.exc.OperationalError as err:
+        # SQLite's own words ("database or disk is full"), not the statement it failed in.
+        raise instance_unwritable(home, err.orig) from err
 
 
 def materialize(

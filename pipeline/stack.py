@@ -1,15 +1,19 @@
 """The production stack on one machine, for trying the production profile and for tests:
-PostgreSQL (Dagster's instance storage, the pipeline's state and the DuckLake catalog), the
-Dagster daemon and the webserver, on loopback, started by `up` and stopped by `down`.
+PostgreSQL (Dagster's instance storage, the pipeline's state and the DuckLake catalog), an S3
+server (the object store the engines' segments are shipped to), the Dagster daemon and the
+webserver, on loopback, started by `up` and stopped by `down`.
 
 Everything lives in one directory: the PostgreSQL cluster (`postgres/`; run as root, in a
-directory of its own that `down` removes), the Dagster instance (`dagster/`, the production
+directory of its own that `down` removes), the S3 server's data and identity (`s3/`,
+SeaweedFS: `pipeline.ship.s3server`), the Dagster instance (`dagster/`, the production
 profile), the services' logs (`logs/`) and `stack.json`, which
 records what runs (process groups, ports) and the environment that reaches the stack (with its
-passwords: the file is the owner's alone). PostgreSQL comes from the machine's packages
-(`initdb`, `pg_ctl`, `psql`); it refuses to run as root, so as root it runs as the `postgres`
-user. More services (an object store) join through `up(..., services=...)`: each is started
-after PostgreSQL and before Dagster, with the stack's environment, and stopped by `down`.
+passwords and the store's keys: the file is the owner's alone, and nothing else records them;
+the services and clients get them through their environment). PostgreSQL comes from the
+machine's packages (`initdb`, `pg_ctl`, `psql`); it refuses to run as root, so as root it runs
+as the `postgres` user. More services join through `up(..., services=...)`: each is started
+after PostgreSQL and the S3 server and before Dagster, with the stack's environment, and
+stopped by `down`.
 
 pipeline/ never imports the code location: the Dagster commands are started naming it.
 """
@@ -33,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.datadir import DATA_ENV, DataDir
+from pipeline.ship.s3server import S3Server, s3_filesystem
+from pipeline.ship.store import STORE_VARIABLE
 from pipeline.storage.warehouse import (
     POSTGRES_ENV,
     connect,
@@ -48,6 +54,10 @@ PIPELINE_ROLE = "stepledger"
 # Dagster's instance and the pipeline's store: one database each on the stack's server.
 DAGSTER_DB = "dagster"
 STORE_DB = "stepledger"
+# The object store's prefixes: the fleet's (`STEPLEDGER_STORE` of `stack env`), and the demo's
+# own, replaced by each demo as its database is.
+FLEET_PREFIX = "fleet"
+DEMO_PREFIX = "demo"
 # Bounds for a server or service that cannot start or stop, far above what a loaded machine
 # needs.
 SERVER_WAIT_S = 300
@@ -74,6 +84,10 @@ class StackLayout:
     @property
     def dagster_home(self) -> Path:
         return self.root / "dagster"
+
+    @property
+    def object_store(self) -> Path:
+        return self.root / "s3"
 
     @property
     def logs(self) -> Path:
@@ -272,7 +286,8 @@ def up(
     layout.logs.mkdir(parents=True)
     server_root = _server_root(layout)
     record: dict[str, object] = {"cluster": str(server_root / "postgres")}
-    record["processes"] = started = {}
+    started: dict[str, int] = {}
+    record["processes"] = started
     _write_record(layout, record)
     try:
         record["binaries"] = str(binaries := start_postgres(server_root, password, port))
@@ -281,6 +296,8 @@ def up(
         env = stack_environment(password, port, data_dir, layout.dagster_home)
         env[POSTGRES_ENV] = _new_store(binaries, password, port, STORE_DB, data_dir)
         record["env"] = env
+        env.update(start_object_store(layout, started))
+        _write_record(layout, record)
         layout.dagster_home.mkdir()
         shutil.copyfile(PROFILE, layout.dagster_home / "dagster.yaml")
         for service in [*(make(env) for make in services), *dagster_services(webserver_port)]:
@@ -292,6 +309,19 @@ def up(
         down(layout.root)
         raise
     return record
+
+
+def start_object_store(layout: StackLayout, started: dict[str, int]) -> dict[str, str]:
+    """Start the S3 server in `layout` (its process group recorded in `started`, for `down`);
+    the variables that point the shipper and the pipeline at the fleet's prefix on it."""
+    server = S3Server(layout.object_store)
+    try:
+        server.start()
+    finally:
+        # Recorded even when it did not answer in time, so `down` stops what did start.
+        if server.process is not None:
+            started["s3"] = server.process.pid
+    return {**server.env(), STORE_VARIABLE: server.uri(FLEET_PREFIX)}
 
 
 def _write_record(layout: StackLayout, record: dict[str, object]) -> None:
@@ -362,12 +392,22 @@ def environment_of(directory: Path) -> dict[str, str]:
 
 def demo_environment(directory: Path, data_dir: Path) -> dict[str, str]:
     """The running stack's variables for a demo billed into `data_dir`: a store of the demo's
-    own on the stack's server (database `stepledger_demo`, replaced by each demo as the
-    demo's directory is)."""
+    own on the stack's server (database `stepledger_demo`) and a prefix of its own on the
+    stack's S3 server (`demo`), both replaced by each demo as the demo's directory is."""
     layout = StackLayout(directory.resolve())
     env = environment_of(layout.root)
     record = json.loads(layout.record.read_text())
     port = int(env["DAGSTER_PG_PORT"])
     password = env["DAGSTER_PG_PASSWORD"]
     dsn = _new_store(Path(record["binaries"]), password, port, "stepledger_demo", data_dir)
-    return {**env, POSTGRES_ENV: dsn, DATA_ENV: str(data_dir.resolve())}
+    bucket = env[STORE_VARIABLE].removeprefix("s3://").split("/")[0]
+    try:
+        s3_filesystem(env).delete_dir_contents(f"{bucket}/{DEMO_PREFIX}", missing_dir_ok=True)
+    except OSError as err:
+        raise ExternalError(f"the stack's S3 server ({env['AWS_ENDPOINT_URL']}): {err}") from err
+    return {
+        **env,
+        POSTGRES_ENV: dsn,
+        DATA_ENV: str(data_dir.resolve()),
+        STORE_VARIABLE: f"s3://{bucket}/{DEMO_PREFIX}",
+    }

@@ -66,6 +66,9 @@ class Deployment(BaseModel):
     # SMs the forward pass runs on when a concurrent kernel (a KV offload fetch, a
     # disaggregated transfer) withholds the rest; None = every SM of the chip.
     sm_budget: int | None = Field(default=None, gt=0)
+    # The speculative drafter proposing the num_spec_tokens, by the name the model file gives it
+    # (vLLM --speculative-config method); None = no drafter of its own is priced.
+    drafter: str | None = Field(default=None, min_length=1)
 
     @model_validator(mode="after")
     def _expert_placement(self) -> Deployment:
@@ -77,6 +80,8 @@ class Deployment(BaseModel):
             raise ValueError("eplb_redundant_experts needs expert_parallel")
         if self.all2all_backend != "allgather_reducescatter" and not self.expert_parallel:
             raise ValueError(f"all2all_backend {self.all2all_backend!r} needs expert_parallel")
+        if self.drafter is not None and self.num_spec_tokens < 1:
+            raise ValueError(f"drafter {self.drafter!r} needs num_spec_tokens >= 1")
         return self
 
     @property

@@ -17,7 +17,10 @@ context parallelism on latent attention, sparse latent attention and its indexer
 DSA), an nvfp4 KV cache, prefill context parallelism, rack-scale NVLink domains and reduced SM
 budgets. Recurrent mixers are priced from their shapes (`PlannedRecurrent`
 says what is assumed), or under compat "go" from the Go kernel's registry
-(`pricing/registry/recurrent.yaml`). NoOverlap never drops when a request joins, except by the
+(`pricing/registry/recurrent.yaml`). Two laws of the step-pricing spec the Go kernel lacks apply
+in both modes where the model or deployment uses them: DeepSeek-V4.1's mHC hyper-connections at
+the chip's measured form, and a parallel-block drafter's (DSpark's) own CUDA graphs and capture
+ceiling. NoOverlap never drops when a request joins, except by the
 host's graph saving when the step passes the capture ceiling, and the one-kernel rule moving a
 floor from HBM to SM, so one resource (and Overlap) can.
 
@@ -44,6 +47,7 @@ from pricing.plan import (
     MeasuredRecurrent,
     PlannedAttention,
     PlannedCollective,
+    PlannedHyperConnections,
     PlannedLayer,
     build_plan,
 )
@@ -59,8 +63,10 @@ from pricing.spec import (
 
 # Raised with every change to a law or to how the plan reads the data files, so a ledger priced
 # before and after does not share a weights version (CHANGELOG.md records each).
-LAWS_REVISION = 6
+LAWS_REVISION = 7
 RESOURCES = ("sm", "hbm", "nvlink", "nic", "host")
+# Deployment fields added since LAWS_REVISION 6 whose default (None) changes no price.
+ADDED_DEPLOYMENT_FIELDS = ("drafter",)
 SM, HBM, NVLINK, NIC, HOST = range(5)
 # A collective's fabric: its row in a kind's (NVLink, NIC) launch counts.
 FABRIC = {"nvlink": 0, "nic": 1}
@@ -319,6 +325,8 @@ class Kernel:
                 self._attention_terms(coef[:, :, k], layer.attention)
             if layer.recurrent is not None:
                 self._recurrent_terms(coef[:, :, k], layer)
+            if layer.hyper_connections is not None:
+                self._hyper_connection_terms(coef[:, :, k], layer.hyper_connections)
         head = np.zeros((self._features_count, 2))
         head[TOKENS, 0] = gemm_us(self.plan.head_flops_per_token)
         head[ACTIVE, 0] = gemm_us(self.plan.head_flops_per_token) * m_half
@@ -352,6 +360,7 @@ class Kernel:
             [0 if e is None else e.top_k for e in experts],
         )
         self._local_experts = np.array([0.0 if e is None else e.local_experts for e in experts])
+        self._busiest_of = np.array([1 if e is None else e.busiest_of for e in experts])
         self._expert_us = np.array(
             [0.0 if e is None else self._read_us(e.bytes_per_expert) for e in experts]
         )
@@ -387,7 +396,10 @@ class Kernel:
         a coefficient or a shape changes the version."""
         deployment = self.deployment
         digest = hashlib.sha256(f"laws {LAWS_REVISION}\n".encode())
-        digest.update(json.dumps(deployment.model_dump(mode="json"), sort_keys=True).encode())
+        # A field added after ledgers were priced leaves their version as it was at its default.
+        unset = {name for name in ADDED_DEPLOYMENT_FIELDS if getattr(deployment, name) is None}
+        stated = deployment.model_dump(mode="json", exclude=unset)
+        digest.update(json.dumps(stated, sort_keys=True).encode())
         digest.update(f"{self.chip.digest} {self.model.digest}".encode())
         if deployment.compat == "go":
             digest.update(load_recurrent_registry().digest.encode())
@@ -438,7 +450,13 @@ class Kernel:
             ).reshape(len(self._collective_bytes), 5),
             fabric_launches=np.ascontiguousarray(self._fabric_launches),
             experts=np.column_stack(
-                [self._routed, self._miss, self._local_experts, self._expert_us]
+                [
+                    self._routed,
+                    self._miss,
+                    self._local_experts,
+                    self._expert_us,
+                    self._busiest_of.astype(np.float64),
+                ]
             ),
             host=np.array(
                 [
@@ -449,6 +467,10 @@ class Kernel:
                     host.kernels,
                     host.dispatch_per_kernel_us,
                     host.uniform_decode_tokens,
+                    host.drafter.ceiling_rows,
+                    host.drafter.replay_us,
+                    host.drafter.eager_us,
+                    host.drafter.store_us,
                 ]
             ),
         )
@@ -473,6 +495,21 @@ class Kernel:
             recurrent.scan.peak_flops_per_us,
             recurrent.scan.ramp.eps_max,
             recurrent.scan_work_scale,
+        )
+
+    @staticmethod
+    def _hyper_connection_terms(coef: np.ndarray, mixes: PlannedHyperConnections) -> None:
+        """One layer's measured mHC hyper-connections, (features, 4) of its kind: memory-bound
+        kernels, on HBM; the fixed cost is paid once per step with tokens."""
+        coef[ACTIVE, READ] += mixes.count * mixes.floor_us
+        coef[TOKENS, READ] += mixes.count * float(
+            laws.hyper_connection_us(
+                1.0,
+                0.0,
+                mixes.stream_bytes_per_token,
+                mixes.pre_rate_bytes_per_us,
+                mixes.post_rate_bytes_per_us,
+            )
         )
 
     def _attention_terms(self, coef: np.ndarray, attention: PlannedAttention) -> None:
@@ -692,7 +729,7 @@ class Kernel:
         captured = np.where(
             features.uniform, host.graph_us[host.decode_mode], host.graph_us[host.other_mode]
         )
-        return laws.host_us(
+        target = laws.host_us(
             captured,
             host.graph_us["none"],
             features.step[TOKENS],
@@ -700,6 +737,17 @@ class Kernel:
             host.kernels,
             host.dispatch_per_kernel_us,
         )
+        drafter = host.drafter
+        drafting = laws.drafter_host_us(
+            features.step[ROWS],
+            features.step[PREFILLING] > 0,
+            drafter.ceiling_rows,
+            drafter.replay_us,
+            drafter.eager_us,
+            drafter.store_us,
+        )
+        total: np.ndarray = target + drafting
+        return total
 
     def _compose(self, features: _Features) -> _Composed:
         step = features.step
@@ -728,6 +776,13 @@ class Kernel:
             touched = laws.distinct_experts(
                 self._routed[:, None] * tokens, self._miss[:, None], self._local_experts[:, None]
             )
+            for kind in np.flatnonzero(self._busiest_of > 1):
+                touched[kind] = laws.busiest_rank_distinct_experts(
+                    self._routed[kind] * tokens,
+                    float(self._miss[kind]),
+                    int(self._local_experts[kind]),
+                    int(self._busiest_of[kind]),
+                )
             expert[1] = touched * self._expert_us[:, None]
         head = linear[4 * kinds :]
         composed = laws.compose_step(layer, expert, self.repeat, head, self._host_us(features))

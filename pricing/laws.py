@@ -6,6 +6,7 @@ measurement that justified its form; the coefficient values live in `pricing/chi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -229,6 +230,47 @@ def distinct_experts(tokens: ArrayLike, miss: ArrayLike, local_experts: ArrayLik
     return _floats(local_experts) * (1.0 - np.power(_floats(miss), _floats(tokens)))
 
 
+def busiest_rank_distinct_experts(
+    tokens: ArrayLike, miss: float, local_experts: int, ranks: int
+) -> np.ndarray:
+    """Expected distinct experts the busiest of `ranks` expert-parallel ranks touches, each
+    holding `local_experts` whole experts: the largest of `ranks` counts, each binomial over its
+    experts with the chance 1 - miss^T that T routed tokens reach a given one (the counts taken
+    as independent, which for hundreds of experts and top_k of a few they nearly are).
+
+    The MoE layer ends when its slowest rank does, and at small T the chance spread leaves one
+    rank with up to twice the mean (`distinct_experts`): DeepSeek-V3 over 8 ranks of 32 experts,
+    4 tokens: 6.6 experts on the busiest rank against 3.8 on the mean one. The expectation is
+    E[max] = sum over x < n of 1 - F(x)^ranks, F the binomial's distribution function. One rank
+    is `distinct_experts`."""
+    t = _floats(tokens)
+    if ranks < 1 or local_experts < 0 or not 0.0 <= miss <= 1.0:
+        raise ValueError(
+            f"busiest rank needs ranks >= 1, local_experts >= 0 and 0 <= miss <= 1, got "
+            f"{ranks}, {local_experts} and {miss}"
+        )
+    if ranks == 1:
+        return distinct_experts(t, miss, local_experts)
+    reached = 1.0 - np.power(miss, t)  # chance a given expert is touched
+    missed = 1.0 - reached
+    none, every = reached <= 0.0, missed <= 0.0  # exact masses: all at 0, or all at n
+    # binomial pmf in logs, so no term underflows at large n (the edge cases' logs are unused)
+    log_reached = np.log(np.where(none, 1.0, reached))
+    log_missed = np.log(np.where(every, 1.0, missed))
+    n = local_experts
+    cdf = np.zeros_like(t)
+    expected = np.zeros_like(t)
+    log_choose = 0.0
+    for x in range(n):
+        if x:
+            log_choose += math.log((n - x + 1) / x)
+        mass = np.exp(log_choose + x * log_reached + (n - x) * log_missed)
+        term = np.where(none, float(x == 0), np.where(every, 0.0, mass))
+        cdf = np.minimum(cdf + term, 1.0)
+        expected += 1.0 - cdf**ranks
+    return expected
+
+
 def recurrent_state_bytes(
     key_heads: int,
     value_heads: int,
@@ -281,6 +323,29 @@ def scan_us(
     return _floats(tokens) * _floats(flops_per_token) / rate
 
 
+def hyper_connection_us(
+    tokens: ArrayLike,
+    floor_us: float,
+    stream_bytes_per_token: float,
+    pre_rate_bytes_per_us: float,
+    post_rate_bytes_per_us: float,
+) -> np.ndarray:
+    """One mHC hyper-connection (DeepSeek-V4.1) where the chip has its measured form: a fixed
+    cost plus the residual streams' bytes at a measured rate for each of its two halves, the
+    pre-mix that collapses the streams and the post-mix that writes them back (the step-pricing
+    spec). The measured kernels include the small mixing GEMM, so it replaces both the graph's
+    stated bytes and that GEMM. Zero for a step without tokens."""
+    if pre_rate_bytes_per_us <= 0 or post_rate_bytes_per_us <= 0 or floor_us < 0:
+        raise ValueError(
+            f"a hyper-connection needs positive rates and a floor >= 0, got "
+            f"{pre_rate_bytes_per_us}, {post_rate_bytes_per_us}, {floor_us}"
+        )
+    m = _floats(tokens)
+    per_token = stream_bytes_per_token / pre_rate_bytes_per_us
+    per_token += stream_bytes_per_token / post_rate_bytes_per_us
+    return np.where(m > 0, floor_us + m * per_token, 0.0)
+
+
 def collective_us(
     message_bytes: ArrayLike, t0_us: ArrayLike, r_t: ArrayLike, r_peak: ArrayLike
 ) -> np.ndarray:
@@ -322,6 +387,39 @@ def capture_ceiling(max_num_seqs: int, num_spec_tokens: int, blackwell: bool) ->
             f"got {max_num_seqs} and {num_spec_tokens}"
         )
     return min(max_num_seqs * (1 + num_spec_tokens) * 2, 1024 if blackwell else 512)
+
+
+def drafter_capture_rows(capture_tokens: int, num_spec_tokens: int, target_decode_mode: str) -> int:
+    """Most requests a parallel-block drafter (DSpark) replays its own CUDA graph for: its rows
+    are num_spec_tokens wide, not the target's 1 + num_spec_tokens, so a 64-token capture with
+    five draft tokens holds 12 of its rows against the target's 10 (the step-pricing spec). Its
+    graphs are captured only when the target decodes in full mode; otherwise none (0)."""
+    if capture_tokens < 0 or num_spec_tokens < 1:
+        raise ValueError(
+            f"a drafter's ceiling needs capture_tokens >= 0 and num_spec_tokens >= 1, got "
+            f"{capture_tokens} and {num_spec_tokens}"
+        )
+    if target_decode_mode != "full":
+        return 0
+    return capture_tokens // num_spec_tokens
+
+
+def drafter_host_us(
+    rows: ArrayLike,
+    prefilling: ArrayLike,
+    ceiling_rows: int,
+    replay_us: float,
+    eager_us: float,
+    store_us: float,
+) -> np.ndarray:
+    """CPU cost of a parallel-block drafter's pass over a step's `rows` requests: one replay of
+    its own graph up to its ceiling (`drafter_capture_rows`), its kernels launched eagerly past
+    it or without a graph; a step with a prefill row also stores the drafter's extra context
+    eagerly before the replay (the step-pricing spec). Nothing for a step without rows."""
+    n = _floats(rows)
+    graph = np.where(n <= ceiling_rows, replay_us, eager_us)
+    store = np.where(np.asarray(prefilling, dtype=bool), store_us, 0.0)
+    return np.where(n > 0, graph + store, 0.0)
 
 
 def graph_host_us(

@@ -24,6 +24,7 @@ from pricing.spec import (
     ElementwiseNode,
     GemmNode,
     GroupedGemmNode,
+    HyperConnectionNode,
     LayerKind,
     ModelSpec,
     PricingError,
@@ -41,6 +42,8 @@ KERNELS_PER_NODE = {
     "attention": 2,
     "recurrent": 2,
     "elementwise": 1,
+    # vLLM's mHC: the mixing GEMM and the fused pre-mix, then the post-mix
+    "hyper_connection": 3,
     "all_reduce": 1,
     "all_gather": 1,
     "reduce_scatter": 1,
@@ -173,6 +176,9 @@ class PlannedExperts:
     ramp_overhead_tokens: int
     # The experts routing chooses among when counting the distinct ones a step touches.
     coverage_experts: int
+    # Ranks holding whole experts whose busiest one the layer waits for (the expected largest
+    # distinct count, `laws.busiest_rank_distinct_experts`); 1 prices the mean rank's count.
+    busiest_of: int = 1
 
 
 @dataclass(frozen=True)
@@ -185,6 +191,18 @@ class PlannedCollective:
     bytes_per_token: float
     resource: Resource
     rows: CollectiveRows = "tokens"
+
+
+@dataclass(frozen=True)
+class PlannedHyperConnections:
+    """A layer's mHC hyper-connections priced by the chip's measured form
+    (`laws.hyper_connection_us`), each run whole on every rank."""
+
+    count: int
+    floor_us: float
+    stream_bytes_per_token: float  # the residual streams, one token
+    pre_rate_bytes_per_us: float
+    post_rate_bytes_per_us: float
 
 
 @dataclass(frozen=True)
@@ -204,6 +222,17 @@ class PlannedLayer:
     # Under compat="go" with decode context parallelism on a latent layer: the latent width a
     # prefill's cached context is all-gathered at, and that gather's collective.
     context_gather: PlannedCollective | None = None
+    hyper_connections: PlannedHyperConnections | None = None
+
+
+@dataclass(frozen=True)
+class Drafter:
+    """A parallel-block drafter's host costs (`laws.drafter_host_us`); all zero without one."""
+
+    ceiling_rows: int = 0  # requests its own graph holds; 0 = never replayed
+    replay_us: float = 0.0  # one replay plus its kernels' dispatch
+    eager_us: float = 0.0  # its layers launched eagerly plus its kernels' dispatch
+    store_us: float = 0.0  # the eager store of its extra context, on a step with a prefill row
 
 
 @dataclass(frozen=True)
@@ -217,6 +246,7 @@ class Host:
     uniform_decode_tokens: int
     kernels: int
     dispatch_per_kernel_us: float
+    drafter: Drafter = Drafter()
 
 
 @dataclass(frozen=True)
@@ -414,6 +444,7 @@ class _Planner:
             else SMALL_PART_MAX_NUM_SEQS
         )
         decode_mode, other_mode = GRAPH_MODES[deployment.cudagraph_mode]
+        ceiling = laws.capture_ceiling(max_num_seqs, deployment.num_spec_tokens, chip.blackwell)
         return Plan(
             layers=layers,
             head_flops_per_token=2.0 * model.head.n * model.head.k / tp,
@@ -429,13 +460,36 @@ class _Planner:
                 graph_us=graph_us,
                 decode_mode=decode_mode,
                 other_mode=other_mode,
-                capture_ceiling=laws.capture_ceiling(
-                    max_num_seqs, deployment.num_spec_tokens, chip.blackwell
-                ),
+                capture_ceiling=ceiling,
                 uniform_decode_tokens=1 + deployment.num_spec_tokens,
                 kernels=HEAD_KERNELS + sum(layer.repeat * layer.kernels for layer in layers),
                 dispatch_per_kernel_us=host.dispatch_per_kernel_us,
+                drafter=self._drafter(ceiling, decode_mode),
             ),
+        )
+
+    def _drafter(self, capture_tokens: int, decode_mode: str) -> Drafter:
+        """The deployment's parallel-block drafter, from the layers the model file states."""
+        name, model, host = self.deployment.drafter, self.model, self.chip.host
+        if name is None:
+            return Drafter()
+        if model.drafter is None or model.drafter.name != name:
+            stated = "none" if model.drafter is None else repr(model.drafter.name)
+            raise PricingError(
+                f"drafter {name!r} is not the one {model.name!r} states (its drafter: {stated})"
+            )
+        kinds = [self._layer(kind) for kind in model.drafter.layer_kinds]
+        layers = sum(kind.repeat for kind in kinds)
+        dispatch = host.dispatch_per_kernel_us * sum(kind.repeat * kind.kernels for kind in kinds)
+        eager = host.eager_launch_per_layer_us * layers
+        return Drafter(
+            ceiling_rows=laws.drafter_capture_rows(
+                capture_tokens, self.deployment.num_spec_tokens, decode_mode
+            ),
+            replay_us=host.replay_graph_us + dispatch,
+            eager_us=eager + dispatch,
+            # One eager pass over its layers writes the context a prefill row adds to its cache.
+            store_us=eager,
         )
 
     def _layer(self, kind: LayerKind) -> PlannedLayer:
@@ -446,6 +500,7 @@ class _Planner:
         experts: PlannedExperts | None = None
         collectives: list[PlannedCollective] = []
         context_gather: PlannedCollective | None = None
+        measured_mixes = 0
         kernels = 0
         for node in kind.nodes:
             if isinstance(node, GemmNode):
@@ -475,6 +530,15 @@ class _Planner:
                     collectives += self._prefill_context_gathers(node)
             elif isinstance(node, RecurrentNode):
                 recurrent = self._recurrent(node) if self.physics else self._measured_mixer(node)
+            elif isinstance(node, HyperConnectionNode):
+                if self.chip.hyper_connections is None:
+                    # Every rank runs it whole on its copy of the streams: not divided by TP.
+                    activation_bytes += node.bytes_per_token
+                    mixing = node.mixing
+                    dense_flops += 2.0 * mixing.n * mixing.k
+                    weight_bytes += mixing.n * mixing.k * WEIGHT_BYTES["fp32"]
+                else:
+                    measured_mixes += 1
             elif isinstance(node, ElementwiseNode):
                 # unstated: a read and a write of the hidden state
                 activation_bytes += (node.bytes_per_token or 2 * hidden * ACTIVATION_BYTES) / tp
@@ -495,6 +559,26 @@ class _Planner:
             collectives=tuple(collectives),
             kernels=kernels,
             context_gather=context_gather,
+            hyper_connections=self._hyper_connections(kind, measured_mixes),
+        )
+
+    def _hyper_connections(self, kind: LayerKind, count: int) -> PlannedHyperConnections | None:
+        """A layer's hyper-connections under the chip's measured mHC form, if it has one."""
+        measured = self.chip.hyper_connections
+        if count == 0 or measured is None:
+            return None
+        streams = {n.streams for n in kind.nodes if isinstance(n, HyperConnectionNode)}
+        if len(streams) > 1:
+            raise PricingError(
+                f"layer kind {kind.name!r} of {self.model.name!r} states hyper-connections of "
+                f"{sorted(streams)} streams; one width per layer is priced"
+            )
+        return PlannedHyperConnections(
+            count=count,
+            floor_us=measured.floor_us,
+            stream_bytes_per_token=float(streams.pop() * self.model.hidden_size * ACTIVATION_BYTES),
+            pre_rate_bytes_per_us=measured.pre_rate_bytes_per_us,
+            post_rate_bytes_per_us=measured.post_rate_bytes_per_us,
         )
 
     def _experts(self, node: GroupedGemmNode, bytes_per_element: float) -> PlannedExperts:
@@ -522,6 +606,8 @@ class _Planner:
                 # A logical expert's tokens are dealt over its copies, so a token reaches a
                 # given physical expert with probability top_k / physical on average.
                 coverage_experts=physical,
+                # The Go kernel reads the mean rank's distinct experts.
+                busiest_of=group if self.physics else 1,
             )
         # Every rank holds a 1/group shard of every expert. The Go kernel divides the routed
         # arithmetic by the DP width only (a documented over-charge); physics by the group.

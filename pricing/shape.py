@@ -8,9 +8,12 @@ shape: each curve divided by its value at the sweep's lowest concurrency, as the
 
 Unlike `cmd/shape`, which prices a decode-only batch of `concurrency` requests, the steps priced
 here are the steady state of the measured workload: with `c` requests resident, each producing
-`osl` tokens after an `isl`-token prompt, every `osl` decode steps also carry `c` prompts, which
-the engine chunks into the same steps (vLLM's chunked prefill, a token budget per step). TPOT
-averages over all of them, so a long prompt's interference is part of the measured curve.
+`osl` tokens after an `isl`-token prompt, every `osl` decode steps also carry `c` prompts. TPOT
+averages over all of them, so a long prompt's interference is part of the measured curve. How
+the prompts meet the decodes, and what the engine served, is each run's own (`engine_settings`,
+from InferenceX's launch scripts): vLLM chunks prompts into the decodes' steps under its token
+budget; SGLang runs a prefill batch on its own while the decodes wait; TensorRT-LLM puts a whole
+prompt in one step beside the decodes, its experts spread whole over the ranks.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ HUGE_PART_GIB = 160
 HUGE_PART_TOKEN_BUDGET = 16384
 LARGE_PART_TOKEN_BUDGET = 8192
 SMALL_PART_TOKEN_BUDGET = 2048
+# SGLang's prefill budget in InferenceX's DeepSeek-R1 H200 launch (`--chunked-prefill-size 32768`).
+SGLANG_PREFILL_TOKENS = 32768
 COLUMNS = ("model", "gpu", "framework", "precision", "tp", "isl", "osl", "concurrency", "tpot_us")
 
 
@@ -123,7 +128,7 @@ def load_sweeps(path: Path) -> list[Sweep]:
     return sweeps
 
 
-def token_budget(chip: ChipSpec) -> int:
+def token_budget_of(chip: ChipSpec) -> int:
     """vLLM's default max_num_batched_tokens on this chip (the engine's per-step token budget)."""
     if chip.memory_gib >= HUGE_PART_GIB:
         return HUGE_PART_TOKEN_BUDGET
@@ -131,58 +136,164 @@ def token_budget(chip: ChipSpec) -> int:
     return LARGE_PART_TOKEN_BUDGET if large else SMALL_PART_TOKEN_BUDGET
 
 
-def steady_state_tpot_us(kernel: Kernel, concurrency: int, isl: int, osl: int) -> float:
-    """Mean step time over `osl` steps with `concurrency` requests resident.
+def steady_state_tpot_us(
+    kernel: Kernel,
+    concurrency: int,
+    isl: int,
+    osl: int,
+    *,
+    token_budget: int | None = None,
+    prefill_apart: bool = False,
+    replicas: int = 1,
+) -> float:
+    """Mean step time per output token over `osl` steps with `concurrency` requests resident.
 
     Decoding requests carry the mean context of their decode phase, isl + osl / 2. Each of the
-    `concurrency` prompts that arrive in that window is chunked into steps alongside the other
-    requests' decodes, up to the token budget; the remaining steps are pure decode.
+    `concurrency` prompts that arrive in that window is chunked under the token budget (vLLM's
+    default for the chip unless given). By default (vLLM) each chunk shares a step with the
+    other requests' decodes, which then count toward their tokens; with `prefill_apart`
+    (SGLang) a chunk runs alone and every decode waits for it. Under attention data parallelism
+    each of `replicas` replicas holds its share of the requests and the kernel prices one
+    replica's step; every replica takes one of its prompts in the same step (TensorRT-LLM's
+    balanced context batching), so a prompt step comes once per replica's prompt.
     """
+    if replicas < 1:
+        raise PricingError(f"replicas must be at least 1, got {replicas}")
     context = isl + osl // 2
-    others = concurrency - 1
-    budget = token_budget(kernel.chip)
+    resident = -(-concurrency // replicas)
+    others = 0 if prefill_apart else resident - 1
+    budget = token_budget or token_budget_of(kernel.chip)
     if others >= budget:
-        raise PricingError(
-            f"{concurrency} resident requests leave no room in a {budget}-token step"
-        )
-    chunks = -(-isl // (budget - others))
-    done = np.minimum(np.arange(chunks) * (budget - others), isl)
-    chunk = np.minimum(budget - others, isl - done)
-    # step 0: pure decode of every resident request; steps 1..chunks: one prompt chunk each
-    n_rows = concurrency + chunks * concurrency
+        raise PricingError(f"{resident} resident requests leave no room in a {budget}-token step")
+    room = budget - others
+    chunks = -(-isl // room)
+    done = np.minimum(np.arange(chunks) * room, isl)
+    chunk = np.minimum(room, isl - done)
+    # step 0: pure decode of every resident request; steps 1..chunks: one prompt chunk each,
+    # with the others' decodes unless the prefill runs apart
+    beside = 1 + others
+    n_rows = resident + chunks * beside
     step_index = np.concatenate(
-        [np.zeros(concurrency, dtype=np.int64), np.repeat(np.arange(1, chunks + 1), concurrency)]
+        [np.zeros(resident, dtype=np.int64), np.repeat(np.arange(1, chunks + 1), beside)]
     )
     scheduled = np.ones(n_rows, dtype=np.int64)
     computed = np.full(n_rows, context - 1, dtype=np.int64)
-    firsts = concurrency + np.arange(chunks) * concurrency
+    firsts = resident + np.arange(chunks) * beside
     scheduled[firsts], computed[firsts] = chunk, done
     steps = kernel.price_many(
         Slots(step_index, scheduled, computed, scheduled + computed), n_steps=chunks + 1
     ).nooverlap_us
-    prompt_steps = concurrency * chunks
+    prompt_steps = resident * chunks
+    if prefill_apart:
+        # the prompt steps produce no decode token: they lengthen the window instead
+        return float((osl * steps[0] + resident * steps[1:].sum()) / osl)
     if prompt_steps > osl:
         raise PricingError(
-            f"{concurrency} prompts of {isl} tokens need {prompt_steps} steps, more than the "
+            f"{resident} prompts of {isl} tokens need {prompt_steps} steps, more than the "
             f"{osl} decode steps they arrive in"
         )
-    return float(((osl - prompt_steps) * steps[0] + concurrency * steps[1:].sum()) / osl)
+    return float(((osl - prompt_steps) * steps[0] + resident * steps[1:].sum()) / osl)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How a measured run was served, as far as its step prices depend on it."""
+
+    deployment: Deployment
+    token_budget: int  # tokens one step may schedule
+    prefill_apart: bool = False  # a prefill batch runs without the decodes
+    replicas: int = 1  # attention data-parallel replicas the requests are dealt over
+
+
+# InferenceX's TensorRT-LLM DeepSeek-R1 fp8 H200 runs: experts spread whole over the TP group
+# ("EP=TP", .github/configs/nvidia-master.yaml@0004cf5 `dsr1-fp8-h200-trt`), attention DP
+# on 8k/1k above 32 concurrent requests ("If CONC > 32, then DP_ATTN=true"), on the other
+# workloads above 64.
+TRT_ATTENTION_DP_ABOVE = {8192: 32}
+TRT_ATTENTION_DP_ABOVE_OTHERWISE = 64
+
+
+def engine_settings(sweep: Sweep, concurrency: int, compat: str = "physics") -> EngineSettings:
+    """The engine settings of a measured run, from InferenceX's launch scripts
+    (github.com/SemiAnalysisAI/InferenceX `benchmarks/`, at the commits named):
+
+    * vLLM (`70b_fp8_h100_slurm.sh`@2a205bb, `70b_fp8_h200_slurm.sh`@6ebc882 and @409e9a4,
+      `70b_b200_slurm.sh`@2caa5e5): an fp8 KV cache, `max-num-batched-tokens 8192`,
+      `max-num-seqs` the client concurrency; the image `vllm/vllm-openai:v0.10.2`
+      (`.github/configs/master.json`@8d330cd), whose default CUDA graph mode was still
+      PIECEWISE (FULL_AND_PIECEWISE became the default after it, vllm-project/vllm#25444).
+    * SGLang (`dsr1_fp8_h200.sh`@1fc5d73; `.github/configs/nvidia-master.yaml`@0004cf5
+      `dsr1-fp8-h200-sglang`: TP 8, no EP): `--chunked-prefill-size 32768` (a whole prompt in
+      one prefill), the KV cache in the model's dtype; the scheduler's default
+      `enable_mixed_chunk=False` runs a prefill batch apart from the decodes.
+    * TensorRT-LLM (`dsr1_fp8_h200_trt_slurm.sh`@2e46dba): an fp8 KV cache, `--ep_size` the TP
+      width, `--max_num_tokens` (concurrency + isl + 64) rounded up to 64, so a prompt is never
+      chunked and joins the decodes' step (in-flight batching); attention data parallelism over
+      the TP ranks above the concurrency `TRT_ATTENTION_DP_ABOVE` names.
+    """
+    served = {"model": sweep.model, "chip": sweep.chip, "dtype": sweep.dtype, "compat": compat}
+    if sweep.framework == "vllm":
+        return EngineSettings(
+            Deployment(
+                **served,
+                tp=sweep.tp,
+                cache_dtype="fp8",
+                max_num_seqs=concurrency,
+                cudagraph_mode="PIECEWISE",
+            ),
+            token_budget=LARGE_PART_TOKEN_BUDGET,
+        )
+    if sweep.framework == "sglang":
+        return EngineSettings(
+            Deployment(**served, tp=sweep.tp),
+            token_budget=SGLANG_PREFILL_TOKENS,
+            prefill_apart=True,
+        )
+    if sweep.framework == "trt":
+        budget = -(-(concurrency + sweep.isl + 64) // 64) * 64
+        above = TRT_ATTENTION_DP_ABOVE.get(sweep.isl, TRT_ATTENTION_DP_ABOVE_OTHERWISE)
+        if concurrency > above:
+            return EngineSettings(
+                Deployment(
+                    **served,
+                    tp=1,
+                    data_parallel=sweep.tp,
+                    expert_parallel=True,
+                    cache_dtype="fp8",
+                ),
+                token_budget=budget,
+                replicas=sweep.tp,
+            )
+        return EngineSettings(
+            Deployment(**served, tp=sweep.tp, expert_parallel=True, cache_dtype="fp8"),
+            token_budget=budget,
+        )
+    raise PricingError(f"no launch record for framework {sweep.framework!r}")
 
 
 def shape_error(sweeps: list[Sweep], compat: str = "physics") -> ShapeError:
     """Each sweep's priced curve against its measured one, both relative to the lowest
     concurrency."""
+    kernels: dict[Deployment, Kernel] = {}
     errors = []
     for sweep in sweeps:
-        kernel = Kernel.build(
-            Deployment(
-                model=sweep.model, chip=sweep.chip, tp=sweep.tp, dtype=sweep.dtype, compat=compat
+        priced = []
+        for concurrency in sweep.concurrency:
+            settings = engine_settings(sweep, concurrency, compat)
+            if settings.deployment not in kernels:
+                kernels[settings.deployment] = Kernel.build(settings.deployment)
+            priced.append(
+                steady_state_tpot_us(
+                    kernels[settings.deployment],
+                    concurrency,
+                    sweep.isl,
+                    sweep.osl,
+                    token_budget=settings.token_budget,
+                    prefill_apart=settings.prefill_apart,
+                    replicas=settings.replicas,
+                )
             )
-        )
-        priced = np.array(
-            [steady_state_tpot_us(kernel, c, sweep.isl, sweep.osl) for c in sweep.concurrency]
-        )
         measured = np.array(sweep.tpot_us)
-        relative = (priced / priced[0]) / (measured / measured[0])
+        relative = (np.array(priced) / priced[0]) / (measured / measured[0])
         errors.append(tuple(float(e) for e in np.abs(relative - 1.0) * 100.0))
     return ShapeError(sweeps=tuple(sweeps), errors_pct=tuple(errors))

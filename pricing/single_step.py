@@ -22,10 +22,12 @@ BOUND_SPARSE, BOUND_WINDOW, BOUND_TOP_K, BOUND_RATIO, BOUND_RANKS = range(5)
 COLL_BYTES, COLL_T0, COLL_RT, COLL_PEAK, COLL_ROWS = range(5)
 ACTIVE, TOKENS, DECODING, PREFILLING, MIXED, ROWS, PREFILL_TOKENS, DECODE_TOKENS = range(8)
 # StepConstants.host: graph costs of a uniform-decode and any other step, eager, the capture
-# ceiling in tokens, kernels launched, dispatch per kernel, tokens of a uniform decode row.
+# ceiling in tokens, kernels launched, dispatch per kernel, tokens of a uniform decode row; then
+# the drafter's (`plan.Drafter`): its ceiling in rows, replay, eager and context-store costs.
 HOST_DECODE, HOST_OTHER, HOST_EAGER, HOST_CEILING, HOST_KERNELS, HOST_DISPATCH, HOST_UNIFORM = (
     range(7)
 )
+DRAFTER_ROWS, DRAFTER_REPLAY, DRAFTER_EAGER, DRAFTER_STORE = range(7, 11)
 
 
 class StepConstants(NamedTuple):
@@ -41,8 +43,10 @@ class StepConstants(NamedTuple):
     repeat: np.ndarray  # (kinds,)
     collectives: np.ndarray  # (collectives, 5)
     fabric_launches: np.ndarray  # (2 * kinds, collectives)
-    experts: np.ndarray  # (kinds, 4): tokens routed per step token, miss, local, us per expert
-    host: np.ndarray  # (7,)
+    # (kinds, 5): tokens routed per step token, miss, local, us per expert, ranks whose busiest
+    # one the layer waits for
+    experts: np.ndarray
+    host: np.ndarray  # (11,)
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
@@ -132,6 +136,25 @@ def _dot(weights: np.ndarray, values: np.ndarray) -> float:
 
 
 @numba.njit(cache=True, nogil=True, error_model="numpy")
+def _busiest_rank_distinct(tokens: float, miss: float, n: int, ranks: float) -> float:
+    """`laws.busiest_rank_distinct_experts` for one step."""
+    reached = 1.0 - miss**tokens
+    if reached <= 0.0:
+        return 0.0
+    missed = 1.0 - reached
+    if missed <= 0.0:
+        return float(n)
+    log_reached, log_missed = np.log(reached), np.log(missed)
+    cdf, expected, log_choose = 0.0, 0.0, 0.0
+    for x in range(n):
+        if x:
+            log_choose += np.log((n - x + 1) / x)
+        cdf = min(cdf + np.exp(log_choose + x * log_reached + (n - x) * log_missed), 1.0)
+        expected += 1.0 - cdf**ranks
+    return expected
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
 def compose_one(
     features: np.ndarray,
     uniform: bool,
@@ -171,7 +194,13 @@ def compose_one(
         nic = _dot(fabric_launches[kinds + k], launch_us)
         routed = experts[k, 0] * tokens
         expert_sm = terms[3 * kinds + k]
-        expert_hbm = experts[k, 2] * (1.0 - experts[k, 1] ** routed) * experts[k, 3]
+        if experts[k, 4] > 1:
+            touched = _busiest_rank_distinct(
+                routed, experts[k, 1], int(experts[k, 2]), experts[k, 4]
+            )
+        else:
+            touched = experts[k, 2] * (1.0 - experts[k, 1] ** routed)
+        expert_hbm = touched * experts[k, 3]
         stage = max(max(sm, hbm), max(nvlink, nic)) + expert_sm + expert_hbm
         for r, value in enumerate((sm, hbm, nvlink, nic)):
             out[layer_at + r * kinds + k] = value
@@ -190,6 +219,12 @@ def compose_one(
     if tokens > host[HOST_CEILING]:
         graph = host[HOST_EAGER]
     totals[4] = graph + host[HOST_KERNELS] * host[HOST_DISPATCH]
+    rows = features[ROWS]
+    if rows > 0:
+        drafter = host[DRAFTER_REPLAY] if rows <= host[DRAFTER_ROWS] else host[DRAFTER_EAGER]
+        if features[PREFILLING] > 0:
+            drafter += host[DRAFTER_STORE]
+        totals[4] += drafter
     nooverlap = totals.sum()
     out[:5] = totals
     out[5] = min(staged + max(head_sm, head_hbm) + totals[4], nooverlap)

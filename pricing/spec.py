@@ -165,6 +165,18 @@ class HostBlock(_Coefficients):
     dispatch_per_kernel_us: float = Field(ge=0)
 
 
+class HyperConnectionBlock(_Coefficients):
+    """A chip's measured mHC kernels (DeepSeek-V4.1's hyper-connections): a fixed cost per
+    hyper-connection, and the rate each of its two halves (the pre-mix that collapses the
+    residual streams, the post-mix that writes them back) moves the streams' bytes at. The
+    measured kernels include the small mixing GEMM."""
+
+    source: str = Field(min_length=1)
+    floor_us: float = Field(ge=0)
+    pre_rate_bytes_per_us: float = Field(gt=0)
+    post_rate_bytes_per_us: float = Field(gt=0)
+
+
 class MeasuredEngine(_Strict):
     """The engine release whose sweep the chip's GEMM coefficients were fitted on: logs from
     another version are priced with coefficients nobody measured on it."""
@@ -193,6 +205,9 @@ class ChipSpec(_DataFile):
     attention: AttentionBlock
     collectives: CollectivesBlock
     host: HostBlock
+    # Absent where no sweep measured the mHC kernels: they are then priced from the graph's bytes
+    # and mixing GEMM.
+    hyper_connections: HyperConnectionBlock | None = None
 
     @property
     def blackwell(self) -> bool:
@@ -344,6 +359,26 @@ class RecurrentNode(_Node):
         return self
 
 
+class MixingGemm(_Strict):
+    """The small GEMM that computes a hyper-connection's mixing weights from its streams."""
+
+    n: int = Field(gt=0)  # (2 + streams) * streams: the pre, post and residual mixes
+    k: int = Field(gt=0)  # streams * hidden
+
+
+class HyperConnectionNode(_Node):
+    """A manifold-constrained hyper-connection (mHC) around a sublayer: the residual is
+    `streams` copies of the hidden state; a pre-mix collapses them into the sublayer's input and
+    a post-mix writes the sublayer's output back into every stream. Every rank runs it whole on
+    its own copy of the streams. `bytes_per_token` is the traffic the graph states (priced as
+    memory traffic, with `mixing` as a GEMM) where the chip has no measured mHC form."""
+
+    op: Literal["hyper_connection"]
+    streams: int = Field(gt=1)
+    bytes_per_token: int = Field(gt=0)
+    mixing: MixingGemm
+
+
 class ElementwiseNode(_Node):
     """A norm or activation: bytes read and written per token (default: the hidden state twice)."""
 
@@ -359,7 +394,13 @@ class CollectiveNode(_Node):
 
 
 Node = Annotated[
-    GemmNode | GroupedGemmNode | AttentionNode | RecurrentNode | ElementwiseNode | CollectiveNode,
+    GemmNode
+    | GroupedGemmNode
+    | AttentionNode
+    | RecurrentNode
+    | HyperConnectionNode
+    | ElementwiseNode
+    | CollectiveNode,
     Field(discriminator="op"),
 ]
 
@@ -402,6 +443,17 @@ class HeadSpec(_Strict):
     weight_dtype: str | None = None
 
 
+class DrafterSpec(_Strict):
+    """A speculative drafter the model ships, named as a deployment selects it. A parallel-block
+    drafter (DSpark) proposes all of a request's num_spec_tokens in one pass, so its rows are
+    num_spec_tokens wide; its layers are stated to count the kernels it launches."""
+
+    name: str = Field(min_length=1)
+    kind: Literal["parallel_block"]
+    source: str = Field(min_length=1)
+    layer_kinds: list[LayerKind] = Field(min_length=1)
+
+
 class ModelSpec(_DataFile):
     """One model file: its shapes, checkpoint dtype and graph of layer kinds."""
 
@@ -415,6 +467,7 @@ class ModelSpec(_DataFile):
     kv_bytes_per_token_tp1: dict[str, float] = {}
     layer_kinds: list[LayerKind] = Field(min_length=1)
     head: HeadSpec
+    drafter: DrafterSpec | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelSpec:

@@ -43,7 +43,8 @@ class DataError(StepledgerError, ValueError):
 
 class StateError(StepledgerError, RuntimeError):
     """The warehouse or the pipeline's state refuses the operation: of another layout, not
-    yet built, migrated already, or holding nothing for what was asked."""
+    yet built, migrated already, or holding nothing for what was asked; or the Dagster
+    instance that keeps the runs' history cannot be created or written."""
 
     exit_code = 6
 

@@ -89,6 +89,15 @@ def calibrate_fleet(
     )
 
 
+def print_calibration(console: Console, entries: list[CalibrationEntry]) -> None:
+    for entry in entries:
+        console.print(
+            f"calibrated {entry.model} on {entry.gpu_type}, engine {entry.engine_version}, "
+            f"driver {entry.driver_version}: R^2 {entry.r_squared:.3f} over {entry.n_steps:,} steps",
+            markup=False,
+        )
+
+
 def bill_through_dagster(
     out: Path, hours: list[datetime], pools: PoolsFile, console: Console
 ) -> list[dict[str, Any]]:
@@ -160,6 +169,45 @@ def use_profile(profile: str, stack: Path, out: Path) -> None:
         from pipeline.stack import demo_environment
 
         os.environ.update(demo_environment(stack, out))
+
+
+# Where the production profile's demo moves the engines' outbox: the disk of the GPU node the
+# segments are shipped from (its outbox where a data directory's is), which the pipeline
+# never reads.
+GPU_NODE = "gpu-node"
+
+
+def ship_through_store(out: Path, console: Console) -> dict[str, Any]:
+    """Ship the simulated segments as `stepledger ship` does beside the engines: the outbox
+    moves to the GPU node's disk (OUT/gpu-node/outbox), each closed segment is put on the
+    store (`STEPLEDGER_STORE`), verified and deleted there, and billing pulls them from the
+    store into OUT/outbox. A segment that cannot be shipped stays on the node, unbilled, and
+    is named."""
+    from pipeline.ship.shipper import ship_pending
+    from pipeline.ship.store import store_from_env
+
+    store = store_from_env()
+    if store is None:
+        raise click.ClickException("--profile production: the stack gave no STEPLEDGER_STORE")
+    node_outbox = DataDir(out / GPU_NODE).outbox
+    node_outbox.parent.mkdir()
+    DataDir(out).outbox.rename(node_outbox)
+    with console.status(f"shipping the segments to {store.uri}"):
+        report = ship_pending(store, node_outbox)
+    size = sum(segment.size for segment in report.shipped)
+    console.print(
+        f"shipped {len(report.shipped)} segments ({size / 1e6:.1f} MB) from {node_outbox} "
+        f"to {store.uri}",
+        markup=False,
+    )
+    for failure in report.failed:
+        console.print(f"  not shipped: {failure}", markup=False)
+    return {
+        "store": store.uri,
+        "segments": len(report.shipped),
+        "bytes": size,
+        "failed": report.failed,
+    }
 
 
 def echo_json(**parts: Any) -> None:
@@ -256,12 +304,7 @@ def demo_command(
     console = Console(stderr=as_json, quiet=as_json)
     with console.status("calibrating: a short clean sweep of every pool"):
         entries = calibrate_fleet(out, pools, hours=hours, seed=seed, workers=workers)
-    for entry in entries:
-        console.print(
-            f"calibrated {entry.model} on {entry.gpu_type}, engine {entry.engine_version}, "
-            f"driver {entry.driver_version}: R^2 {entry.r_squared:.3f} over {entry.n_steps:,} steps",
-            markup=False,
-        )
+    print_calibration(console, entries)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task(f"simulating {hours:g} h", total=1.0)
         summary = simulate(
@@ -280,6 +323,7 @@ def demo_command(
     for name, what in summary.faults.items():
         console.print(Text.assemble("  ", ("fault", "yellow"), f" {name}: {what}"))
     provisional = price_provisionally(out, pools, console)
+    shipped = {"shipped": ship_through_store(out, console)} if profile == "production" else {}
     runs = bill_through_dagster(out, DataDir(out).hours(), pools, console)
     costs = cost_report(out, "tenant")
     if not as_json:
@@ -301,6 +345,7 @@ def demo_command(
             runs=runs,
             costs=costs,
             report=str(report),
+            **shipped,
         )
         return
     # Plain, unwrapped: the path is meant to be copied.

@@ -134,9 +134,11 @@ def run_pool_hours(
     pools = load_pools(DataDir(data_dir).pools_file).pools
     pool_hours = [(hour, pool.name) for hour in hours for pool in pools]
     runs: list[PoolHourRun] = []
+    # The instance first: a disk it cannot be written to stops the run before the courier
+    # creates the state file there, which a full disk would leave empty and unopenable.
     with (
-        alerts.Courier(state_file, sink) as courier,
         data_dir_instance(data_dir) as instance,
+        alerts.Courier(state_file, sink) as courier,
         _stop_signals() as stop_signal,
     ):
         if on_courier:

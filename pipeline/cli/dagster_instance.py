@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from pipeline.datadir import DATA_ENV
+from schemas.errors import StateError
 from schemas.units import hour_key
 
 if TYPE_CHECKING:
@@ -43,10 +44,18 @@ def instance_dir(data_dir: Path, environ: dict[str, str]) -> Path:
     return Path(home).resolve() if home else (data_dir / INSTANCE_DIR_NAME).resolve()
 
 
+def instance_unwritable(home: Path, reason: object) -> StateError:
+    """The error for an instance directory that cannot be created or written: a full or
+    read-only disk, a path that is no directory."""
+    return StateError(
+        f"{home}: the Dagster instance cannot be created or opened ({reason}); free space "
+        "there, or set DAGSTER_HOME to a writable directory"
+    )
+
+
 def prepare_instance(home: Path) -> bool:
     """Create the instance directory, with the committed dagster.yaml when it has none.
     True when the configuration was copied."""
-    home.mkdir(parents=True, exist_ok=True)
     config = home / "dagster.yaml"
     if config.exists():
         return False
@@ -55,7 +64,18 @@ def prepare_instance(home: Path) -> bool:
             f"{config}: missing, and the template {INSTANCE_TEMPLATE} is not installed "
             "(write a dagster.yaml there, see docs/production.md)"
         )
-    shutil.copyfile(INSTANCE_TEMPLATE, config)
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        # Copied beside it and renamed: a copy a full disk cut short would otherwise stay as
+        # the instance's configuration, and every later run would take it for one.
+        partial = home / f".dagster.yaml.{os.getpid()}"
+        try:
+            shutil.copyfile(INSTANCE_TEMPLATE, partial)
+            partial.replace(config)
+        finally:
+            partial.unlink(missing_ok=True)
+    except OSError as err:
+        raise instance_unwritable(home, err.strerror or err) from err
     return True
 
 

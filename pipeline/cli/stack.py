@@ -14,7 +14,8 @@ STACK_DIR = Path(".stepledger-stack")
 
 @click.group("stack")
 def stack_group() -> None:
-    """PostgreSQL, the Dagster daemon and webserver of the production profile, on loopback."""
+    """PostgreSQL, an S3 server, the Dagster daemon and webserver of the production profile,
+    on loopback."""
 
 
 @stack_group.command("up")
@@ -23,7 +24,8 @@ def stack_group() -> None:
 @click.option("--port", type=int, default=3000, show_default=True, help="the webserver's port")
 def up_command(directory: Path, data_dir: Path, port: int) -> None:
     """Start the stack: a new PostgreSQL cluster in DIR holding Dagster's instance, the
-    pipeline's state and the warehouse's catalog, then the daemon and the webserver."""
+    pipeline's state and the warehouse's catalog, an S3 server (SeaweedFS) for the engines'
+    segments, then the daemon and the webserver."""
     from pipeline import stack
 
     record = stack.up(directory, data_dir, webserver_port=port)
@@ -43,7 +45,9 @@ def down_command(directory: Path) -> None:
 @stack_group.command("env")
 @directory_option("--dir", "directory", default=STACK_DIR, help="the stack's directory")
 def env_command(directory: Path) -> None:
-    """The variables that reach the running stack, as `export` lines for a shell."""
+    """The variables that reach the running stack, as `export` lines for a shell: Dagster's,
+    STEPLEDGER_POSTGRES, and the store's (STEPLEDGER_STORE, AWS_ENDPOINT_URL, AWS_REGION and
+    the key pair) for `stepledger ship` and `stepledger run`. They hold the stack's secrets."""
     from pipeline import stack
 
     for name, value in stack.environment_of(directory).items():

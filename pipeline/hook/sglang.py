@@ -3,7 +3,8 @@ plugin hooks (`sglang.srt.plugins`): the scheduler class is replaced by a subcla
 records.
 
 Supported: sglang 0.5.23 (`SUPPORTED_SGLANG`), the normal and the overlap event loop, one
-attention data-parallel rank, without pipeline parallelism or speculative decoding. Followed
+attention data-parallel rank, without pipeline parallelism; speculative decoding with the
+algorithms of `SPECULATIVE_ALGORITHMS` in the normal loop without mixed chunks. Followed
 there: `sglang/srt/managers/scheduler.py` (`Scheduler.run_batch`, `process_batch_result`,
 `_add_request_to_queue`, `running_batch`, `chunked_req`, `waiting_queue`,
 `event_loop_overlap`: results are processed in launch order, on a copy of the batch),
@@ -12,13 +13,20 @@ there: `sglang/srt/managers/scheduler.py` (`Scheduler.run_batch`, `process_batch
 `Req.cached_tokens` and `retracted_stain`; `ReqKvInfo`: a request's KV is its row of
 `req_to_token` up to its sequence length, the tree owning `[0, cache_protected_len)`),
 `mem_cache/common.py` (`checkpoint_kv_cache`, `release_kv_cache`: when that tree-owned part
-changes), `mem_cache/radix_cache.py` (`evictable_size`) and `srt/plugins` (`HookRegistry`).
+changes), `mem_cache/radix_cache.py` (`evictable_size`), `speculative/eagle_utils.py`
+(`eagle_prepare_for_decode`: a verify batch's KV is allocated, with a reserve, before it runs),
+`speculative/eagle_worker_common.py` (a verify advances the batch's sequence lengths by the
+tokens it accepts), `scheduler_components/batch_result_processor.py`
+(`_resolve_spec_v2_tokens`: a verify result's `num_correct_drafts_per_req_cpu` grows
+`Req.spec_num_correct_drafts`; `GenerationBatchResult.speculative_num_draft_tokens`) and
+`srt/plugins` (`HookRegistry`).
 The scheduler is not a stable SGLang API: an unsupported release is refused when the recording
 scheduler is built, before the server serves.
 
 The engine thread keeps each batch's own per-step objects and, for the rows of prefill (extend)
-batches only, copies the tree-owned part of their KV row; the recorder's writer thread mirrors
-every live request from those and builds the step (`RequestMirror`).
+batches only, copies the tree-owned part of their KV row (for the rows of a verify batch, their
+allocated KV length); the recorder's writer thread mirrors every live request from those and
+builds the step (`RequestMirror`).
 
 Use: install stepledger in SGLang's environment (its `sglang.srt.plugins` entry point is
 `register_plugin`), set STEPLEDGER_OUTBOX, STEPLEDGER_HOOK_CONFIG (the replica descriptor
@@ -30,6 +38,7 @@ scheduler class is built.
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import re
 import time
@@ -65,6 +74,10 @@ SCHEDULER_TARGET = "sglang.srt.managers.scheduler.Scheduler"
 # In the overlap loop one batch is launched while the previous one's result is processed; more
 # outstanding batches than this means a result will never come for the oldest.
 _MAX_OUTSTANDING_STEPS = 8
+# Speculative algorithms whose decode SGLang prepares with `eagle_prepare_for_decode` and whose
+# verify result `_resolve_spec_v2_tokens` settles with one bonus token per request (DFLASH,
+# DSPARK and UNO prepare their own; FROZEN_KV_MTP is not yet scheduled by SGLang itself).
+SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
 
 
 class UnsupportedSglangVersion(HookConfigError):
@@ -97,11 +110,20 @@ class Parallelism:
     attn_tp_rank: int
 
 
-def check_setup(parallel: Parallelism, speculative_algorithm: str | None) -> None:
+def check_setup(
+    parallel: Parallelism,
+    speculative_algorithm: str | None,
+    overlap: bool = False,
+    mixed_chunk: bool = False,
+) -> None:
     """Refuse what a step record cannot say yet: several attention data-parallel ranks each
     schedule their own batches in one replica, and the segment header has no field for the
-    rank; pipeline parallelism runs another event loop; speculative decoding prepares and
-    verifies drafts outside ScheduleBatch's counts."""
+    rank; pipeline parallelism runs another event loop; a speculative algorithm outside
+    SPECULATIVE_ALGORITHMS prepares and settles its drafts in its own way; with one, the
+    overlap loop relays verify lengths through SGLang's future map and mixed chunks decode
+    running requests beside a prefill with KV left from their verifies, neither of which this
+    module follows. `speculative_algorithm`: SGLang's name for it
+    (`SpeculativeAlgorithm.name`)."""
     if parallel.attn_dp_size > 1:
         raise UnsupportedSglangSetup(
             f"data-parallel attention ({parallel.attn_dp_size} ranks) is not supported: the "
@@ -111,10 +133,22 @@ def check_setup(parallel: Parallelism, speculative_algorithm: str | None) -> Non
         raise UnsupportedSglangSetup(
             f"pipeline parallelism (pp_size={parallel.pp_size}) is not supported"
         )
-    if speculative_algorithm:
+    if speculative_algorithm is None:
+        return
+    if speculative_algorithm not in SPECULATIVE_ALGORITHMS:
         raise UnsupportedSglangSetup(
-            f"speculative decoding ({speculative_algorithm}) is not supported by the SGLang "
-            "step recorder yet"
+            f"speculative decoding with {speculative_algorithm} is not supported; supported: "
+            f"{', '.join(SPECULATIVE_ALGORITHMS)}"
+        )
+    if overlap:
+        raise UnsupportedSglangSetup(
+            f"speculative decoding ({speculative_algorithm}) is recorded only without the "
+            "overlap scheduler: start the server with --disable-overlap-schedule"
+        )
+    if mixed_chunk:
+        raise UnsupportedSglangSetup(
+            f"speculative decoding ({speculative_algorithm}) is recorded only without mixed "
+            "chunks: start the server without --enable-mixed-chunk"
         )
 
 
@@ -143,6 +177,21 @@ class ExtendRow:
 
 
 @dataclass(slots=True)
+class VerifiedRows:
+    """A speculative decode (verify) batch's rows, from SGLang's own counts: each row's KV
+    length once `eagle_prepare_for_decode` allocated the step's drafts (at launch); from the
+    result SGLang processed, the tokens verified per row (`speculative_num_draft_tokens`: the
+    token sampled last and the drafts after it) and each row's accepted drafts
+    (`num_correct_drafts_per_req_cpu`, what SGLang adds to `Req.spec_num_correct_drafts`),
+    kept as the result says and checked on the writer thread. In the normal event loop every
+    row's result is settled: finished and retracted requests leave the batch before it runs."""
+
+    kv_allocated: Sequence[int]
+    num_draft_tokens: Any = None
+    accepted: Any = None
+
+
+@dataclass(slots=True)
 class LaunchedStep:
     """What the engine thread keeps of one batch at launch: its per-step objects (each a new
     object every step, which SGLang does not change afterwards) and copies of the little that
@@ -160,6 +209,8 @@ class LaunchedStep:
     holders: Sequence[Any]
     admission_blocked: bool
     free_blocks: int
+    verified: VerifiedRows | None = None
+    end_ns: int = 0
 
 
 @dataclass(slots=True)
@@ -171,6 +222,8 @@ class Checkpointed:
 
 
 _NO_ROWS: tuple[()] = ()
+# What a verify batch reads of each request: its KV once the step's drafts were allocated.
+_KV_ALLOCATED = operator.attrgetter("kv.kv_allocated_len")
 
 
 def tree_owned(req: Any, req_to_token: Any) -> TreeOwned:
@@ -189,6 +242,7 @@ def launched_step(
     free_blocks: int,
     req_to_token: Any,
     in_flight: Sequence[Any] = (),
+    speculative: bool = False,
 ) -> LaunchedStep:
     """The engine thread's part of a launched batch: per request it touches only the prefill
     rows (nothing in a batch of decoding requests). admission_blocked: requests were retracted
@@ -196,15 +250,19 @@ def launched_step(
     batch was below `max_running_requests`: SGLang runs a prefill whenever one fits, so free
     KV stopped them (its other admission limits, such as LoRA slots, are counted here too).
     `in_flight`: the requests of the batch launched before whose result is not processed yet
-    (the overlap loop)."""
+    (the overlap loop). `speculative`: decode batches verify drafts, and their rows' KV
+    lengths are read from the requests."""
     # SGLang 0.5.23 rebinds a batch's request list rather than change it (filter_batch,
     # merge_batch), so the lists are kept as they are, not copied.
     reqs = batch.reqs
     decoding = batch.forward_mode.is_decode()
+    verified = None
     if decoding:
         extend_rows: Sequence[ExtendRow] = _NO_ROWS
         prefix_lens: Sequence[int] = _NO_ROWS
         extend_lens: Sequence[int] = _NO_ROWS
+        if speculative:
+            verified = VerifiedRows(list(map(_KV_ALLOCATED, reqs)))
     else:
         # A mixed batch appends the running requests' decode rows after the prefill rows.
         prefill_rows = len(reqs) - len(batch.decoding_reqs or ())
@@ -240,6 +298,7 @@ def launched_step(
         holders,
         retracted or (decoding and waiting > 0 and len(reqs) < max_running_requests),
         free_blocks,
+        verified,
     )
 
 
@@ -266,6 +325,14 @@ def kv_page_shares(
     weights = 1.0 / np.bincount(ids, minlength=num_pages)[ids]
     owner = np.repeat(np.arange(len(tree_pages)), lengths)
     return own_pages + np.bincount(owner, weights=weights, minlength=len(tree_pages))
+
+
+def spec_counts(verified: VerifiedRows | None, slots: int) -> tuple[list[int], list[int]]:
+    """Each slot's drafts verified (the tokens verified less the one sampled last, as
+    SGLang counts proposed drafts) and drafts accepted; zeros outside a verify batch."""
+    if verified is None:
+        return [0] * slots, [0] * slots
+    return [verified.num_draft_tokens - 1] * slots, list(verified.accepted)
 
 
 @dataclass(slots=True)
@@ -306,10 +373,16 @@ class RequestMirror:
         """Apply a launched batch; its slots' ids, tokens computed, context and cached-prefix
         hit."""
         request_ids = [req.rid for req in step.reqs]
-        seq_lens = step.seq_lens.tolist()
         requests = self._requests
         hits = [0] * len(request_ids)
-        if step.decoding:
+        verified = step.verified
+        seq_lens = step.seq_lens.tolist()
+        if verified is not None:
+            # A verify batch's sequence lengths are the tokens in KV before the step: the
+            # token sampled last is verified with the drafts after it.
+            new_tokens = [verified.num_draft_tokens] * len(request_ids)
+            context, seq_lens = seq_lens, list(verified.kv_allocated)
+        elif step.decoding:
             new_tokens = [1] * len(request_ids)
             context = [length - 1 for length in seq_lens]
         else:
@@ -356,6 +429,7 @@ class RequestMirror:
         slots = len(request_ids)
         holder_blocks = held[slots:]
         holding = np.flatnonzero(holder_blocks > 0)
+        drafted, accepted = spec_counts(step.verified, slots)
         return (
             request_ids,
             new_tokens,
@@ -363,8 +437,8 @@ class RequestMirror:
             held[:slots],
             [m.prompt_tokens for m in owners[:slots]],
             hits,
-            [0] * slots,
-            [0] * slots,
+            drafted,
+            accepted,
             [holder_ids[i] for i in holding],
             holder_blocks[holding],
             ["waiting"] * len(holding),
@@ -379,9 +453,16 @@ class StepTracker:
     model, `result_arrived` before its result is processed, `result_processed` after."""
 
     def __init__(
-        self, recorder: StepRecorder, req_to_token: Any, page_size: int, total_pages: int
+        self,
+        recorder: StepRecorder,
+        req_to_token: Any,
+        page_size: int,
+        total_pages: int,
+        speculative: bool = False,
     ) -> None:
         self.recorder = recorder
+        # Decode batches verify drafts (a speculative algorithm is on).
+        self.speculative = speculative
         self.req_to_token = req_to_token
         self.page_size = page_size
         self.mirror = RequestMirror(page_size, total_pages)
@@ -413,6 +494,7 @@ class StepTracker:
             free_tokens // self.page_size,
             self.req_to_token,
             self._outstanding[-1].reqs if self._outstanding else (),
+            self.speculative,
         )
         if len(self._outstanding) >= _MAX_OUTSTANDING_STEPS:
             # Never raised into the scheduler: the oldest batch is counted as a drop.
@@ -422,12 +504,18 @@ class StepTracker:
         self._outstanding.append(step)
 
     def result_arrived(self) -> LaunchedStep:
-        end_ns = time.monotonic_ns()
         step = self._outstanding.popleft()
-        self._record_later(step.start_ns, end_ns, partial(self._columns, step))
+        step.end_ns = time.monotonic_ns()
         return step
 
-    def result_processed(self, step: LaunchedStep) -> None:
+    def result_processed(self, step: LaunchedStep, result: Any) -> None:
+        """Queue the step's record once SGLang processed its `result` (for a verify batch,
+        only then does the result hold each row's accepted drafts)."""
+        verified = step.verified
+        if verified is not None:
+            verified.num_draft_tokens = result.speculative_num_draft_tokens
+            verified.accepted = result.num_correct_drafts_per_req_cpu
+        self._record_later(step.start_ns, step.end_ns, partial(self._columns, step))
         if step.extend_rows:
             self._follow(checkpointed(step, self.req_to_token))
 
@@ -521,7 +609,14 @@ def recording_scheduler_class(
             check_sglang_version(sglang.__version__)
             super().__init__(*args, **kwargs)
             parallel = parallelism()
-            check_setup(parallel, self.server_args.speculative_algorithm)
+            algorithm = self.spec_algorithm
+            speculative = not algorithm.is_none()
+            check_setup(
+                parallel,
+                algorithm.name if speculative else None,
+                self.enable_overlap,
+                self.server_args.enable_mixed_chunk,
+            )
             self._retracted = False
             self.step_tracker: StepTracker | None = None
             if parallel.attn_tp_rank == 0:
@@ -531,6 +626,7 @@ def recording_scheduler_class(
                     self.req_to_token_pool.req_to_token,
                     self.page_size,
                     allocator.size // self.page_size,
+                    speculative,
                 )
 
         def _add_request_to_queue(self, req: Any, is_retracted: bool = False) -> None:
@@ -559,7 +655,7 @@ def recording_scheduler_class(
                 return super().process_batch_result(batch, result)
             step = tracker.result_arrived()
             processed = super().process_batch_result(batch, result)
-            tracker.result_processed(step)
+            tracker.result_processed(step, result)
             return processed
 
         def release_host_resources(self) -> None:

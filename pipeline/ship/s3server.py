@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,6 +66,18 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def s3_filesystem(env: Mapping[str, str]) -> pafs.S3FileSystem:
+    """A client of the server that the variables `env` (as `S3Server.env` gives them) name,
+    for a process whose own environment does not hold them."""
+    return pafs.S3FileSystem(
+        access_key=env["AWS_ACCESS_KEY_ID"],
+        secret_key=env["AWS_SECRET_ACCESS_KEY"],
+        endpoint_override=env["AWS_ENDPOINT_URL"],
+        region=env["AWS_REGION"],
+        allow_bucket_creation=True,
+    )
+
+
 @dataclass
 class S3Server:
     """One SeaweedFS server (master, volume, filer and S3 gateway in one process) over
@@ -105,14 +118,7 @@ class S3Server:
         return f"s3://{self.bucket}/{prefix}".rstrip("/")
 
     def filesystem(self) -> pafs.S3FileSystem:
-        keys = self._credentials()
-        return pafs.S3FileSystem(
-            access_key=keys["access"],
-            secret_key=keys["secret"],
-            endpoint_override=self.endpoint,
-            region=REGION,
-            allow_bucket_creation=True,
-        )
+        return s3_filesystem(self.env())
 
     def start(self) -> S3Server:
         """Start the server (on the ports of its previous start, if any) and wait until it

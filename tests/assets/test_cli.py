@@ -1,8 +1,11 @@
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import dagster as dg
 import pytest
@@ -15,6 +18,8 @@ from pipeline import finance
 from pipeline.simulator.faults import ENGINE_VERSION
 from schemas.config import load_pools
 from tests.helpers.fleets import small_pools
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_run_then_costs_without_sql(
@@ -124,17 +129,36 @@ def test_demo_replaces_only_an_earlier_demo(tmp_path: Path) -> None:
     assert (precious / "data.txt").read_text() == "keep"
 
 
+def sample_output() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "sample_output", ROOT / "docs" / "sample_output.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    # Its dataclass looks its module up by name.
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_demo_calibrates_bills_and_writes_the_report(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delenv("DAGSTER_HOME", raising=False)
+    """The demo of the getting-started page: what it and the commands the pages run on it
+    print is what the pages show (docs/sample_output.py writes them)."""
+    samples = sample_output()
+    for name in samples.UNSET:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("COLUMNS", samples.COLUMNS)
     # Named like markup: the demo prints it as it is named.
     out = tmp_path / "[bold]demo"
-    monkeypatch.setenv("COLUMNS", "1000")
-    result = CliRunner().invoke(
-        main, ["demo", "--out", str(out), "--hours", "0.01", "--workers", "2"]
-    )
+    demo, *queries = samples.samples()
+    assert demo.argv(out)[:3] == ["demo", "--out", str(out)]
+    result = samples.run(demo, out)
     assert result.exit_code == 0, result.output
+    stale = "shows other output: run `python docs/sample_output.py`"
+    assert samples.shown(result.stdout, out) == demo.output, f"{demo.page} {stale}"
     lines = result.output.splitlines()
     assert lines[-1] == f"report: {out / 'report.html'}"
     page = (out / "report.html").read_text()
@@ -164,6 +188,14 @@ def test_demo_calibrates_bills_and_writes_the_report(
         assert con.execute(
             "SELECT count(*), bool_and(passed) FROM reconciliation WHERE check_name = 'calibration'"
         ).fetchone() == (5, True)
+    # The pages' queries, on the demo under a plain name: the lake's table macro reads the
+    # directory's path as a glob pattern, in which "[bold]" is a character class.
+    plain = out.rename(tmp_path / samples.OUT)
+    assert len(queries) == 6
+    for query in queries:
+        printed = samples.run(query, plain)
+        assert printed.exit_code == 0, printed.output
+        assert samples.shown(printed.stdout, plain) == query.output, f"{query.page} {stale}"
 
 
 def test_demo_json_is_one_object_on_stdout(tmp_path: Path) -> None:

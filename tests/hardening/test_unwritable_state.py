@@ -1,6 +1,7 @@
 """A data directory whose pipeline state cannot be written: every pool still runs, each
 failure is one line naming the path, and on-call is paged straight through the sink (standard
-error, or a webhook: neither needs the disk) instead of the outbox.
+error, or a webhook: neither needs the disk) instead of the outbox. A Dagster instance that
+cannot be written stops the run before any pool-hour, in one line naming its directory.
 
 The state file is made a directory: opening it fails for every user, root included, where
 a read-only permission or mount would not stop root. A full disk is a real one: a small tmpfs
@@ -20,9 +21,11 @@ import pytest
 from click.testing import CliRunner
 
 from assets.cli import main
+from pipeline.cli.dagster_instance import INSTANCE_TEMPLATE
 from pipeline.reconcile.alerts import RUN_FAILED_TODO
 from pipeline.storage.warehouse import STATE_FILE
 from schemas.config import PoolsFile, load_pools
+from schemas.errors import StateError
 from tests.helpers.fleets import simulate_small
 from tests.helpers.webhooks import RecordingSink
 
@@ -144,3 +147,35 @@ def test_a_full_disk_names_the_path_pages_through_the_webhook_and_every_pool_run
         result.stderr
     )
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("configured", [False, True], ids=["new instance", "configured instance"])
+def test_a_full_disk_under_the_dagster_instance_is_one_line_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, configured: bool
+) -> None:
+    """Without DAGSTER_HOME the instance is the data directory's own: on a full disk neither
+    its configuration nor its SQLite storage can be written, and no pool-hour can run."""
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
+    with full_filesystem(tmp_path / "full", "1m") as disk:
+        data = disk / "run"
+        (data / "gateway").mkdir(parents=True)
+        (data / "gateway" / "2026-11-30T00.jsonl").write_text("")
+        instance = data / "dagster"
+        if configured:
+            instance.mkdir()
+            shutil.copyfile(INSTANCE_TEMPLATE, instance / "dagster.yaml")
+        fill(disk)
+        result = CliRunner().invoke(main, ["run", "--data", str(data)])
+        left = sorted(p.name for p in instance.iterdir())
+        state_left = (data / STATE_FILE).exists()
+    assert result.exit_code == StateError.exit_code == 6, result.output
+    cause = "No space left on device" if not configured else "database or disk is full"
+    assert result.stderr.splitlines() == [
+        f"Error: {instance}: the Dagster instance cannot be created or opened ({cause}); free "
+        "space there, or set DAGSTER_HOME to a writable directory"
+    ]
+    assert result.stdout.strip() == ""
+    # A configuration cut short is not left for the next run to take for one, nor an empty
+    # state file that DuckDB would refuse once the disk has room again.
+    assert left == (["dagster.yaml", "history"] if configured else [])
+    assert not state_left

@@ -1,17 +1,32 @@
-"""`stepledger stack up` starts PostgreSQL, the Dagster daemon and the webserver on loopback;
-`stack down` leaves nothing running."""
+"""`stepledger stack up` starts PostgreSQL, an S3 server, the Dagster daemon and the webserver on
+loopback, the store's keys reaching clients through the environment only; `stack down` leaves
+nothing running."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from pipeline import finance, stack
+from pipeline.datadir import DataDir
+from pipeline.ingestion.ingest import segment_files
+from pipeline.ship.shipper import ship_pending
+from pipeline.ship.store import STORE_VARIABLE, open_store, parse_key
 from pipeline.storage.warehouse import POSTGRES_ENV
+from schemas.config import load_pools
 from schemas.errors import ExternalError
-from tests.helpers.dagster_processes import free_port, listening_addresses, wait_for_daemons
+from tests.helpers.dagster_processes import (
+    STEPLEDGER,
+    free_port,
+    listening_addresses,
+    wait_for_daemons,
+)
 
 pytestmark = pytest.mark.timeout(1800)
 # Bounds for a webserver and daemon that hang, not wait: a loaded two-core machine has taken
@@ -20,23 +35,68 @@ STARTUP_SECONDS = 600
 REPOSITORY = Path(__file__).resolve().parents[2]
 
 
-def test_the_stack_serves_on_loopback_and_down_stops_all_it_started(tmp_path: Path) -> None:
+def postgres_or_skip() -> None:
     try:
         stack.server_binaries()
     except ExternalError as err:
         pytest.skip(f"no PostgreSQL server here: {err}")
+
+
+def secrets(env: dict[str, str]) -> list[bytes]:
+    """The stack's PostgreSQL password and the store's secret key."""
+    return [env["DAGSTER_PG_PASSWORD"].encode(), env["AWS_SECRET_ACCESS_KEY"].encode()]
+
+
+def secrets_written(directory: Path, env: dict[str, str]) -> list[str]:
+    """Files under `directory` that hold a secret of the stack, beside the two meant to (the
+    owner's record of the stack, the S3 server's identity file)."""
+    meant = {directory / stack.STACK_FILE, directory / "s3" / "credentials.json"}
+    return [
+        str(path)
+        for path in directory.rglob("*")
+        if path.is_file()
+        and path not in meant
+        and any(s in path.read_bytes() for s in secrets(env))
+    ]
+
+
+def ship_one_segment(env: dict[str, str], tmp_path: Path, write_segment) -> list[str]:
+    """A segment shipped to the store `env` names, by a client given only those variables; the
+    keys listed there."""
+    outbox = tmp_path / "node-outbox"
+    write_segment(3, outbox / "r0")
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, value)
+        store = open_store(env[STORE_VARIABLE])
+        assert ship_pending(store, outbox).failed == []
+        return [segment.key for segment in store.segments()]
+
+
+def test_the_stack_serves_on_loopback_and_down_stops_all_it_started(
+    tmp_path: Path, write_segment
+) -> None:
+    postgres_or_skip()
     directory, data = tmp_path / "stack", tmp_path / "data"
     data.mkdir()
     port = free_port()
     record = stack.up(directory, data, webserver_port=port)
     processes = dict(record["processes"])  # type: ignore[call-overload]
     try:
-        assert set(processes) == {"daemon", "webserver"}
+        assert set(processes) == {"s3", "daemon", "webserver"}
         wait_for_daemons(port, time.monotonic() + STARTUP_SECONDS)
         # Loopback only: 0100007F is 127.0.0.1 as /proc/net/tcp writes it.
         assert listening_addresses(port) == {"0100007F"}
         env = stack.environment_of(directory)
         assert env[POSTGRES_ENV].startswith("host=127.0.0.1 ")
+        assert env[STORE_VARIABLE] == "s3://stepledger/fleet"
+        s3_port = int(env["AWS_ENDPOINT_URL"].removeprefix("http://127.0.0.1:"))
+        assert listening_addresses(s3_port) == {"0100007F"}
+        (key,) = ship_one_segment(env, tmp_path, write_segment)
+        shipped = parse_key(key)
+        assert shipped is not None
+        assert (shipped.replica, shipped.last_seq) == ("r0", 2)
+        assert secrets_written(directory, env) == []
         # Finance reads the stack's store through its read-only role: an empty ledger.
         con = finance.connect(data)
         try:
@@ -47,7 +107,57 @@ def test_the_stack_serves_on_loopback_and_down_stops_all_it_started(tmp_path: Pa
             stack.up(directory, data)
     finally:
         stopped = stack.down(directory)
-    assert stopped == ["webserver", "daemon", "postgres"]
+    assert stopped == ["webserver", "daemon", "s3", "postgres"]
+    assert listening_addresses(s3_port) == set()
     assert [name for name, pgid in processes.items() if stack.group_running(pgid)] == []
     assert not (Path(str(record["cluster"])) / "postmaster.pid").exists()
     assert not (directory / stack.STACK_FILE).exists()
+
+
+def test_the_production_demo_bills_the_segments_it_shipped_through_the_stack(
+    tmp_path: Path,
+) -> None:
+    postgres_or_skip()
+    directory, data, out = tmp_path / "stack", tmp_path / "data", tmp_path / "demo"
+    data.mkdir()
+    stack.up(directory, data, webserver_port=free_port())
+    try:
+        env = stack.environment_of(directory)
+        done = subprocess.run(
+            [
+                *(STEPLEDGER, "demo", "--profile", "production", "--stack", str(directory)),
+                *("--out", str(out), "--hours", "0.01", "--workers", "1", "--json"),
+            ],
+            env={**os.environ, "PYTHONPATH": str(REPOSITORY)},
+            capture_output=True,
+            check=True,
+        )
+        with pytest.MonkeyPatch.context() as patch:
+            for name, value in env.items():
+                patch.setenv(name, value)
+            objects = open_store("s3://stepledger/demo").segments()
+    finally:
+        stack.down(directory)
+    result = json.loads(done.stdout)
+    replicas = {r.id for pool in load_pools().pools for r in pool.replicas}
+    # One segment per replica, each on the store once, none left on the GPU node's disk.
+    assert sorted(o.replica for o in objects) == sorted(replicas)
+    assert result["shipped"] == {
+        "store": "s3://stepledger/demo",
+        "segments": len(replicas),
+        "bytes": sum(o.size for o in objects),
+        "failed": [],
+    }
+    assert segment_files(DataDir(out / "gpu-node").outbox) == []
+    # What was billed is what the store holds: pulled into the pipeline's outbox, byte for byte.
+    pulled = segment_files(DataDir(out).outbox)
+    assert sorted(
+        (p.parent.name, p.name, hashlib.sha256(p.read_bytes()).hexdigest()) for p in pulled
+    ) == sorted((o.replica, o.name, o.sha256) for o in objects)
+    assert [(r["pool"], r["success"]) for r in result["runs"]] == [
+        ("chat-8b", True),
+        ("reason-dsv3", True),
+    ]
+    assert result["costs"]
+    leaked = [s for s in secrets(env) if s in done.stdout + done.stderr]
+    assert (leaked, secrets_written(out, env)) == ([], [])

@@ -1,4 +1,5 @@
-"""Deployments beyond one TP group: expert parallelism with EPLB, attention data parallelism.
+"""Deployments beyond one TP group: expert parallelism with EPLB, attention data parallelism;
+and the laws of one model's own kernels (DeepSeek-V4.1's hyper-connections, its DSpark drafter).
 
 Each law checked by hand on one step; that every slot split still sums to the step's NoOverlap
 is the property tests' job (test_kernel.DEPLOYMENTS holds these deployments).
@@ -6,11 +7,14 @@ is the property tests' job (test_kernel.DEPLOYMENTS holds these deployments).
 
 from __future__ import annotations
 
+from math import comb
+
 import pytest
 from pydantic import ValidationError
 
-from pricing import Deployment, Kernel, PricingError
+from pricing import Deployment, Kernel, PricingError, load_chip, load_model
 from pricing.plan import MeasuredRecurrent
+from pricing.spec import HyperConnectionBlock
 
 H200_READ = 4.8e6 * 0.8  # bytes per us
 H200_FP8 = 1.979e9  # FLOP per us
@@ -23,6 +27,17 @@ def _decode(kernel: Kernel, batch: int):
     return kernel.price([1] * batch, [4095] * batch, [4096] * batch)
 
 
+def _busiest(experts: int, reached: float, ranks: int) -> float:
+    """The expected largest of `ranks` binomial(experts, reached) counts, summed from the
+    distribution function: E[max] = sum over x < experts of 1 - P(count <= x)^ranks."""
+    below = 0.0
+    total = 0.0
+    for x in range(experts):
+        below += comb(experts, x) * reached**x * (1 - reached) ** (experts - x)
+        total += 1 - min(below, 1.0) ** ranks
+    return total
+
+
 def test_expert_parallel_with_eplb_prices_the_busiest_rank_by_hand():
     kernel = Kernel.build(Deployment(**DSV3, expert_parallel=True, eplb_redundant_experts=32))
     moe = _decode(kernel, 1).per_kind["attn_moe"]
@@ -30,10 +45,10 @@ def test_expert_parallel_with_eplb_prices_the_busiest_rank_by_hand():
     local = 36
     flops = 8 * EXPERT_FLOPS * 0.999 * local / 288
     assert moe["expert_sm_us"] == pytest.approx(flops * (1 + 113) / (H200_FP8 * 0.736), rel=1e-12)
-    # a logical expert's tokens are dealt over its copies: one token touches 36 * 8/288 of the
-    # local experts on average, each read whole
+    # a logical expert's tokens are dealt over its copies: one token reaches a given physical
+    # expert with chance 8/288, and the busiest of the 8 ranks reads its touched experts whole
     assert moe["expert_hbm_us"] == pytest.approx(
-        local * (8 / 288) * EXPERT_BYTES / H200_READ, rel=1e-12
+        _busiest(local, 8 / 288, 8) * EXPERT_BYTES / H200_READ, rel=1e-12
     )
     # attention and MLP all-reduces (4.71 us + 14336 B at 104,250 B/us each) and the MoE
     # dispatch over the default all-gather/reduce-scatter backend (7.39 us + 14336 B at 143,750)
@@ -80,8 +95,13 @@ def test_expert_parallel_reads_whole_experts_where_tp_reads_shards():
     tp = _decode(Kernel.build(Deployment(**DSV3)), 256).per_kind["attn_moe"]
     ep = _decode(Kernel.build(Deployment(**DSV3, expert_parallel=True)), 256).per_kind["attn_moe"]
     touched = 1 - (248 / 256) ** 256
+    # TP: every rank reads its eighth of every touched expert, the same on every rank
     assert tp["expert_hbm_us"] == pytest.approx(256 * touched * EXPERT_BYTES / 8 / H200_READ)
-    assert ep["expert_hbm_us"] == pytest.approx(32 * touched * EXPERT_BYTES / H200_READ)
+    # EP: the busiest of the 8 ranks of 32 whole experts, above the mean rank's 32 x touched
+    assert ep["expert_hbm_us"] == pytest.approx(
+        _busiest(32, touched, 8) * EXPERT_BYTES / H200_READ, rel=1e-12
+    )
+    assert _busiest(32, touched, 8) > 32 * touched
 
 
 def test_attention_data_parallel_funnels_every_replicas_tokens_into_the_experts():
@@ -95,7 +115,7 @@ def test_attention_data_parallel_funnels_every_replicas_tokens_into_the_experts(
         8 * EXPERT_FLOPS * 0.999 * 32 / 256 * (16 + 113) / (H200_FP8 * 0.736), rel=1e-12
     )
     assert moe["expert_hbm_us"] == pytest.approx(
-        32 * (1 - (248 / 256) ** 16) * EXPERT_BYTES / H200_READ, rel=1e-12
+        _busiest(32, 1 - (248 / 256) ** 16, 8) * EXPERT_BYTES / H200_READ, rel=1e-12
     )
     # TP 1: no all-reduce; the dispatch spans the 8-rank MoE group
     assert moe["nvlink_us"] == pytest.approx(7.39 + 2 * 14336 / 143750, rel=1e-12)
@@ -494,3 +514,104 @@ def test_kimi_k3_holds_a_kda_state_per_request_and_go_prices_its_mixer_from_the_
     gemm_flops = 2 * (67584 * 7168 + 7168 * 33792) / 8
     gemms = gemm_flops * (16 + 131) / (1979e6 * 0.648)
     assert dense["sm_us"] == pytest.approx(gemms + 3.8 + 16 / 0.235, rel=1e-12)
+
+
+# Stated for these tests only: no published sweep has measured the mHC kernels on any part in
+# pricing/chips/, so no chip file states them and the shipped model prices the graph's bytes.
+STATED_MHC = HyperConnectionBlock(
+    source="stated for the tests",
+    floor_us=4.0,
+    pre_rate_bytes_per_us=2e6,
+    post_rate_bytes_per_us=1.6e6,
+    basis={
+        "floor_us": "assumed",
+        "pre_rate_bytes_per_us": "assumed",
+        "post_rate_bytes_per_us": "assumed",
+    },
+)
+DSV41 = Deployment(model="deepseek-v4.1", chip="b200", tp=8)
+
+
+def mhc_measured_kernel(deployment: Deployment) -> Kernel:
+    """`deployment` on its chip with the mHC kernels' measured form stated."""
+    chip = load_chip(deployment.chip).model_copy(update={"hyper_connections": STATED_MHC})
+    return Kernel(deployment, chip, load_model(deployment.model))
+
+
+def test_measured_hyper_connections_replace_the_graphs_bytes_and_mixing_gemm_by_hand():
+    graph = Kernel.build(DSV41)
+    measured = mhc_measured_kernel(DSV41)
+    batch = ([1] * 4, [4095] * 4, [4096] * 4)
+    # Each layer has two hyper-connections of 4 streams x 7168 x 2 B = 57,344 B a token. With
+    # the measured form each costs 4 + 4 x 57,344 / 2e6 + 4 x 57,344 / 1.6e6 us on HBM; without
+    # it, 200,704 B a token plus the 24 x 28,672 fp32 mixing weights at B200's derated
+    # 7.7e6 x 0.8 B/us, and the mixing GEMM's 2 x 24 x 28,672 FLOP a token on every rank at the
+    # fp8 ramp (peak 4.5e9 FLOP/us, eps_max 0.764, m_half 177).
+    streams = 4 * 7168 * 2
+    law = 2 * (4.0 + 4 * streams / 2e6 + 4 * streams / 1.6e6)
+    traffic = 2 * (200704 * 4 + 24 * 28672 * 4) / (7.7e6 * 0.8)
+    mixing = 2 * (2 * 24 * 28672) * (4 + 177) / (4.5e9 * 0.764)
+    for kind in ("csa128_moe", "csa4_moe"):
+        with_law = measured.price(*batch).per_kind[kind]
+        stated = graph.price(*batch).per_kind[kind]
+        assert with_law["hbm_us"] - stated["hbm_us"] == pytest.approx(law - traffic, rel=1e-9)
+        assert stated["sm_us"] - with_law["sm_us"] == pytest.approx(mixing, rel=1e-9)
+    # the same kernels launch either way: 31 x 18 + 30 x 21 + 2 head kernels
+    assert measured.kernels == graph.kernels == 31 * 18 + 30 * 21 + 2
+    # a token's share is its streams' bytes; the fixed cost is no single request's
+    split = measured.slot_work(*batch)
+    graph_split = graph.slot_work(*batch)
+    own = 61 * 2 * (streams / 2e6 + streams / 1.6e6) - 61 * 2 * 200704 / (7.7e6 * 0.8)
+    assert split.slot_us[0, 1] - graph_split.slot_us[0, 1] == pytest.approx(own, rel=1e-9)
+
+
+DSPARK = Deployment(
+    model="deepseek-v4.1",
+    chip="b200",
+    tp=8,
+    num_spec_tokens=5,
+    decode_threshold=6,  # a decode row schedules its token and its five drafts
+    drafter="dspark",
+    max_num_seqs=8,
+)
+
+
+def test_the_dspark_drafter_replays_its_own_graph_to_its_own_ceiling_by_hand():
+    kernel = Kernel.build(DSPARK)
+    # ceiling min(8 x (1 + 5) x 2, 1024) = 96 tokens: the target's uniform decodes of 6 tokens
+    # replay its full graph up to 16 requests, the drafter's 5-token rows up to 96 // 5 = 19.
+    assert kernel.capture_ceiling == 96
+    assert kernel.plan.host.drafter.ceiling_rows == 19
+    target = 31 * 18 + 30 * 21 + 2  # kernels, each dispatched at 3.2 us
+    drafter = 12  # norm, qkv, attention (2), o_proj, all-reduce, norm, experts (4), all-reduce
+    replay = 7.0 + drafter * 3.2
+    decodes = kernel.price([6] * 16, [4090] * 16, [4096] * 16)
+    assert decodes.host_us == pytest.approx(7.0 + target * 3.2 + replay, rel=1e-12)
+    # 17 requests: the target is past its ceiling (102 tokens) and launches its 61 layers
+    # eagerly, while the drafter, 17 of 19 rows, still replays its graph
+    past = kernel.price([6] * 17, [4090] * 17, [4096] * 17)
+    assert past.host_us == pytest.approx(61 * 7.0 + target * 3.2 + replay, rel=1e-12)
+    # a prefill row: the target's piecewise pieces, and the drafter stores its extra context
+    # eagerly (one launch per drafter layer) before its replay
+    mixed = kernel.price([6, 50], [4090, 0], [4096, 50])  # 56 tokens, below the ceiling
+    pieces = 61 + 30 + 1  # a split at every attention and indexer
+    assert mixed.host_us == pytest.approx(7.0 * pieces + target * 3.2 + replay + 7.0, rel=1e-12)
+    # without a full decode graph the drafter captures none and always launches eagerly
+    piecewise = Kernel.build(DSPARK.model_copy(update={"cudagraph_mode": "PIECEWISE"}))
+    assert piecewise.plan.host.drafter.ceiling_rows == 0
+    assert piecewise.price([6], [4090], [4096]).host_us == pytest.approx(
+        7.0 * pieces + target * 3.2 + 1 * 7.0 + drafter * 3.2, rel=1e-12
+    )
+    # an empty step runs no drafter
+    assert kernel.price([], [], []).host_us == pytest.approx(7.0 + target * 3.2, rel=1e-12)
+
+
+def test_a_drafter_needs_draft_tokens_and_the_model_stating_it():
+    with pytest.raises(ValidationError, match="needs num_spec_tokens >= 1"):
+        Deployment(model="deepseek-v4.1", chip="b200", tp=8, drafter="dspark")
+    with pytest.raises(PricingError, match="drafter 'eagle' is not the one 'deepseek-v4.1' states"):
+        Kernel.build(DSPARK.model_copy(update={"drafter": "eagle"}))
+    with pytest.raises(PricingError, match="its drafter: none"):
+        Kernel.build(
+            Deployment(model="deepseek-v3", chip="h200", tp=8, num_spec_tokens=1, drafter="dspark")
+        )

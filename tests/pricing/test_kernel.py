@@ -14,6 +14,7 @@ from pricing import Deployment, Kernel, PricingError, Slots, spec
 from pricing.spec import ChipSpec, ModelSpec, _load, chip_names, load_chip
 from schemas.config import load_pools
 from tests.pricing.shared_reference import GOLDEN
+from tests.pricing.test_deployments import DSPARK, DSV41, mhc_measured_kernel
 
 DEPLOYMENTS = [
     GOLDEN,  # priced in both modes below
@@ -61,12 +62,20 @@ DEPLOYMENTS = [
         cache_dtype="fp8_ds_mla",
     ),
     Deployment(model="kimi-k3", chip="h100", tp=8),
+    DSPARK,  # its drafter's own graphs and ceiling
+    DSV41,  # its hyper-connections at the graph's bytes here, at the measured form below
+    DSV41.model_copy(update={"expert_parallel": True}),
 ]
+# Deployments priced on their chip with the mHC kernels' measured form stated.
+MEASURED_MHC = {len(DEPLOYMENTS) - 1}
 
 
 @cache
 def kernel_for(index: int, compat: str) -> Kernel:
-    return Kernel.build(DEPLOYMENTS[index].model_copy(update={"compat": compat}))
+    deployment = DEPLOYMENTS[index].model_copy(update={"compat": compat})
+    if index in MEASURED_MHC:
+        return mhc_measured_kernel(deployment)
+    return Kernel.build(deployment)
 
 
 requests = st.lists(

@@ -132,6 +132,27 @@ def test_distinct_experts():
     assert laws.distinct_experts(100_000, miss, 256) == pytest.approx(256.0, rel=1e-12)
 
 
+def test_the_busiest_of_several_ranks_touches_the_largest_expected_count():
+    # two ranks of two experts, each touched with chance 1/2: a rank's count is 0, 1, 2 with
+    # chances 1/4, 1/2, 1/4; the larger of two is 0 with 1/16, at most 1 with 9/16, so its
+    # expectation is (1 - 1/16) + (1 - 9/16) = 1.375
+    assert laws.busiest_rank_distinct_experts(1, 0.5, 2, 2) == pytest.approx(1.375, rel=1e-14)
+    # one rank is the mean rank; no token touches nothing; every expert reached is all of them
+    assert laws.busiest_rank_distinct_experts(4, 248 / 256, 32, 1) == pytest.approx(
+        laws.distinct_experts(4, 248 / 256, 32), rel=1e-15
+    )
+    assert laws.busiest_rank_distinct_experts(0, 248 / 256, 32, 8) == 0.0
+    assert laws.busiest_rank_distinct_experts(3, 0.0, 32, 8) == 32.0
+    # DeepSeek-V3 over 8 ranks: between the mean rank and all 32, rising with the tokens
+    tokens = np.array([1, 4, 16, 64, 256])
+    busiest = laws.busiest_rank_distinct_experts(tokens, 248 / 256, 32, 8)
+    assert np.all(busiest > laws.distinct_experts(tokens, 248 / 256, 32))
+    assert np.all(busiest <= 32.0)
+    assert np.all(np.diff(busiest) > 0)
+    with pytest.raises(ValueError, match="ranks >= 1"):
+        laws.busiest_rank_distinct_experts(1, 0.5, 2, 0)
+
+
 def test_collective_fixed_cost_then_peak_rate():
     # DeepSeek-V3 all-reduce of one token's 7168 bf16 activations on 8 H200s
     # 14,336 B at 104,250 B/us is 0.13752 us after the 4.71 us launch cost
@@ -220,3 +241,35 @@ def test_chunked_scan_flops_are_linear_in_tokens_with_the_chunk_bounding_the_qua
     assert laws.scan_us(0, 2_949_120, 989.5e6, 0.992, 0.4) == 0.0
     with pytest.raises(ValueError, match="positive rate"):
         laws.scan_us(1, 1, 989.5e6, 0.992, 0.0)
+
+
+def test_a_hyper_connection_is_a_floor_plus_the_streams_bytes_at_each_halfs_rate():
+    # 4 streams of a 7168-wide bf16 hidden state: 57,344 B a token. 100 tokens at a 2e6 B/us
+    # pre-mix and a 1.6e6 B/us post-mix over a 4 us floor:
+    # 4 + 5,734,400 / 2e6 + 5,734,400 / 1.6e6 = 4 + 2.8672 + 3.584 = 10.4512 us
+    streams = 4 * 7168 * 2
+    assert laws.hyper_connection_us(100, 4.0, streams, 2e6, 1.6e6) == pytest.approx(
+        10.4512, rel=1e-15
+    )
+    assert laws.hyper_connection_us(0, 4.0, streams, 2e6, 1.6e6) == 0.0
+    with pytest.raises(ValueError, match="positive rates"):
+        laws.hyper_connection_us(1, 4.0, streams, 0.0, 1.6e6)
+
+
+def test_a_parallel_block_drafter_fits_more_requests_in_the_same_capture():
+    # The spec's example: a 64-token capture with five draft tokens holds 12 of the drafter's
+    # 5-token rows, against the target's 10 rows of 1 + 5 tokens.
+    assert laws.drafter_capture_rows(64, 5, "full") == 12 == 64 // 5
+    assert 64 // (1 + 5) == 10
+    # captured only when the target decodes in full mode
+    assert laws.drafter_capture_rows(64, 5, "piecewise") == 0
+    assert laws.drafter_capture_rows(64, 5, "none") == 0
+    with pytest.raises(ValueError, match="num_spec_tokens >= 1"):
+        laws.drafter_capture_rows(64, 0, "full")
+
+
+def test_a_drafter_replays_to_its_ceiling_launches_eagerly_past_it_and_stores_on_prefill():
+    rows = np.array([0, 1, 12, 13, 12, 0])
+    prefilling = np.array([False, False, False, False, True, True])
+    host = laws.drafter_host_us(rows, prefilling, 12, replay_us=7.0, eager_us=21.0, store_us=14.0)
+    np.testing.assert_array_equal(host, [0.0, 7.0, 7.0, 21.0, 7.0 + 14.0, 0.0])

@@ -12,13 +12,34 @@ import numpy as np
 import pytest
 
 from pricing import Deployment, Kernel, PricingError
-from pricing.shape import load_sweeps, shape_error, steady_state_tpot_us
+from pricing.shape import (
+    EngineSettings,
+    Sweep,
+    engine_settings,
+    load_sweeps,
+    shape_error,
+    steady_state_tpot_us,
+)
 from tests.pricing.shared_reference import reference_file
 
-SHAPE_MAE_TARGET_PCT = 8.0
+SHAPE_MAE_TARGET_PCT = 7.8
 
 
-def test_load_response_shape_error_is_within_eight_percent():
+def _sweep(framework: str, isl: int = 8192) -> Sweep:
+    return Sweep(
+        model="deepseek-v3",
+        chip="h200",
+        framework=framework,
+        dtype="fp8",
+        tp=8,
+        isl=isl,
+        osl=1024,
+        concurrency=(4, 64),
+        tpot_us=(1.0, 2.0),
+    )
+
+
+def test_load_response_shape_error_is_within_target():
     sweeps = load_sweeps(reference_file("measured/inferencex_tpot_subset.csv"))
     error = shape_error(sweeps)
     print(
@@ -72,3 +93,67 @@ def test_the_steady_state_rises_with_concurrency():
     kernel = Kernel.build(Deployment(model="llama-3.1-70b-instruct", chip="h200", tp=4))
     tpot = [steady_state_tpot_us(kernel, c, 8192, 1024) for c in (1, 4, 16, 64)]
     assert np.all(np.diff(tpot) > 0)
+
+
+def test_a_prefill_apart_stalls_every_decode_for_its_own_step():
+    kernel = Kernel.build(Deployment(model="llama-3.1-8b-instruct", chip="h100"))
+    # SGLang: the 4 prompts of 100 tokens run alone; all 10 decode steps still carry 4 decodes
+    decode = kernel.price([1] * 4, [104] * 4, [105] * 4).nooverlap_us
+    prompt = kernel.price([100], [0], [100]).nooverlap_us
+    assert steady_state_tpot_us(kernel, 4, 100, 10, prefill_apart=True) == pytest.approx(
+        (10 * decode + 4 * prompt) / 10, rel=1e-12
+    )
+
+
+def test_attention_replicas_each_take_a_prompt_in_the_same_step():
+    kernel = Kernel.build(Deployment(model="llama-3.1-8b-instruct", chip="h100"))
+    # 8 requests over 2 replicas: 4 on the priced one, whose 4 prompts take 4 of the 10 steps
+    decode = kernel.price([1] * 4, [104] * 4, [105] * 4).nooverlap_us
+    prompt = kernel.price([100, 1, 1, 1], [0, 104, 104, 104], [100, 105, 105, 105]).nooverlap_us
+    assert steady_state_tpot_us(kernel, 8, 100, 10, replicas=2) == pytest.approx(
+        (6 * decode + 4 * prompt) / 10, rel=1e-12
+    )
+
+
+def test_a_budget_past_the_prompt_prices_it_in_one_step():
+    kernel = Kernel.build(Deployment(model="llama-3.1-8b-instruct", chip="h100"))
+    decode = kernel.price([1, 1], [16_449, 16_449], [16_450] * 2).nooverlap_us
+    prompt = kernel.price([16_400, 1], [0, 16_449], [16_400, 16_450]).nooverlap_us
+    assert steady_state_tpot_us(kernel, 2, 16_400, 100, token_budget=16_512) == pytest.approx(
+        (98 * decode + 2 * prompt) / 100, rel=1e-12
+    )
+
+
+def test_each_engine_serves_as_its_launch_script_says():
+    vllm = engine_settings(
+        Sweep("llama-3.1-70b-instruct", "h200", "vllm", "fp8", 4, 1024, 1024, (4,), (1.0,)), 16
+    )
+    assert vllm == EngineSettings(
+        Deployment(
+            model="llama-3.1-70b-instruct",
+            chip="h200",
+            dtype="fp8",
+            tp=4,
+            cache_dtype="fp8",
+            max_num_seqs=16,
+            cudagraph_mode="PIECEWISE",
+        ),
+        token_budget=8192,
+    )
+    sglang = engine_settings(_sweep("sglang"), 64)
+    assert sglang == EngineSettings(
+        Deployment(model="deepseek-v3", chip="h200", dtype="fp8", tp=8),
+        token_budget=32768,
+        prefill_apart=True,
+    )
+    ep = Deployment(
+        model="deepseek-v3", chip="h200", dtype="fp8", tp=8, expert_parallel=True, cache_dtype="fp8"
+    )
+    # (32 + 8192 + 64) rounded up to 64 tokens: the whole prompt beside the decodes
+    assert engine_settings(_sweep("trt"), 32) == EngineSettings(ep, token_budget=8320)
+    # attention data parallelism past 32 on 8k/1k: 8 replicas of TP 1 feeding EP 8
+    dp = ep.model_copy(update={"tp": 1, "data_parallel": 8})
+    assert engine_settings(_sweep("trt"), 64) == EngineSettings(dp, token_budget=8320, replicas=8)
+    assert engine_settings(_sweep("trt", isl=1024), 64) == EngineSettings(ep, token_budget=1152)
+    with pytest.raises(PricingError, match="no launch record for framework 'tgi'"):
+        engine_settings(_sweep("tgi"), 4)

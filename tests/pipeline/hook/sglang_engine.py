@@ -11,8 +11,18 @@ metrics and detokenizer channels. `Engine` calls SGLang's pieces in the order
 `Scheduler.get_next_batch_to_run`, `update_running_batch` and `process_batch_result_prefill` /
 `_decode` (sglang/srt/managers/scheduler.py, scheduler_components/batch_result_processor.py)
 call them in the normal and the overlap event loop, without mixed chunks, LoRA, grammars,
-hierarchical cache, disaggregation or speculative decoding, and samples a fixed token in place
-of the model.
+hierarchical cache or disaggregation, and samples a fixed token in place of the model.
+
+With EAGLE speculative decoding (normal loop only: SGLang runs it without the overlap loop on
+the CPU), batches are built for SGLang's `SpeculativeAlgorithm.EAGLE`, carry SGLang's own
+`EagleDraftInput` (filtered and merged with the batch), and decode batches are prepared by
+SGLang's `eagle_prepare_for_decode` (its KV allocation with the draft reserve). That allocation
+writes the new slots into `req_to_token` with a Triton kernel (`assign_req_to_token_pool`, or
+sgl_kernel's CPU build of it, which is not published for this machine): the same writes in
+torch stand in for it (`assign_req_to_token_pool_torch`). The draft and target models are
+absent: in their place the verify pass accepts a fixed pattern of drafts and
+returns SGLang's `GenerationBatchResult`, whose settling follows `_resolve_spec_v2_tokens` and
+`process_batch_result_decode`.
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ import json
 from array import array
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -40,6 +50,8 @@ from sglang.srt.managers.schedule_policy import (  # noqa: E402
 from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import (  # noqa: E402
     NewTokenRatioTracker,
 )
+from sglang.srt.managers.utils import GenerationBatchResult  # noqa: E402
+from sglang.srt.mem_cache import allocation  # noqa: E402
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
@@ -49,18 +61,61 @@ from sglang.srt.mem_cache.radix_cache import RadixCache  # noqa: E402
 from sglang.srt.runtime_context import SpawnRanks, publish  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
+from sglang.srt.speculative.eagle_info import EagleDraftInput  # noqa: E402
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
 
 SAMPLED_TOKEN = 7
+# EAGLE's chain: 3 draft steps of one candidate each, verified as 4 tokens per request.
+EAGLE_DRAFT_STEPS = 3
+EAGLE_DRAFT_TOKENS = 4
+
+
+def assign_req_to_token_pool_torch(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    start_offset: torch.Tensor,
+    end_offset: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    batch_size: int,
+) -> None:
+    """SGLang's `assign_req_to_token_pool` kernel in torch: row i of the batch gets its
+    slots `[start_offset[i], end_offset[i])` of req_to_token from out_cache_loc, where the
+    rows before it took theirs."""
+    taken = 0
+    for row in range(batch_size):
+        start, end = int(start_offset[row]), int(end_offset[row])
+        req_to_token[int(req_pool_indices[row]), start:end] = out_cache_loc[
+            taken : taken + end - start
+        ]
+        taken += end - start
+
+
+# Only the speculative decode allocation (`alloc_for_spec_decode`) calls it.
+allocation.assign_req_to_token_pool_func = assign_req_to_token_pool_torch
 
 
 def server_args(
-    model_dir: Path, *, chunked_prefill_size: int, max_running_requests: int, page_size: int = 1
+    model_dir: Path,
+    *,
+    chunked_prefill_size: int,
+    max_running_requests: int,
+    page_size: int = 1,
+    eagle: bool = False,
 ) -> Any:
     """The ServerArgs `python -m sglang.launch_server` would build for the model config in
-    model_dir on the CPU, published as a scheduler process publishes it."""
+    model_dir on the CPU (with `eagle`, EAGLE speculative decoding whose draft model has the
+    same config), published as a scheduler process publishes it."""
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(TINY_LLAMA))
+    speculative: dict[str, Any] = {}
+    if eagle:
+        speculative = {
+            "speculative_algorithm": "EAGLE",
+            "speculative_draft_model_path": str(model_dir),
+            "speculative_num_steps": EAGLE_DRAFT_STEPS,
+            "speculative_eagle_topk": 1,
+            "speculative_num_draft_tokens": EAGLE_DRAFT_TOKENS,
+        }
     args = ServerArgs(
         model_path=str(model_dir),
         device="cpu",
@@ -68,6 +123,7 @@ def server_args(
         chunked_prefill_size=chunked_prefill_size,
         max_running_requests=max_running_requests,
         page_size=page_size,
+        **speculative,
     )
     publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0))
     return args
@@ -87,6 +143,8 @@ class Engine:
         # `Scheduler.event_loop_overlap`: a batch is launched before the previous one's
         # result is processed.
         self.enable_overlap = overlap
+        self.spec_algorithm = SpeculativeAlgorithm.from_string(server_args.speculative_algorithm)
+        assert self.spec_algorithm.is_none() or not overlap, "EAGLE runs in the normal loop"
         self.result_queue: deque[tuple[Any, Any]] = deque()
         self.waiting_queue: list[Any] = []
         self.chunked_req: Any = None
@@ -242,7 +300,7 @@ class Engine:
             self.tree_cache,
             self.model_config,
             self.enable_overlap,
-            SpeculativeAlgorithm.NONE,
+            self.spec_algorithm,
             chunked_req=self.chunked_req,
         )
         batch.prepare_for_extend()
@@ -285,15 +343,72 @@ class Engine:
 
     # --- Scheduler.run_batch and process_batch_result ---------------------------------
     def run_batch(self, batch: Any) -> Any:
-        """The model's forward pass, absent: it samples SAMPLED_TOKEN for every request."""
+        """The model's forward pass, absent: it samples SAMPLED_TOKEN for every request; with
+        EAGLE, the verify pass of a decode batch (`verify`), and every batch leaves the next
+        draft input on the batch (the non-overlap branch of `Scheduler.run_batch`)."""
         self.retracted.clear()
-        return SAMPLED_TOKEN
+        if self.spec_algorithm.is_none():
+            return SAMPLED_TOKEN
+        result = self.verify(batch) if batch.forward_mode.is_decode() else SAMPLED_TOKEN
+        batch.spec_info = self.draft_input(len(batch.reqs))
+        return result
+
+    def draft_input(self, rows: int) -> Any:
+        """The next draft input the EAGLE worker leaves for `rows` requests: one candidate
+        each, with its probability, hidden state and bonus token."""
+        return EagleDraftInput(
+            topk_p=torch.ones(rows, 1),
+            topk_index=torch.full((rows, 1), SAMPLED_TOKEN, dtype=torch.int64),
+            hidden_states=torch.zeros(rows, cast(int, TINY_LLAMA["hidden_size"])),
+            bonus_tokens=torch.full((rows,), SAMPLED_TOKEN, dtype=torch.int64),
+        )
+
+    def verify(self, batch: Any) -> Any:
+        """The target model's verify pass, absent: request i accepts `accepted_drafts` of its
+        drafts plus the bonus token; the batch's sequence lengths advance by as many (the
+        worker's `new_seq_lens`)."""
+        accept_lens = torch.tensor(
+            [accepted_drafts(req) + 1 for req in batch.reqs], dtype=torch.int32
+        )
+        batch.seq_lens = batch.seq_lens + accept_lens.to(batch.seq_lens.dtype)
+        batch.seq_lens_cpu = batch.seq_lens.cpu()
+        return GenerationBatchResult(
+            next_token_ids=torch.full((len(batch.reqs) * EAGLE_DRAFT_TOKENS,), SAMPLED_TOKEN),
+            accept_lens=accept_lens,
+            new_seq_lens=batch.seq_lens,
+            speculative_num_draft_tokens=EAGLE_DRAFT_TOKENS,
+        )
+
+    def settle_verify(self, batch: Any, result: Any) -> None:
+        """`_resolve_spec_v2_tokens` and the KV bookkeeping of `process_batch_result_decode`
+        for a verify result: each request commits its accepted run, counts a verify and its
+        accepted drafts, and releases its KV once finished."""
+        accept_lens = result.accept_lens.tolist()
+        result.num_correct_drafts_per_req_cpu = [
+            length - result.num_non_draft_tokens_per_req for length in accept_lens
+        ]
+        for req, accept_len, correct in zip(
+            batch.reqs, accept_lens, result.num_correct_drafts_per_req_cpu, strict=True
+        ):
+            if req.is_retracted or req.finished():
+                continue
+            req.kv.kv_committed_len += accept_len
+            req.spec_verify_ct += 1
+            req.spec_num_correct_drafts += correct
+            req.update_spec_correct_drafts_histogram(correct)
+            req.output_ids.extend([SAMPLED_TOKEN] * accept_len)
+            req.update_finish_state(accept_len)
+            if req.finished():
+                release_kv_cache(req, self.tree_cache, checkpoint=True)
 
     def process_batch_result(self, batch: Any, result: Any) -> None:
         """The KV bookkeeping of `process_batch_result_prefill` and `_decode`: a middle chunk
         only counts down; a finished request releases its KV into the tree, a prefilled one
         checkpoints what it computed."""
         prefill = batch.forward_mode.is_extend()
+        if isinstance(result, GenerationBatchResult):
+            self.settle_verify(batch, result)
+            return
         for req in batch.reqs:
             if req.is_retracted or (req.finished() and req.inflight_middle_chunks <= 0):
                 # Under overlap a request retracted or finished since reappears once.
@@ -336,3 +451,9 @@ class Engine:
             or not self.running_batch.is_empty()
             or self.result_queue
         )
+
+
+def accepted_drafts(req: Any) -> int:
+    """How many of its drafts the absent target model accepts for `req` in its next verify:
+    a pattern over 0 to all of them."""
+    return int(req.spec_verify_ct + len(req.origin_input_ids)) % EAGLE_DRAFT_TOKENS

@@ -35,37 +35,66 @@ def test_other_releases_are_refused_naming_version_and_range(version: str) -> No
     )
 
 
+# What the server runs: its parallel layout, speculative algorithm, and whether the overlap
+# loop and mixed chunks are on.
 @pytest.mark.parametrize(
-    ("parallel", "speculative", "message"),
+    ("parallel", "speculative", "loop", "message"),
     [
         (
             adapter.Parallelism(8, 1, 8, 8, 0),
             None,
+            (True, False),
             "data-parallel attention (8 ranks) is not supported: the segment header has no "
             "field for the attention DP rank",
         ),
         (
             adapter.Parallelism(4, 2, 1, 1, 0),
             None,
+            (True, False),
             "pipeline parallelism (pp_size=2) is not supported",
         ),
         (
             ONE_GPU,
             "EAGLE",
-            "speculative decoding (EAGLE) is not supported by the SGLang step recorder yet",
+            (True, False),
+            "speculative decoding (EAGLE) is recorded only without the overlap scheduler: "
+            "start the server with --disable-overlap-schedule",
+        ),
+        (
+            ONE_GPU,
+            "EAGLE3",
+            (False, True),
+            "speculative decoding (EAGLE3) is recorded only without mixed chunks: start the "
+            "server without --enable-mixed-chunk",
+        ),
+        (
+            ONE_GPU,
+            "DFLASH",
+            (False, False),
+            "speculative decoding with DFLASH is not supported; supported: EAGLE, EAGLE3, "
+            "STANDALONE, NGRAM",
         ),
     ],
 )
 def test_setups_a_record_cannot_describe_are_refused(
-    parallel: adapter.Parallelism, speculative: str | None, message: str
+    parallel: adapter.Parallelism,
+    speculative: str | None,
+    loop: tuple[bool, bool],
+    message: str,
 ) -> None:
+    overlap, mixed_chunk = loop
     with pytest.raises(adapter.UnsupportedSglangSetup) as refused:
-        adapter.check_setup(parallel, speculative)
+        adapter.check_setup(parallel, speculative, overlap, mixed_chunk)
     assert str(refused.value) == message
 
 
 def test_tensor_and_expert_parallelism_on_one_attention_rank_are_recorded() -> None:
-    adapter.check_setup(adapter.Parallelism(8, 1, 8, 1, 3), None)
+    adapter.check_setup(adapter.Parallelism(8, 1, 8, 1, 3), None, True, True)
+
+
+@pytest.mark.parametrize("algorithm", adapter.SPECULATIVE_ALGORITHMS)
+def test_speculative_decoding_in_the_normal_loop_is_recorded(algorithm: str) -> None:
+    adapter.check_setup(ONE_GPU, algorithm, False)
 
 
 def test_header_names_the_pool_and_what_the_server_reports(replica: ReplicaDescriptor) -> None:

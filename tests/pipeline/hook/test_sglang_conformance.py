@@ -2,7 +2,10 @@
 adder, radix cache, memory pools; see tests/pipeline/hook/sglang_engine.py for what is driven and
 what is not), on the CPU; every recorded value is checked against SGLang's own state at the
 moment the batch was launched: its KV row of every request (`req_to_token` up to
-`kv_allocated_len`), its cached-prefix count (`Req.cached_tokens`), its allocator and tree."""
+`kv_allocated_len`), its cached-prefix count (`Req.cached_tokens`), its allocator and tree;
+with EAGLE speculative decoding, each verify's drafts against the verify result SGLang settled
+and every request's drafts against SGLang's own counters (`Req.spec_verify_ct`,
+`spec_num_correct_drafts`)."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ pytest.importorskip(
 )
 
 import sglang  # noqa: E402
+from sglang.srt.managers.utils import GenerationBatchResult  # noqa: E402
 
 import pipeline.hook.sglang as adapter  # noqa: E402
 from pipeline.hook import recorder  # noqa: E402
@@ -28,7 +32,11 @@ from pipeline.hook.recorder import StepRecorder  # noqa: E402
 from pipeline.hook.replica import ReplicaDescriptor  # noqa: E402
 from pipeline.ingestion.decoder import read_segments  # noqa: E402
 from tests.pipeline.hook.recorded_steps import assert_steps_match  # noqa: E402
-from tests.pipeline.hook.sglang_engine import Engine, server_args  # noqa: E402
+from tests.pipeline.hook.sglang_engine import (  # noqa: E402
+    EAGLE_DRAFT_TOKENS,
+    Engine,
+    server_args,
+)
 
 REPLICA = "chat-8b-r0"
 # Too few KV slots for the two long decodes side by side: SGLang retracts one of them.
@@ -57,20 +65,25 @@ def expected_step(engine: Engine, batch: Any, cached_seen: dict[str, int]) -> di
         return round(sum(1 / holders_of[p] for p in pages.get(request_id, ())), 9)
 
     extend = batch.forward_mode.is_extend()
+    # A decode batch verifies the drafts; its accepted ones are known once its result is.
+    verify = not extend and not engine.spec_algorithm.is_none()
     slots = []
     for req in batch.reqs:
         new_tokens = req.extend_len if extend else 1
+        context = req.kv.kv_allocated_len - new_tokens
+        if verify:
+            new_tokens, context = EAGLE_DRAFT_TOKENS, req.kv.kv_committed_len
         hit = req.cached_tokens - cached_seen.get(req.rid, 0) if extend else 0
         cached_seen[req.rid] = req.cached_tokens
         slots.append(
             {
                 "request_id": req.rid,
                 "new_tokens": new_tokens,
-                "context_tokens": req.kv.kv_allocated_len - new_tokens,
+                "context_tokens": context,
                 "kv_blocks": share(req.rid),
                 "prompt_tokens": len(req.origin_input_ids),
                 "prefix_hit_tokens": hit,
-                "spec_drafted": 0,
+                "spec_drafted": EAGLE_DRAFT_TOKENS - 1 if verify else 0,
                 "spec_accepted": 0,
             }
         )
@@ -105,13 +118,21 @@ def expected_step(engine: Engine, batch: Any, cached_seen: dict[str, int]) -> di
 
 
 def checked_engine(expected: list[dict[str, Any]]) -> type:
-    """Engine, noting each batch's expected record when it is handed to the model."""
+    """Engine, noting each batch's expected record when it is handed to the model, and each
+    verify's accepted drafts from its result (the normal loop: the last batch launched)."""
     cached_seen: dict[str, int] = {}
 
     class CheckedEngine(Engine):
         def run_batch(self, batch: Any) -> Any:
             expected.append(expected_step(self, batch, cached_seen))
             return super().run_batch(batch)
+
+        def process_batch_result(self, batch: Any, result: Any) -> None:
+            if isinstance(result, GenerationBatchResult):
+                accept_lens = result.accept_lens.tolist()
+                for slot, accept_len in zip(expected[-1]["slots"], accept_lens, strict=True):
+                    slot["spec_accepted"] = accept_len - result.num_non_draft_tokens_per_req
+            super().process_batch_result(batch, result)
 
     return CheckedEngine
 
@@ -139,6 +160,9 @@ def run_scenario(engine: Engine) -> None:
     assert not engine.has_requests(), "the scenario did not finish"
 
 
+LOOPS = ["normal", "overlap", "normal-eagle"]
+
+
 @pytest.fixture
 def environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """The writer thread idle until the recorder closes: every step is built after the whole
@@ -152,12 +176,16 @@ def environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 # SGLang's default page of one token, and pages of 4 (a KV page shared by requests holds
 # their common prefix's whole pages).
-# The normal event loop, and the overlap one (SGLang's default): there a batch is launched
-# before the previous one's result is processed.
+# The normal event loop, the overlap one (SGLang's default): there a batch is launched
+# before the previous one's result is processed, and EAGLE speculative decoding in the normal
+# loop (SGLang runs it without the overlap loop on the CPU).
 @pytest.mark.parametrize("page_size", [1, 4])
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize(
+    ("overlap", "eagle"), [(False, False), (True, False), (False, True)], ids=LOOPS
+)
 def test_recorded_steps_match_sglangs_own_state(
     overlap: bool,
+    eagle: bool,
     page_size: int,
     environment: Path,
     replica: ReplicaDescriptor,
@@ -168,6 +196,7 @@ def test_recorded_steps_match_sglangs_own_state(
         chunked_prefill_size=CHUNKED_PREFILL,
         max_running_requests=4,
         page_size=page_size,
+        eagle=eagle,
     )
 
     def recorder_for(scheduler: Any) -> StepRecorder:
@@ -216,7 +245,10 @@ def test_recorded_steps_match_sglangs_own_state(
     readmitted = [
         s
         for s in slots
-        if s["request_id"] == retracted and s["seq"] > retractions[0] and s["new_tokens"] > 1
+        if s["request_id"] == retracted
+        and s["seq"] > retractions[0]
+        and s["new_tokens"] > 1
+        and not s["spec_drafted"]
     ]
     assert readmitted
     assert readmitted[0]["prefix_hit_tokens"] == 0
@@ -226,3 +258,22 @@ def test_recorded_steps_match_sglangs_own_state(
     assert {want["mode"] for want in expected} == {"EXTEND", "DECODE"}
     assert any(want["finishing_in_flight"] for want in expected) == overlap
     assert any(h["request_id"] for h in holders)
+    if eagle:
+        assert_drafts_match_sglangs_counters(engine, slots)
+    else:
+        assert not any(s["spec_drafted"] for s in slots)
+
+
+def assert_drafts_match_sglangs_counters(engine: Engine, slots: list[dict[str, Any]]) -> None:
+    """Every request's recorded verifies, drafts and accepted drafts are SGLang's own counts
+    (proposed drafts as its tokenizer manager reports them: verifies × (draft tokens − 1))."""
+    for request_id, req in engine.requests.items():
+        verifies = [s for s in slots if s["request_id"] == request_id and s["spec_drafted"]]
+        assert len(verifies) == req.spec_verify_ct > 0, request_id
+        assert sum(s["spec_drafted"] for s in verifies) == req.spec_verify_ct * (
+            EAGLE_DRAFT_TOKENS - 1
+        )
+        assert sum(s["spec_accepted"] for s in verifies) == req.spec_num_correct_drafts
+        assert sum(req.spec_correct_drafts_histogram) == req.spec_verify_ct
+    # The absent target model accepted none, some and all of the drafts.
+    assert {s["spec_accepted"] for s in slots if s["spec_drafted"]} == {0, 1, 2, 3}
