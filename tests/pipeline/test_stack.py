@@ -17,7 +17,7 @@ from pipeline import finance, stack
 from pipeline.datadir import DataDir
 from pipeline.ingestion.ingest import segment_files
 from pipeline.ship.shipper import ship_pending
-from pipeline.ship.store import STORE_VARIABLE, open_store, parse_key
+from pipeline.ship.store import STORE_VARIABLE, SegmentObject, open_store, parse_key
 from pipeline.storage.warehouse import POSTGRES_ENV
 from schemas.config import load_pools
 from schemas.errors import ExternalError
@@ -73,9 +73,64 @@ def ship_one_segment(env: dict[str, str], tmp_path: Path, write_segment) -> list
         return [segment.key for segment in store.segments()]
 
 
-def test_the_stack_serves_on_loopback_and_down_stops_all_it_started(
+def run_production_demo(
+    directory: Path, env: dict[str, str], out: Path
+) -> tuple[subprocess.CompletedProcess[str], list[SegmentObject]]:
+    """`stepledger demo --profile production` through the stack: its result and the segment
+    objects it left on the store."""
+    done = subprocess.run(
+        [
+            *(STEPLEDGER, "demo", "--profile", "production", "--stack", str(directory)),
+            *("--out", str(out), "--hours", "0.01", "--workers", "1", "--json"),
+        ],
+        env={**os.environ, "PYTHONPATH": str(REPOSITORY)},
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, value)
+        return done, open_store("s3://stepledger/demo").segments()
+
+
+def check_production_demo(
+    out: Path,
+    env: dict[str, str],
+    done: subprocess.CompletedProcess[str],
+    objects: list[SegmentObject],
+) -> None:
+    result = json.loads(done.stdout)
+    replicas = {r.id for pool in load_pools().pools for r in pool.replicas}
+    # One segment per replica, each on the store once, none left on the GPU node's disk.
+    assert sorted(o.replica for o in objects) == sorted(replicas)
+    assert result["shipped"] == {
+        "store": "s3://stepledger/demo",
+        "segments": len(replicas),
+        "bytes": sum(o.size for o in objects),
+        "failed": [],
+    }
+    assert segment_files(DataDir(out / "gpu-node").outbox) == []
+    # What was billed is what the store holds: pulled into the pipeline's outbox, byte for byte.
+    pulled = segment_files(DataDir(out).outbox)
+    assert sorted(
+        (p.parent.name, p.name, hashlib.sha256(p.read_bytes()).hexdigest()) for p in pulled
+    ) == sorted((o.replica, o.name, o.sha256) for o in objects)
+    assert [(r["pool"], r["success"]) for r in result["runs"]] == [
+        ("chat-8b", True),
+        ("reason-dsv3", True),
+    ]
+    assert result["costs"]
+    leaked = [s for s in secrets(env) if s.decode() in done.stdout + done.stderr]
+    assert (leaked, secrets_written(out, env)) == ([], [])
+
+
+def test_the_stack_serves_on_loopback_bills_the_production_demo_and_down_stops_all(
     tmp_path: Path, write_segment
 ) -> None:
+    """One stack for both (starting one takes most of a minute): its services on loopback, a
+    client given only `stack env`, the production demo shipped and billed through it, then
+    `stack down`."""
     postgres_or_skip()
     directory, data = tmp_path / "stack", tmp_path / "data"
     data.mkdir()
@@ -105,6 +160,7 @@ def test_the_stack_serves_on_loopback_and_down_stops_all_it_started(
             con.close()
         with pytest.raises(stack.StackError, match="a stack runs there"):
             stack.up(directory, data)
+        demo = run_production_demo(directory, env, tmp_path / "demo")
     finally:
         stopped = stack.down(directory)
     assert stopped == ["webserver", "daemon", "s3", "postgres"]
@@ -112,52 +168,4 @@ def test_the_stack_serves_on_loopback_and_down_stops_all_it_started(
     assert [name for name, pgid in processes.items() if stack.group_running(pgid)] == []
     assert not (Path(str(record["cluster"])) / "postmaster.pid").exists()
     assert not (directory / stack.STACK_FILE).exists()
-
-
-def test_the_production_demo_bills_the_segments_it_shipped_through_the_stack(
-    tmp_path: Path,
-) -> None:
-    postgres_or_skip()
-    directory, data, out = tmp_path / "stack", tmp_path / "data", tmp_path / "demo"
-    data.mkdir()
-    stack.up(directory, data, webserver_port=free_port())
-    try:
-        env = stack.environment_of(directory)
-        done = subprocess.run(
-            [
-                *(STEPLEDGER, "demo", "--profile", "production", "--stack", str(directory)),
-                *("--out", str(out), "--hours", "0.01", "--workers", "1", "--json"),
-            ],
-            env={**os.environ, "PYTHONPATH": str(REPOSITORY)},
-            capture_output=True,
-            check=True,
-        )
-        with pytest.MonkeyPatch.context() as patch:
-            for name, value in env.items():
-                patch.setenv(name, value)
-            objects = open_store("s3://stepledger/demo").segments()
-    finally:
-        stack.down(directory)
-    result = json.loads(done.stdout)
-    replicas = {r.id for pool in load_pools().pools for r in pool.replicas}
-    # One segment per replica, each on the store once, none left on the GPU node's disk.
-    assert sorted(o.replica for o in objects) == sorted(replicas)
-    assert result["shipped"] == {
-        "store": "s3://stepledger/demo",
-        "segments": len(replicas),
-        "bytes": sum(o.size for o in objects),
-        "failed": [],
-    }
-    assert segment_files(DataDir(out / "gpu-node").outbox) == []
-    # What was billed is what the store holds: pulled into the pipeline's outbox, byte for byte.
-    pulled = segment_files(DataDir(out).outbox)
-    assert sorted(
-        (p.parent.name, p.name, hashlib.sha256(p.read_bytes()).hexdigest()) for p in pulled
-    ) == sorted((o.replica, o.name, o.sha256) for o in objects)
-    assert [(r["pool"], r["success"]) for r in result["runs"]] == [
-        ("chat-8b", True),
-        ("reason-dsv3", True),
-    ]
-    assert result["costs"]
-    leaked = [s for s in secrets(env) if s in done.stdout + done.stderr]
-    assert (leaked, secrets_written(out, env)) == ([], [])
+    check_production_demo(tmp_path / "demo", env, *demo)
