@@ -21,6 +21,7 @@ from assets.reconciliation import build_reconciliation_checks
 from assets.resources import build_resources, data_dir_from_env, state_pool
 from assets.schedules import build_hourly_schedule
 from assets.sensors import build_new_segments_sensor
+from assets.verification import build_verify_published_sensor
 from pipeline.datadir import DataDir
 from schemas.config import PoolsFile, load_pools
 
@@ -48,6 +49,7 @@ def build_definitions(
             build_failure_pager(partitions),
             build_alert_delivery_sensor(pools.settings),
             build_deadman_sensor(pools, hours.first),
+            build_verify_published_sensor(),
         ],
         resources=build_resources(data_dir, warehouse),
     )

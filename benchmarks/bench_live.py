@@ -76,7 +76,7 @@ def _readable_now(index: RequestIndex, finish: dict[str, int], waiting: set[str]
     ready = [
         request_id
         for request_id in waiting
-        if (cost := index.lookup(request_id, None)) is not None
+        if (cost := index.find(request_id, None)[1]) is not None
         and max(h["last_step_end_utc_ns"] or 0 for h in cost["hours"]) >= finish[request_id]
     ]
     waiting.difference_update(ready)

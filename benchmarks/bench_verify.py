@@ -4,6 +4,12 @@ file of a published pool-hour the first time a query of its process opens it: th
 others. `verify_warehouse_s` is the time hashing those takes; `verify_all_files_s` what hashing
 every published file would (verifying the whole warehouse on each connection).
 
+The verification sweep (`stepledger verify`, the `verify_published` sensor) checks every
+published pool-hour: `verify_sweep_first_ms_per_pool_hour` is its cost per pool-hour in a
+process that has hashed nothing yet (every file read through), `verify_sweep_ms_per_pool_hour`
+that of the next sweep, whose files are hashed already (by path, size and modification time):
+a stat per file and the digest of the rows.
+
 The warehouse is finance_query_ms's (benchmarks/bench_finance.py) for a week (quick: six
 hours), each pool-hour published as the pipeline publishes it (one transaction with its digest
 and data-file hashes), with 20,000 (quick: 2,000) request costs per pool-hour: the bulk of the
@@ -23,7 +29,7 @@ from benchmarks.bench_finance import FEATURES_PER_HOUR, POOLS, START, TENANTS, _
 from benchmarks.figure import Figure
 from pipeline import finance
 from pipeline.datadir import DataDir
-from pipeline.storage.integrity import record_published_hour
+from pipeline.storage.integrity import record_published_hour, sweep_warehouse
 from pipeline.storage.read_only_files import cached_sha256, file_sha256
 from pipeline.storage.warehouse import (
     DATA_FILES_DIR,
@@ -32,6 +38,10 @@ from pipeline.storage.warehouse import (
     replace_hour,
     warehouse_dir,
 )
+
+# The `verify_published` sensor sweeps hourly: a month of four pools (2,880 pool-hours) must be
+# swept within the hour.
+SWEEP_TARGET_MS = 3600 * 1000 / 2880
 
 
 def _request_costs(hour: datetime, pool: str, requests: int) -> pl.DataFrame:
@@ -118,10 +128,37 @@ def figures(quick: bool) -> list[Figure]:
             )
         read = hashing_s(files["ledger_lines"])
         everything = hashing_s(files["ledger_lines"] + files["request_costs"])
+        cached_sha256.cache_clear()
+        cold = sweep_s(root)
+        warm = sweep_s(root)
+    pool_hours = hours * len(POOLS)
     return [
         Figure("verify_warehouse_s", round(read, 3), "s", 1.0, "max"),
         Figure("verify_all_files_s", round(everything, 3), "s", 10.0, "max"),
+        Figure(
+            "verify_sweep_first_ms_per_pool_hour",
+            round(1000 * cold / pool_hours, 2),
+            "ms",
+            SWEEP_TARGET_MS,
+            "max",
+        ),
+        Figure(
+            "verify_sweep_ms_per_pool_hour",
+            round(1000 * warm / pool_hours, 2),
+            "ms",
+            SWEEP_TARGET_MS,
+            "max",
+        ),
     ]
+
+
+def sweep_s(root: Path) -> float:
+    """One verification sweep of the whole warehouse (the `verify_published` sensor's tick)."""
+    started = time.perf_counter()
+    sweep = sweep_warehouse(warehouse_dir(root))
+    if sweep.changed:
+        raise AssertionError(f"an untouched warehouse swept as changed: {sweep.changed[0].detail}")
+    return time.perf_counter() - started
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 thresholds that notify, and where each tenant is told.
 
     thresholds_pct: [50, 80, 100]
+    channels:
+      "#acme-gpu-spend": {webhook_url_env: ACME_SPEND_WEBHOOK_URL}
     budgets:
       - tenant: acme-support
         monthly_usd: 2500
@@ -10,7 +12,10 @@ thresholds that notify, and where each tenant is told.
         page_on_call: true
       - {tenant: acme-support, feature: support-bot, monthly_usd: 1500, channel: "#acme-gpu-spend"}
 
-Dollars are exact decimals with at most 9 places (whole nano-dollars).
+Dollars are exact decimals with at most 9 places (whole nano-dollars). Each channel a budget
+names is declared under `channels`: a webhook taking Slack-compatible JSON (`{"text": ...}`:
+Slack, Mattermost, Rocket.Chat, ...) whose URL, a secret, is read from the environment variable
+`webhook_url_env` names when a notice is delivered; the file holds only the variable's name.
 """
 
 from __future__ import annotations
@@ -18,12 +23,21 @@ from __future__ import annotations
 from decimal import Decimal
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from schemas.config import load_yaml_model
 from schemas.units import NanoUSD, usd_to_nano
 
 DEFAULT_THRESHOLDS_PCT = [50, 80, 100]
+
+
+class Channel(BaseModel):
+    """Where a tenant hears of its budgets: a Slack-compatible webhook."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # The name of the environment variable holding the webhook's URL, never the URL itself.
+    webhook_url_env: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=128)
 
 
 class Budget(BaseModel):
@@ -35,7 +49,7 @@ class Budget(BaseModel):
     feature: str | None = None
     monthly_usd: Decimal = Field(gt=0)
     daily_usd: Decimal | None = Field(default=None, gt=0)
-    # Where the tenant hears of its budget (a channel name or address), named in each notice.
+    # Where the tenant hears of its budget: a channel of the file's `channels`.
     channel: str = Field(min_length=1)
     page_on_call: bool = False
 
@@ -63,6 +77,7 @@ class BudgetsFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     thresholds_pct: list[int] = Field(default=DEFAULT_THRESHOLDS_PCT, min_length=1)
+    channels: dict[str, Channel] = {}
     budgets: list[Budget] = []
 
     @field_validator("thresholds_pct")
@@ -80,6 +95,19 @@ class BudgetsFile(BaseModel):
         if repeated:
             raise ValueError(f"more than one budget for {repeated}")
         return budgets
+
+    @model_validator(mode="after")
+    def _channels_declared(self) -> BudgetsFile:
+        undeclared = sorted(
+            {f"{b.label}: {b.channel}" for b in self.budgets if b.channel not in self.channels}
+        )
+        if undeclared:
+            raise ValueError(
+                f"budgets name channels not declared under `channels` ({', '.join(undeclared)}); "
+                "declare each with the environment variable holding its webhook URL "
+                "(webhook_url_env)"
+            )
+        return self
 
 
 def load_budgets(path: str | Path) -> BudgetsFile:

@@ -1,16 +1,19 @@
 """Budgets: spend against each budget of the budgets file (schemas.budgets), its projected
-month-end, and a notice through the alert outbox at each threshold crossed, once per crossing.
+month-end, and notices through the alert outbox at each threshold crossed, once per crossing and
+destination: to the budget's channel (a webhook of the budgets file's `channels`), and to
+on-call as well when the budget says `page_on_call`.
 
 Spend is the final lines of published hours plus the provisional usage of the others
 (`spend_lines`), so a budget is seen crossing while the hour runs; provisional usage leaves
-out idle and headroom until the hour closes. A notice's dedup key is the budget, period and
-threshold: the outbox (pipeline.reconcile.alerts) records each key once, so a crossing is
-told once however often budgets are checked, across restarts too.
+out idle and headroom until the hour closes. A notice's dedup key is the budget, period,
+threshold and destination: the outbox (pipeline.reconcile.alerts) records each key once, with
+the destination, so a crossing is told once to each however often budgets are checked, across
+restarts too.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
@@ -124,12 +127,15 @@ def budget_status(
 
 
 def crossing_notices(
-    statuses: list[BudgetStatus], thresholds_pct: list[int], now: datetime
+    statuses: list[BudgetStatus], budgets: BudgetsFile, now: datetime
 ) -> list[Alert]:
-    """A notice per threshold each budget period has crossed (the outbox keeps the first)."""
+    """The notices of every threshold each budget period has crossed (the outbox keeps the
+    first of each): one to the budget's channel, and one to on-call when it `page_on_call`."""
+    thresholds_pct = budgets.thresholds_pct
     notices = []
     for status in statuses:
         budget = status.budget
+        channel = budgets.channels[budget.channel]
         told = f"{budget.channel}{' and on-call' if budget.page_on_call else ''}"
         for pct in status.crossed_pct:
             finding = f"{status.period}-{pct}pct"
@@ -138,26 +144,41 @@ def crossing_notices(
                 if status.projected_nano is not None
                 else ""
             )
+            notice = Alert(
+                raised_at=now,
+                severity="ERROR" if pct >= thresholds_pct[-1] else "WARN",
+                kind=NOTICE_KIND,
+                hour=status.period_start,
+                pool=budget.tenant,
+                replica=budget.feature,
+                finding=finding,
+                detail=(
+                    f"{budget.label} has spent {usd(status.spent_nano)} of its {PERIOD_NAMES[status.period]} "
+                    f"budget {usd(status.limit_nano)} ({pct}% threshold crossed){projected}; "
+                    f"{usd(status.provisional_nano)} of it provisional (idle and headroom "
+                    f"of open hours not included); for {told}"
+                ),
+                # On-call's key is the one notices had when on-call was their only destination.
+                dedup_key=dedup_key(
+                    NOTICE_KIND, status.period_start, budget.tenant, budget.feature, finding
+                ),
+            )
             notices.append(
-                Alert(
-                    raised_at=now,
-                    severity="ERROR" if pct >= thresholds_pct[-1] else "WARN",
-                    kind=NOTICE_KIND,
-                    hour=status.period_start,
-                    pool=budget.tenant,
-                    replica=budget.feature,
-                    finding=finding,
-                    detail=(
-                        f"{budget.label} has spent {usd(status.spent_nano)} of its {PERIOD_NAMES[status.period]} "
-                        f"budget {usd(status.limit_nano)} ({pct}% threshold crossed){projected}; "
-                        f"{usd(status.provisional_nano)} of it provisional (idle and headroom "
-                        f"of open hours not included); for {told}"
-                    ),
+                replace(
+                    notice,
+                    destination=budget.channel,
+                    destination_env=channel.webhook_url_env,
                     dedup_key=dedup_key(
-                        NOTICE_KIND, status.period_start, budget.tenant, budget.feature, finding
+                        NOTICE_KIND,
+                        status.period_start,
+                        budget.tenant,
+                        budget.feature,
+                        f"{finding} to {budget.channel}",
                     ),
                 )
             )
+            if budget.page_on_call:
+                notices.append(notice)
     return notices
 
 
@@ -167,6 +188,7 @@ def notify(
     budgets: BudgetsFile,
     now: datetime,
 ) -> int:
-    """Put the notice of every crossing not told yet into the alert outbox of the pipeline's
-    state (`state_con`); returns how many were new."""
-    return enqueue(state_con, crossing_notices(statuses, budgets.thresholds_pct, now))
+    """Put the notices of every crossing not told yet, to each of its destinations, into the
+    alert outbox of the pipeline's state (`state_con`); returns how many were new. Whatever
+    delivers the outbox (`pipeline.reconcile.alerts.deliver_due`) posts each to its own."""
+    return enqueue(state_con, crossing_notices(statuses, budgets, now))

@@ -44,6 +44,7 @@ COMMANDS: dict[str, str] = {
     "tokens": "pipeline.cli.serve:tokens_group",
     "budgets": "pipeline.cli.budgets:budgets_command",
     "ship": "pipeline.cli.ship:ship_command",
+    "verify": "pipeline.cli.verify:verify_command",
 }
 
 
@@ -157,6 +158,7 @@ def command_line(commands: Mapping[str, str]) -> click.Group:
           stepledger live --data DIR             provisional costs as segments close
           stepledger serve --data DIR            the read API (tokens: stepledger tokens mint)
           stepledger budgets --config FILE       spend against budgets, projected month-end
+          stepledger verify --data DIR           published hours against their recorded hashes
         \b
         Understand a number:
           stepledger price --model M --gpu G --tp N --decode B --context L

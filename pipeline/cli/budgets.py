@@ -13,6 +13,7 @@ from pipeline.budgets import budget_status, notify
 from pipeline.cli.options import data_dir_option, file_option
 from pipeline.datadir import DataDir
 from pipeline.live.price import PROVISIONAL_NOTE
+from pipeline.reconcile import alerts
 from pipeline.report.money import usd
 from pipeline.storage import warehouse
 from schemas.budgets import load_budgets
@@ -22,7 +23,12 @@ from schemas.budgets import load_budgets
 @data_dir_option(help="data directory whose warehouse holds the spend")
 @file_option("--config", "budgets_file", required=True, help="the budgets file")
 @click.option("--tenant", help="only this tenant's budgets")
-@click.option("--notify", "send", is_flag=True, help="put new crossings in the alert outbox")
+@click.option(
+    "--notify",
+    "send",
+    is_flag=True,
+    help="put new crossings in the alert outbox, then deliver what it owes",
+)
 @click.option("--json", "as_json", is_flag=True, help="JSON lines instead of a table")
 def budgets_command(
     data_dir: Path, budgets_file: Path, tenant: str | None, send: bool, as_json: bool
@@ -53,4 +59,8 @@ def budgets_command(
     if send:
         with warehouse.connect(DataDir(data_dir).state_file) as state:
             told = notify(state, statuses, budgets, now)
-        click.echo(f"{told} new notice(s) put in the alert outbox", err=True)
+            delivered = alerts.deliver_due(state, alerts.sink_from_env(), now)
+        click.echo(
+            f"{told} new notice(s) put in the alert outbox, {len(delivered)} alert(s) delivered",
+            err=True,
+        )

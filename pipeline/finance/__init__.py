@@ -18,6 +18,7 @@ from pathlib import Path
 import duckdb
 
 from pipeline.storage.warehouse import (
+    SnapshotReader,
     WarehouseError,
     commit_message,
     current_snapshot,
@@ -35,6 +36,12 @@ def connect(
     """A read-only connection to the warehouse of `data_dir` (or to the warehouse directory
     itself): the latest snapshot, or `as_of` a time (aware) or snapshot id."""
     return read_connection(_warehouse_of(data_dir), as_of=as_of)
+
+
+def snapshot_reader(data_dir: str | Path) -> SnapshotReader:
+    """A read-only connection to the warehouse of `data_dir` for a server to keep open: each of
+    its reads is of one snapshot, that snapshot's published files verified."""
+    return SnapshotReader(_warehouse_of(data_dir))
 
 
 def _warehouse_of(data_dir: str | Path) -> Path:

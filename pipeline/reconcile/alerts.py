@@ -17,6 +17,10 @@ Events v2 or Slack-compatible JSON. Configuration comes from the environment:
   partition there.
 - `STEPLEDGER_REPORT_URL`: where the HTML report is served; pages then link it.
 
+An alert may instead be for a channel of its own (a budget notice for a tenant's channel:
+`Alert.destination`): it goes to a Slack-compatible webhook whose URL is in the environment
+variable the alert names (`destination_env`), read by the process delivering it.
+
 A page says what failed, whether the hour is held back from finance and what releases it,
 and what on-call does next: the texts of the findings registry (`findings.py`).
 
@@ -124,6 +128,11 @@ class Alert:
     todo: str = ""
     releases: str = ""
     links: tuple[Link, ...] = ()
+    # Where the alert goes: on-call (None), through the sink the environment configures, or a
+    # channel of its own, a Slack-compatible webhook whose URL is in the environment variable
+    # `destination_env` of the delivering process (the outbox never holds the URL).
+    destination: str | None = None
+    destination_env: str | None = None
 
     @property
     def summary(self) -> str:
@@ -164,6 +173,12 @@ class Alert:
             "todo": self.todo,
             "releases": self.releases,
             "links": [asdict(link) for link in self.links],
+            # Only an alert for a channel says where it goes: on-call's alerts stay as they were.
+            **(
+                {"destination": self.destination, "destination_env": self.destination_env}
+                if self.destination is not None
+                else {}
+            ),
         }
 
 
@@ -412,6 +427,7 @@ class WebhookSink:
         routing_key: str | None = None,
         source: str = "stepledger",
         timeout_s: float = DEFAULT_DEADLINE_S,
+        url_env: str = ENV_URL,
     ) -> None:
         if format not in ("pagerduty", "slack"):
             raise AlertConfigError(f"webhook format {format!r} is not one of pagerduty, slack")
@@ -423,12 +439,12 @@ class WebhookSink:
             # A port that is not a number would otherwise fail only at the first page.
             parts.port  # noqa: B018
         except ValueError:
-            raise AlertConfigError(f"the webhook URL ({ENV_URL}) does not parse as a URL") from None
+            raise AlertConfigError(f"the webhook URL ({url_env}) does not parse as a URL") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise AlertConfigError(f"the webhook URL ({ENV_URL}) is not an http(s) URL")
+            raise AlertConfigError(f"the webhook URL ({url_env}) is not an http(s) URL")
         if re.search(r"[\x00-\x20\x7f]", url):
             raise AlertConfigError(
-                f"the webhook URL ({ENV_URL}) contains whitespace or control characters"
+                f"the webhook URL ({url_env}) contains whitespace or control characters"
             )
         self._url = url
         self._routing_key = routing_key
@@ -536,6 +552,15 @@ def sink_from_env(environ: Mapping[str, str] | None = None) -> AlertSink:
         raise AlertConfigError(f"{ENV_FORMAT}={format!r} is not one of pagerduty, slack")
     if format == "slack" and url is None:
         raise AlertConfigError(f"{ENV_FORMAT}=slack needs {ENV_URL}")
+    return WebhookSink(
+        url or PAGERDUTY_EVENTS_URL,
+        format="slack" if format == "slack" else "pagerduty",
+        routing_key=routing_key,
+        timeout_s=_deadline_s(env),
+    )
+
+
+def _deadline_s(env: Mapping[str, str]) -> float:
     deadline = env.get(ENV_DEADLINE) or str(DEFAULT_DEADLINE_S)
     try:
         timeout_s = float(deadline)
@@ -543,12 +568,22 @@ def sink_from_env(environ: Mapping[str, str] | None = None) -> AlertSink:
         timeout_s = 0.0
     if not 0 < timeout_s < float("inf"):
         raise AlertConfigError(f"{ENV_DEADLINE}={deadline!r} is not a number of seconds above 0")
-    return WebhookSink(
-        url or PAGERDUTY_EVENTS_URL,
-        format="slack" if format == "slack" else "pagerduty",
-        routing_key=routing_key,
-        timeout_s=timeout_s,
-    )
+    return timeout_s
+
+
+def channel_sink(alert: Alert, environ: Mapping[str, str] | None = None) -> AlertSink:
+    """The sink of an alert for a channel: the Slack-compatible webhook whose URL is in the
+    environment variable the alert names. AlertDeliveryError when it is not set here (the
+    alert stays owed and is retried)."""
+    env = os.environ if environ is None else environ
+    name = alert.destination_env or ""
+    url = env.get(name)
+    if not url:
+        raise AlertDeliveryError(
+            f"channel {alert.destination}: {name} (its webhook URL) is not set in the "
+            "environment of the process delivering alerts"
+        )
+    return WebhookSink(url, format="slack", timeout_s=_deadline_s(env), url_env=name)
 
 
 # --- paging -------------------------------------------------------------------------------
@@ -621,23 +656,35 @@ def enqueue(con: duckdb.DuckDBPyConnection, alerts: Iterable[Alert]) -> int:
     return added
 
 
-def deliver_due(con: duckdb.DuckDBPyConnection, sink: AlertSink, now: datetime) -> list[Alert]:
+def deliver_due(
+    con: duckdb.DuckDBPyConnection,
+    sink: AlertSink,
+    now: datetime,
+    environ: Mapping[str, str] | None = None,
+) -> list[Alert]:
     """Try every owed alert whose next attempt is due, oldest first; returns those delivered.
+    On-call's alerts go to `sink`, a channel's to its webhook (`channel_sink`, its URL from
+    `environ`, by default the process's environment).
 
     Each outcome is committed as it happens: delivered, or the attempt counted with its error
-    and the next attempt put off (FIRST_RETRY doubling up to LAST_RETRY). A sink that fails
-    stops this round, so a sink that is down is not hammered with every owed alert."""
+    and the next attempt put off (FIRST_RETRY doubling up to LAST_RETRY). A destination that
+    fails gets no more alerts this round, so a sink that is down is not hammered with every
+    owed alert, and a tenant's channel that is down does not hold up on-call's pages."""
     due = con.execute(
         "SELECT dedup_key, alert, attempts FROM alert_outbox "
         "WHERE delivered_at IS NULL AND next_attempt_at <= ? ORDER BY enqueued_at, dedup_key",
         [instant_to_warehouse(now)],
     ).fetchall()
     delivered = []
+    refused: set[str | None] = set()
     for key, text, attempts in due:
         alert = _alert_from_json(text)
+        if alert.destination in refused:
+            continue
         try:
-            sink.send(alert)
-        except (AlertDeliveryError, OSError) as err:
+            target = sink if alert.destination is None else channel_sink(alert, environ)
+            target.send(alert)
+        except (AlertDeliveryError, AlertConfigError, OSError) as err:
             wait = min(FIRST_RETRY * 2**attempts, LAST_RETRY)
             con.execute(
                 "UPDATE alert_outbox SET attempts = attempts + 1, last_error = ?, "
@@ -645,7 +692,8 @@ def deliver_due(con: duckdb.DuckDBPyConnection, sink: AlertSink, now: datetime) 
                 [str(err), instant_to_warehouse(now + wait), key],
             )
             log.warning("alert %s owed (attempt %d): %s", key, attempts + 1, err)
-            break
+            refused.add(alert.destination)
+            continue
         con.execute(
             "UPDATE alert_outbox SET attempts = attempts + 1, delivered_at = ?, last_error = NULL "
             "WHERE dedup_key = ?",

@@ -388,9 +388,11 @@ LAKE_FILES_MISSING = _kind(
 PUBLISHED_CHANGED = _kind(
     "integrity", "published_changed", "ERROR", True, "pool",
     "a published pool-hour's warehouse data file or rows differ from what was published: "
-    "finance connections refuse to read the file and a re-run refuses to replace the hour",
+    "finance connections refuse to read the file and a re-run refuses to replace the hour; "
+    "the `verify_published` sensor pages it even when no run or reader touches the hour",
     "find who changed the named file under `warehouse/data/` and restore it from a backup (its "
-    "sha256 is in the message); nothing is served or re-billed from it until it matches",
+    "sha256 is in the message); nothing is served or re-billed from it until it matches; "
+    "`stepledger verify --data DIR` then shows every published hour unchanged",
     releases="the published file restored to the sha256 recorded when it was published",
 )  # fmt: skip
 

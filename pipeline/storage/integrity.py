@@ -8,13 +8,16 @@ to idle. Publishing an hour records, in the same warehouse transaction, a digest
 encoding) and the sha256 of each DuckLake data file holding them (`published_files`). A re-run
 verifies both before it replaces the hour (`verify_published_hour`), and every finance
 connection verifies each data file it reads (`pipeline.storage.read_only_files`), so a data
-file changed in place is refused, never served or silently rewritten.
+file changed in place is refused, never served or silently rewritten. A file no run and no
+reader touches is found by the verification sweep (`sweep_published`: `stepledger verify`, and
+the `verify_published` sensor, which pages).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from datetime import datetime
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import NoReturn
 
@@ -22,12 +25,14 @@ import duckdb
 
 from pipeline.reconcile.findings import LAKE_FILES_MISSING, PUBLISHED_CHANGED, Finding
 from pipeline.reconcile.result import CheckResult, failed
-from pipeline.storage.read_only_files import PublishedFile, file_sha256
+from pipeline.storage.read_only_files import PublishedFile, cached_sha256, file_sha256
+from pipeline.storage.warehouse import DATA_FILES_DIR, read_connection
 from schemas.errors import DataError
-from schemas.units import hour_key, to_warehouse
+from schemas.units import from_warehouse, hour_key, to_warehouse
 
 # The tables of a pool-hour's rows digest, in the order they are hashed.
 DIGESTED_TABLES = ("invoices", "ledger_lines", "request_costs")
+ONE_HOUR = timedelta(hours=1)
 
 
 class IntegrityError(DataError):
@@ -66,27 +71,54 @@ def require_lake_files(lake: Path, pool: str, hour: datetime, hashes: Mapping[st
         )
 
 
-def _canonical_rows(con: duckdb.DuckDBPyConnection, table: str) -> str:
-    """SQL: the text of each of the hour's rows of `table`, all columns in table order."""
+def _canonical_rows(con: duckdb.DuckDBPyConnection, table: str, where: str) -> str:
+    """SQL: hour, pool and the text of each row of `table` that `where` selects, all columns
+    in table order."""
     columns = [row[0] for row in con.execute(f"DESCRIBE {table}").fetchall()]
     packed = ", ".join(f'"{column}" := "{column}"' for column in columns)
-    return f"SELECT CAST(struct_pack({packed}) AS VARCHAR) AS row_text FROM {table} WHERE hour = $hour AND pool = $pool"
+    return (
+        f"SELECT hour, pool, CAST(struct_pack({packed}) AS VARCHAR) AS row_text FROM {table} "
+        f"WHERE {where}"
+    )
+
+
+def _rows_digests_sql(con: duckdb.DuckDBPyConnection, keys: str, where: str) -> str:
+    """SQL: hour, pool and the rows digest (`rows_digest`) of each pool-hour `keys` (a query
+    of hour and pool) lists, from the rows of DIGESTED_TABLES that `where` selects (a
+    condition on hour and pool narrowing what is read to at least those pool-hours)."""
+    tables = [
+        f"t{position} AS (SELECT hour, pool, "
+        f"sha256(string_agg(row_text, chr(10) ORDER BY row_text)) AS digest "
+        f"FROM ({_canonical_rows(con, table, where)}) GROUP BY hour, pool)"
+        for position, table in enumerate(DIGESTED_TABLES)
+    ]
+    # A table without rows in the pool-hour digests as the empty text.
+    joined = " || chr(10) || ".join(
+        f"'{table}:' || coalesce(t{position}.digest, sha256(''))"
+        for position, table in enumerate(DIGESTED_TABLES)
+    )
+    joins = " ".join(
+        f"LEFT JOIN t{position} USING (hour, pool)" for position in range(len(DIGESTED_TABLES))
+    )
+    return (
+        f"WITH keys AS ({keys}), {', '.join(tables)} "
+        f"SELECT hour, pool, sha256({joined}) AS digest FROM keys {joins}"
+    )
 
 
 def rows_digest(con: duckdb.DuckDBPyConnection, hour: datetime, pool: str) -> str:
     """sha256 over the pool-hour's rows of DIGESTED_TABLES: per table, its rows' texts sorted
-    and joined by newlines, hashed; the tables' names and hashes joined and hashed again."""
-    parts = " UNION ALL ".join(
-        f"SELECT '{table}' AS name, {position} AS position, "
-        f"sha256(coalesce(string_agg(row_text, chr(10) ORDER BY row_text), '')) AS digest "
-        f"FROM ({_canonical_rows(con, table)})"
-        for position, table in enumerate(DIGESTED_TABLES)
-    )
-    (digest,) = con.execute(
-        f"SELECT sha256(string_agg(name || ':' || digest, chr(10) ORDER BY position)) FROM ({parts})",
+    and joined by newlines, hashed; the tables' names and hashes joined by newlines and hashed
+    again."""
+    (row,) = con.execute(
+        _rows_digests_sql(
+            con,
+            "SELECT CAST($hour AS TIMESTAMP) AS hour, CAST($pool AS VARCHAR) AS pool",
+            "hour = $hour AND pool = $pool",
+        ),
         {"hour": to_warehouse(hour), "pool": pool},
-    ).fetchall()[0]
-    return str(digest)
+    ).fetchall()
+    return str(row[2])
 
 
 def hour_data_files(
@@ -129,40 +161,185 @@ def record_published_hour(
         )
 
 
-def verify_published_hour(
+def _files_changed(
+    data_dir: Path, hour: datetime, pool: str, files: Iterable[tuple[str, str, str]]
+) -> CheckResult | None:
+    """The failed `published_changed` result naming every one of the pool-hour's published
+    data files `files` (path, table name, sha256 as published) that is not what was
+    published; None if none. Each file is hashed once per version in the process."""
+    changed = []
+    for path, table_name, sha256 in files:
+        local = data_dir / path
+        found = _current_sha256(local)
+        if found != sha256:
+            published = PublishedFile(path, table_name, hour, pool, sha256)
+            changed.append(
+                (sha256, found, PUBLISHED_CHANGED.found(published.changed(local, found)))
+            )
+    if not changed:
+        return None
+    return failed(
+        (hour, pool, None),
+        ", ".join(expected for expected, _, _ in changed),
+        ", ".join(found for _, found, _ in changed),
+        [finding for _, _, finding in changed],
+    )
+
+
+def _current_sha256(local: Path) -> str:
+    try:
+        version = local.stat()
+    except FileNotFoundError:
+        return "(file missing)"
+    return cached_sha256(str(local), version.st_size, version.st_mtime_ns)
+
+
+def _rows_changed(hour: datetime, pool: str, recorded: str, found: str) -> CheckResult:
+    return failed(
+        (hour, pool, None),
+        recorded,
+        found,
+        [
+            PUBLISHED_CHANGED.found(
+                f"pool {pool} hour {hour_key(hour)}: its published rows (invoices, ledger "
+                f"lines, request costs) digest to {found}, but were published as "
+                f"{recorded}: the warehouse was changed after publishing, so the hour is "
+                "not replaced"
+            )
+        ],
+    )
+
+
+def published_hour_change(
     con: duckdb.DuckDBPyConnection, data_dir: Path, hour: datetime, pool: str
-) -> None:
-    """Refuse (IntegrityError) if the pool-hour's published rows or data files differ from
-    what was published; an hour never published, or published before digests were, passes."""
+) -> CheckResult | None:
+    """The failed `published_changed` result of the pool-hour if its published data files or
+    rows differ from what was published, naming every changed file (a changed file is not read
+    for the rows digest); None if it is unchanged, never published, or published before
+    digests were."""
     at_hour = [to_warehouse(hour), pool]
     recorded = con.execute(
         "SELECT rows_sha256 FROM published_digests WHERE hour = ? AND pool = ?", at_hour
     ).fetchall()
     if not recorded:
-        return
-    for path, table_name, sha256 in con.execute(
+        return None
+    files = con.execute(
         "SELECT path, table_name, sha256 FROM published_files WHERE hour = ? AND pool = ? "
         "ORDER BY path",
         at_hour,
+    ).fetchall()
+    if (change := _files_changed(data_dir, hour, pool, files)) is not None:
+        return change
+    found = rows_digest(con, hour, pool)
+    return None if found == recorded[0][0] else _rows_changed(hour, pool, recorded[0][0], found)
+
+
+def verify_published_hour(
+    con: duckdb.DuckDBPyConnection, data_dir: Path, hour: datetime, pool: str
+) -> None:
+    """Refuse (IntegrityError) if the pool-hour's published rows or data files differ from
+    what was published; an hour never published, or published before digests were, passes."""
+    change = published_hour_change(con, data_dir, hour, pool)
+    if change is not None:
+        raise IntegrityError(change)
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """What a verification sweep saw: the published pool-hours and data files it checked, and
+    a failed `published_changed` result per pool-hour that changed since publishing."""
+
+    hours: int
+    files: int
+    changed: list[CheckResult]
+
+
+def _window(start: datetime | None, end: datetime | None) -> tuple[str, list[datetime]]:
+    """SQL selecting the hours [start, end) (unbounded on a side that is None), its parameters."""
+    bounds, params = ["true"], []
+    if start is not None:
+        bounds.append("hour >= ?")
+        params.append(to_warehouse(start))
+    if end is not None:
+        bounds.append("hour < ?")
+        params.append(to_warehouse(end))
+    return " AND ".join(bounds), params
+
+
+def _window_digests(
+    con: duckdb.DuckDBPyConnection, start: datetime | None, end: datetime | None
+) -> dict[tuple[datetime, str], str]:
+    """The rows digest of every published pool-hour of the hours [start, end), in one query:
+    a query per pool-hour would read the tables once per pool-hour."""
+    where, params = _window(start, end)
+    keys = f"SELECT hour, pool FROM published_digests WHERE {where}"
+    # Each of the query's table scans repeats the bounds, so their parameters repeat too.
+    rows = con.execute(
+        _rows_digests_sql(con, keys, where), params * (1 + len(DIGESTED_TABLES))
+    ).fetchall()
+    return {(from_warehouse(hour), pool): digest for hour, pool, digest in rows}
+
+
+def sweep_published(
+    con: duckdb.DuckDBPyConnection,
+    data_dir: Path,
+    start: datetime | None = None,
+    end: datetime | None = None,
+) -> Sweep:
+    """Verify every published pool-hour (of the hours [start, end), either side unbounded when
+    None) against its recorded data-file hashes and rows digest: what pages when a published
+    file changes and no run or reader touches its hour. `con` may be a finance connection,
+    which refuses to read a changed file: the files are hashed first, and the rows of an hour
+    with a changed file are digested pool-hour by pool-hour (never reading that file), those
+    of the other hours all in one query per stretch of hours between them."""
+    where, params = _window(start, end)
+    recorded = {
+        (from_warehouse(hour), pool): digest
+        for hour, pool, digest in con.execute(
+            f"SELECT hour, pool, rows_sha256 FROM published_digests WHERE {where}", params
+        ).fetchall()
+    }
+    files: dict[tuple[datetime, str], list[tuple[str, str, str]]] = {}
+    for hour, pool, path, table_name, sha256 in con.execute(
+        f"SELECT hour, pool, path, table_name, sha256 FROM published_files WHERE {where} "
+        "ORDER BY path",
+        params,
     ).fetchall():
-        local = data_dir / path
-        found = file_sha256(local) if local.is_file() else "(file missing)"
-        if found != sha256:
-            published = PublishedFile(path, table_name, hour, pool, sha256)
-            _refuse(
-                hour, pool, sha256, found, PUBLISHED_CHANGED.found(published.changed(local, found))
-            )
-    found_rows = rows_digest(con, hour, pool)
-    if found_rows != recorded[0][0]:
-        _refuse(
-            hour,
-            pool,
-            recorded[0][0],
-            found_rows,
-            PUBLISHED_CHANGED.found(
-                f"pool {pool} hour {hour_key(hour)}: its published rows (invoices, ledger "
-                f"lines, request costs) digest to {found_rows}, but were published as "
-                f"{recorded[0][0]}: the warehouse was changed after publishing, so the hour is "
-                "not replaced"
-            ),
-        )
+        files.setdefault((from_warehouse(hour), pool), []).append((path, table_name, sha256))
+    changed = {
+        key: change
+        for key, hour_files in files.items()
+        if key in recorded and (change := _files_changed(data_dir, *key, hour_files)) is not None
+    }
+    damaged_hours = sorted({hour for hour, _ in changed})
+    found: dict[tuple[datetime, str], str] = {}
+    for first, after in zip(
+        [start, *(hour + ONE_HOUR for hour in damaged_hours)],
+        [*damaged_hours, end],
+        strict=True,
+    ):
+        if first is None or after is None or first < after:
+            found.update(_window_digests(con, first, after))
+    for hour, pool in recorded:
+        if hour in damaged_hours and (hour, pool) not in changed:
+            found[(hour, pool)] = rows_digest(con, hour, pool)
+    for key, digest in recorded.items():
+        if key not in changed and found[key] != digest:
+            changed[key] = _rows_changed(*key, digest, found[key])
+    return Sweep(
+        len(recorded),
+        sum(len(f) for f in files.values()),
+        [changed[key] for key in sorted(changed)],
+    )
+
+
+def sweep_warehouse(
+    warehouse: Path, start: datetime | None = None, end: datetime | None = None
+) -> Sweep:
+    """`sweep_published` over the warehouse directory `warehouse`, read through a finance
+    connection: it never opens the pipeline's state, so a run does not hold it up."""
+    con = read_connection(warehouse)
+    try:
+        return sweep_published(con, warehouse / DATA_FILES_DIR, start, end)
+    finally:
+        con.close()

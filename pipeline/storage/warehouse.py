@@ -506,6 +506,11 @@ def read_connection(
     `as_of` a time or snapshot id), with the finance views; it never opens the pipeline's
     state file, so it never blocks the pipeline."""
     directory = Path(directory)
+    _require_warehouse(directory)
+    return _warehouse_connection(directory, files=_reader_files(directory), as_of=as_of)
+
+
+def _require_warehouse(directory: Path) -> None:
     if not has_catalog(directory):
         previous = directory.parent / PREVIOUS_LAYOUT_FILE
         how = (
@@ -514,7 +519,48 @@ def read_connection(
             else "run `stepledger demo` or `stepledger run` first"
         )
         raise WarehouseError(f"{directory / CATALOG_FILE}: no warehouse ({how})")
-    return _warehouse_connection(directory, read_only=True, as_of=as_of)
+
+
+# A snapshot-verified read commits nothing, so it only repeats while the pipeline commits
+# during it: at most every few seconds (the live path's cycle) against milliseconds of query.
+SNAPSHOT_READ_ATTEMPTS = 5
+
+
+class SnapshotReader:
+    """A finance connection held open while the warehouse commits snapshot after snapshot, for a
+    server that answers from it: each read is of one snapshot whose published data files are
+    the ones verified. A plain finance connection verifies the files published when it was
+    opened; a file published later would be read unverified by a connection kept open."""
+
+    def __init__(self, directory: Path) -> None:
+        _require_warehouse(directory)
+        self._files = _reader_files(directory)
+        self.con = _warehouse_connection(directory, files=self._files)
+        self._data_dir = directory / DATA_FILES_DIR
+        # Which snapshot opening verified is not known: the first read verifies again.
+        self._verified: int | None = None
+
+    def read(self, query: Callable[[duckdb.DuckDBPyConnection], Result]) -> tuple[int, Result]:
+        """`query`'s result and the snapshot it read, with that snapshot's published files
+        verified. Snapshot ids only grow: the same id before and after the query is the one the
+        query read; a snapshot committed meanwhile is verified and the query run again."""
+        for _ in range(SNAPSHOT_READ_ATTEMPTS):
+            before = current_snapshot(self.con)
+            if before != self._verified:
+                # Of `before` unless a snapshot was committed since; then the check after
+                # the query fails, and the next attempt's `before` is newer and verified anew.
+                self._files.verify_published(self._data_dir, published_files(self.con))
+                self._verified = before
+            result = query(self.con)
+            if current_snapshot(self.con) == before:
+                return before, result
+        raise WarehouseError(
+            f"{self._data_dir.parent}: a new snapshot was committed during each of "
+            f"{SNAPSHOT_READ_ATTEMPTS} reads in a row"
+        )
+
+    def close(self) -> None:
+        self.con.close()
 
 
 def ledger_writer(directory: str | Path) -> duckdb.DuckDBPyConnection:
@@ -524,7 +570,7 @@ def ledger_writer(directory: str | Path) -> duckdb.DuckDBPyConnection:
     directory = Path(directory)
     if not has_catalog(directory):
         raise WarehouseError(f"{directory / CATALOG_FILE}: no warehouse")
-    return _warehouse_connection(directory, read_only=False, postgres=postgres_from_env())
+    return _warehouse_connection(directory, files=None, postgres=postgres_from_env())
 
 
 def has_catalog(directory: Path) -> bool:
@@ -533,28 +579,31 @@ def has_catalog(directory: Path) -> bool:
     return (directory / CATALOG_FILE).is_file() or (directory / CATALOG_POINTER).is_file()
 
 
+def _reader_files(directory: Path) -> ReadOnlyFiles:
+    """The one way a reader's connection reaches files: the warehouse's data files and the
+    Parquet lake beside the warehouse, read-only."""
+    return ReadOnlyFiles(directory / DATA_FILES_DIR, lake_dir(directory))
+
+
 def _warehouse_connection(
     directory: Path,
     *,
-    read_only: bool,
+    files: ReadOnlyFiles | None,
     as_of: datetime | int | None = None,
     postgres: str | None = None,
 ) -> duckdb.DuckDBPyConnection:
     """A connection whose default catalog is the warehouse in `directory`, with the finance
-    views. Being the default catalog, a write through a read-only connection is refused
-    rather than landing in the connection's scratch memory; a read-only one is sealed."""
-    con = duckdb.connect(config=READER_CONFIG if read_only else {})
+    views: read-only and sealed when given the `files` it reads through, else writing. Being
+    the default catalog, a write through a read-only connection is refused rather than
+    landing in the connection's scratch memory."""
+    con = duckdb.connect(config=READER_CONFIG if files else {})
     try:
-        files = None
-        if read_only:
-            # The one way a reader's connection reaches files: the warehouse's data files and
-            # the Parquet lake beside the warehouse, read-only.
-            files = ReadOnlyFiles(directory / DATA_FILES_DIR, lake_dir(directory))
+        if files:
             con.register_filesystem(files)
         attach_warehouse(
             con,
             directory,
-            read_only=read_only,
+            read_only=files is not None,
             as_of=as_of,
             data_path=files.url(directory / DATA_FILES_DIR) if files else None,
             postgres=postgres,
@@ -623,11 +672,10 @@ def connect_read_only(state_file: str | Path) -> Iterator[duckdb.DuckDBPyConnect
 
 
 def data_files_dir(con: duckdb.DuckDBPyConnection) -> Path:
-    """Where the warehouse attached to a writing connection keeps its data files."""
-    (path,) = con.execute(
-        "SELECT path FROM duckdb_databases() WHERE database_name = current_database()"
-    ).fetchall()[0]
-    return warehouse_dir(Path(path).resolve().parent) / DATA_FILES_DIR
+    """Where the warehouse attached to a writing connection keeps its data files: the data
+    path it was attached with (the state may be a PostgreSQL database, which has no directory)."""
+    (path,) = con.execute(f"SELECT data_path FROM ducklake_settings('{LEDGER}')").fetchall()[0]
+    return Path(path)
 
 
 def current_snapshot(con: duckdb.DuckDBPyConnection) -> int:

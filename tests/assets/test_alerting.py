@@ -16,6 +16,7 @@ from assets.runner import pool_hour_outcome
 from pipeline import finance
 from pipeline.ingestion.ingest import segment_files
 from pipeline.storage.warehouse import STATE_FILE
+from tests.helpers.alert_file import page_to_file
 from tests.helpers.fleets import page_on_call, small_pools
 from tests.helpers.hours import SIMULATED_HOUR
 
@@ -33,14 +34,7 @@ def run_damaged(
     middle = len(content) // 2
     content[middle : middle + 16] = bytes(16)
     damaged.write_bytes(bytes(content))
-    alert_file = tmp_path / "alerts.jsonl"
-    monkeypatch.setenv("STEPLEDGER_ALERT_FILE", str(alert_file))
-    for name in (
-        "STEPLEDGER_ALERT_WEBHOOK_URL",
-        "STEPLEDGER_PAGERDUTY_ROUTING_KEY",
-        "STEPLEDGER_ALERT_FORMAT",
-    ):
-        monkeypatch.delenv(name, raising=False)
+    alert_file = page_to_file(tmp_path / "alerts.jsonl", monkeypatch)
     # The tests bill the hour after the simulated minutes too.
     defs = build_definitions(small_pools(), data, run_hours=[SIMULATED_HOUR + timedelta(hours=1)])
     return data, alert_file, defs, dg.DagsterInstance.ephemeral()

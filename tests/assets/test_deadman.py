@@ -16,6 +16,7 @@ from assets.deadman import build_deadman_sensor, last_reconciled_hours
 from assets.definitions import build_definitions
 from assets.resources import StepledgerData
 from pipeline.storage.warehouse import connect
+from tests.helpers.alert_file import page_to_file
 from tests.helpers.fleets import small_pools
 
 BEFORE_FIRST = datetime(2026, 10, 31, 23, tzinfo=UTC)
@@ -53,16 +54,8 @@ def write_reconciled(warehouse: Path, pool: str, hours: list[datetime]) -> None:
 
 @pytest.fixture
 def alert_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    path = tmp_path / "alerts.jsonl"
-    monkeypatch.setenv("STEPLEDGER_ALERT_FILE", str(path))
     monkeypatch.setenv("STEPLEDGER_FIRST_HOUR", "2026-11-30T00")
-    for name in (
-        "STEPLEDGER_ALERT_WEBHOOK_URL",
-        "STEPLEDGER_PAGERDUTY_ROUTING_KEY",
-        "STEPLEDGER_ALERT_FORMAT",
-    ):
-        monkeypatch.delenv(name, raising=False)
-    return path
+    return page_to_file(tmp_path / "alerts.jsonl", monkeypatch)
 
 
 FIRST_PARTITION = datetime(2026, 11, 30, tzinfo=UTC)  # as STEPLEDGER_FIRST_HOUR sets it

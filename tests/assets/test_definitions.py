@@ -187,7 +187,7 @@ def test_the_schedule_and_sensors_run_as_soon_as_a_daemon_loads_them(tmp_path: P
         ("hourly_ledger", dg.DefaultScheduleStatus.RUNNING)
     ]
     assert {s.name: s.default_status for s in repository.sensor_defs} == dict.fromkeys(
-        ("new_segments", "page_on_call", "deliver_alerts", "deadman"),
+        ("new_segments", "page_on_call", "deliver_alerts", "deadman", "verify_published"),
         dg.DefaultSensorStatus.RUNNING,
     )
 

@@ -10,14 +10,9 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import threading
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from decimal import Decimal
@@ -25,11 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
 
 import pipeline.finance
-from pipeline.api.app import create_app
-from pipeline.api.tokens import mint
 from pipeline.budgets import budget_status, notify
 from pipeline.datadir import DataDir
 from pipeline.live.price import PROVISIONAL_NOTE
@@ -38,9 +30,10 @@ from pipeline.live.service import LivePricer
 from pipeline.reconcile.alerts import JsonLinesSink, deliver_due
 from pipeline.simulator import simulate
 from pipeline.storage import warehouse
-from schemas.budgets import Budget, BudgetsFile
+from schemas.budgets import Budget, BudgetsFile, Channel
 from schemas.config import PoolsFile, load_pools
 from schemas.units import HOUR_NS, NS_PER_SECOND, hour_key, hour_start_ns
+from tests.helpers.api_server import Api, serving
 from tests.helpers.fleets import SIMULATED_HOURS, small_pools
 from tests.helpers.hours import SIMULATED_HOUR
 
@@ -52,28 +45,6 @@ NOW = SIMULATED_HOUR + timedelta(minutes=30)
 ROUND_NS = 30 * NS_PER_SECOND
 # The round a separate `stepledger live --once` process prices: a restart of the live path.
 RESTART_ROUND = 3
-
-
-@dataclass
-class Api:
-    base: str
-    app: Any
-    finance: str
-    tenant: str
-
-    def get(self, path: str, token: str) -> tuple[int, Any]:
-        request = urllib.request.Request(
-            self.base + path, headers={"Authorization": f"Bearer {token}"}
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=30) as answer:
-                return answer.status, json.load(answer)
-        except urllib.error.HTTPError as err:
-            return err.code, json.load(err)
-
-    def committed(self) -> None:
-        """Make the server's index read the latest commit now (it reloads on its own too)."""
-        self.app.state.request_index.refresh()
 
 
 @dataclass
@@ -118,28 +89,6 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
     finally:
         con.close()
     return out, _tenant_total(out, TENANT)
-
-
-@contextmanager
-def _server(data: Path) -> Iterator[Api]:
-    """The API on a loopback port, listening before the server thread starts."""
-    layout = DataDir(data)
-    finance_token = mint(layout.api_tokens, "finance", None)
-    tenant_token = mint(layout.api_tokens, TENANT, TENANT)
-    app = create_app(data, clock=lambda: NOW)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(64)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]})
-    thread.start()
-    try:
-        host, port = sock.getsockname()
-        yield Api(f"http://{host}:{port}", app, finance_token, tenant_token)
-    finally:
-        server.should_exit = True
-        thread.join()
-        sock.close()
 
 
 def _budgets_round(run: LiveRun, round_index: int) -> None:
@@ -195,9 +144,14 @@ def live(source: tuple[Path, int], tmp_path_factory: pytest.TempPathFactory) -> 
     pools = load_pools(DataDir(data).own_pools_file)
     # 90% of the tenant's usage over the span: 80% and 100% are crossed while it runs.
     limit = Decimal(tenant_total * 9 // 10).scaleb(-9)
-    budgets = BudgetsFile(budgets=[Budget(tenant=TENANT, monthly_usd=limit, channel="#acme")])
+    # On-call's copy of each notice is what the test follows (the channel's URL is not set here:
+    # its copies stay owed, tests/pipeline/budgets delivers them).
+    budgets = BudgetsFile(
+        channels={"#acme": Channel(webhook_url_env="ACME_SPEND_WEBHOOK_URL")},
+        budgets=[Budget(tenant=TENANT, monthly_usd=limit, channel="#acme", page_on_call=True)],
+    )
     LivePricer(data, pools).open_warehouse().close()
-    with _server(data) as api:
+    with serving(data, TENANT, clock=lambda: NOW) as api:
         run = LiveRun(data, api, budgets, data.parent / "notices.jsonl")
         start = hour_start_ns(SIMULATED_HOUR)
         end = start + round(SIMULATED_HOURS * HOUR_NS) + ROUND_NS

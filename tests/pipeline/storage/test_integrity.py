@@ -26,6 +26,7 @@ from pipeline.storage.read_only_files import PublishedFileChanged, refusal_in
 from pipeline.storage.warehouse import SCHEMA_SQL, STATE_FILE, connect
 from schemas.config import PoolsFile
 from schemas.units import hour_key, to_warehouse
+from tests.helpers.api_server import serving
 from tests.helpers.fleets import bill, costs, simulate_small, small_pools
 from tests.helpers.hours import SIMULATED_HOUR
 
@@ -243,3 +244,39 @@ def count_lake_files(data: Path) -> int:
                 [f"%/pool={POOL}/hour={hour_key(SIMULATED_HOUR)}/%"],
             ).fetchall()[0][0]
         )
+
+
+def test_a_reader_kept_open_verifies_the_files_of_hours_published_after_it_opened(fleet) -> None:
+    """A server's connections stay open while hours are billed again: each read verifies the
+    files of the snapshot it reads, not those published when the connection opened."""
+    pools, data, clean = fleet
+    total = "SELECT sum(amount_nano) FROM published_ledger_lines"
+    clean_total = sum(row[3] for row in clean["published"])
+    spend = f"/v1/spend?from={hour_key(SIMULATED_HOUR)}&to={hour_key(SIMULATED_HOUR)}"
+    reader = finance.snapshot_reader(data)
+    try:
+        with serving(data, "acme-support") as api:
+            assert reader.read(lambda con: con.execute(total).fetchall())[1] == [(clean_total,)]
+            # The route's connection opens and reads now, before the hour is billed again.
+            status, clean_spend = api.get(spend, api.finance)
+            assert (status, clean_spend[0]["amount_nano"]) == (200, clean_total)
+            published_then = ledger_lines_file(data)
+            assert rebill_error(data, pools) is None
+            file = ledger_lines_file(data)
+            assert file != published_then
+            published = file.read_bytes()
+            add_a_dollar_to_a_usage_line(file)
+
+            with pytest.raises(duckdb.Error) as refused:
+                reader.read(lambda con: con.execute(total).fetchall())
+            error = refusal_in(refused.value)
+            assert isinstance(error, PublishedFileChanged)
+            where = f"(ledger_lines of pool {POOL} hour {hour_key(SIMULATED_HOUR)})"
+            assert str(error).startswith(f"{file} {where}: sha256 ")
+            assert api.get(spend, api.finance) == (500, {"error": str(error)})
+
+            file.write_bytes(published)
+            assert reader.read(lambda con: con.execute(total).fetchall())[1] == [(clean_total,)]
+            assert api.get(spend, api.finance) == (200, clean_spend)
+    finally:
+        reader.close()
