@@ -19,6 +19,7 @@ file is read through once per process and only if a query reads it.
 from __future__ import annotations
 
 import functools
+import glob
 import hashlib
 import os
 from collections.abc import Mapping
@@ -117,6 +118,38 @@ class ReadOnlyFiles(AbstractFileSystem):  # type: ignore[misc]
         """A directory `root` (one of `roots`, or below one) as a URL of this file system, with
         a trailing slash."""
         return f"{PROTOCOL}://{self._inside(str(root))}/"
+
+    def pattern(self, root: Path) -> str:
+        """`url` of the directory `root` with the wildcards of its path (`[`, `*`, `?`) escaped
+        as `glob.escape` escapes them, as DuckDB does: the start of a glob pattern of the files
+        below it, whatever the directory is named."""
+        return f"{PROTOCOL}://{glob.escape(self._inside(str(root)))}/"
+
+    def glob(self, path: str, **kwargs: Any) -> Any:
+        """The paths matching the glob pattern `path`. fsspec lists a pattern's matches from the
+        directory before its first wildcard, which for a root whose own path holds one (a
+        `[bold]demo` directory) lies above the root and is refused, so nothing would match: a
+        pattern below such a root, escaped as `pattern` escapes it, is matched from the root."""
+        local = self._strip_protocol(path)
+        for root in self.roots:
+            escaped = glob.escape(str(root))
+            if escaped != str(root) and local.startswith(escaped + "/"):
+                break
+        else:
+            return super().glob(path, **kwargs)
+        relative = local.removeprefix(escaped + "/")
+        # Python's glob matches as fsspec's does (fsspec's pattern translation is a copy of it).
+        found = glob.glob(relative, root_dir=root, recursive=True, include_hidden=True)
+        matches = sorted(str(root / name) for name in found if self._readable(str(root / name)))
+        return {name: self.info(name) for name in matches} if kwargs.get("detail") else matches
+
+    def _readable(self, path: str) -> bool:
+        """Whether `path` is inside a root (a symbolic link below one may lead out of it)."""
+        try:
+            self._inside(path)
+        except ReadOnlyFileRefused:
+            return False
+        return True
 
     def _inside(self, path: str) -> str:
         """The local path of `path` (a URL of this file system or a plain path), refused unless it

@@ -651,9 +651,15 @@ def _seal(con: duckdb.DuckDBPyConnection, files: ReadOnlyFiles, lake: Path) -> N
     of these settings, and every other, as it is (but READER_SETTABLE)."""
     con.execute(
         f"CREATE TEMP MACRO lake(kind) AS TABLE FROM read_parquet("
-        f"{_quoted(files.url(lake))} || kind || '/*/*/*.parquet', hive_partitioning = true)"
+        f"{_quoted(files.pattern(lake))} || kind || '/*/*/*.parquet', hive_partitioning = true)"
     )
-    readable = ", ".join(_quoted(files.url(root)) for root in files.roots)
+    # A glob pattern is allowed by its text: below a root named with a wildcard, it begins
+    # with the root escaped (`files.pattern`).
+    readable = ", ".join(
+        _quoted(url)
+        for root in files.roots
+        for url in dict.fromkeys((files.url(root), files.pattern(root)))
+    )
     con.execute(f"SET allowed_directories = [{readable}]")
     con.execute("SET enable_external_access = false")
     con.execute("SET disabled_filesystems = 'LocalFileSystem'")
