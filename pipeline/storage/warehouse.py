@@ -335,7 +335,11 @@ def open_state(
     opened by `open_file`, or with `postgres` that database (then no file is opened: `path`
     only places the warehouse's data files, in the warehouse directory beside it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    con = open_file(path) if postgres is None else duckdb.connect(config=WRITER_CONFIG)
+    con = (
+        _open_state_file(path, open_file)
+        if postgres is None
+        else duckdb.connect(config=WRITER_CONFIG)
+    )
     try:
         if postgres is not None:
             load_extensions(con, "postgres_scanner")
@@ -351,6 +355,21 @@ def open_state(
         con.close()
         raise
     return con
+
+
+def _open_state_file(
+    path: Path, open_file: Callable[[Path], duckdb.DuckDBPyConnection]
+) -> duckdb.DuckDBPyConnection:
+    """`open_file(path)`. Creating the file on a full disk fails with the file created but
+    empty, which DuckDB refuses as no database once there is room again: an empty file this
+    open created is removed when it fails (one that was there before is left as it was)."""
+    existed = path.exists()
+    try:
+        return open_file(path)
+    except BaseException:
+        if not existed and path.is_file() and path.stat().st_size == 0:
+            path.unlink(missing_ok=True)
+        raise
 
 
 @contextmanager

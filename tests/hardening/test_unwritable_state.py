@@ -17,13 +17,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import duckdb
 import pytest
 from click.testing import CliRunner
 
 from assets.cli import main
 from pipeline.cli.dagster_instance import INSTANCE_TEMPLATE
 from pipeline.reconcile.alerts import RUN_FAILED_TODO
-from pipeline.storage.warehouse import STATE_FILE
+from pipeline.storage.warehouse import STATE_FILE, connect
 from schemas.config import PoolsFile, load_pools
 from schemas.errors import StateError
 from tests.helpers.fleets import simulate_small
@@ -120,8 +121,9 @@ def test_a_full_disk_names_the_path_pages_through_the_webhook_and_every_pool_run
         # The Dagster instance lives apart from the data, as in production (DAGSTER_HOME).
         monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
         result = CliRunner().invoke(main, ["run", "--data", str(data)])
+        state = data / STATE_FILE
+        state_left = state.exists()
     assert result.exit_code == 1, result.output
-    state = data / STATE_FILE
     names = [p.name for p in load_pools().pools]
     for pool in names:
         (line,) = [
@@ -129,14 +131,16 @@ def test_a_full_disk_names_the_path_pages_through_the_webhook_and_every_pool_run
         ]
         assert line.startswith(f"2026-11-30T00 {pool}: failed: ")
         assert str(state) in line
+        # Each pool's open failed for the full disk, not for an empty file an earlier one left.
+        assert "No space left on device" in line
         (said,) = [
             row
             for row in result.stderr.splitlines()
             if row.endswith(f"2026-11-30T00 {pool} cannot be recorded or its pages kept")
         ]
         assert said.startswith(f"{state}: the pipeline's state cannot be written (")
-    # The first write that failed says why; what the full disk left behind fails the next.
-    assert "No space left on device" in result.stdout
+    # No empty state file is left for DuckDB to refuse once the disk has room again.
+    assert not state_left
     # Paged without the disk: straight to the webhook, one page per failed pool-hour.
     texts = [body["text"] for body in webhook.bodies]
     assert [text.split(" hour ")[0] for text in texts] == [
@@ -147,6 +151,24 @@ def test_a_full_disk_names_the_path_pages_through_the_webhook_and_every_pool_run
         result.stderr
     )
     assert "Traceback" not in result.output
+
+
+def test_a_state_file_a_full_disk_cut_short_is_not_left_empty(tmp_path: Path) -> None:
+    """Only the empty file the failed open created goes: one that was there is left as it was."""
+    with full_filesystem(tmp_path / "full", "1m") as disk:
+        fill(disk)
+        created = disk / "created" / STATE_FILE
+        with pytest.raises(duckdb.IOException, match="No space left on device"), connect(created):
+            pass
+        created_left = created.exists()
+        there_before = disk / STATE_FILE
+        there_before.touch()
+        invalid = "not a valid DuckDB database file"
+        with pytest.raises(duckdb.IOException, match=invalid), connect(there_before):
+            pass
+        before_left = there_before.stat().st_size if there_before.exists() else None
+    assert not created_left
+    assert before_left == 0
 
 
 @pytest.mark.parametrize("configured", [False, True], ids=["new instance", "configured instance"])
