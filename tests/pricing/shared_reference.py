@@ -11,21 +11,32 @@ from __future__ import annotations
 import gzip
 import os
 from pathlib import Path
+from typing import Any
 
 from pricing import Deployment
 
+
+def fp8_piecewise(
+    model: str, chip: str, *, tp: int, max_num_seqs: int, **settings: Any
+) -> Deployment:
+    """A deployment served as vLLM serves the references: fp8 weights and KV cache, piecewise
+    CUDA graphs; `settings` are the rest of its fields."""
+    return Deployment(
+        model=model,
+        chip=chip,
+        dtype="fp8",
+        cache_dtype="fp8",
+        tp=tp,
+        cudagraph_mode="PIECEWISE",
+        max_num_seqs=max_num_seqs,
+        **settings,
+    )
+
+
 # The Go kernel's published step anatomy (golden_steps.yaml): DeepSeek-V3 fp8 on 8x H200, TP8,
 # piecewise graphs, decode threshold 8.
-GOLDEN = Deployment(
-    model="deepseek-v3",
-    chip="h200",
-    dtype="fp8",
-    cache_dtype="fp8",
-    tp=8,
-    cudagraph_mode="PIECEWISE",
-    max_num_seqs=256,
-    decode_threshold=8,
-    compat="go",
+GOLDEN = fp8_piecewise(
+    "deepseek-v3", "h200", tp=8, max_num_seqs=256, decode_threshold=8, compat="go"
 )
 REPO = Path(__file__).resolve().parents[2]
 

@@ -20,7 +20,7 @@ from pricing.shape import (
     shape_error,
     steady_state_tpot_us,
 )
-from tests.pricing.shared_reference import reference_file
+from tests.pricing.shared_reference import fp8_piecewise, reference_file
 
 SHAPE_MAE_TARGET_PCT = 7.8
 
@@ -129,15 +129,7 @@ def test_each_engine_serves_as_its_launch_script_says():
         Sweep("llama-3.1-70b-instruct", "h200", "vllm", "fp8", 4, 1024, 1024, (4,), (1.0,)), 16
     )
     assert vllm == EngineSettings(
-        Deployment(
-            model="llama-3.1-70b-instruct",
-            chip="h200",
-            dtype="fp8",
-            tp=4,
-            cache_dtype="fp8",
-            max_num_seqs=16,
-            cudagraph_mode="PIECEWISE",
-        ),
+        fp8_piecewise("llama-3.1-70b-instruct", "h200", tp=4, max_num_seqs=16),
         token_budget=8192,
     )
     sglang = engine_settings(_sweep("sglang"), 64)
