@@ -121,6 +121,7 @@ def test_dev_serves_the_data_directory_history_on_loopback_and_stops_every_proce
             "deadman": "RUNNING",
             "page_on_call": "RUNNING",
             "deliver_alerts": "RUNNING",
+            "verify_published": "RUNNING",
         }
         ledger = history["assetNodeOrError"]
         # The partitions are the data directory's one hour (its data stopped long ago).
