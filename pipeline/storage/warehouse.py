@@ -862,8 +862,11 @@ def _replace_hour_rows(
             "policy_version FROM ledger_lines WHERE hour = ? AND pool = ?",
             at_hour,
         )
+        # A DELETE that matches no row changes nothing DuckLake checks, so a pool-hour published
+        # for the first time only appends, side by side with other pool-hours; a re-run's
+        # delete takes its turn through retry_conflicts.
         for name in (*tables, "reconciliation"):
-            _delete_if_any(con, name, "hour = ? AND pool = ?", at_hour)
+            con.execute(f"DELETE FROM {name} WHERE hour = ? AND pool = ?", at_hour)
         for name, frame in tables.items():
             if frame.height:
                 insert_frame(con, name, frame)
@@ -894,17 +897,6 @@ def _replace_hour_rows(
         commit_message(
             con, f"bill {hour_key(hour)} {pool}", hour=hour_key(hour), pool=pool, rerun=reason
         )
-
-
-def _delete_if_any(
-    con: duckdb.DuckDBPyConnection, table: str, where: str, params: list[Any]
-) -> None:
-    """Delete a table's rows matching `where`, if there are any. A pool-hour published for the
-    first time then only appends: DuckLake commits concurrent appends to one table side by side
-    and refuses the second of two transactions that delete from a table (or insert into one
-    the other deleted from), so only re-runs take turns."""
-    if con.execute(f"SELECT count(*) FROM {table} WHERE {where}", params).fetchall()[0][0]:
-        con.execute(f"DELETE FROM {table} WHERE {where}", params)
 
 
 def query_frame(
@@ -985,10 +977,9 @@ def record_checks(
 
     def record() -> None:
         with transaction(con):
-            _delete_if_any(
-                con,
-                "reconciliation",
-                "hour = ? AND pool = ? AND list_contains(?, check_name)",
+            con.execute(
+                "DELETE FROM reconciliation "
+                "WHERE hour = ? AND pool = ? AND list_contains(?, check_name)",
                 [naive_hour, pool, check_names],
             )
             if rows.height:
