@@ -18,7 +18,13 @@ from assets.jobs import build_jobs
 from assets.partitions import partition_hours, pool_hour_partitions
 from assets.pool_hour import build_pool_hour_assets
 from assets.reconciliation import build_reconciliation_checks
-from assets.resources import build_resources, data_dir_from_env, state_pool
+from assets.resources import (
+    POOL_HOUR_LOCK,
+    build_resources,
+    data_dir_from_env,
+    pool_hour_lock,
+    state_pool,
+)
 from assets.schedules import build_hourly_schedule
 from assets.sensors import build_new_segments_sensor
 from assets.verification import build_verify_published_sensor
@@ -51,7 +57,10 @@ def build_definitions(
             build_deadman_sensor(pools, hours.first),
             build_verify_published_sensor(),
         ],
-        resources=build_resources(data_dir, warehouse),
+        resources={
+            **build_resources(data_dir, warehouse),
+            POOL_HOUR_LOCK: pool_hour_lock(partitions, data_dir, warehouse),
+        },
     )
 
 

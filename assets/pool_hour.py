@@ -238,6 +238,8 @@ def publish_ledgers(
 def build_pool_hour_assets(
     partitions: dg.PartitionsDefinition, pools: PoolsFile, state_pool: str | None = DUCKDB_POOL
 ) -> list[dg.AssetsDefinition]:
+    # Every step requires `pool_hour_lock` (assets.resources.pool_hour_lock): the run holds its
+    # pool-hours' lock from its first step to its last.
     # Each asset works through the run's pool-hours in order (one for an hourly run, a range
     # for a backfill) and reports each hour's figures on that hour's own materialization.
     def hourly_asset(**options: Any) -> Callable[[Callable[..., Any]], dg.AssetsDefinition]:
@@ -258,7 +260,10 @@ def build_pool_hour_assets(
 
     @hourly_asset(pool=state_pool)
     def step_log(
-        context: dg.AssetExecutionContext, data: StepledgerData, warehouse: DuckDBResource
+        context: dg.AssetExecutionContext,
+        data: StepledgerData,
+        warehouse: DuckDBResource,
+        pool_hour_lock: dg.ResourceParam[None],
     ) -> dg.MaterializeResult[None]:
         """New step-log segments of the pool's replicas, decoded into the Parquet lake (each
         segment once, however often it is delivered); damage and drops recorded."""
@@ -266,7 +271,10 @@ def build_pool_hour_assets(
 
     @hourly_asset(pool=state_pool, deps=[step_log])
     def request_context(
-        context: dg.AssetExecutionContext, data: StepledgerData, warehouse: DuckDBResource
+        context: dg.AssetExecutionContext,
+        data: StepledgerData,
+        warehouse: DuckDBResource,
+        pool_hour_lock: dg.ResourceParam[None],
     ) -> dg.MaterializeResult[None]:
         """The gateway's request context for the hour, API keys stored only as keyed hashes;
         then what the hour's attribution needs from the warehouse, saved to the lake."""
@@ -276,7 +284,9 @@ def build_pool_hour_assets(
     # while another pool-hour holds the warehouse.
     @hourly_asset(deps=[request_context])
     def attribution(
-        context: dg.AssetExecutionContext, data: StepledgerData
+        context: dg.AssetExecutionContext,
+        data: StepledgerData,
+        pool_hour_lock: dg.ResourceParam[None],
     ) -> dg.MaterializeResult[None]:
         """Every measured step of the hour split among its requests, idle and headroom
         labelled, under the pool's policies: the hour's ledger, saved to the lake."""
@@ -284,7 +294,10 @@ def build_pool_hour_assets(
 
     @hourly_asset(pool=state_pool, deps=[attribution])
     def ledger(
-        context: dg.AssetExecutionContext, data: StepledgerData, warehouse: DuckDBResource
+        context: dg.AssetExecutionContext,
+        data: StepledgerData,
+        warehouse: DuckDBResource,
+        pool_hour_lock: dg.ResourceParam[None],
     ) -> dg.MaterializeResult[None]:
         """The hour's invoice, ledger lines and request costs in the warehouse, replacing any
         earlier run of the hour in one transaction per hour."""

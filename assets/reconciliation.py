@@ -72,7 +72,10 @@ def build_reconciliation_checks(
 
     @dg.multi_asset_check(specs=specs, name="reconciliation", pool=state_pool)
     def reconciliation(
-        context: dg.AssetCheckExecutionContext, data: StepledgerData, warehouse: DuckDBResource
+        context: dg.AssetCheckExecutionContext,
+        data: StepledgerData,
+        warehouse: DuckDBResource,
+        pool_hour_lock: dg.ResourceParam[None],
     ) -> Iterator[dg.AssetCheckEvaluation | dg.Output[None]]:
         published_with_errors = []
         with open_warehouse(warehouse) as con:

@@ -15,11 +15,14 @@ import dagster as dg
 import duckdb
 from dagster_duckdb import DuckDBResource
 
+from assets.partitions import pool_hours_of_run
 from pipeline.datadir import DATA_ENV, DataDir
+from pipeline.storage.hour_lock import pool_hour_locks
 from pipeline.storage.warehouse import WRITER_CONFIG, open_state, postgres_from_env
 
 WAREHOUSE_ENV = "STEPLEDGER_WAREHOUSE"
 DUCKDB_POOL = "duckdb"
+POOL_HOUR_LOCK = "pool_hour_lock"
 DEFAULT_DATA_DIR = "demo-run"
 
 
@@ -57,6 +60,29 @@ def build_resources(
             database=str(warehouse or warehouse_path(data_dir)), connection_config=WRITER_CONFIG
         ),
     }
+
+
+def pool_hour_lock(
+    partitions: dg.MultiPartitionsDefinition, data_dir: Path, warehouse: Path | None = None
+) -> dg.ResourceDefinition:
+    """The lock of the run's pool-hours (pipeline.storage.hour_lock), taken when the run
+    starts and held until it ends: every step of the pool-hour job requires it, and its
+    in-process executor sets resources up once per run. A second run of a pool-hour, from any
+    path (schedule, sensor, backfill, `stepledger run`), waits for the first's whole billing."""
+    state_file = warehouse or warehouse_path(data_dir)
+
+    @dg.resource(description="Held for the whole run: one billing of a pool-hour at a time.")
+    def held_for_the_run(context: dg.InitResourceContext) -> Iterator[None]:
+        run = context.dagster_run
+        if run is None:
+            # Set up outside a run (a sensor given every resource): nothing is billed there.
+            yield None
+            return
+        held = [(p.pool, p.hour) for p in pool_hours_of_run(run.tags, partitions)]
+        with pool_hour_locks(held, state_file, postgres_from_env()):
+            yield None
+
+    return held_for_the_run
 
 
 # Another process holding the state file's lock is waited for, doubling from 0.1 s for about

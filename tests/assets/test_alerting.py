@@ -134,10 +134,10 @@ def test_the_pager_pages_for_a_backfill_launched_from_the_assets(
     pager = defs.resolve_sensor_def("page_on_call")
 
     def tick(cursor: str | None) -> str | None:
-        context = dg.build_sensor_context(
+        with dg.build_sensor_context(
             instance=instance, repository_def=repository, cursor=cursor, resources=defs.resources
-        )
-        return pager.evaluate_tick(context).cursor
+        ) as context:
+            return pager.evaluate_tick(context).cursor
 
     cursor = tick(None)
     asset_job = repository.get_implicit_global_asset_job_def()

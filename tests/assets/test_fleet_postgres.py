@@ -5,6 +5,7 @@ at once while finance reads, and the ledger equal to the embedded store's to the
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -35,7 +36,7 @@ HOUR = SIMULATED_HOUR
 FINANCE_PASSWORD = "finance-reads-only"
 # What each billing process runs: the pool-hour job of one pool, in-process, as a run pod would.
 BILL_ONE_POOL = """
-import sys, warnings
+import json, sys, warnings
 from pathlib import Path
 import dagster as dg
 from assets.definitions import build_definitions
@@ -45,13 +46,22 @@ from pipeline.datadir import DataDir
 from schemas.config import load_pools
 from schemas.units import parse_hour_key
 warnings.filterwarnings("ignore")
+STEP_EVENTS = ("STEP_START", "STEP_SUCCESS", "STEP_FAILURE")
 data, hour, pool = Path(sys.argv[1]), parse_hour_key(sys.argv[2]), sys.argv[3]
-defs = build_definitions(load_pools(DataDir(data).pools_file), data)
+job = build_definitions(load_pools(DataDir(data).pools_file), data).resolve_job_def("pool_hour_job")
+if sys.argv[4:] == ["--at-go"]:
+    # Loaded and ready: billing starts when the test says go, as another billing does.
+    print("ready", flush=True)
+    sys.stdin.readline()
 with dg.DagsterInstance.ephemeral() as instance:
-    result = defs.resolve_job_def("pool_hour_job").execute_in_process(
+    result = job.execute_in_process(
         partition_key=partition_key(hour, pool), instance=instance,
         run_config=QUIET_RUN_CONFIG, raise_on_error=False)
+    steps = [e.timestamp for e in instance.all_logs(result.run_id)
+             if e.dagster_event and e.dagster_event.event_type_value in STEP_EVENTS]
 print(pool_hour_outcome(result))
+# When the run's first step started and its last ended (seconds since the epoch).
+print(json.dumps([min(steps), max(steps)]))
 sys.exit(0 if result.success else 1)
 """
 LEDGER_QUERIES = {
@@ -69,10 +79,7 @@ def postgres() -> Iterator[PostgresServer]:
 
 
 def dsn(server: PostgresServer) -> str:
-    return (
-        f"host={server.host} port={server.port} user={server.user} "
-        f"password={server.password} dbname={server.database}"
-    )
+    return server.dsn()
 
 
 def four_pools() -> PoolsFile:
@@ -98,14 +105,38 @@ def fleet_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def bill(data: Path, pool: str, env: dict[str, str]) -> subprocess.Popen[str]:
+def bill(
+    data: Path, pool: str, env: dict[str, str], *, at_go: bool = False
+) -> subprocess.Popen[str]:
+    """A process billing `pool`'s hour; `at_go`: once it has loaded, it says "ready" and waits
+    for a line on its standard input before it starts."""
     return subprocess.Popen(
-        [sys.executable, "-c", BILL_ONE_POOL, str(data), HOUR.strftime("%Y-%m-%dT%H"), pool],
+        [
+            *(sys.executable, "-c", BILL_ONE_POOL, str(data), HOUR.strftime("%Y-%m-%dT%H"), pool),
+            *(["--at-go"] if at_go else []),
+        ],
         env=env,
+        stdin=subprocess.PIPE if at_go else None,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def bill_at_once(
+    data: Path, pool: str, env: dict[str, str], count: int
+) -> list[subprocess.Popen[str]]:
+    """`count` processes billing `pool`'s hour, started together once all have loaded."""
+    runs = [bill(data, pool, env, at_go=True) for _ in range(count)]
+    for run in runs:
+        assert run.stdout is not None
+        ready = run.stdout.readline()
+        assert ready == "ready\n", ready + (run.stderr.read() if run.stderr else "")
+    for run in runs:
+        assert run.stdin is not None
+        run.stdin.write("go\n")
+        run.stdin.flush()
+    return runs
 
 
 def finished(process: subprocess.Popen[str]) -> tuple[int, str, str]:
@@ -424,3 +455,55 @@ def test_postgres_killed_mid_hour_then_restarted_bills_the_same_ledger_and_pages
                 assert alerts.deliver_due(con, up, now + 2 * alerts.LAST_RETRY) == []
         assert [a.dedup_key for a in delivered] == [owed_key]
         assert len(sink.bodies) == 1
+
+
+def duplicated_rows(data: Path, postgres: str | None) -> dict[str, int]:
+    """Rows that are in a table of the pipeline's state or of the warehouse more than once,
+    by table (DuckLake's own catalog aside)."""
+    with warehouse.connect(data / "pipeline.duckdb", postgres=postgres) as con:
+        tables = con.execute(
+            "SELECT database_name, schema_name, table_name FROM duckdb_tables() "
+            "WHERE schema_name NOT IN ('ducklake', 'pg_catalog', 'information_schema') "
+            "AND database_name NOT LIKE '__ducklake%'"
+        ).fetchall()
+        counts = {
+            ".".join(name): con.execute(
+                f'SELECT count(*) - (SELECT count(*) FROM (SELECT DISTINCT * FROM "{name[0]}"'
+                f'."{name[1]}"."{name[2]}")) FROM "{name[0]}"."{name[1]}"."{name[2]}"'
+            ).fetchall()[0][0]
+            for name in tables
+        }
+    assert {"ledger.main.invoices", "ledger.main.ledger_lines"} <= set(counts), counts
+    return {name: count for name, count in counts.items() if count}
+
+
+@pytest.mark.parametrize("profile", ["embedded", "postgres"])
+def test_two_billings_of_one_pool_hour_at_once_bill_it_once(
+    profile: str,
+    fleet_data: Path,
+    embedded: Path,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+) -> None:
+    """Two processes bill the same pool-hour at the same moment: the second waits for the
+    first's pool-hour lock, then re-bills the hour exactly. The ledger is one billing's, to the
+    nano-dollar, and no table holds a row twice."""
+    pool = POOLS[0]
+    if profile == "postgres":
+        server: PostgresServer = request.getfixturevalue("postgres")
+        data, store, env = production_copy(server, fleet_data, tmp_path, "same_pool_hour")
+    else:
+        data, store, env = tmp_path / "embedded", None, environment()
+        shutil.copytree(fleet_data, data)
+    spans = []
+    for code, out, err in map(finished, bill_at_once(data, pool, env, 2)):
+        assert code == 0, (out + err)[-3000:]
+        spans.append(json.loads(out.splitlines()[-1]))
+
+    # One billing's steps all ran before the other's first: the second waited for the lock.
+    first, second = sorted(spans)
+    assert first[1] <= second[0], spans
+
+    assert ledger(data, pool) == ledger(embedded, pool)
+    assert ledger(data)["invoices"] == ledger(embedded, pool)["invoices"]
+    assert duplicated_rows(data, store) == {}

@@ -88,14 +88,15 @@ def page_on_call(
     """Evaluate the run-failure sensor for a failed run, as the daemon would."""
     import dagster as dg
 
-    context = dg.build_run_status_sensor_context(
+    # A context manager, as the daemon opens it: the pool-hour lock among the resources is one.
+    with dg.build_run_status_sensor_context(
         sensor_name="page_on_call",
         dagster_instance=instance,
         dagster_run=result.dagster_run,
         dagster_event=result.get_run_failure_event(),
         resources=defs.resources,
-    ).for_run_failure()
-    defs.resolve_sensor_def("page_on_call")(context)
+    ) as context:
+        defs.resolve_sensor_def("page_on_call")(context.for_run_failure())
 
 
 def costs(data: Path) -> dict[str, list[tuple[Any, ...]]]:

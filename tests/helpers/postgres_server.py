@@ -50,6 +50,13 @@ class PostgresServer:
             "DAGSTER_PG_DB": self.database,
         }
 
+    def dsn(self) -> str:
+        """The libpq connection string of its database (STEPLEDGER_POSTGRES)."""
+        return (
+            f"host={self.host} port={self.port} user={self.user} "
+            f"password={self.password} dbname={self.database}"
+        )
+
 
 def server_binaries() -> Path:
     """The directory holding initdb and pg_ctl (pipeline.stack finds it)."""
