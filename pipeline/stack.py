@@ -32,9 +32,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from dagster import DagsterEventType, DagsterInstance, DagsterRunStatus, RunsFilter
 
 from pipeline.datadir import DATA_ENV, DataDir
 from pipeline.ship.s3server import S3Server, s3_filesystem
@@ -281,10 +283,11 @@ def up(
     services: Sequence[Callable[[dict[str, str]], Service]] = (),
 ) -> dict[str, object]:
     """Start the stack in `directory` (new, or stopped by `down`) for the data directory
-    `data_dir`; returns what `stack.json` records."""
+    `data_dir`; returns what `stack.json` records. On a stack that runs there, restart the
+    Dagster services it lost (`restart_lost_services`)."""
     layout = StackLayout(directory.resolve())
     if layout.record.is_file():
-        raise StackError(f"{layout.record}: a stack runs there; `stepledger stack down` first")
+        return restart_lost_services(layout)
     if layout.root.exists() and any(layout.root.iterdir()):
         raise StackError(f"{layout.root}: not empty; give a new directory for the stack")
     password, port = secrets.token_urlsafe(18), free_port()
@@ -315,6 +318,85 @@ def up(
         down(layout.root)
         raise
     return record
+
+
+def restart_lost_services(layout: StackLayout) -> dict[str, object]:
+    """Start again the Dagster services of the running stack in `layout` whose processes are
+    all gone (killed, or lost with their machine), with the environment they had; what
+    `stack.json` records then. Before the daemon starts, the runs it had launched whose process
+    died with it are marked failed (`fail_runs_of_dead_workers`): Dagster's default launcher
+    cannot tell, and the daemon's run retries (`run_retries` in the profile) then run them
+    again. Raises StackError when nothing was lost."""
+    record = json.loads(layout.record.read_text())
+    started: dict[str, int] = record["processes"]
+    port = int(str(record["webserver"]).rsplit(":", 1)[1])
+    lost = [s for s in dagster_services(port) if not _process_exists(started[s.name])]
+    if not lost:
+        raise StackError(f"{layout.record}: a stack runs there; `stepledger stack down` first")
+    for service in lost:
+        # What of its process group outlived it (the daemon's code server, the runs that
+        # server launched) goes with it, as on a lost machine: the new service starts clean.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(started[service.name], signal.SIGKILL)
+    env: dict[str, str] = record["env"]
+    if "daemon" in {s.name for s in lost}:
+        fail_runs_of_dead_workers(env)
+    for service in lost:
+        started[service.name] = _start(service, env, layout.logs)
+        _write_record(layout, record)
+    return dict(record)
+
+
+@contextlib.contextmanager
+def _stack_instance(env: dict[str, str]) -> Iterator[DagsterInstance]:
+    """The stack's Dagster instance: its dagster.yaml reads the connection from the
+    environment, set for the while."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        with DagsterInstance.from_config(env["DAGSTER_HOME"]) as instance:
+            yield instance
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def fail_runs_of_dead_workers(env: dict[str, str]) -> list[str]:
+    """Mark failed the runs in progress whose process (the pid their launch recorded: runs of
+    this machine's daemon) no longer exists; their ids. Runs made in-process (`stepledger run`)
+    record no such pid and are left alone, as are launched runs that have not started yet
+    (run monitoring fails those after `start_timeout_seconds`)."""
+    failed = []
+    with _stack_instance(env) as instance:
+        for run in instance.get_runs(RunsFilter(statuses=[DagsterRunStatus.STARTED])):
+            pids = [
+                int(str(event.dagster_event.engine_event_data.metadata["pid"].value))
+                for event in instance.all_logs(run.run_id, of_type=DagsterEventType.ENGINE_EVENT)
+                if event.dagster_event is not None
+                and "pid" in event.dagster_event.engine_event_data.metadata
+            ]
+            if pids and not _process_exists(pids[0]):
+                instance.report_run_failed(
+                    run, f"its process (pid {pids[0]}) ended with the daemon that launched it"
+                )
+                failed.append(run.run_id)
+    return failed
+
+
+def _process_exists(pid: int) -> bool:
+    """Whether `pid` runs: a process that has exited but not been reaped yet (a zombie) does
+    not."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    # The state follows the command name, which is in parentheses and may hold spaces.
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
 def start_object_store(layout: StackLayout, started: dict[str, int]) -> dict[str, str]:

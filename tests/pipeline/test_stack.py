@@ -7,17 +7,26 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import signal
 import subprocess
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import dagster as dg
 import pytest
+from dagster_graphql import DagsterGraphQLClient
 
+from assets.partitions import partition_key
 from pipeline import finance, stack
 from pipeline.datadir import DataDir
 from pipeline.ingestion.ingest import segment_files
+from pipeline.reconcile.alerts import ENV_FILE
 from pipeline.ship.shipper import ship_pending
 from pipeline.ship.store import STORE_VARIABLE, SegmentObject, open_store, parse_key
+from pipeline.storage import warehouse
 from pipeline.storage.warehouse import POSTGRES_ENV
 from schemas.config import load_pools
 from schemas.errors import ExternalError
@@ -25,14 +34,19 @@ from tests.helpers.dagster_processes import (
     STEPLEDGER,
     free_port,
     listening_addresses,
+    proc_stat,
     wait_for_daemons,
 )
+from tests.helpers.fleets import bill, simulate_small, small_pools
+from tests.helpers.hours import SIMULATED_HOUR
 
 pytestmark = pytest.mark.timeout(1800)
 # Bounds for a webserver and daemon that hang, not wait: a loaded two-core machine has taken
 # minutes to start them.
 STARTUP_SECONDS = 600
 REPOSITORY = Path(__file__).resolve().parents[2]
+POOL = "chat-8b"
+LEDGER_TABLES = ("invoices", "ledger_lines", "request_costs")
 
 
 def postgres_or_skip() -> None:
@@ -125,15 +139,139 @@ def check_production_demo(
     assert (leaked, secrets_written(out, env)) == ([], [])
 
 
+@contextmanager
+def stack_instance(env: dict[str, str]) -> Iterator[dg.DagsterInstance]:
+    """The stack's Dagster instance, as its services open it."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, value)
+        with dg.DagsterInstance.from_config(env["DAGSTER_HOME"]) as instance:
+            yield instance
+
+
+def wait_until(what: str, found: Callable[[], object], deadline: float) -> object:
+    """`found()` once it is truthy: the state of the stack polled until then."""
+    while time.monotonic() < deadline:
+        if value := found():
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"not before the deadline: {what}")
+
+
+def step_log_materialized(instance: dg.DagsterInstance, run_id: str) -> bool:
+    """Whether the run has published its step_log: it ingested, the rest of its hour is ahead."""
+    return any(
+        event.dagster_event.asset_key == dg.AssetKey("step_log")
+        for event in instance.all_logs(run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION)
+        if event.dagster_event is not None
+    )
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a process of the group `pgid` runs (one exited but not yet reaped does not)."""
+    for entry in Path("/proc").glob("[0-9]*"):
+        stat = proc_stat(int(entry.name))
+        if stat is not None and int(stat[2]) == pgid and stat[0] != "Z":
+            return True
+    return False
+
+
+def status_of(instance: dg.DagsterInstance, run_id: str) -> dg.DagsterRunStatus | None:
+    run = instance.get_run_by_id(run_id)
+    return None if run is None else run.status
+
+
+def retry_of(instance: dg.DagsterInstance, run_id: str) -> dg.DagsterRun | None:
+    """The run that retries `run_id`, once it has succeeded."""
+    runs = instance.get_runs(
+        dg.RunsFilter(
+            tags={"dagster/parent_run_id": run_id}, statuses=[dg.DagsterRunStatus.SUCCESS]
+        )
+    )
+    return runs[0] if runs else None
+
+
+def kill_the_daemon_mid_hour_and_restart(
+    directory: Path, port: int, processes: dict[str, int], alert_file: Path
+) -> tuple[str, str]:
+    """A pool-hour run launched by the stack's daemon from its queue; once the run has
+    ingested, the daemon's process group (the daemon, its code server, the run) killed with
+    SIGKILL, as a lost machine loses them; then `stack up` again. Returns the killed run's id
+    and its retry's, once the retry has succeeded and the page for the killed run is out."""
+    env = stack.environment_of(directory)
+    deadline = time.monotonic() + STARTUP_SECONDS
+    key = partition_key(SIMULATED_HOUR, POOL)
+    run_id = DagsterGraphQLClient("127.0.0.1", port_number=port).submit_job_execution(
+        "pool_hour_job",
+        repository_location_name=stack.CODE_LOCATION,
+        repository_name="__repository__",
+        tags={
+            "dagster/partition": str(key),
+            **{f"dagster/partition/{d}": k for d, k in key.keys_by_dimension.items()},
+        },
+    )
+    with stack_instance(env) as instance:
+        wait_until("the run ingested", lambda: step_log_materialized(instance, run_id), deadline)
+        os.killpg(processes["daemon"], signal.SIGKILL)
+        wait_until(
+            "the daemon's group gone", lambda: not group_alive(processes["daemon"]), deadline
+        )
+        assert status_of(instance, run_id) == dg.DagsterRunStatus.STARTED
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv(ENV_FILE, str(alert_file))
+            restarted = stack.up(directory, Path(env["STEPLEDGER_DATA"]))
+        assert dict(restarted["processes"])["daemon"] != processes["daemon"]  # type: ignore[call-overload]
+        assert status_of(instance, run_id) == dg.DagsterRunStatus.FAILURE
+        retry = wait_until("the run retried", lambda: retry_of(instance, run_id), deadline)
+        wait_until(
+            "the page for the killed run",
+            lambda: alert_file.is_file() and run_id in alert_file.read_text(),
+            deadline,
+        )
+    assert isinstance(retry, dg.DagsterRun)
+    return run_id, retry.run_id
+
+
+def check_the_hour_after_the_kill(
+    data: Path, embedded: Path, postgres: str, alert_file: Path, killed_run: str
+) -> None:
+    """The killed and retried pool-hour equals the embedded store's to the nano-dollar, each
+    segment recorded once, and one page out, for the killed run."""
+
+    def ledger(directory: Path, store: str | None) -> dict[str, list[tuple[object, ...]]]:
+        # The writer's connection: finance's role on the stack's server has the password of
+        # the demo's store by now (each store made on the server sets it).
+        with warehouse.connect(directory / "pipeline.duckdb", postgres=store) as con:
+            return {
+                t: con.execute(
+                    f"SELECT * FROM {warehouse.LEDGER}.{t} WHERE pool = ? ORDER BY ALL", [POOL]
+                ).fetchall()
+                for t in LEDGER_TABLES
+            }
+
+    billed = ledger(data, postgres)
+    assert billed["invoices"]
+    assert billed == ledger(embedded, None)
+    with warehouse.connect(data / "pipeline.duckdb", postgres=postgres) as con:
+        segments = con.execute("SELECT segment_id FROM segments").fetchall()
+        files = con.execute("SELECT count(*) FROM segment_files").fetchall()[0][0]
+    assert len(segments) == len(set(segments)) > 0
+    assert files == len(segment_files(DataDir(data).outbox))
+    pages = [json.loads(line) for line in alert_file.read_text().splitlines()]
+    assert [killed_run in json.dumps(page) for page in pages] == [True], pages
+
+
 def test_the_stack_serves_on_loopback_bills_the_production_demo_and_down_stops_all(
     tmp_path: Path, write_segment
 ) -> None:
-    """One stack for both (starting one takes most of a minute): its services on loopback, a
-    client given only `stack env`, the production demo shipped and billed through it, then
-    `stack down`."""
+    """One stack for all (starting one takes most of a minute): its services on loopback, a
+    client given only `stack env`, the production demo shipped and billed through it, a
+    pool-hour run of the daemon's killed mid-hour with the daemon and retried after `stack up`,
+    then `stack down`."""
     postgres_or_skip()
-    directory, data = tmp_path / "stack", tmp_path / "data"
-    data.mkdir()
+    directory, data = tmp_path / "stack", simulate_small(tmp_path / "data")
+    embedded = tmp_path / "embedded"
+    shutil.copytree(data, embedded)
     port = free_port()
     record = stack.up(directory, data, webserver_port=port)
     processes = dict(record["processes"])  # type: ignore[call-overload]
@@ -161,8 +299,24 @@ def test_the_stack_serves_on_loopback_bills_the_production_demo_and_down_stops_a
         with pytest.raises(stack.StackError, match="a stack runs there"):
             stack.up(directory, data)
         demo = run_production_demo(directory, env, tmp_path / "demo")
+        started_kill = time.monotonic()
+        killed_run, _ = kill_the_daemon_mid_hour_and_restart(
+            directory, port, processes, tmp_path / "pages.jsonl"
+        )
+        killed_and_retried_s = time.monotonic() - started_kill
+        processes.update(json.loads((directory / stack.STACK_FILE).read_text())["processes"])
+        with dg.DagsterInstance.ephemeral() as instance:
+            assert all(run.success for run in bill(embedded, small_pools(), instance))
+        check_the_hour_after_the_kill(
+            data, embedded, env[POSTGRES_ENV], tmp_path / "pages.jsonl", killed_run
+        )
+        checked_s = time.monotonic() - started_kill
     finally:
         stopped = stack.down(directory)
+    print(
+        f"daemon killed mid-hour, restarted, run retried: {killed_and_retried_s:.1f} s; "
+        f"with the embedded billing and the checks: {checked_s:.1f} s"
+    )
     assert stopped == ["webserver", "daemon", "s3", "postgres"]
     assert listening_addresses(s3_port) == set()
     assert [name for name, pgid in processes.items() if stack.group_running(pgid)] == []
