@@ -150,21 +150,41 @@ def _file_locks(
 
 @contextlib.contextmanager
 def _file_lock(path: Path, pool: str, hour: datetime, wait_s: float) -> Iterator[None]:
-    # "a+": the file is created if missing, and its holder's name is read before truncating it.
-    with path.open("a+") as lock:
-        _wait_for_flock(lock, pool, hour, wait_s)
+    deadline = time.monotonic() + wait_s
+    while True:
+        # "a+": the file is created if missing, and its holder's name is read before truncating it.
+        lock = path.open("a+")
+        try:
+            _wait_for_flock(lock, pool, hour, wait_s, deadline)
+        except BaseException:
+            lock.close()
+            raise
+        # The holder removes the file as it releases it (so that the directory does not keep a
+        # file per pool-hour ever billed): a lock taken on a removed file is taken again.
+        if _same_file(path, lock):
+            break
+        lock.close()
+    try:
         lock.seek(0)
         lock.truncate()
         lock.write(holder_name())
         lock.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        lock.close()
 
 
-def _wait_for_flock(lock: IO[str], pool: str, hour: datetime, wait_s: float) -> None:
-    deadline = time.monotonic() + wait_s
+def _same_file(path: Path, lock: IO[str]) -> bool:
+    try:
+        return path.stat().st_ino == os.fstat(lock.fileno()).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _wait_for_flock(
+    lock: IO[str], pool: str, hour: datetime, wait_s: float, deadline: float
+) -> None:
     while True:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)

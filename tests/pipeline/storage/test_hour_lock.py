@@ -14,7 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.storage.hour_lock import APPLICATION, PoolHourBusy, lock_key, pool_hour_locks
+from pipeline.storage.hour_lock import (
+    APPLICATION,
+    PoolHourBusy,
+    lock_dir,
+    lock_key,
+    pool_hour_locks,
+)
 from tests.helpers.postgres_server import PostgresServer, postgres_or_skip
 
 HOUR = datetime(2026, 11, 30, 5, tzinfo=UTC)
@@ -78,9 +84,10 @@ def test_a_second_billing_of_the_pool_hour_waits_in_vain_and_is_told_who_holds_i
     if postgres:
         assert f"{APPLICATION} (pid " in message
         assert ", server process " in message
-    # Released on exit: taken again at once.
+    # Released on exit: taken again at once. The embedded store's lock files go with the locks.
     with pool_hour_locks([("chat-8b", HOUR)], state_file, postgres, wait_s=0):
         pass
+    assert postgres or list(lock_dir(state_file).iterdir()) == []
 
 
 def test_a_holder_killed_with_sigkill_releases_the_lock(store: tuple[Path, str | None]) -> None:
