@@ -118,7 +118,8 @@ class EngineFacts:
 
 def checked_header(replica: ReplicaDescriptor, engine: EngineFacts) -> SegmentHeader:
     """The segment header of `replica` (of its attention data-parallel rank's stream, with more
-    than one), refused unless the engine runs what its pool declares: its ranks, its GPU count, its model (the pool's name among the engine's `model_names`) and, where the
+    than one), refused unless the engine runs what its pool declares: its attention ranks, its
+    GPU count, its model (the pool's name among the engine's `model_names`) and, where the
     platform names it, its GPU (every word of the pool's gpu_type in the device name, as
     "h100" in "NVIDIA H100 80GB HBM3"). Pricing, calibration and reconciliation key on the
     pool's names, so an engine serving anything else would be billed as the wrong model or

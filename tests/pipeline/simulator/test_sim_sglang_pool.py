@@ -97,3 +97,22 @@ def test_a_missing_attention_rank_stream_holds_the_hour_rather_than_billing_it_i
     assert billed["published"] == []
     # Rank 1's GPUs busy without its stream: the silence check holds the pool-hour back.
     assert billed["held_back"] == [("reason-dsv3", "failed blocking checks: silence")]
+
+
+def test_an_attention_rank_without_requests_is_idle_on_its_own_gpus(tmp_path: Path) -> None:
+    pools = data_parallel_attention_pools()
+    # The replica's last rank gets no traffic: its stream logs nothing and DCGM sees its
+    # GPUs idle.
+    data = simulate_small(tmp_path / "run", pools, faults={"idle-replica": None})
+    outbox = data / "outbox"
+    assert not list((outbox / "reason-dsv3-r0.dp1").glob("*.seg"))
+
+    (result,) = bill(data, pools, dg.DagsterInstance.ephemeral())
+    assert result.success
+    billed = costs(data)
+    assert billed["held_back"] == []
+    published = billed["published"]
+    assert sum(amount for _, _, _, amount in published) == 8 * 4_500_000_000
+    # At least the idle rank's 4 GPU-hours are idle, to the pool's capacity owner.
+    idle = sum(amount for _, _, kind, amount in published if kind == "idle")
+    assert idle >= 4 * 4_500_000_000
