@@ -21,14 +21,16 @@ from pipeline.ship.s3server import S3Server
 from pipeline.storage.data_files import (
     DATA_POINTER,
     READER_ACCESS_KEY,
+    READER_SECRET_KEY,
     WAREHOUSE_DATA_VARIABLE,
     reader_data_files,
 )
-from pipeline.storage.integrity import sweep_warehouse
+from pipeline.storage.integrity import IntegrityError, sweep_warehouse, verify_published_hour
 from pipeline.storage.read_only_files import PROTOCOL, PublishedFileChanged, refusal_in
-from pipeline.storage.warehouse import connect, warehouse_dir
+from pipeline.storage.warehouse import connect, data_files, warehouse_dir
 from schemas.errors import ConfigError
 from tests.helpers.fleets import bill, small_pools
+from tests.helpers.hours import SIMULATED_HOUR
 
 TABLES = ("invoices", "ledger_lines", "request_costs")
 PREFIX = "warehouse-on-store"
@@ -93,7 +95,15 @@ def test_no_key_is_written_anywhere(store_run, s3_server):
     """The writer's and the reader's keys are in no file of the run: not the catalog, the
     pipeline's state, the data-path pointer, nor anything else."""
     env = s3_server.env()
-    keys = [env[name].encode() for name in ("AWS_SECRET_ACCESS_KEY", READER_ACCESS_KEY)]
+    keys = [
+        env[name].encode()
+        for name in (
+            "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY",
+            READER_ACCESS_KEY,
+            READER_SECRET_KEY,
+        )
+    ]
     for path in store_run.rglob("*"):
         if path.is_file():
             content = path.read_bytes()
@@ -189,7 +199,8 @@ def test_another_data_path_for_a_warehouse_is_refused(store_run, monkeypatch):
 
 
 def test_a_changed_object_is_refused_naming_it(store_run, s3_server):
-    """Last: it leaves an object changed."""
+    """By finance's reads, the verification sweep and a re-run about to replace the hour.
+    Last: it leaves an object changed."""
     with finance.connect(store_run) as con:
         (path,) = con.execute(
             "SELECT path FROM published_files WHERE table_name = 'ledger_lines' LIMIT 1"
@@ -209,3 +220,6 @@ def test_a_changed_object_is_refused_naming_it(store_run, s3_server):
     (change,) = sweep_warehouse(warehouse_dir(store_run)).changed
     assert change.pool == "chat-8b"
     assert f"s3://{key} (ledger_lines of pool chat-8b" in change.detail
+    with connect(DataDir(store_run).state_file) as con, pytest.raises(IntegrityError) as rerun:
+        verify_published_hour(con, data_files(con), SIMULATED_HOUR, "chat-8b")
+    assert f"s3://{key} (ledger_lines of pool chat-8b" in str(rerun.value)
