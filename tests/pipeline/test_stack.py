@@ -16,6 +16,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import dagster as dg
+import duckdb
+import pyarrow.fs as pafs
 import pytest
 from dagster_graphql import DagsterGraphQLClient
 
@@ -24,9 +26,15 @@ from pipeline import finance, stack
 from pipeline.datadir import DataDir
 from pipeline.ingestion.ingest import segment_files
 from pipeline.reconcile.alerts import ENV_FILE
+from pipeline.ship.s3server import s3_filesystem
 from pipeline.ship.shipper import ship_pending
 from pipeline.ship.store import STORE_VARIABLE, SegmentObject, open_store, parse_key
 from pipeline.storage import warehouse
+from pipeline.storage.data_files import (
+    READER_ACCESS_KEY,
+    READER_SECRET_KEY,
+    WAREHOUSE_DATA_VARIABLE,
+)
 from pipeline.storage.warehouse import POSTGRES_ENV
 from schemas.config import load_pools
 from schemas.errors import ExternalError
@@ -57,8 +65,12 @@ def postgres_or_skip() -> None:
 
 
 def secrets(env: dict[str, str]) -> list[bytes]:
-    """The stack's PostgreSQL password and the store's secret key."""
-    return [env["DAGSTER_PG_PASSWORD"].encode(), env["AWS_SECRET_ACCESS_KEY"].encode()]
+    """The stack's PostgreSQL password and the store's secret keys, the writer's and the
+    reader's."""
+    return [
+        env[name].encode()
+        for name in ("DAGSTER_PG_PASSWORD", "AWS_SECRET_ACCESS_KEY", READER_SECRET_KEY)
+    ]
 
 
 def secrets_written(directory: Path, env: dict[str, str]) -> list[str]:
@@ -89,9 +101,9 @@ def ship_one_segment(env: dict[str, str], tmp_path: Path, write_segment) -> list
 
 def run_production_demo(
     directory: Path, env: dict[str, str], out: Path
-) -> tuple[subprocess.CompletedProcess[str], list[SegmentObject]]:
-    """`stepledger demo --profile production` through the stack: its result and the segment
-    objects it left on the store."""
+) -> tuple[subprocess.CompletedProcess[str], list[SegmentObject], list[str]]:
+    """`stepledger demo --profile production` through the stack: its result, the segment
+    objects it left on the store and its warehouse's data files there."""
     done = subprocess.run(
         [
             *(STEPLEDGER, "demo", "--profile", "production", "--stack", str(directory)),
@@ -105,7 +117,15 @@ def run_production_demo(
     with pytest.MonkeyPatch.context() as patch:
         for name, value in env.items():
             patch.setenv(name, value)
-        return done, open_store("s3://stepledger/demo").segments()
+        return done, open_store("s3://stepledger/demo").segments(), warehouse_objects(env)
+
+
+def warehouse_objects(env: dict[str, str]) -> list[str]:
+    """The data files of the demo's warehouse on the store."""
+    found = s3_filesystem(env).get_file_info(
+        pafs.FileSelector("stepledger/demo/warehouse", recursive=True, allow_not_found=True)
+    )
+    return [info.path for info in found if info.path.endswith(".parquet")]
 
 
 def check_production_demo(
@@ -113,6 +133,7 @@ def check_production_demo(
     env: dict[str, str],
     done: subprocess.CompletedProcess[str],
     objects: list[SegmentObject],
+    warehouse: list[str],
 ) -> None:
     result = json.loads(done.stdout)
     replicas = {r.id for pool in load_pools().pools for r in pool.replicas}
@@ -135,6 +156,9 @@ def check_production_demo(
         ("reason-dsv3", True),
     ]
     assert result["costs"]
+    # The warehouse's data files are on the store, none in its directory.
+    assert warehouse
+    assert list((out / "warehouse" / "data").rglob("*.parquet")) == []
     leaked = [s for s in secrets(env) if s.decode() in done.stdout + done.stderr]
     assert (leaked, secrets_written(out, env)) == ([], [])
 
@@ -233,28 +257,33 @@ def kill_the_daemon_mid_hour_and_restart(
 
 
 def check_the_hour_after_the_kill(
-    data: Path, embedded: Path, postgres: str, alert_file: Path, killed_run: str
+    data: Path, embedded: Path, env: dict[str, str], alert_file: Path, killed_run: str
 ) -> None:
     """The killed and retried pool-hour equals the embedded store's to the nano-dollar, each
     segment recorded once, and one page out, for the killed run."""
 
-    def ledger(directory: Path, store: str | None) -> dict[str, list[tuple[object, ...]]]:
-        # The writer's connection: finance's role on the stack's server has the password of
-        # the demo's store by now (each store made on the server sets it).
-        with warehouse.connect(directory / "pipeline.duckdb", postgres=store) as con:
-            return {
-                t: con.execute(
-                    f"SELECT * FROM {warehouse.LEDGER}.{t} WHERE pool = ? ORDER BY ALL", [POOL]
-                ).fetchall()
-                for t in LEDGER_TABLES
-            }
+    def ledger(con: duckdb.DuckDBPyConnection) -> dict[str, list[tuple[object, ...]]]:
+        return {
+            t: con.execute(
+                f"SELECT * FROM {warehouse.LEDGER}.{t} WHERE pool = ? ORDER BY ALL", [POOL]
+            ).fetchall()
+            for t in LEDGER_TABLES
+        }
 
-    billed = ledger(data, postgres)
+    with warehouse.connect(embedded / "pipeline.duckdb") as con:
+        expected = ledger(con)
+    # The writer's connection, with the stack's environment (its warehouse's data files are on
+    # the S3 server): finance's role on the server has the password of the demo's store by
+    # now (each store made on the server sets it).
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, value)
+        with warehouse.connect(data / "pipeline.duckdb", postgres=env[POSTGRES_ENV]) as con:
+            billed = ledger(con)
+            segments = con.execute("SELECT segment_id FROM segments").fetchall()
+            files = con.execute("SELECT count(*) FROM segment_files").fetchall()[0][0]
     assert billed["invoices"]
-    assert billed == ledger(embedded, None)
-    with warehouse.connect(data / "pipeline.duckdb", postgres=postgres) as con:
-        segments = con.execute("SELECT segment_id FROM segments").fetchall()
-        files = con.execute("SELECT count(*) FROM segment_files").fetchall()[0][0]
+    assert billed == expected
     assert len(segments) == len(set(segments)) > 0
     assert files == len(segment_files(DataDir(data).outbox))
     pages = [json.loads(line) for line in alert_file.read_text().splitlines()]
@@ -283,6 +312,8 @@ def test_the_stack_serves_on_loopback_bills_the_production_demo_and_down_stops_a
         env = stack.environment_of(directory)
         assert env[POSTGRES_ENV].startswith("host=127.0.0.1 ")
         assert env[STORE_VARIABLE] == "s3://stepledger/fleet"
+        assert env[WAREHOUSE_DATA_VARIABLE] == "s3://stepledger/fleet/warehouse"
+        assert env[READER_ACCESS_KEY] != env["AWS_ACCESS_KEY_ID"]
         s3_port = int(env["AWS_ENDPOINT_URL"].removeprefix("http://127.0.0.1:"))
         assert listening_addresses(s3_port) == {"0100007F"}
         (key,) = ship_one_segment(env, tmp_path, write_segment)
@@ -290,12 +321,16 @@ def test_the_stack_serves_on_loopback_bills_the_production_demo_and_down_stops_a
         assert shipped is not None
         assert (shipped.replica, shipped.last_seq) == ("r0", 2)
         assert secrets_written(directory, env) == []
-        # Finance reads the stack's store through its read-only role: an empty ledger.
-        con = finance.connect(data)
-        try:
-            assert con.execute("SELECT count(*) FROM invoices").fetchall() == [(0,)]
-        finally:
-            con.close()
+        # Finance reads the stack's store through its read-only role and the store through the
+        # reader's keys: an empty ledger.
+        with pytest.MonkeyPatch.context() as patch:
+            for name in (READER_ACCESS_KEY, READER_SECRET_KEY, "AWS_ENDPOINT_URL", "AWS_REGION"):
+                patch.setenv(name, env[name])
+            con = finance.connect(data)
+            try:
+                assert con.execute("SELECT count(*) FROM invoices").fetchall() == [(0,)]
+            finally:
+                con.close()
         with pytest.raises(stack.StackError, match="a stack runs there"):
             stack.up(directory, data)
         demo = run_production_demo(directory, env, tmp_path / "demo")
@@ -307,9 +342,7 @@ def test_the_stack_serves_on_loopback_bills_the_production_demo_and_down_stops_a
         processes.update(json.loads((directory / stack.STACK_FILE).read_text())["processes"])
         with dg.DagsterInstance.ephemeral() as instance:
             assert all(run.success for run in bill(embedded, small_pools(), instance))
-        check_the_hour_after_the_kill(
-            data, embedded, env[POSTGRES_ENV], tmp_path / "pages.jsonl", killed_run
-        )
+        check_the_hour_after_the_kill(data, embedded, env, tmp_path / "pages.jsonl", killed_run)
         checked_s = time.monotonic() - started_kill
     finally:
         stopped = stack.down(directory)
