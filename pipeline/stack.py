@@ -381,17 +381,8 @@ def restart_lost_services(layout: StackLayout) -> dict[str, object]:
 def _stack_instance(env: dict[str, str]) -> Iterator[DagsterInstance]:
     """The stack's Dagster instance: its dagster.yaml reads the connection from the
     environment, set for the while."""
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    try:
-        with DagsterInstance.from_config(env["DAGSTER_HOME"]) as instance:
-            yield instance
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    with _environment(env), DagsterInstance.from_config(env["DAGSTER_HOME"]) as instance:
+        yield instance
 
 
 def fail_runs_of_dead_workers(env: dict[str, str]) -> list[str]:
