@@ -63,7 +63,7 @@ from pricing.spec import (
 
 # Raised with every change to a law or to how the plan reads the data files, so a ledger priced
 # before and after does not share a weights version (CHANGELOG.md records each).
-LAWS_REVISION = 7
+LAWS_REVISION = 8
 RESOURCES = ("sm", "hbm", "nvlink", "nic", "host")
 # Deployment fields added since LAWS_REVISION 6 whose default (None) changes no price.
 ADDED_DEPLOYMENT_FIELDS = ("drafter",)
@@ -315,7 +315,9 @@ class Kernel:
         for k, layer in enumerate(layers):
             coef[TOKENS, GEMM, k] = gemm_us(layer.dense_flops_per_token)
             coef[ACTIVE, GEMM, k] = gemm_us(layer.dense_flops_per_token) * m_half
-            coef[ACTIVE, READ, k] = read_us(layer.weight_bytes)
+            coef[ACTIVE, READ, k] = read_us(layer.weight_bytes) + float(
+                laws.memory_op_latency_us(layer.memory_ops, self.chip.gemm.hbm_constant_latency_us)
+            )
             coef[TOKENS, READ, k] = read_us(layer.activation_bytes_per_token)
             if layer.experts is not None:
                 routed = gemm_us(layer.experts.flops_per_token)

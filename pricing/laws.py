@@ -70,6 +70,19 @@ def memory_time_us(nbytes: ArrayLike, bandwidth_bytes_per_us: float, derate: flo
     return np.asarray(nbytes, dtype=np.float64) / (bandwidth_bytes_per_us * derate)
 
 
+def memory_op_latency_us(ops: ArrayLike, latency_us: float) -> np.ndarray:
+    """The fixed part of `ops` memory-bound kernels (elementwise: norms, activations): each costs
+    a constant latency on top of its bytes at the derated rate (`memory_time_us`), below which
+    its size stops mattering. AISimulate prices every memory op so (aiconfigurator
+    `PerfDatabase.query_mem_op`: bytes / (mem_bw x 0.8) + mem_empirical_constant_latency,
+    which `ElementWise.query` calls once per elementwise op), with 3 us in the same system
+    descriptor the 0.8 derate comes from. Within a decode step an elementwise kernel moves a few
+    kilobytes, nanoseconds at the derated rate: the latency is all of its time."""
+    if latency_us < 0:
+        raise ValueError(f"a memory op's latency cannot be negative, got {latency_us}")
+    return _floats(ops) * latency_us
+
+
 def decode_read_tokens(
     context: ArrayLike,
     kind: str,

@@ -219,6 +219,9 @@ class PlannedLayer:
     experts: PlannedExperts | None
     collectives: tuple[PlannedCollective, ...]
     kernels: int
+    # Memory-bound kernels (elementwise nodes) each paying the chip's memory-op latency; none
+    # under compat="go", which prices their bytes alone.
+    memory_ops: int = 0
     # Under compat="go" with decode context parallelism on a latent layer: the latent width a
     # prefill's cached context is all-gathered at, and that gather's collective.
     context_gather: PlannedCollective | None = None
@@ -501,7 +504,7 @@ class _Planner:
         collectives: list[PlannedCollective] = []
         context_gather: PlannedCollective | None = None
         measured_mixes = 0
-        kernels = 0
+        kernels = memory_ops = 0
         for node in kind.nodes:
             if isinstance(node, GemmNode):
                 shards = 1 if node.replicated else tp
@@ -542,6 +545,7 @@ class _Planner:
             elif isinstance(node, ElementwiseNode):
                 # unstated: a read and a write of the hidden state
                 activation_bytes += (node.bytes_per_token or 2 * hidden * ACTIVATION_BYTES) / tp
+                memory_ops += int(self.physics)
             else:
                 if not _emits(node, self.deployment, self.physics):
                     continue
@@ -558,6 +562,7 @@ class _Planner:
             experts=experts,
             collectives=tuple(collectives),
             kernels=kernels,
+            memory_ops=memory_ops,
             context_gather=context_gather,
             hyper_connections=self._hyper_connections(kind, measured_mixes),
         )

@@ -107,11 +107,13 @@ class Ramp(_Strict):
 
 
 class GemmBlock(_Coefficients):
-    """A chip's GEMM and memory coefficients: a ramp per compute lane, the HBM derate, MoE imbalance."""
+    """A chip's GEMM and memory coefficients: a ramp per compute lane, the HBM derate and memory-op
+    latency, MoE imbalance."""
 
     source: str = Field(min_length=1)
     ramps: dict[str, Ramp] = Field(min_length=1)
     hbm_derate: float = Field(gt=0, le=1)
+    hbm_constant_latency_us: float = Field(ge=0)  # each memory op's fixed cost
     moe_routing_imbalance: float = Field(gt=0)
 
 

@@ -82,7 +82,7 @@ def _with_usd(value: Any) -> Any:
         out = {}
         for key, item in value.items():
             out[key] = _with_usd(item)
-            if key.endswith("_nano") and isinstance(item, int) and key != "kv_nano":
+            if key.endswith("_nano") and isinstance(item, int):
                 out[key[: -len("_nano")] + "_usd"] = f"{nano_to_usd(item):f}"
         return out
     if isinstance(value, datetime):

@@ -17,6 +17,8 @@ from pricing.plan import MeasuredRecurrent
 from pricing.spec import HyperConnectionBlock
 
 H200_READ = 4.8e6 * 0.8  # bytes per us
+# Every elementwise kernel (a norm) pays the chip's memory-op latency on top of its bytes.
+MEMORY_OP_US = 3.0
 H200_FP8 = 1.979e9  # FLOP per us
 EXPERT_BYTES = 3 * 2048 * 7168  # one DeepSeek-V3 expert, fp8
 EXPERT_FLOPS = 6 * 2048 * 7168
@@ -122,7 +124,11 @@ def test_attention_data_parallel_funnels_every_replicas_tokens_into_the_experts(
     # TP 1: a dense layer reads all of its 583,467,008 weight bytes, four norms' activations
     # per token, and the bf16 latent cache of both decodes (1,152 B per token) after the floor
     assert price.per_kind["attn_dense"]["hbm_us"] == pytest.approx(
-        (583_467_008 + 2 * 4 * 28672) / H200_READ + 13.5 + 2 * 4096 * 1152 / 2.928e6, rel=1e-12
+        (583_467_008 + 2 * 4 * 28672) / H200_READ
+        + 4 * MEMORY_OP_US
+        + 13.5
+        + 2 * 4096 * 1152 / 2.928e6,
+        rel=1e-12,
     )
 
 
@@ -181,6 +187,7 @@ def test_sparse_mla_reads_the_selected_positions_and_its_indexer_scans_the_conte
     # and the indexer's scan of all 32,768 index keys (132 B) at the full-attention pair
     assert dense["hbm_us"] == pytest.approx(
         (583_467_008 / 8 + 4 * 28672 / 8) / H200_READ
+        + 4 * MEMORY_OP_US
         + 13.5
         + 2048 * 656 / 398_400
         + 13.5
@@ -219,7 +226,11 @@ def test_decode_context_parallel_reads_a_dealt_share_and_combines_by_hand():
     dense = kernel.price([1], [4099], [4100]).per_kind["attn_dense"]
     # the busiest rank holds ceil(4,100 / 8) = 513 of the request's bf16 latents (1,152 B)
     assert dense["hbm_us"] == pytest.approx(
-        (583_467_008 / 8 + 4 * 28672 / 8) / H200_READ + 13.5 + 513 * 1152 / 2_928_000, rel=1e-12
+        (583_467_008 / 8 + 4 * 28672 / 8) / H200_READ
+        + 4 * MEMORY_OP_US
+        + 13.5
+        + 513 * 1152 / 2_928_000,
+        rel=1e-12,
     )
     # two TP all-reduces, then the group gathers 16 heads x 8 ranks of 576-wide queries and
     # each rank's fp32 log-sum-exp per head, and reduce-scatters 512-wide outputs (h200
@@ -281,14 +292,18 @@ def test_a_recurrent_mixer_reads_and_writes_each_rows_state_once_per_decode():
     # weights once, three norms' read + write per token (2 x 8,192 + 24,576 B, halved by TP),
     # each row's state read and written back, and the decode floor the update kernel pays
     assert price.per_kind["delta_net_moe"]["hbm_us"] == pytest.approx(
-        (DELTA_NET_WEIGHTS + 64 * 40960 / 2 + 64 * 2 * STATE) / H200_READ + 13.5, rel=1e-12
+        (DELTA_NET_WEIGHTS + 64 * 40960 / 2 + 64 * 2 * STATE) / H200_READ + 3 * MEMORY_OP_US + 13.5,
+        rel=1e-12,
     )
     # the full-attention layers read the KV cache instead: one of the 2 KV heads per rank
     full = price.per_kind["full_attention_moe"]
     weights = (9216 * 2048 + 2048 * 4096 + 3 * 512 * 2048) * 2 / 2
     norms = (8192 + 16384 + 2048 + 8192) / 2
     assert full["hbm_us"] == pytest.approx(
-        (weights + 64 * norms) / H200_READ + 13.5 + 64 * 4000 * 2 * 256 * 2 / 2_592_000,
+        (weights + 64 * norms) / H200_READ
+        + 4 * MEMORY_OP_US
+        + 13.5
+        + 64 * 4000 * 2 * 256 * 2 / 2_592_000,
         rel=1e-12,
     )
 
@@ -309,7 +324,8 @@ def test_a_recurrent_mixer_prices_a_prefill_as_a_chunked_scan():
     )
     # one row: its state read and written once, whatever its length
     assert delta["hbm_us"] == pytest.approx(
-        (DELTA_NET_WEIGHTS + 2048 * 40960 / 2 + 2 * STATE) / H200_READ, rel=1e-12
+        (DELTA_NET_WEIGHTS + 2048 * 40960 / 2 + 2 * STATE) / H200_READ + 3 * MEMORY_OP_US,
+        rel=1e-12,
     )
 
 
@@ -358,11 +374,12 @@ def test_a_mamba2_hybrid_by_hand():
     # weights, two norms' traffic per token (16,384 + 49,152 B), each row's state read and
     # written back, H100's full-attention decode floor
     assert price.per_kind["mamba2"]["hbm_us"] == pytest.approx(
-        (weights + 64 * 65536 + 64 * 2 * state) / (3.35e6 * 0.8) + 14.5, rel=1e-12
+        (weights + 64 * 65536 + 64 * 2 * state) / (3.35e6 * 0.8) + 2 * MEMORY_OP_US + 14.5,
+        rel=1e-12,
     )
     # an MLP layer has no mixer: no floor, no state
     assert price.per_kind["mlp"]["hbm_us"] == pytest.approx(
-        (2 * 21504 * 4096 * 2 + 64 * 16384) / (3.35e6 * 0.8), rel=1e-12
+        (2 * 21504 * 4096 * 2 + 64 * 16384) / (3.35e6 * 0.8) + MEMORY_OP_US, rel=1e-12
     )
     # a piecewise graph splits at the 28 mixers, not at all 52 layers: 29 replays; kernels:
     # 24 x (2 norms, 2 GEMMs, the update's 2) + 4 x (norm, 2 GEMMs, attention's 2)

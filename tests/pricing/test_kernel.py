@@ -170,6 +170,8 @@ def test_empty_step_costs_host_only():
 
 LLAMA_8B_LAYER_WEIGHT_BYTES = (6144 * 4096 + 4096 * 4096 + 28672 * 4096 + 4096 * 14336) * 2
 H100_BANDWIDTH = 3.35e6 * 0.8
+# A Llama layer's two norms, each a memory op paying the 3 us latency besides its bytes.
+LLAMA_LAYER_MEMORY_OPS_US = 2 * 3.0
 
 
 def test_llama_decode_layer_by_hand():
@@ -178,6 +180,7 @@ def test_llama_decode_layer_by_hand():
     kv_per_token = 2 * 8 * 128 * 2
     hbm = (
         (LLAMA_8B_LAYER_WEIGHT_BYTES + 2 * 2 * 16384) / H100_BANDWIDTH
+        + LLAMA_LAYER_MEMORY_OPS_US
         + 14.5
         + 3000 * kv_per_token / 2_412_000
     )
@@ -195,7 +198,8 @@ def test_slot_work_by_hand_for_two_llama_decodes():
     head_bytes = 128256 * 4096 * 2
     fixed = [
         gemm_us_per_token * 170,  # the m_half ramp overhead
-        32 * (LLAMA_8B_LAYER_WEIGHT_BYTES / H100_BANDWIDTH + 14.5) + head_bytes / H100_BANDWIDTH,
+        32 * (LLAMA_8B_LAYER_WEIGHT_BYTES / H100_BANDWIDTH + LLAMA_LAYER_MEMORY_OPS_US + 14.5)
+        + head_bytes / H100_BANDWIDTH,
         0.0,
         0.0,
         7.0 + 258 * 3.2,  # one full-graph replay + 258 kernels dispatched
@@ -217,7 +221,11 @@ def test_mixed_step_pays_one_attention_floor_and_prefill_at_its_own_ramp():
     kernel = Kernel.build(Deployment(model="llama-3.1-8b-instruct", chip="h100"))
     layer = kernel.price([1, 100], [999, 0], [999, 100]).per_kind["decoder"]
     # H100: prefill floor 19.5 > decode floor 14.5, so the decode floor is not paid
-    hbm = (LLAMA_8B_LAYER_WEIGHT_BYTES + 101 * 2 * 16384) / H100_BANDWIDTH + 1000 * 4096 / 2_412_000
+    hbm = (
+        (LLAMA_8B_LAYER_WEIGHT_BYTES + 101 * 2 * 16384) / H100_BANDWIDTH
+        + LLAMA_LAYER_MEMORY_OPS_US
+        + 1000 * 4096 / 2_412_000
+    )
     assert layer["hbm_us"] == pytest.approx(hbm, rel=1e-12)
     gemm = 101 * LLAMA_8B_LAYER_WEIGHT_BYTES / (989.5e6 * 1.0 * 101 / 271)
     # physics: the 100-token prompt's attention at eps(100) of the bf16 ramp
@@ -238,12 +246,13 @@ def test_sliding_window_reads_at_most_the_window_unless_go():
         go.price(*batch).per_kind["swa_moe"],
     )
     kv_per_token = 2 * 2 * 64 * 2  # 8 KV heads over TP4, bf16
+    # physics also pays its two norms' memory-op latency, which the Go kernel does not price
+    norms_us = 2 * 3.0
     assert swa_go["hbm_us"] - swa_physics["hbm_us"] == pytest.approx(
-        (4096 - 128) * kv_per_token / 871_000, rel=1e-9
+        (4096 - 128) * kv_per_token / 871_000 - norms_us, rel=1e-9
     )
-    assert (
-        physics.price(*batch).per_kind["full_moe"]["hbm_us"]
-        == go.price(*batch).per_kind["full_moe"]["hbm_us"]
+    assert physics.price(*batch).per_kind["full_moe"]["hbm_us"] == pytest.approx(
+        go.price(*batch).per_kind["full_moe"]["hbm_us"] + norms_us, rel=1e-12
     )
 
 

@@ -48,6 +48,15 @@ def test_memory_time_uses_the_derated_bandwidth():
     )
 
 
+def test_each_memory_op_pays_a_fixed_latency_besides_its_bytes():
+    # a decode of 4 rows: a norm moves 4 x 28,672 B, 0.03 us at the derated rate on H200; with
+    # the 3 us latency the 244 norms of DeepSeek-V3 cost 732 us a step whatever the batch
+    assert float(laws.memory_op_latency_us(244, 3.0)) == 732.0
+    np.testing.assert_allclose(laws.memory_op_latency_us(np.array([0, 2, 4]), 3.0), [0, 6, 12])
+    with pytest.raises(ValueError, match="latency cannot be negative"):
+        laws.memory_op_latency_us(1, -1.0)
+
+
 def test_decode_reads_per_kind():
     assert laws.decode_read_tokens(4096, "dense") == 4096
     assert laws.decode_read_tokens(4096, "dense", window=128) == 128

@@ -181,7 +181,8 @@ def test_provisional_costs_are_read_through_the_api_during_the_hour(live: LiveRu
         assert body["note"] == PROVISIONAL_NOTE
         assert body["tenant"] == TENANT
         assert body["amount_nano"] == body["compute_nano"] + body["kv_nano"] > 0
-        assert body["amount_usd"] == f"{Decimal(body['amount_nano']).scaleb(-9):f}"
+        for part in ("amount", "compute", "kv"):
+            assert body[f"{part}_usd"] == f"{Decimal(body[f'{part}_nano']).scaleb(-9):f}"
 
 
 def test_the_hourly_ledger_supersedes_provisional_figures_to_the_nano_dollar(live: LiveRun):
