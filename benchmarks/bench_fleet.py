@@ -201,8 +201,9 @@ def fleet_pools(replicas: int) -> PoolsFile:
 # Sessions of the store waiting for a lock, by whether the waiting statement is DuckLake's
 # (its catalog tables are in schema `ducklake`) or the pipeline state's.
 WAITING = (
-    "SELECT query LIKE '%ducklake%', count(*) FROM pg_stat_activity "
-    "WHERE wait_event_type = 'Lock' AND datname = current_database() GROUP BY 1"
+    "SELECT query LIKE '%ducklake%', left(regexp_replace(query, '\\s+', ' ', 'g'), 90), "
+    "count(*) FROM pg_stat_activity "
+    "WHERE wait_event_type = 'Lock' AND datname = current_database() GROUP BY 1, 2"
 )
 SNAPSHOTS = "SELECT count(*) FROM ducklake.ducklake_snapshot"
 SAMPLE_EVERY_S = 0.005
@@ -211,7 +212,7 @@ SAMPLE_EVERY_S = 0.005
 class LockWaits(threading.Thread):
     """Samples the store's sessions waiting for a lock while the pool-hours bill: seconds of
     lock wait (sessions waiting x time between samples), on the state's tables and on the
-    catalog, and how many samples were taken."""
+    catalog, and how many samples were taken; the state's by the statement that waited."""
 
     def __init__(self, dsn: str) -> None:
         super().__init__(daemon=True)
@@ -219,9 +220,18 @@ class LockWaits(threading.Thread):
         self.state_s = 0.0
         self.catalog_s = 0.0
         self.samples = 0
+        self.state_s_by_statement: dict[str, float] = {}
+        # A sampler that failed saw nothing: the billing it watched is not reported.
+        self.error: BaseException | None = None
         self.stop = threading.Event()
 
     def run(self) -> None:
+        try:
+            self.sample()
+        except BaseException as err:
+            self.error = err
+
+    def sample(self) -> None:
         import psycopg2
 
         con = psycopg2.connect(self.dsn)
@@ -233,11 +243,14 @@ class LockWaits(threading.Thread):
                     cursor.execute(WAITING)
                     now = time.perf_counter()
                     self.samples += 1
-                    for catalog, waiting in cursor.fetchall():
+                    for catalog, statement, waiting in cursor.fetchall():
                         if catalog:
                             self.catalog_s += waiting * (now - last)
                         else:
                             self.state_s += waiting * (now - last)
+                            self.state_s_by_statement[statement] = self.state_s_by_statement.get(
+                                statement, 0.0
+                            ) + waiting * (now - last)
                     last = now
         finally:
             con.close()
@@ -321,6 +334,8 @@ class Billed:
     load_average: float
     # Seconds in COMMIT by kind (catalog, state) and the function that committed.
     commit_s_by_caller: dict[str, float]
+    # Seconds sessions waited for a lock on the state's tables, by the statement waiting.
+    state_lock_wait_s_by_statement: dict[str, float]
 
     @property
     def serial_s(self) -> float:
@@ -374,8 +389,8 @@ def bill(
     )
     started = time.perf_counter()
     outcomes = []
+    running: list[subprocess.Popen[str]] = []
     try:
-        running: list[subprocess.Popen[str]] = []
         while queue or running:
             while queue and len(running) < workers:
                 running.append(
@@ -403,9 +418,15 @@ def bill(
             machine_busy_s() - machine_before,
         )
     finally:
+        # A failed pool-hour leaves the others' processes: none outlives the billing.
+        for process in running:
+            process.kill()
+            process.wait()
         waits.stop.set()
         if sample:
             waits.join()
+    if waits.error is not None:
+        raise RuntimeError(f"sampling the lock waits failed: {waits.error}") from waits.error
     load = os.getloadavg()[0]
 
     def total(key: str) -> float:
@@ -435,6 +456,10 @@ def bill(
         commit_s_by_caller={
             caller: round(sum(o["by_caller"].get(caller, 0.0) for o in outcomes), 3)
             for caller in sorted({c for o in outcomes for c in o["by_caller"]})
+        },
+        state_lock_wait_s_by_statement={
+            statement: round(waited, 3)
+            for statement, waited in sorted(waits.state_s_by_statement.items())
         },
     )
 
@@ -529,6 +554,11 @@ def figures(quick: bool) -> list[Figure]:
             f" {billed.commit_s_by_caller}",
             file=sys.stderr,
         )
+        if billed.state_lock_wait_s_by_statement:
+            print(
+                f"    waited on the state's tables: {billed.state_lock_wait_s_by_statement}",
+                file=sys.stderr,
+            )
         print(f"    {billed.summary()}", file=sys.stderr)
     line = SerialLine(shares, (at_once[0].serial_s, at_once[1].serial_s))
     print(f"  {line.describe()}; full hour {line.full_hour_s:.3f} s", file=sys.stderr)
