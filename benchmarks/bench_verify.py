@@ -29,12 +29,12 @@ from benchmarks.bench_finance import FEATURES_PER_HOUR, POOLS, START, TENANTS, _
 from benchmarks.figure import Figure
 from pipeline import finance
 from pipeline.datadir import DataDir
+from pipeline.storage.data_files import DATA_FILES_DIR
 from pipeline.storage.integrity import record_published_hour, sweep_warehouse
 from pipeline.storage.read_only_files import cached_sha256, file_sha256
 from pipeline.storage.warehouse import (
-    DATA_FILES_DIR,
     connect,
-    data_files_dir,
+    data_files,
     replace_hour,
     warehouse_dir,
 )
@@ -71,7 +71,7 @@ def build(root: Path, hours: int, requests: int) -> None:
     """`hours` hours of finance's benchmark warehouse (its ledger lines, invoices and passed
     checks), each pool-hour published with `requests` request costs."""
     with connect(DataDir(root).state_file) as con:
-        data_dir = data_files_dir(con)
+        data = data_files(con)
         for day in range(-(-hours // 24)):
             rows = _day_rows(day)
             for hour in (START + timedelta(days=day, hours=h) for h in range(min(24, hours))):
@@ -88,7 +88,7 @@ def build(root: Path, hours: int, requests: int) -> None:
                         tables,
                         then=functools.partial(
                             record_published_hour,
-                            data_dir=data_dir,
+                            data=data,
                             hour=hour.replace(tzinfo=UTC),
                             pool=pool,
                         ),

@@ -32,13 +32,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.datadir import DATA_ENV, DataDir
 from pipeline.ship.s3server import S3Server, s3_filesystem
 from pipeline.ship.store import STORE_VARIABLE
+from pipeline.storage.data_files import WAREHOUSE_DATA_VARIABLE
 from pipeline.storage.warehouse import (
     POSTGRES_ENV,
     connect,
@@ -55,9 +56,10 @@ PIPELINE_ROLE = "stepledger"
 DAGSTER_DB = "dagster"
 STORE_DB = "stepledger"
 # The object store's prefixes: the fleet's (`STEPLEDGER_STORE` of `stack env`), and the demo's
-# own, replaced by each demo as its database is.
+# own, replaced by each demo as its database is; below each, the warehouse's data files.
 FLEET_PREFIX = "fleet"
 DEMO_PREFIX = "demo"
+WAREHOUSE_PREFIX = "warehouse"
 # Bounds for a server or service that cannot start or stop, far above what a loaded machine
 # needs.
 SERVER_WAIT_S = 300
@@ -208,9 +210,33 @@ def psql(binaries: Path, password: str, port: int, sql: str) -> None:
         raise ExternalError(f"psql: {done.stderr.strip()[-800:]}")
 
 
-def _new_store(binaries: Path, password: str, port: int, database: str, data_dir: Path) -> str:
+@contextlib.contextmanager
+def _environment(env: Mapping[str, str]) -> Iterator[None]:
+    """This process's environment with `env` added, as the stack's services get it; restored
+    after."""
+    before = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _new_store(
+    binaries: Path,
+    password: str,
+    port: int,
+    database: str,
+    data_dir: Path,
+    store_env: Mapping[str, str],
+) -> str:
     """A database for the pipeline's store of `data_dir` (replacing one of the same name),
-    with finance's read-only role; its connection string."""
+    with finance's read-only role; its connection string. Its warehouse is created with the
+    object store's variables `store_env`, so its data files are where they say."""
     psql(
         binaries,
         password,
@@ -218,7 +244,10 @@ def _new_store(binaries: Path, password: str, port: int, database: str, data_dir
         f"DROP DATABASE IF EXISTS {database} WITH (FORCE);\nCREATE DATABASE {database};\n",
     )
     dsn = store_dsn(password, port, database)
-    with connect(DataDir(data_dir).state_file, postgres=dsn) as con:
+    with (
+        _environment(store_env),
+        connect(DataDir(data_dir).state_file, postgres=dsn) as con,
+    ):
         create_reader_role(con, warehouse_dir(data_dir), secrets.token_urlsafe(18))
     return dsn
 
@@ -300,9 +329,10 @@ def up(
         _write_record(layout, record)
         psql(binaries, password, port, f"CREATE DATABASE {DAGSTER_DB};\n")
         env = stack_environment(password, port, data_dir, layout.dagster_home)
-        env[POSTGRES_ENV] = _new_store(binaries, password, port, STORE_DB, data_dir)
         record["env"] = env
         env.update(start_object_store(layout, started))
+        _write_record(layout, record)
+        env[POSTGRES_ENV] = _new_store(binaries, password, port, STORE_DB, data_dir, env)
         _write_record(layout, record)
         layout.dagster_home.mkdir()
         shutil.copyfile(PROFILE, layout.dagster_home / "dagster.yaml")
@@ -319,7 +349,8 @@ def up(
 
 def start_object_store(layout: StackLayout, started: dict[str, int]) -> dict[str, str]:
     """Start the S3 server in `layout` (its process group recorded in `started`, for `down`);
-    the variables that point the shipper and the pipeline at the fleet's prefix on it."""
+    the variables that point the shipper and the pipeline at the fleet's prefix on it, and the
+    reader's keys finance reads the warehouse's data files there with."""
     server = S3Server(layout.object_store)
     try:
         server.start()
@@ -327,7 +358,11 @@ def start_object_store(layout: StackLayout, started: dict[str, int]) -> dict[str
         # Recorded even when it did not answer in time, so `down` stops what did start.
         if server.process is not None:
             started["s3"] = server.process.pid
-    return {**server.env(), STORE_VARIABLE: server.uri(FLEET_PREFIX)}
+    return {
+        **server.env(),
+        STORE_VARIABLE: server.uri(FLEET_PREFIX),
+        WAREHOUSE_DATA_VARIABLE: server.uri(f"{FLEET_PREFIX}/{WAREHOUSE_PREFIX}"),
+    }
 
 
 def _write_record(layout: StackLayout, record: dict[str, object]) -> None:
@@ -399,21 +434,24 @@ def environment_of(directory: Path) -> dict[str, str]:
 def demo_environment(directory: Path, data_dir: Path) -> dict[str, str]:
     """The running stack's variables for a demo billed into `data_dir`: a store of the demo's
     own on the stack's server (database `stepledger_demo`) and a prefix of its own on the
-    stack's S3 server (`demo`), both replaced by each demo as the demo's directory is."""
+    stack's S3 server (`demo`: its segments, and its warehouse's data files below
+    `demo/warehouse`), both replaced by each demo as the demo's directory is."""
     layout = StackLayout(directory.resolve())
     env = environment_of(layout.root)
     record = json.loads(layout.record.read_text())
     port = int(env["DAGSTER_PG_PORT"])
     password = env["DAGSTER_PG_PASSWORD"]
-    dsn = _new_store(Path(record["binaries"]), password, port, "stepledger_demo", data_dir)
     bucket = env[STORE_VARIABLE].removeprefix("s3://").split("/")[0]
     try:
         s3_filesystem(env).delete_dir_contents(f"{bucket}/{DEMO_PREFIX}", missing_dir_ok=True)
     except OSError as err:
         raise ExternalError(f"the stack's S3 server ({env['AWS_ENDPOINT_URL']}): {err}") from err
-    return {
+    demo = {
         **env,
-        POSTGRES_ENV: dsn,
         DATA_ENV: str(data_dir.resolve()),
         STORE_VARIABLE: f"s3://{bucket}/{DEMO_PREFIX}",
+        WAREHOUSE_DATA_VARIABLE: f"s3://{bucket}/{DEMO_PREFIX}/{WAREHOUSE_PREFIX}",
     }
+    binaries = Path(record["binaries"])
+    dsn = _new_store(binaries, password, port, "stepledger_demo", data_dir, demo)
+    return {**demo, POSTGRES_ENV: dsn}

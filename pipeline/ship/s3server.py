@@ -2,9 +2,12 @@
 object store of the tests and of a stack on one machine. Its data stays in its directory, so a
 server stopped (or killed) and started again serves what it held, on the same port.
 
-Clients reach it through the standard variables of `env()` (`AWS_ENDPOINT_URL`,
-`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`); the key pair is made for the
-server when it is first set up and refused to anyone without it."""
+It has two identities, each a key pair made when the server is first set up: the writer
+(every action), which the pipeline and `stepledger ship` reach it through with the standard
+variables (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`), and
+the reader (Read and List only), which finance's connections read the warehouse's data files
+with (`STEPLEDGER_READER_ACCESS_KEY_ID`, `STEPLEDGER_READER_SECRET_ACCESS_KEY`). `env()` gives
+both sets; a request without either key pair is refused."""
 
 from __future__ import annotations
 
@@ -23,12 +26,18 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
+from pipeline.storage.data_files import READER_ACCESS_KEY, READER_SECRET_KEY
 from schemas.errors import ExternalError
 
 # How long a server may take to answer after it starts: far above what a loaded machine needs.
 START_SECONDS = 120.0
 REGION = "us-east-1"
 STOP_GRACE_S = 5.0
+WRITER = "stepledger"
+READER = "stepledger-reader"
+# What each identity may do: the writer everything (it creates the bucket), the reader get and
+# list objects only, so a finance connection holding its keys is refused any write by the store.
+IDENTITIES = {WRITER: ["Admin"], READER: ["Read", "List"]}
 # weed's listeners: HTTP ports and their gRPC twins, and the S3 gateway's extra catalogs,
 # each bound to its own free loopback port so that servers side by side never collide.
 _PORT_FLAGS = (
@@ -92,26 +101,39 @@ class S3Server:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.ports['s3.port']}"
 
-    def _credentials(self) -> dict[str, str]:
+    def _credentials(self) -> dict[str, dict[str, str]]:
+        """Each identity's key pair by name, made (and added to the server's configuration,
+        which it reads when it starts) for an identity the configuration lacks."""
         path = self.directory / "credentials.json"
-        if not path.exists():
-            self.directory.mkdir(parents=True, exist_ok=True)
+        config = json.loads(path.read_text()) if path.exists() else {"identities": []}
+        named = {identity["name"]: identity for identity in config["identities"]}
+        missing = [(name, actions) for name, actions in IDENTITIES.items() if name not in named]
+        for name, actions in missing:
             keys = {"accessKey": secrets.token_hex(10), "secretKey": secrets.token_hex(20)}
-            identity = {"name": "stepledger", "credentials": [keys], "actions": ["Admin"]}
+            named[name] = {"name": name, "credentials": [keys], "actions": actions}
+        if missing:
+            self.directory.mkdir(parents=True, exist_ok=True)
             path.touch(mode=0o600)
-            path.write_text(json.dumps({"identities": [identity]}))
-        keys = json.loads(path.read_text())["identities"][0]["credentials"][0]
-        return {"access": keys["accessKey"], "secret": keys["secretKey"]}
+            path.write_text(json.dumps({"identities": list(named.values())}))
+        return {
+            name: {
+                "access": named[name]["credentials"][0]["accessKey"],
+                "secret": named[name]["credentials"][0]["secretKey"],
+            }
+            for name in IDENTITIES
+        }
 
     def env(self) -> dict[str, str]:
-        """The variables through which a client (pyarrow, DuckDB, `stepledger ship`) finds and
-        authenticates to this server."""
+        """The variables through which a client finds and authenticates to this server: the
+        writer's (pyarrow, DuckDB, `stepledger ship`) and the reader's (finance)."""
         keys = self._credentials()
         return {
             "AWS_ENDPOINT_URL": self.endpoint,
-            "AWS_ACCESS_KEY_ID": keys["access"],
-            "AWS_SECRET_ACCESS_KEY": keys["secret"],
+            "AWS_ACCESS_KEY_ID": keys[WRITER]["access"],
+            "AWS_SECRET_ACCESS_KEY": keys[WRITER]["secret"],
             "AWS_REGION": REGION,
+            READER_ACCESS_KEY: keys[READER]["access"],
+            READER_SECRET_KEY: keys[READER]["secret"],
         }
 
     def uri(self, prefix: str = "") -> str:

@@ -25,8 +25,9 @@ import duckdb
 
 from pipeline.reconcile.findings import LAKE_FILES_MISSING, PUBLISHED_CHANGED, Finding
 from pipeline.reconcile.result import CheckResult, failed
-from pipeline.storage.read_only_files import PublishedFile, cached_sha256, file_sha256
-from pipeline.storage.warehouse import DATA_FILES_DIR, read_connection
+from pipeline.storage.data_files import MISSING, DataFiles, reader_data_files
+from pipeline.storage.read_only_files import PublishedFile, cached_sha256
+from pipeline.storage.warehouse import read_connection
 from schemas.errors import DataError
 from schemas.units import from_warehouse, hour_key, to_warehouse
 
@@ -122,7 +123,7 @@ def rows_digest(con: duckdb.DuckDBPyConnection, hour: datetime, pool: str) -> st
 
 
 def hour_data_files(
-    con: duckdb.DuckDBPyConnection, data_dir: Path, hour: datetime, pool: str
+    con: duckdb.DuckDBPyConnection, data: DataFiles, hour: datetime, pool: str
 ) -> list[PublishedFile]:
     """The data files holding the pool-hour's rows of DIGESTED_TABLES, hashed now (rows
     inlined into the catalog have no file; the rows digest covers them)."""
@@ -135,15 +136,14 @@ def hour_data_files(
             at_hour,
         ).fetchall()
         for (name,) in names:
-            path = Path(name)
-            if path.is_absolute() and path.is_relative_to(data_dir):
-                relative = str(path.relative_to(data_dir))
-                found.append(PublishedFile(relative, table, hour, pool, file_sha256(path)))
+            relative = data.relative_of(name)
+            if relative is not None:
+                found.append(PublishedFile(relative, table, hour, pool, data.sha256(relative)))
     return found
 
 
 def record_published_hour(
-    con: duckdb.DuckDBPyConnection, data_dir: Path, hour: datetime, pool: str
+    con: duckdb.DuckDBPyConnection, data: DataFiles, hour: datetime, pool: str
 ) -> None:
     """Replace the pool-hour's digest and data-file hashes by those of its rows now (inside
     the transaction that publishes it, so the hour and its digest commit together)."""
@@ -153,7 +153,7 @@ def record_published_hour(
     con.execute(
         "INSERT INTO published_digests VALUES (?, ?, ?)", [*at_hour, rows_digest(con, hour, pool)]
     )
-    files = hour_data_files(con, data_dir, hour, pool)
+    files = hour_data_files(con, data, hour, pool)
     if files:
         con.executemany(
             "INSERT INTO published_files VALUES (?, ?, ?, ?, ?)",
@@ -162,19 +162,22 @@ def record_published_hour(
 
 
 def _files_changed(
-    data_dir: Path, hour: datetime, pool: str, files: Iterable[tuple[str, str, str]]
+    data: DataFiles, hour: datetime, pool: str, files: Iterable[tuple[str, str, str]]
 ) -> CheckResult | None:
     """The failed `published_changed` result naming every one of the pool-hour's published
     data files `files` (path, table name, sha256 as published) that is not what was
-    published; None if none. Each file is hashed once per version in the process."""
+    published; None if none. Each local file is hashed once per version in the process."""
     changed = []
     for path, table_name, sha256 in files:
-        local = data_dir / path
-        found = _current_sha256(local)
+        found = _current_sha256(data, path)
         if found != sha256:
             published = PublishedFile(path, table_name, hour, pool, sha256)
             changed.append(
-                (sha256, found, PUBLISHED_CHANGED.found(published.changed(local, found)))
+                (
+                    sha256,
+                    found,
+                    PUBLISHED_CHANGED.found(published.changed(data.where(path), found)),
+                )
             )
     if not changed:
         return None
@@ -186,11 +189,16 @@ def _files_changed(
     )
 
 
-def _current_sha256(local: Path) -> str:
+def _current_sha256(data: DataFiles, relative: str) -> str:
+    """An object on a store is hashed each time: its modification time, in whole seconds,
+    cannot tell two versions of it apart."""
+    if data.on_store:
+        return data.sha256(relative)
+    local = Path(data.path(relative))
     try:
         version = local.stat()
     except FileNotFoundError:
-        return "(file missing)"
+        return MISSING
     return cached_sha256(str(local), version.st_size, version.st_mtime_ns)
 
 
@@ -211,7 +219,7 @@ def _rows_changed(hour: datetime, pool: str, recorded: str, found: str) -> Check
 
 
 def published_hour_change(
-    con: duckdb.DuckDBPyConnection, data_dir: Path, hour: datetime, pool: str
+    con: duckdb.DuckDBPyConnection, data: DataFiles, hour: datetime, pool: str
 ) -> CheckResult | None:
     """The failed `published_changed` result of the pool-hour if its published data files or
     rows differ from what was published, naming every changed file (a changed file is not read
@@ -228,18 +236,18 @@ def published_hour_change(
         "ORDER BY path",
         at_hour,
     ).fetchall()
-    if (change := _files_changed(data_dir, hour, pool, files)) is not None:
+    if (change := _files_changed(data, hour, pool, files)) is not None:
         return change
     found = rows_digest(con, hour, pool)
     return None if found == recorded[0][0] else _rows_changed(hour, pool, recorded[0][0], found)
 
 
 def verify_published_hour(
-    con: duckdb.DuckDBPyConnection, data_dir: Path, hour: datetime, pool: str
+    con: duckdb.DuckDBPyConnection, data: DataFiles, hour: datetime, pool: str
 ) -> None:
     """Refuse (IntegrityError) if the pool-hour's published rows or data files differ from
     what was published; an hour never published, or published before digests were, passes."""
-    change = published_hour_change(con, data_dir, hour, pool)
+    change = published_hour_change(con, data, hour, pool)
     if change is not None:
         raise IntegrityError(change)
 
@@ -282,7 +290,7 @@ def _window_digests(
 
 def sweep_published(
     con: duckdb.DuckDBPyConnection,
-    data_dir: Path,
+    data: DataFiles,
     start: datetime | None = None,
     end: datetime | None = None,
 ) -> Sweep:
@@ -309,7 +317,7 @@ def sweep_published(
     changed = {
         key: change
         for key, hour_files in files.items()
-        if key in recorded and (change := _files_changed(data_dir, *key, hour_files)) is not None
+        if key in recorded and (change := _files_changed(data, *key, hour_files)) is not None
     }
     damaged_hours = sorted({hour for hour, _ in changed})
     found: dict[tuple[datetime, str], str] = {}
@@ -340,6 +348,6 @@ def sweep_warehouse(
     connection: it never opens the pipeline's state, so a run does not hold it up."""
     con = read_connection(warehouse)
     try:
-        return sweep_published(con, warehouse / DATA_FILES_DIR, start, end)
+        return sweep_published(con, reader_data_files(warehouse), start, end)
     finally:
         con.close()

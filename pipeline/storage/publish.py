@@ -6,7 +6,7 @@ import duckdb
 
 from pipeline.attribution.ledger import HourLedger
 from pipeline.storage.integrity import record_published_hour, verify_published_hour
-from pipeline.storage.warehouse import data_files_dir, replace_hour
+from pipeline.storage.warehouse import data_files, replace_hour
 
 
 def publish_hour(con: duckdb.DuckDBPyConnection, ledger: HourLedger) -> None:
@@ -17,12 +17,12 @@ def publish_hour(con: duckdb.DuckDBPyConnection, ledger: HourLedger) -> None:
     Lines that do not add up to the invoice are still written: the money check then fails and
     holds the hour back from the finance views, with the difference in its detail.
     """
-    data_dir = data_files_dir(con)
-    verify_published_hour(con, data_dir, ledger.hour, ledger.pool)
+    data = data_files(con)
+    verify_published_hour(con, data, ledger.hour, ledger.pool)
     replace_hour(
         con,
         ledger.hour,
         ledger.pool,
         ledger.published_tables(),
-        then=lambda writing: record_published_hour(writing, data_dir, ledger.hour, ledger.pool),
+        then=lambda writing: record_published_hour(writing, data, ledger.hour, ledger.pool),
     )

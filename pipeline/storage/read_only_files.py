@@ -14,6 +14,13 @@ It also verifies what it serves: each data file of a published pool-hour (the wa
 refused unless its sha256 is the one recorded when the hour was published. Hashes are cached
 in the process by (path, size, modification time), out of reach of the reader's SQL, so a
 file is read through once per process and only if a query reads it.
+
+When the data files are on an object store (`pipeline.storage.data_files`), they are reached
+through a pyarrow S3 client holding the reader's keys, under URLs without a leading slash
+(`ledgerfiles://bucket/prefix/...`); the same refusals hold, and the store refuses the
+reader's keys any write besides. A published object is read whole and hashed, and served
+from those very bytes: an object's modification time has a resolution of a second, too
+coarse to key a cache on, and bytes checked then read again could have changed between.
 """
 
 from __future__ import annotations
@@ -21,21 +28,24 @@ from __future__ import annotations
 import functools
 import glob
 import hashlib
+import io
 import os
+import posixpath
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import pyarrow.fs as pafs
 from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
+from pipeline.storage.data_files import HASH_CHUNK_BYTES, DataFiles
 from schemas.errors import DataError
 from schemas.units import hour_key
 
 PROTOCOL = "ledgerfiles"
-HASH_CHUNK_BYTES = 1 << 20
 # Files whose sha256 a process keeps; beyond this the least recently read are hashed again.
 CACHED_HASHES = 1 << 16
 
@@ -54,10 +64,10 @@ class PublishedFile:
     pool: str
     sha256: str
 
-    def changed(self, local: Path, found: str) -> str:
-        """What is wrong when the file at `local` now has sha256 `found`."""
+    def changed(self, where: str, found: str) -> str:
+        """What is wrong when the file at `where` (its path or URI) now has sha256 `found`."""
         return (
-            f"{local} ({self.table_name} of pool {self.pool} hour {hour_key(self.hour)}): "
+            f"{where} ({self.table_name} of pool {self.pool} hour {hour_key(self.hour)}): "
             f"sha256 {found}, but it was published as {self.sha256}: the warehouse data file "
             "was changed after publishing, so it is not served (restore it from a backup)"
         )
@@ -96,23 +106,41 @@ class ReadOnlyFiles(AbstractFileSystem):  # type: ignore[misc]
     """Files under the directories `roots`, read-only. fsspec's base class refuses every write
     it does not route through `_open`, which refuses every mode but reading; the directory
     operations the base class treats as no-ops are refused too, so nothing reports success
-    for a change."""
+    for a change. `store`: the warehouse's data files on an object store, readable too."""
 
     protocol = (PROTOCOL,)
     # Each finance connection registers its own instance; fsspec must not hand out a cached one.
     cachable = False
 
-    def __init__(self, *roots: Path) -> None:
+    def __init__(self, *roots: Path, store: DataFiles | None = None) -> None:
         super().__init__()
         self.roots = [Path(os.path.realpath(root)) for root in roots]
+        self.store = store
         self._local = LocalFileSystem()
         self._published: dict[str, PublishedFile] = {}
 
-    def verify_published(self, data_dir: Path, files: Mapping[str, PublishedFile]) -> None:
-        """From now on, serve the data files `files` (by path relative to `data_dir`) only
-        while their sha256 is the one they were published with."""
-        real = os.path.realpath(data_dir)
+    def verify_published(self, data: DataFiles, files: Mapping[str, PublishedFile]) -> None:
+        """From now on, serve the data files `files` (by path relative to the data path of
+        `data`) only while their sha256 is the one they were published with."""
+        if data.on_store:
+            self._published = {data.path(path): file for path, file in files.items()}
+            return
+        real = os.path.realpath(data.root)
         self._published = {os.path.join(real, path): file for path, file in files.items()}
+
+    def data_url(self, data: DataFiles) -> str:
+        """The data path of `data` as a URL of this file system, with a trailing slash."""
+        if data.on_store:
+            return f"{PROTOCOL}://{self._on_store(data.root)}/"
+        return self.url(Path(data.root))
+
+    def readable_urls(self) -> list[str]:
+        """The URL prefixes a connection over this file system may read: each root's URL, and
+        its glob pattern when that differs (`pattern`)."""
+        urls = [url for root in self.roots for url in (self.url(root), self.pattern(root))]
+        if self.store is not None:
+            urls.append(self.data_url(self.store))
+        return list(dict.fromkeys(urls))
 
     def url(self, root: Path) -> str:
         """A directory `root` (one of `roots`, or below one) as a URL of this file system, with
@@ -151,6 +179,30 @@ class ReadOnlyFiles(AbstractFileSystem):  # type: ignore[misc]
             return False
         return True
 
+    def _on_store(self, path: str) -> str:
+        """The store path (`bucket/key`) of `path`, a URL of this file system without a
+        leading slash, refused unless the store's data path holds it (no `..` out of it)."""
+        key = posixpath.normpath(str(self._strip_protocol(path)))
+        root = self.store.root if self.store is not None else None
+        if root is None or not (key == root or key.startswith(root + "/")):
+            raise ReadOnlyFileRefused(f"{path}: outside the files readable here")
+        return key
+
+    def _stored(self, path: str) -> bool:
+        """Whether `path` names an object on the store rather than a local file."""
+        return self.store is not None and not str(self._strip_protocol(path)).startswith("/")
+
+    def _store_entry(self, info: pafs.FileInfo) -> dict[str, Any]:
+        kind = "directory" if info.type == pafs.FileType.Directory else "file"
+        return {"name": info.path, "size": info.size or 0, "type": kind, "mtime": info.mtime}
+
+    def _store_info(self, key: str) -> pafs.FileInfo:
+        assert self.store is not None
+        info = self.store.filesystem.get_file_info(key)
+        if info.type == pafs.FileType.NotFound:
+            raise FileNotFoundError(f"{self.store.uri}: no {key}")
+        return info
+
     def _inside(self, path: str) -> str:
         """The local path of `path` (a URL of this file system or a plain path), refused unless it
         resolves to a root or below one (no `..` or symbolic link out of them)."""
@@ -163,27 +215,51 @@ class ReadOnlyFiles(AbstractFileSystem):  # type: ignore[misc]
 
     # Entries are named by local path, as fsspec names them (without the protocol).
     def ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
+        if self._stored(path):
+            assert self.store is not None
+            selector = pafs.FileSelector(self._on_store(path), allow_not_found=True)
+            listed = [self._store_entry(i) for i in self.store.filesystem.get_file_info(selector)]
+            return listed if detail else [entry["name"] for entry in listed]
         entries: list[Any] = self._local.ls(self._inside(path), detail=detail)
         return entries
 
     def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        if self._stored(path):
+            return self._store_entry(self._store_info(self._on_store(path)))
         info: dict[str, Any] = self._local.info(self._inside(path))
         return info
 
     def modified(self, path: str) -> Any:
+        if self._stored(path):
+            return self._store_info(self._on_store(path)).mtime
         return self._local.modified(self._inside(path))
 
     def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
         if mode != "rb":
             raise ReadOnlyFileRefused(f"{path}: read-only here")
+        if self._stored(path):
+            return self._open_stored(self._on_store(path))
         local = self._inside(path)
         published = self._published.get(local)
         if published is not None:
             version = os.stat(local)
             found = cached_sha256(local, version.st_size, version.st_mtime_ns)
             if found != published.sha256:
-                raise PublishedFileChanged(published.changed(Path(local), found))
+                raise PublishedFileChanged(published.changed(local, found))
         return self._local._open(local, mode="rb")
+
+    def _open_stored(self, key: str) -> Any:
+        assert self.store is not None
+        published = self._published.get(key)
+        if published is None:
+            return self.store.filesystem.open_input_file(key)
+        with self.store.filesystem.open_input_stream(key) as stream:
+            data = bytes(stream.read())
+        found = hashlib.sha256(data).hexdigest()
+        if found != published.sha256:
+            where = f"s3://{key}"
+            raise PublishedFileChanged(published.changed(where, found))
+        return io.BytesIO(data)
 
     def _refuse(self, path: Any, *args: Any, **kwargs: Any) -> None:
         raise ReadOnlyFileRefused(f"{path}: read-only here")

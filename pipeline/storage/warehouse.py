@@ -35,6 +35,14 @@ from typing import Any, TypeVar
 import duckdb
 import polars as pl
 
+from pipeline.storage.data_files import (
+    DATA_FILES_DIR,
+    DataFiles,
+    data_files_at,
+    reader_data_files,
+    writer_data_files,
+    writer_secret_sql,
+)
 from pipeline.storage.read_only_files import PublishedFile, ReadOnlyFiles
 from schemas.errors import StateError
 from schemas.units import from_warehouse, hour_key, to_warehouse, warehouse_now
@@ -56,7 +64,6 @@ CATALOG_SCHEMA = "ducklake"
 POSTGRES_ENV = "STEPLEDGER_POSTGRES"
 STATE = "state"
 LAKE_DIR = "lake"
-DATA_FILES_DIR = "data"
 # The single DuckDB file that held ledger and bookkeeping together (schema version 1).
 PREVIOUS_LAYOUT_FILE = "warehouse.duckdb"
 # 1: one DuckDB file; 2: the DuckLake warehouse and pipeline.duckdb; 3: version 2 and the
@@ -142,11 +149,13 @@ def _check_signature(path: Path, size: int, mtime_ns: int) -> None:
         checking.execute(f"LOAD {_quoted(path)}")
 
 
-def load_extensions(con: duckdb.DuckDBPyConnection, catalog: str = "sqlite_scanner") -> None:
+def load_extensions(
+    con: duckdb.DuckDBPyConnection, catalog: str = "sqlite_scanner", *more: str
+) -> None:
     """Load DuckLake and its catalog's database support (`sqlite_scanner` or
-    `postgres_scanner`) from the installed packages, each file's signature verified (once per
-    process, see WRITER_CONFIG)."""
-    for name in (catalog, "ducklake"):
+    `postgres_scanner`), and the extensions `more`, from the installed packages, each file's
+    signature verified (once per process, see WRITER_CONFIG)."""
+    for name in (catalog, "ducklake", *more):
         path = extension_file(name)
         version = path.stat()
         _check_signature(path, version.st_size, version.st_mtime_ns)
@@ -164,12 +173,14 @@ def attach_warehouse(
 ) -> None:
     """Attach the DuckLake in `directory` as `ledger`: read-only, or for writing (created if
     missing); `as_of` a snapshot id or a time (the last snapshot at or before it); `data_path`
-    where its data files are read (by default `directory`/data). Its catalog is the SQLite file
-    in `directory`, or in PostgreSQL: `postgres` (the writer's connection string), or for a
-    reader the connection `directory`'s CATALOG_POINTER names."""
+    where its data files are read (a reader's; a writer's are where `writer_data_files` says:
+    `directory`/data, or a store). Its catalog is the SQLite file in `directory`, or in
+    PostgreSQL: `postgres` (the writer's connection string), or for a reader the connection
+    `directory`'s CATALOG_POINTER names."""
     # The catalog stores the data path it was created with; a data directory moved or restored
     # elsewhere must still find its files, so the path is always given and overrides it.
-    data_path = data_path or str(directory / DATA_FILES_DIR)
+    if data_path is None:
+        data_path = _writer_data_path(con, directory)
     options = [f"DATA_PATH {_quoted(data_path)}", "OVERRIDE_DATA_PATH true"]
     if read_only:
         options.append("READ_ONLY")
@@ -186,6 +197,25 @@ def attach_warehouse(
         if as_of is None:
             raise
         raise WarehouseError(f"{directory}: no snapshot as of {as_of} ({err})") from err
+
+
+def _writer_data_path(con: duckdb.DuckDBPyConnection, directory: Path) -> str:
+    """The data path a writer attaches the warehouse in `directory` with; on a store, httpfs
+    loaded and given the writer's keys as a temporary secret (in memory only)."""
+    local = directory / DATA_FILES_DIR
+    existing = has_catalog(directory) or (local.is_dir() and any(local.iterdir()))
+    data = writer_data_files(directory, existing)
+    if not data.on_store:
+        return data.uri
+    load_extensions(con, "sqlite_scanner", "httpfs")
+    try:
+        con.execute(writer_secret_sql(f"{LEDGER}_store"))
+    except duckdb.Error as err:
+        # DuckDB's message may quote the statement, which holds the keys.
+        raise WarehouseError(
+            f"{data.uri}: DuckDB refused the store's credentials ({type(err).__name__})"
+        ) from None
+    return data.uri + "/"
 
 
 def _catalog_location(
@@ -526,7 +556,10 @@ def read_connection(
     state file, so it never blocks the pipeline."""
     directory = Path(directory)
     _require_warehouse(directory)
-    return _warehouse_connection(directory, files=_reader_files(directory), as_of=as_of)
+    data = reader_data_files(directory)
+    return _warehouse_connection(
+        directory, files=_reader_files(directory, data), data=data, as_of=as_of
+    )
 
 
 def _require_warehouse(directory: Path) -> None:
@@ -553,9 +586,10 @@ class SnapshotReader:
 
     def __init__(self, directory: Path) -> None:
         _require_warehouse(directory)
-        self._files = _reader_files(directory)
-        self.con = _warehouse_connection(directory, files=self._files)
-        self._data_dir = directory / DATA_FILES_DIR
+        self._directory = directory
+        self._data = reader_data_files(directory)
+        self._files = _reader_files(directory, self._data)
+        self.con = _warehouse_connection(directory, files=self._files, data=self._data)
         # Which snapshot opening verified is not known: the first read verifies again.
         self._verified: int | None = None
 
@@ -568,13 +602,13 @@ class SnapshotReader:
             if before != self._verified:
                 # Of `before` unless a snapshot was committed since; then the check after
                 # the query fails, and the next attempt's `before` is newer and verified anew.
-                self._files.verify_published(self._data_dir, published_files(self.con))
+                self._files.verify_published(self._data, published_files(self.con))
                 self._verified = before
             result = query(self.con)
             if current_snapshot(self.con) == before:
                 return before, result
         raise WarehouseError(
-            f"{self._data_dir.parent}: a new snapshot was committed during each of "
+            f"{self._directory}: a new snapshot was committed during each of "
             f"{SNAPSHOT_READ_ATTEMPTS} reads in a row"
         )
 
@@ -598,21 +632,25 @@ def has_catalog(directory: Path) -> bool:
     return (directory / CATALOG_FILE).is_file() or (directory / CATALOG_POINTER).is_file()
 
 
-def _reader_files(directory: Path) -> ReadOnlyFiles:
-    """The one way a reader's connection reaches files: the warehouse's data files and the
-    Parquet lake beside the warehouse, read-only."""
-    return ReadOnlyFiles(directory / DATA_FILES_DIR, lake_dir(directory))
+def _reader_files(directory: Path, data: DataFiles) -> ReadOnlyFiles:
+    """The one way a reader's connection reaches files: the warehouse's data files `data` (in
+    its directory or on a store) and the Parquet lake beside the warehouse, read-only."""
+    if data.on_store:
+        return ReadOnlyFiles(lake_dir(directory), store=data)
+    return ReadOnlyFiles(Path(data.root), lake_dir(directory))
 
 
 def _warehouse_connection(
     directory: Path,
     *,
     files: ReadOnlyFiles | None,
+    data: DataFiles | None = None,
     as_of: datetime | int | None = None,
     postgres: str | None = None,
 ) -> duckdb.DuckDBPyConnection:
     """A connection whose default catalog is the warehouse in `directory`, with the finance
-    views: read-only and sealed when given the `files` it reads through, else writing. Being
+    views: read-only and sealed when given the `files` it reads through (the data files
+    `data` among them), else writing. Being
     the default catalog, a write through a read-only connection is refused rather than
     landing in the connection's scratch memory."""
     con = duckdb.connect(config=READER_CONFIG if files else {})
@@ -624,14 +662,14 @@ def _warehouse_connection(
             directory,
             read_only=files is not None,
             as_of=as_of,
-            data_path=files.url(directory / DATA_FILES_DIR) if files else None,
+            data_path=files.data_url(data) if files and data else None,
             postgres=postgres,
         )
         _check_version(con, directory)
         con.execute(f"USE {LEDGER}")
         _define_views(con)
-        if files:
-            files.verify_published(directory / DATA_FILES_DIR, published_files(con))
+        if files and data:
+            files.verify_published(data, published_files(con))
             _seal(con, files, lake_dir(directory))
     except BaseException:
         con.close()
@@ -674,11 +712,7 @@ def _seal(con: duckdb.DuckDBPyConnection, files: ReadOnlyFiles, lake: Path) -> N
     )
     # A glob pattern is allowed by its text: below a root named with a wildcard, it begins
     # with the root escaped (`files.pattern`).
-    readable = ", ".join(
-        _quoted(url)
-        for root in files.roots
-        for url in dict.fromkeys((files.url(root), files.pattern(root)))
-    )
+    readable = ", ".join(_quoted(url) for url in files.readable_urls())
     con.execute(f"SET allowed_directories = [{readable}]")
     con.execute("SET enable_external_access = false")
     con.execute("SET disabled_filesystems = 'LocalFileSystem'")
@@ -696,11 +730,12 @@ def connect_read_only(state_file: str | Path) -> Iterator[duckdb.DuckDBPyConnect
         con.close()
 
 
-def data_files_dir(con: duckdb.DuckDBPyConnection) -> Path:
+def data_files(con: duckdb.DuckDBPyConnection) -> DataFiles:
     """Where the warehouse attached to a writing connection keeps its data files: the data
-    path it was attached with (the state may be a PostgreSQL database, which has no directory)."""
+    path it was attached with (the state may be a PostgreSQL database, which has no directory),
+    a directory or a store's prefix."""
     (path,) = con.execute(f"SELECT data_path FROM ducklake_settings('{LEDGER}')").fetchall()[0]
-    return Path(path)
+    return data_files_at(path)
 
 
 def current_snapshot(con: duckdb.DuckDBPyConnection) -> int:

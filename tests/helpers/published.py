@@ -11,7 +11,7 @@ import duckdb
 import polars as pl
 
 from pipeline.storage.integrity import record_published_hour
-from pipeline.storage.warehouse import data_files_dir, replace_hour
+from pipeline.storage.warehouse import data_files, replace_hour
 
 LINES_PER_HOUR = 200
 
@@ -43,13 +43,13 @@ def publish_by_hand(con: duckdb.DuckDBPyConnection, hour: datetime, pool: str) -
             "amount_nano": [LINES_PER_HOUR],
         }
     )
-    data_dir = data_files_dir(con)
+    data = data_files(con)
     replace_hour(
         con,
         hour,
         pool,
         {"invoices": invoice, "ledger_lines": lines},
-        then=lambda writing: record_published_hour(writing, data_dir, hour, pool),
+        then=lambda writing: record_published_hour(writing, data, hour, pool),
     )
 
 
@@ -60,7 +60,7 @@ def ledger_lines_file(con: duckdb.DuckDBPyConnection, hour: datetime, pool: str)
         "AND pool = ?",
         [hour.replace(tzinfo=None), pool],
     ).fetchall()[0]
-    return data_files_dir(con) / str(path)
+    return Path(data_files(con).path(str(path)))
 
 
 def double_every_amount(file: Path) -> None:

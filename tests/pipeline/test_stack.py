@@ -11,13 +11,20 @@ import subprocess
 import time
 from pathlib import Path
 
+import pyarrow.fs as pafs
 import pytest
 
 from pipeline import finance, stack
 from pipeline.datadir import DataDir
 from pipeline.ingestion.ingest import segment_files
+from pipeline.ship.s3server import s3_filesystem
 from pipeline.ship.shipper import ship_pending
 from pipeline.ship.store import STORE_VARIABLE, SegmentObject, open_store, parse_key
+from pipeline.storage.data_files import (
+    READER_ACCESS_KEY,
+    READER_SECRET_KEY,
+    WAREHOUSE_DATA_VARIABLE,
+)
 from pipeline.storage.warehouse import POSTGRES_ENV
 from schemas.config import load_pools
 from schemas.errors import ExternalError
@@ -43,8 +50,12 @@ def postgres_or_skip() -> None:
 
 
 def secrets(env: dict[str, str]) -> list[bytes]:
-    """The stack's PostgreSQL password and the store's secret key."""
-    return [env["DAGSTER_PG_PASSWORD"].encode(), env["AWS_SECRET_ACCESS_KEY"].encode()]
+    """The stack's PostgreSQL password and the store's secret keys, the writer's and the
+    reader's."""
+    return [
+        env[name].encode()
+        for name in ("DAGSTER_PG_PASSWORD", "AWS_SECRET_ACCESS_KEY", READER_SECRET_KEY)
+    ]
 
 
 def secrets_written(directory: Path, env: dict[str, str]) -> list[str]:
@@ -75,9 +86,9 @@ def ship_one_segment(env: dict[str, str], tmp_path: Path, write_segment) -> list
 
 def run_production_demo(
     directory: Path, env: dict[str, str], out: Path
-) -> tuple[subprocess.CompletedProcess[str], list[SegmentObject]]:
-    """`stepledger demo --profile production` through the stack: its result and the segment
-    objects it left on the store."""
+) -> tuple[subprocess.CompletedProcess[str], list[SegmentObject], list[str]]:
+    """`stepledger demo --profile production` through the stack: its result, the segment
+    objects it left on the store and its warehouse's data files there."""
     done = subprocess.run(
         [
             *(STEPLEDGER, "demo", "--profile", "production", "--stack", str(directory)),
@@ -91,7 +102,15 @@ def run_production_demo(
     with pytest.MonkeyPatch.context() as patch:
         for name, value in env.items():
             patch.setenv(name, value)
-        return done, open_store("s3://stepledger/demo").segments()
+        return done, open_store("s3://stepledger/demo").segments(), warehouse_objects(env)
+
+
+def warehouse_objects(env: dict[str, str]) -> list[str]:
+    """The data files of the demo's warehouse on the store."""
+    found = s3_filesystem(env).get_file_info(
+        pafs.FileSelector("stepledger/demo/warehouse", recursive=True, allow_not_found=True)
+    )
+    return [info.path for info in found if info.path.endswith(".parquet")]
 
 
 def check_production_demo(
@@ -99,6 +118,7 @@ def check_production_demo(
     env: dict[str, str],
     done: subprocess.CompletedProcess[str],
     objects: list[SegmentObject],
+    warehouse: list[str],
 ) -> None:
     result = json.loads(done.stdout)
     replicas = {r.id for pool in load_pools().pools for r in pool.replicas}
@@ -121,6 +141,9 @@ def check_production_demo(
         ("reason-dsv3", True),
     ]
     assert result["costs"]
+    # The warehouse's data files are on the store, none in its directory.
+    assert warehouse
+    assert list((out / "warehouse" / "data").rglob("*.parquet")) == []
     leaked = [s for s in secrets(env) if s.decode() in done.stdout + done.stderr]
     assert (leaked, secrets_written(out, env)) == ([], [])
 
@@ -145,6 +168,8 @@ def test_the_stack_serves_on_loopback_bills_the_production_demo_and_down_stops_a
         env = stack.environment_of(directory)
         assert env[POSTGRES_ENV].startswith("host=127.0.0.1 ")
         assert env[STORE_VARIABLE] == "s3://stepledger/fleet"
+        assert env[WAREHOUSE_DATA_VARIABLE] == "s3://stepledger/fleet/warehouse"
+        assert env[READER_ACCESS_KEY] != env["AWS_ACCESS_KEY_ID"]
         s3_port = int(env["AWS_ENDPOINT_URL"].removeprefix("http://127.0.0.1:"))
         assert listening_addresses(s3_port) == {"0100007F"}
         (key,) = ship_one_segment(env, tmp_path, write_segment)
@@ -152,12 +177,16 @@ def test_the_stack_serves_on_loopback_bills_the_production_demo_and_down_stops_a
         assert shipped is not None
         assert (shipped.replica, shipped.last_seq) == ("r0", 2)
         assert secrets_written(directory, env) == []
-        # Finance reads the stack's store through its read-only role: an empty ledger.
-        con = finance.connect(data)
-        try:
-            assert con.execute("SELECT count(*) FROM invoices").fetchall() == [(0,)]
-        finally:
-            con.close()
+        # Finance reads the stack's store through its read-only role and the store through the
+        # reader's keys: an empty ledger.
+        with pytest.MonkeyPatch.context() as patch:
+            for name in (READER_ACCESS_KEY, READER_SECRET_KEY, "AWS_ENDPOINT_URL", "AWS_REGION"):
+                patch.setenv(name, env[name])
+            con = finance.connect(data)
+            try:
+                assert con.execute("SELECT count(*) FROM invoices").fetchall() == [(0,)]
+            finally:
+                con.close()
         with pytest.raises(stack.StackError, match="a stack runs there"):
             stack.up(directory, data)
         demo = run_production_demo(directory, env, tmp_path / "demo")

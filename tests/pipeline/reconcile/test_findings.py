@@ -36,6 +36,7 @@ from pipeline.reconcile.findings import (
     kinds_found,
 )
 from pipeline.reconcile.findings_doc import findings_table, with_findings_table
+from pipeline.storage.data_files import DataFiles
 from pipeline.storage.integrity import IntegrityError, require_lake_files, verify_published_hour
 from pipeline.storage.warehouse import SCHEMA_SQL, STATE_SQL
 from schemas.config import Settings
@@ -119,7 +120,9 @@ def published_rows_changed() -> None:
         con.execute(
             "INSERT INTO published_digests VALUES (?, ?, ?)", [to_warehouse(HOUR), POOL.name, "0"]
         )
-        verify_published_hour(con, Path("/nonexistent/warehouse/data"), HOUR, POOL.name)
+        verify_published_hour(
+            con, DataFiles.local(Path("/nonexistent/warehouse/data")), HOUR, POOL.name
+        )
 
 
 CLOCK_JUMPS = pl.DataFrame(
