@@ -3,8 +3,9 @@ how throughput grows with run workers.
 
 The stack (`pipeline.stack.up`: PostgreSQL, the Dagster daemon and webserver, the S3 server)
 is started in a temporary directory; each billing copies its input afresh and bills it into a
-fresh store on the stack's server (the pipeline's state and the DuckLake catalog in
-PostgreSQL). The input is POOLS busy pools of REPLICAS TP1 replicas each (the pool-hour
+fresh store on the stack's servers (the pipeline's state and the DuckLake catalog in
+PostgreSQL, the warehouse's data files on the S3 server), as `stepledger demo --profile
+production` does. The input is POOLS busy pools of REPLICAS TP1 replicas each (the pool-hour
 benchmark's busy pool: twice the default chat pool's traffic per replica), simulated for a
 share of one hour. Each pool-hour is billed by a process of its own running `pool_hour_job` in
 process, as a run the daemon launches is; a run worker is a slot that runs one such process at
