@@ -25,8 +25,8 @@ No step takes a Dagster pool; what remains is measured where it happens:
 - the work of every attempt `retry_conflicts` ran again after a conflict (less its COMMIT);
 - lock waits observed in PostgreSQL: `pg_stat_activity` sampled every SAMPLE_EVERY_S, each
   session waiting for a lock counting the time since the previous sample, on the state's
-  tables (added) and on the catalog's (printed, not added: the waiter is inside its own COMMIT,
-  counted already).
+  tables (added, and printed by the statement that waited) and on the catalog's (printed, not
+  added: the waiter is inside its own COMMIT, counted already).
 
 The COMMITs of transactions that write only the pipeline state (ingest batches, gateway files)
 lock that pool-hour's own rows. They are printed apart, with the lock waits on the state's
@@ -44,10 +44,11 @@ a pool of that many GPUs may take for the fleet target. `fleet_ceiling_gpus` = 3
 many machines run the rest.
 
 `stack_pool_hours_per_min` with 1 and 2 run workers over the smaller share's pool-hours (QUICK:
-THROUGHPUT_POOL_HOURS_QUICK of them), and their ratio (target 1.7 on 2 cores). Each worker's process pays its imports and its first
-hour's warm-up, as a launched run does, in both counts alike. The lock sampling does not run
-then (it takes CPU from the workers); the CPU the workers, the stack and everything else on
-the machine used in each window is printed, with the load average.
+THROUGHPUT_POOL_HOURS_QUICK of them), and their ratio (target 1.7 on 2 cores). Each
+pool-hour's process pays its imports and its first hour's warm-up, as a launched run does, in
+both counts alike. The lock sampling does not run then (it takes CPU from the workers); the
+CPU the workers, the stack and everything else on the machine used in each window is printed,
+with the load average.
 """
 
 from __future__ import annotations
