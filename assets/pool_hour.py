@@ -122,7 +122,7 @@ def ingest_step_log(
 ) -> dg.MaterializeResult[None]:
 
     pool_names = sorted({pool_hour.pool for pool_hour in pool_hours(context)})
-    replicas = [r.id for name in pool_names for r in pools.pool(name).replicas]
+    replicas = [r.id for name in pool_names for r in pools.pool(name).streams]
     with open_warehouse(warehouse) as con:
         report = retry_conflicts(
             lambda: ingest_outbox(

@@ -54,7 +54,7 @@ def ingest_request(pool: str, newest_ns: int, paths: list[Path]) -> dg.RunReques
 
 
 def build_new_segments_sensor(pools: PoolsFile) -> dg.SensorDefinition:
-    pool_of_replica = {r.id: p.name for p in pools.pools for r in p.replicas}
+    pool_of_replica = {r.id: p.name for p in pools.pools for r in p.streams}
 
     @dg.sensor(
         name="new_segments",

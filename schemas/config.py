@@ -21,6 +21,7 @@ from pricing.spec import load_chip
 
 # load_pools raises it: its callers may take it from here.
 from schemas.errors import ConfigError as ConfigError
+from schemas.records import rank_stream_id
 from schemas.units import HOUR_NS, NanoUSD, nano_of_usd, nano_to_usd, usd_to_nano
 
 # The largest price per replica-hour the allocator bills exactly: its clock
@@ -218,6 +219,31 @@ class Pool(_Strict):
         raise ValueError(f"pool {self.name!r}: usd_per_gpu_hour {self.usd_per_gpu_hour!r} {why}")
 
     @property
+    def gpus_per_stream(self) -> int:
+        """GPUs one step stream runs on: one attention data-parallel rank's share."""
+        return self.gpus_per_replica // self.data_parallel
+
+    @property
+    def streams(self) -> list[Replica]:
+        """What the pipeline bills and reconciles as replicas: one per step stream. With
+        attention data parallelism each rank schedules its own batches on its own GPUs (TP
+        ranks are listed in order, a rank's `gpus_per_stream` of them together), so each rank
+        is a stream of its own (`rank_stream_id`), on the replica's host; otherwise each
+        replica is one stream."""
+        if self.data_parallel == 1:
+            return self.replicas
+        width = self.gpus_per_stream
+        return [
+            Replica(
+                id=rank_stream_id(replica.id, rank),
+                hostname=replica.hostname,
+                gpu_uuids=replica.gpu_uuids[rank * width : (rank + 1) * width],
+            )
+            for replica in self.replicas
+            for rank in range(self.data_parallel)
+        ]
+
+    @property
     def nano_per_gpu_hour(self) -> NanoUSD:
         """The GPU-hour price in integer nano-dollars: exact, as `_price_bills_exactly` admits
         only prices that are whole nano-dollars as written."""
@@ -276,6 +302,13 @@ class PoolsFile(_Strict):
         replica_ids = [r.id for p in pools for r in p.replicas]
         if len(set(replica_ids)) != len(replica_ids):
             raise ValueError("replica ids must be unique across pools")
+        # An attention data-parallel rank's stream is billed as a replica of its own.
+        streams = [s.id for p in pools if p.data_parallel > 1 for s in p.streams]
+        clashes = sorted(set(streams) & set(replica_ids))
+        if clashes:
+            raise ValueError(
+                f"replica ids {clashes} are also the streams of attention data-parallel ranks"
+            )
         return pools
 
     def pool(self, name: str) -> Pool:

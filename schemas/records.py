@@ -138,6 +138,9 @@ class FieldKind:
 
     wanted: str
     accepts: Callable[[object], bool]
+    # Left out of the JSON while null: a field added after records without it were read by
+    # decoders that refuse an unknown one.
+    omitted_when_null: bool = False
 
 
 def _is_text(value: object) -> bool:
@@ -164,9 +167,11 @@ def _is_layout(value: object) -> bool:
     )
 
 
-def field_kind(wanted: str, accepts: Callable[[object], bool]) -> Mapping[str, FieldKind]:
+def field_kind(
+    wanted: str, accepts: Callable[[object], bool], *, omitted_when_null: bool = False
+) -> Mapping[str, FieldKind]:
     """`dataclasses.field` metadata giving a JSON record's field its kind."""
-    return MappingProxyType({"kind": FieldKind(wanted, accepts)})
+    return MappingProxyType({"kind": FieldKind(wanted, accepts, omitted_when_null)})
 
 
 NAME = field_kind("a non-empty string", lambda v: _is_text(v) and v != "")
@@ -176,6 +181,17 @@ COUNT = field_kind(
     f"an integer in [1, {INT32_MAX}]", lambda v: _is_integer(v) and 0 < v <= INT32_MAX
 )
 INTEGER = field_kind("an integer", _is_integer)
+# The parallel layout in a segment header (SegmentHeader.tp_size and after).
+LAYOUT_COUNT = field_kind(
+    f"an integer in [1, {INT32_MAX}] or null",
+    lambda v: v is None or (_is_integer(v) and 0 < v <= INT32_MAX),
+    omitted_when_null=True,
+)
+LAYOUT_INDEX = field_kind(
+    f"an integer in [0, {INT32_MAX}) or null",
+    lambda v: v is None or (_is_integer(v) and 0 <= v < INT32_MAX),
+    omitted_when_null=True,
+)
 LAYOUT_OBJECT = field_kind("an object of lists of [name, code] pairs", _is_layout)
 
 
@@ -217,11 +233,23 @@ class JsonRecord:
         return cls.from_mapping(decoded)
 
     def as_dict(self) -> dict[str, Any]:
-        return {spec.name: getattr(self, spec.name) for spec in fields(self)}
+        return {
+            spec.name: value
+            for spec in fields(self)
+            if (value := getattr(self, spec.name)) is not None
+            or not spec.metadata["kind"].omitted_when_null
+        }
 
     def to_json(self) -> bytes:
         """Compact JSON, fields in declaration order, text as UTF-8 (not escaped)."""
         return json.dumps(self.as_dict(), ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def rank_stream_id(replica: str, attn_dp_rank: int) -> str:
+    """The step stream of one attention data-parallel rank of `replica`: each rank schedules
+    its own batches on its own share of the replica's GPUs, so the pipeline bills each rank's
+    stream as a replica of its own (`schemas.config.Pool.streams`)."""
+    return f"{replica}.dp{attn_dp_rank}"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -242,6 +270,15 @@ class SegmentHeader(JsonRecord):
     # segments written before these fields existed).
     engine_model: str | None = field(default=None, metadata=OPTIONAL_TEXT)
     engine_device: str | None = field(default=None, metadata=OPTIONAL_TEXT)
+    # The engine's parallel layout, where its hook reports it (absent otherwise, and in
+    # segments written before these fields existed): tensor and expert parallel sizes over the
+    # whole replica, and with attention data parallelism the rank whose batches this stream
+    # records and the rank count (`replica` is then the rank's stream, `rank_stream_id`, and
+    # `gpus_per_replica` its share of the replica's GPUs).
+    tp_size: int | None = field(default=None, metadata=LAYOUT_COUNT)
+    ep_size: int | None = field(default=None, metadata=LAYOUT_COUNT)
+    attn_dp_rank: int | None = field(default=None, metadata=LAYOUT_INDEX)
+    attn_dp_size: int | None = field(default=None, metadata=LAYOUT_COUNT)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -174,7 +174,7 @@ def steps_in_hour(
         raise AttributionError(
             f"steps table holds rows of pool(s) {sorted(other_pools)}, attributing pool {pool.name!r}"
         )
-    replicas = sorted(r.id for r in pool.replicas)
+    replicas = sorted(r.id for r in pool.streams)
     unknown = sorted(set(steps["replica"].unique().to_list()) - set(replicas))
     if unknown:
         raise AttributionError(
@@ -633,13 +633,13 @@ def attribute_hour(
     _require_columns(
         holders, "holders", ("replica", "seq", "holder_index", "request_id", "kv_blocks", "state")
     )
-    replica_price = pool.gpus_per_replica * pool.nano_per_gpu_hour
+    replica_price = pool.gpus_per_stream * pool.nano_per_gpu_hour
     invoice = Invoice(
         hour=hour_value,
         pool=pool.name,
-        gpus=pool.gpus_per_replica * len(pool.replicas),
+        gpus=pool.gpus_per_stream * len(pool.streams),
         usd_per_gpu_hour=pool.usd_per_gpu_hour,
-        amount_nano=replica_price * len(pool.replicas),
+        amount_nano=replica_price * len(pool.streams),
     )
 
     hour_steps, keys = _priced_steps(pool, start_ns, steps, replica_price)
@@ -840,7 +840,7 @@ def _replica_facts(pool: Pool, hour_steps: pl.DataFrame, replica_price: int) -> 
         pl.col("cost_nano").sum().alias("step_cost_nano"),
         pl.col("admission_blocked").sum().cast(pl.Int64).alias("admission_blocked_steps"),
     )
-    every = pl.DataFrame({"replica": [r.id for r in pool.replicas]})
+    every = pl.DataFrame({"replica": [r.id for r in pool.streams]})
     return (
         every.join(per_replica, on="replica", how="left")
         .with_columns(

@@ -83,7 +83,7 @@ def synthetic_log(
     steps: list[dict[str, Any]] = []
     slots: list[dict[str, Any]] = []
     holders: list[dict[str, Any]] = []
-    for replica in pool.replicas:
+    for replica in pool.streams:
         clock = start_ns
         for seq in range(steps_per_replica):
             duration = _synthetic_step(

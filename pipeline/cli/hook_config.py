@@ -37,6 +37,7 @@ def hook_config_command(replica: str, pools_path: Path, out: Path | None) -> Non
         model=pool.model,
         gpu_type=pool.gpu_type,
         gpus_per_replica=pool.gpus_per_replica,
+        data_parallel=pool.data_parallel,
     )
     text = descriptor.to_json().decode() + "\n"
     if out is None:

@@ -152,7 +152,7 @@ def _simulate_with_progress(
     )
     with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task(
-            "simulate", total=hours * 3600 * sum(len(p.replicas) for p in pools.pools)
+            "simulate", total=hours * 3600 * sum(len(p.streams) for p in pools.pools)
         )
 
         def progress(done: float, total: float) -> None:

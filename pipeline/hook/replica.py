@@ -16,7 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from schemas.errors import ConfigError
-from schemas.records import COUNT, NAME, TEXT, FieldError, JsonRecord, SegmentHeader
+from schemas.records import (
+    COUNT,
+    NAME,
+    TEXT,
+    FieldError,
+    JsonRecord,
+    SegmentHeader,
+    rank_stream_id,
+)
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +45,9 @@ class ReplicaDescriptor(JsonRecord):
     model: str = field(metadata=TEXT)
     gpu_type: str = field(metadata=TEXT)
     gpus_per_replica: int = field(metadata=COUNT)
+    # The pool's attention data-parallel ranks per replica (1 in descriptors written before
+    # the field existed): each rank's steps are the stream `rank_stream_id` names.
+    data_parallel: int = field(default=1, metadata=COUNT)
 
 
 def read_descriptor(path: Path) -> ReplicaDescriptor:
@@ -96,16 +107,30 @@ class EngineFacts:
     # The GPU the platform names, or None where it names none (a CPU platform).
     device: str | None
     kv_block_size: int
+    # Its parallel layout, where the engine's hook reports it: tensor and expert parallel
+    # sizes, and the attention data-parallel rank this process schedules for and the ranks'
+    # count (each rank a step stream on its share of the GPUs).
+    tp_size: int | None = None
+    ep_size: int | None = None
+    attn_dp_rank: int | None = None
+    attn_dp_size: int | None = None
 
 
 def checked_header(replica: ReplicaDescriptor, engine: EngineFacts) -> SegmentHeader:
-    """The segment header of `replica`, refused unless the engine runs what its pool declares:
-    its GPU count, its model (the pool's name among the engine's `model_names`) and, where the
+    """The segment header of `replica` (of its attention data-parallel rank's stream, with more
+    than one), refused unless the engine runs what its pool declares: its attention ranks, its
+    GPU count, its model (the pool's name among the engine's `model_names`) and, where the
     platform names it, its GPU (every word of the pool's gpu_type in the device name, as
     "h100" in "NVIDIA H100 80GB HBM3"). Pricing, calibration and reconciliation key on the
     pool's names, so an engine serving anything else would be billed as the wrong model or
     chip: refused before it serves. The engine's own names go in the header beside them."""
     name, pool = replica.replica, replica.pool
+    ranks = engine.attn_dp_size or 1
+    if ranks != replica.data_parallel:
+        raise HookConfigError(
+            f"replica {name!r} runs {ranks} attention data-parallel rank(s) but pool {pool!r} "
+            f"declares data_parallel={replica.data_parallel}"
+        )
     if engine.gpus != replica.gpus_per_replica:
         raise HookConfigError(
             f"replica {name!r} runs on {engine.gpus_described} but pool {pool!r} declares "
@@ -132,16 +157,22 @@ def checked_header(replica: ReplicaDescriptor, engine: EngineFacts) -> SegmentHe
             f"replica {name!r} runs on {engine.device!r} but pool {pool!r} declares gpu_type "
             f"{replica.gpu_type!r}: put the replica in the pool of its GPU"
         )
+    # Each attention data-parallel rank is a stream of its own, on its share of the GPUs.
+    rank = engine.attn_dp_rank
     return SegmentHeader(
         pool=pool,
-        replica=name,
+        replica=rank_stream_id(name, rank) if ranks > 1 and rank is not None else name,
         engine_name=engine.engine_name,
         engine_version=engine.engine_version,
         driver_version=engine.driver_version,
         model=replica.model,
         gpu_type=replica.gpu_type,
-        gpus_per_replica=engine.gpus,
+        gpus_per_replica=engine.gpus // ranks,
         kv_block_size=engine.kv_block_size,
         engine_model=engine.model,
         engine_device=engine.device,
+        tp_size=engine.tp_size,
+        ep_size=engine.ep_size,
+        attn_dp_rank=rank,
+        attn_dp_size=engine.attn_dp_size,
     )

@@ -2,8 +2,9 @@
 plugin hooks (`sglang.srt.plugins`): the scheduler class is replaced by a subclass that
 records.
 
-Supported: sglang 0.5.23 (`SUPPORTED_SGLANG`), the normal and the overlap event loop, one
-attention data-parallel rank, without pipeline parallelism; speculative decoding with the
+Supported: sglang 0.5.23 (`SUPPORTED_SGLANG`), the normal and the overlap event loop, data-parallel
+attention (each rank's scheduler records its own batches as a stream of its own,
+`rank_stream_id`), without pipeline parallelism; speculative decoding with the
 algorithms of `SPECULATIVE_ALGORITHMS` in the normal loop without mixed chunks. Followed
 there: `sglang/srt/managers/scheduler.py` (`Scheduler.run_batch`, `process_batch_result`,
 `_add_request_to_queue`, `running_batch`, `chunked_req`, `waiting_queue`,
@@ -108,6 +109,8 @@ class Parallelism:
     moe_ep_size: int
     attn_dp_size: int
     attn_tp_rank: int
+    # The attention data-parallel rank whose batches this scheduler runs (0 without it).
+    attn_dp_rank: int = 0
 
 
 def check_setup(
@@ -116,19 +119,12 @@ def check_setup(
     overlap: bool = False,
     mixed_chunk: bool = False,
 ) -> None:
-    """Refuse what a step record cannot say yet: several attention data-parallel ranks each
-    schedule their own batches in one replica, and the segment header has no field for the
-    rank; pipeline parallelism runs another event loop; a speculative algorithm outside
+    """Refuse what a step record cannot say yet: pipeline parallelism runs another event loop; a speculative algorithm outside
     SPECULATIVE_ALGORITHMS prepares and settles its drafts in its own way; with one, the
     overlap loop relays verify lengths through SGLang's future map and mixed chunks decode
     running requests beside a prefill with KV left from their verifies, neither of which this
     module follows. `speculative_algorithm`: SGLang's name for it
     (`SpeculativeAlgorithm.name`)."""
-    if parallel.attn_dp_size > 1:
-        raise UnsupportedSglangSetup(
-            f"data-parallel attention ({parallel.attn_dp_size} ranks) is not supported: the "
-            "segment header has no field for the attention DP rank"
-        )
     if parallel.pp_size > 1:
         raise UnsupportedSglangSetup(
             f"pipeline parallelism (pp_size={parallel.pp_size}) is not supported"
@@ -255,7 +251,12 @@ def launched_step(
     # SGLang 0.5.23 rebinds a batch's request list rather than change it (filter_batch,
     # merge_batch), so the lists are kept as they are, not copied.
     reqs = batch.reqs
-    decoding = batch.forward_mode.is_decode()
+    # An idle batch (data-parallel attention) is a step without rows.
+    decoding = batch.forward_mode.is_decode() or batch.forward_mode.is_idle()
+    # A mixed batch appends the running requests' decode rows after the prefill rows; with
+    # data-parallel attention a decode batch may run viewed as an extend batch of decode rows
+    # only (`convert_decode_to_extend`, while another rank runs a prefill).
+    prefill_rows = 0 if decoding else len(reqs) - len(batch.decoding_reqs or ())
     verified = None
     if decoding:
         extend_rows: Sequence[ExtendRow] = _NO_ROWS
@@ -264,8 +265,6 @@ def launched_step(
         if speculative:
             verified = VerifiedRows(list(map(_KV_ALLOCATED, reqs)))
     else:
-        # A mixed batch appends the running requests' decode rows after the prefill rows.
-        prefill_rows = len(reqs) - len(batch.decoding_reqs or ())
         extend_rows = [
             ExtendRow(
                 req.rid,
@@ -296,7 +295,7 @@ def launched_step(
         extend_lens,
         extend_rows,
         holders,
-        retracted or (decoding and waiting > 0 and len(reqs) < max_running_requests),
+        retracted or (not prefill_rows and waiting > 0 and len(reqs) < max_running_requests),
         free_blocks,
         verified,
     )
@@ -459,10 +458,15 @@ class StepTracker:
         page_size: int,
         total_pages: int,
         speculative: bool = False,
+        records_idle: bool = False,
     ) -> None:
         self.recorder = recorder
         # Decode batches verify drafts (a speculative algorithm is on).
         self.speculative = speculative
+        # With data-parallel attention a rank without requests runs idle batches while the
+        # others run theirs (the MoE and MLP layers run across every rank's GPUs): its GPUs
+        # are busy, so those steps are recorded, without rows.
+        self.records_idle = records_idle
         self.req_to_token = req_to_token
         self.page_size = page_size
         self.mirror = RequestMirror(page_size, total_pages)
@@ -471,6 +475,11 @@ class StepTracker:
         self._record_later = recorder.record_step_later
         # Results are processed in launch order (the overlap loop queues them).
         self._outstanding: deque[LaunchedStep] = deque()
+
+    def follows(self, batch: Any) -> bool:
+        """Whether `batch` is recorded: every batch with requests, and idle ones where
+        `records_idle`."""
+        return bool(batch.reqs) or self.records_idle
 
     def launched(
         self,
@@ -535,7 +544,10 @@ def header_for(
 ) -> SegmentHeader:
     """The segment header of `replica`, refused unless the server runs what its pool declares
     (`checked_header`): its GPUs are tensor × pipeline parallel size (expert parallelism splits
-    the same GPUs); SGLang's served name defaults to the model path."""
+    the same GPUs), its attention data-parallel ranks the pool's `data_parallel`; SGLang's
+    served name defaults to the model path. With several ranks the header is the rank's
+    stream's, on its `tp_size / attn_dp_size` GPUs (SGLang places rank r's attention on TP
+    ranks `[r * attn_tp_size, (r + 1) * attn_tp_size)`)."""
     gpus = parallel.tp_size * parallel.pp_size
     engine = EngineFacts(
         engine_name=ENGINE_NAME,
@@ -547,6 +559,10 @@ def header_for(
         model=model_path,
         device=device,
         kv_block_size=page_size,
+        tp_size=parallel.tp_size,
+        ep_size=parallel.moe_ep_size,
+        attn_dp_rank=parallel.attn_dp_rank,
+        attn_dp_size=parallel.attn_dp_size,
     )
     return checked_header(replica, engine)
 
@@ -561,6 +577,7 @@ def parallelism() -> Parallelism:
         parallel.moe_ep_size,
         parallel.attn_dp_size,
         parallel.attn_tp_rank,
+        parallel.attn_dp_rank,
     )
 
 
@@ -570,16 +587,25 @@ def gpu_name() -> str | None:
     return str(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else None
 
 
+def rank_outbox(outbox: Path, replica: str, header: SegmentHeader) -> Path:
+    """Where a scheduler's segments go: STEPLEDGER_OUTBOX is the replica's directory in the
+    node's outbox (`OUTBOX/<replica>`, shipped and ingested by its name); an attention
+    data-parallel rank's stream goes beside it, `OUTBOX/<stream>`."""
+    return outbox if header.replica == replica else outbox.parent / header.replica
+
+
 def recorder_from_environment(scheduler: Any) -> StepRecorder:
-    """A StepRecorder for the replica described by the file STEPLEDGER_HOOK_CONFIG names."""
+    """A StepRecorder for the replica described by the file STEPLEDGER_HOOK_CONFIG names (for
+    its attention data-parallel rank's stream, with several)."""
     import sglang
 
     missing = [name for name in ("STEPLEDGER_OUTBOX", HOOK_CONFIG_ENV) if not os.environ.get(name)]
     if missing:
         raise HookConfigError(f"the step-recording scheduler needs environment variables {missing}")
     server_args = scheduler.server_args
+    replica = read_descriptor(Path(os.environ[HOOK_CONFIG_ENV]))
     header = header_for(
-        read_descriptor(Path(os.environ[HOOK_CONFIG_ENV])),
+        replica,
         parallelism(),
         server_args.served_model_name,
         server_args.model_path,
@@ -588,7 +614,8 @@ def recorder_from_environment(scheduler: Any) -> StepRecorder:
         driver_version(),
         scheduler.page_size,
     )
-    return StepRecorder(Path(os.environ["STEPLEDGER_OUTBOX"]), header)
+    outbox = rank_outbox(Path(os.environ["STEPLEDGER_OUTBOX"]), replica.replica, header)
+    return StepRecorder(outbox, header)
 
 
 def recording_scheduler_class(
@@ -598,7 +625,8 @@ def recording_scheduler_class(
 
     A step spans from the moment run_batch() launches the batch to the moment
     process_batch_result() receives its result (host time around the forward pass). Only the
-    first rank of the tensor-parallel group records: every rank schedules the same batches.
+    first rank of each attention tensor-parallel group records: its ranks schedule the same
+    batches (with data-parallel attention, each group its own; `StepTracker.follows`).
     """
 
     # The base is SGLang's class, known only at run time.
@@ -627,6 +655,7 @@ def recording_scheduler_class(
                     self.page_size,
                     allocator.size // self.page_size,
                     speculative,
+                    records_idle=parallel.attn_dp_size > 1,
                 )
 
         def _add_request_to_queue(self, req: Any, is_retracted: bool = False) -> None:
@@ -635,7 +664,7 @@ def recording_scheduler_class(
 
         def run_batch(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
             tracker = self.step_tracker
-            if tracker is not None and batch.reqs:
+            if tracker is not None and tracker.follows(batch):
                 tracker.launched(
                     batch,
                     self.running_batch,
@@ -651,7 +680,7 @@ def recording_scheduler_class(
 
         def process_batch_result(self, batch: Any, result: Any) -> Any:
             tracker = self.step_tracker
-            if tracker is None or not batch.reqs:
+            if tracker is None or not tracker.follows(batch):
                 return super().process_batch_result(batch, result)
             step = tracker.result_arrived()
             processed = super().process_batch_result(batch, result)

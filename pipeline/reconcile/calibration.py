@@ -125,7 +125,7 @@ def check_calibration(
         .sort("engine_version", "driver_version")
     )
     results = []
-    for replica in pool.replicas:
+    for replica in pool.streams:
         findings = []
         described = []
         for row in versions.filter(pl.col("replica") == replica.id).iter_rows(named=True):

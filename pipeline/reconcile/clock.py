@@ -27,7 +27,7 @@ def check_clock(hour: datetime, pool: Pool, clock_jumps: pl.DataFrame) -> list[C
         pl.col("first_start_utc_ns").is_between(start_ns, end_ns, closed="left")
     )
     results = []
-    for replica in pool.replicas:
+    for replica in pool.streams:
         mine = in_hour.filter(pl.col("replica") == replica.id).sort("first_seq")
         findings = [
             CLOCK_JUMP.found(

@@ -33,7 +33,7 @@ def check_conservation(
     in_hour = steps_of_hour(steps, hour, pool)
     key = hour_key(hour)
     results = []
-    for replica in pool.replicas:
+    for replica in pool.streams:
         seqs = in_hour.filter(pl.col("replica") == replica.id)["seq"]
         last = seqs.max()
         mine = elsewhere.filter(pl.col("replica") == replica.id)

@@ -52,7 +52,7 @@ def _pool_rows(con: duckdb.DuckDBPyConnection, table: str, pool: Pool) -> pl.Dat
         return query_frame(
             con,
             "SELECT * FROM damage WHERE list_contains(?, regexp_extract(path, '([^/]+)/[^/]*$', 1))",
-            [[r.id for r in pool.replicas]],
+            [[r.id for r in pool.streams]],
         )
     return query_frame(con, f"SELECT * FROM {table} WHERE pool = ?", [pool.name])
 

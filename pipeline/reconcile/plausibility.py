@@ -77,7 +77,7 @@ def check_plausibility(
         _plausibility_of_replica(
             (hour, pool, replica), busy.get(replica.id), activity, band, overfull
         )
-        for replica in pool.replicas
+        for replica in pool.streams
     ]
 
 

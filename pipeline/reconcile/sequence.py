@@ -78,7 +78,7 @@ def check_sequence(
     in_hour = steps_of_hour(steps, hour, pool)
     damage = _damage_of_pool(damage, segments, pool)
     results = []
-    for replica in pool.replicas:
+    for replica in pool.streams:
         logged = in_hour.filter(pl.col("replica") == replica.id)
         own_segments = segments.filter(pl.col("replica") == replica.id)
         prior = _prior_seq(
@@ -95,7 +95,7 @@ def check_sequence(
                 ),
             )
         )
-    unplaced = damage.filter(~pl.col("replica").is_in([r.id for r in pool.replicas]))
+    unplaced = damage.filter(~pl.col("replica").is_in([r.id for r in pool.streams]))
     if unplaced.height:
         listed = ", ".join(
             f"{row['kind']} in {row['path']}"

@@ -45,7 +45,7 @@ def check_silence(
     samples = dcgm.filter(pl.col("timestamp_ns").is_between(start_ns, end_ns, closed="left"))
     activity = dict(samples.group_by("uuid").agg(pl.col("value").mean()).iter_rows())
     results = []
-    for replica in pool.replicas:
+    for replica in pool.streams:
         own = samples.filter(pl.col("uuid").is_in(list(replica.gpu_uuids)))
         seen = [activity[uuid] for uuid in replica.gpu_uuids if uuid in activity]
         active = sum(seen) / len(seen) if seen else None

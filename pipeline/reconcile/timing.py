@@ -39,11 +39,11 @@ def check_time(
     the monotonic clock, or the UTC-monotonic offset moving by more than the tolerance.
     """
     tolerance_ns = int(settings.time_tolerance_fraction * HOUR_NS)
-    gpus = pool.gpus_per_replica
+    gpus = pool.gpus_per_stream
     facts = {row["replica"]: row for row in _times(steps, hour, pool).iter_rows(named=True)}
     expected = f"{seconds(HOUR_NS * gpus)} GPU-time (3600 s x {gpus} GPUs) within {settings.time_tolerance_fraction:.2%}"
     results = []
-    for replica in pool.replicas:
+    for replica in pool.streams:
         row = facts.get(replica.id)
         where = (hour, pool.name, replica.id)
         if row is None:

@@ -206,6 +206,9 @@ def _engine(
 
 
 def _header(pool: Pool, replica: Replica, faults: ReplicaFaults) -> SegmentHeader:
+    """`replica` is one of the pool's streams: with attention data parallelism, one rank's."""
+    ranks = pool.data_parallel
+    rank = [s.id for s in pool.streams].index(replica.id) % ranks if ranks > 1 else None
     return SegmentHeader(
         pool=pool.name,
         replica=replica.id,
@@ -214,8 +217,10 @@ def _header(pool: Pool, replica: Replica, faults: ReplicaFaults) -> SegmentHeade
         driver_version=DRIVER_VERSION,
         model=pool.model,
         gpu_type=pool.gpu_type,
-        gpus_per_replica=pool.gpus_per_replica,
+        gpus_per_replica=pool.gpus_per_stream,
         kv_block_size=pool.kv_block_size,
+        attn_dp_rank=rank,
+        attn_dp_size=ranks if ranks > 1 else None,
     )
 
 

@@ -98,12 +98,12 @@ def _fault_targets(pools: PoolsFile, faults: dict[str, float | None]) -> tuple[s
     """(replica hit by single-replica faults, replica left idle by `idle-replica`)."""
     idle = None
     if "idle-replica" in faults:
-        multi = [p for p in pools.pools if len(p.replicas) > 1]
+        multi = [p for p in pools.pools if len(p.streams) > 1]
         if not multi:
             raise FaultError("fault 'idle-replica' needs a pool with more than one replica")
-        idle = multi[0].replicas[-1].id
+        idle = multi[0].streams[-1].id
     busy_pools = [p for p in pools.pools if p.workload is not None]
-    target = busy_pools[0].replicas[0].id if busy_pools else pools.pools[0].replicas[0].id
+    target = busy_pools[0].streams[0].id if busy_pools else pools.pools[0].streams[0].id
     return target, idle
 
 
@@ -188,7 +188,7 @@ def _lost_window(faults: dict[str, float | None], span_ns: int) -> tuple[int, in
 def _unscrape(written: list[Path], pools: PoolsFile, target: str) -> str:
     """Remove the target replica's samples from the DCGM files (the other GPUs' stay as they
     were drawn); what was done."""
-    (replica,) = [r for pool in pools.pools for r in pool.replicas if r.id == target]
+    (replica,) = [r for pool in pools.pools for r in pool.streams if r.id == target]
     labels = tuple(f'UUID="{uuid}"' for uuid in replica.gpu_uuids)
     for path in written:
         lines = path.read_text().splitlines(keepends=True)
@@ -248,13 +248,13 @@ def _plan(
     traffic: list[PoolTraffic] = []
     jobs: list[tuple[Pool, Replica, dict[str, Any]]] = []
     for pool_index, pool in enumerate(pools.pools):
-        serving = [i for i, r in enumerate(pool.replicas) if r.id != idle]
+        serving = [i for i, r in enumerate(pool.streams) if r.id != idle]
         pool_traffic = generate_pool_traffic(
             pool, span_ns, _rng(seed, pool_index, _TRAFFIC), serving_replicas=serving
         )
         traffic.append(pool_traffic)
         step_noise = pool.workload.step_noise if pool.workload is not None else 0.0
-        for replica_index, replica in enumerate(pool.replicas):
+        for replica_index, replica in enumerate(pool.streams):
             mine = pool_traffic.replica == replica_index
             job = dict(
                 request_ids=pool_traffic.request_ids[mine],
@@ -321,7 +321,7 @@ def _write_telemetry(
             busy_end_ns=run_of[replica.id].gpu_busy_end_ns,
         )
         for pool in pools.pools
-        for replica in pool.replicas
+        for replica in pool.streams
     ]
     written = write_dcgm(out_dir, activities, start, plan.span_ns, _rng(seed, _DCGM))
     if "no-dcgm" in faults:
@@ -365,7 +365,7 @@ def simulate(
     if rotate_seconds is not None:
         for _, _, job in plan.jobs:
             job["rotate_ns"] = round(rotate_seconds * NS_PER_SECOND)
-    total_s = plan.span_ns / NS_PER_SECOND * sum(len(p.replicas) for p in pools.pools)
+    total_s = plan.span_ns / NS_PER_SECOND * sum(len(p.streams) for p in pools.pools)
     done_s = 0.0
 
     def advance(ns: int) -> None:

@@ -133,3 +133,43 @@ def test_a_bad_pools_file_is_a_config_error_of_the_hierarchy(tmp_path: Path):
         load_pools(pools)
     assert isinstance(raised.value, ConfigError)
     assert raised.value.exit_code == 4
+
+
+def _with_attention_ranks(tmp_path: Path, ranks: int, extra_replica: str = "") -> Path:
+    """The default pools file with reason-dsv3's replica split into `ranks` attention ranks."""
+    text = DEFAULT_POOLS_PATH.read_text().replace(
+        "    gpus_per_replica: 8\n", f"    gpus_per_replica: 8\n    data_parallel: {ranks}\n"
+    )
+    if extra_replica:
+        text = text.replace(
+            "      - {id: chat-8b-r0,",
+            f"      - {{id: {extra_replica}, hostname: gpu-node-99, gpu_uuids: [GPU-99]}}\n"
+            "      - {id: chat-8b-r0,",
+        )
+    return _write(tmp_path, text)
+
+
+def test_each_attention_rank_is_a_stream_on_its_share_of_the_replicas_gpus(tmp_path):
+    pool = load_pools(_with_attention_ranks(tmp_path, 4)).pool("reason-dsv3")
+    (replica,) = pool.replicas
+    assert pool.gpus_per_stream == 2
+    assert [(s.id, s.hostname, s.gpu_uuids) for s in pool.streams] == [
+        (f"reason-dsv3-r0.dp{rank}", "gpu-node-10", replica.gpu_uuids[2 * rank : 2 * rank + 2])
+        for rank in range(4)
+    ]
+    # Priced as one rank of the replica's deployment: TP 2, four ranks feeding one MoE group.
+    assert (pool.deployment().tp, pool.deployment().data_parallel) == (2, 4)
+
+
+def test_a_replica_without_attention_ranks_is_its_own_stream():
+    pool = load_pools().pool("chat-8b")
+    assert (pool.streams, pool.gpus_per_stream) == (pool.replicas, 1)
+
+
+def test_a_replica_id_naming_an_attention_ranks_stream_is_refused(tmp_path):
+    with pytest.raises(
+        ConfigError,
+        match=r"replica ids \['reason-dsv3-r0\.dp1'\] are also the streams of attention "
+        "data-parallel ranks",
+    ):
+        load_pools(_with_attention_ranks(tmp_path, 2, extra_replica="reason-dsv3-r0.dp1"))

@@ -134,3 +134,19 @@ def test_any_header_reads_back_as_written_and_as_json_says(names, counts, engine
         "engine_model": engine[0],
         "engine_device": engine[1],
     }
+
+
+def test_an_attention_ranks_header_says_its_rank_and_the_replicas_parallel_sizes():
+    header = SegmentHeader(
+        **{**HEADER, "replica": "dsv3-r0.dp3", "gpus_per_replica": 2},
+        tp_size=8,
+        ep_size=8,
+        attn_dp_rank=3,
+        attn_dp_size=4,
+    )
+    assert header.to_json().endswith(
+        b'"engine_device":null,"tp_size":8,"ep_size":8,"attn_dp_rank":3,"attn_dp_size":4}'
+    )
+    assert SegmentHeader.from_json(header.to_json()) == header
+    with pytest.raises(FieldError, match=r"field attn_dp_rank: expected an integer in \[0, "):
+        SegmentHeader(**HEADER, attn_dp_rank=-1)

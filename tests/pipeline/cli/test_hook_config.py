@@ -19,7 +19,7 @@ def test_the_descriptor_holds_the_replicas_pool_as_the_pools_file_declares_it():
     assert result.exit_code == 0, result.output
     assert result.output == (
         '{"pool":"reason-dsv3","replica":"reason-dsv3-r0","model":"deepseek-v3",'
-        '"gpu_type":"h200","gpus_per_replica":8}\n'
+        '"gpu_type":"h200","gpus_per_replica":8,"data_parallel":1}\n'
     )
 
 

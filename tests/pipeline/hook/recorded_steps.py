@@ -33,7 +33,7 @@ def assert_steps_match(log: DecodedLog, expected: list[dict[str, Any]]) -> None:
     slots, holders = log.slots.to_pylist(), log.holders.to_pylist()
     for seq, (step, want) in enumerate(zip(steps, expected, strict=True)):
         recorded_slots = [
-            {key: slot[key] for key in want["slots"][0]}
+            {key: slot[key] for key in (want["slots"] or [{}])[0]}
             | {"kv_blocks": round(slot["kv_blocks"], 9)}
             for slot in slots
             if slot["seq"] == seq

@@ -47,6 +47,9 @@ from sglang.srt.managers.schedule_policy import (  # noqa: E402
     PrefillAdder,
     SchedulePolicy,
 )
+from sglang.srt.managers.scheduler_components.dp_attn import (  # noqa: E402
+    SchedulerDPAttnAdapter,
+)
 from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import (  # noqa: E402
     NewTokenRatioTracker,
 )
@@ -101,10 +104,13 @@ def server_args(
     max_running_requests: int,
     page_size: int = 1,
     eagle: bool = False,
+    attention_ranks: int = 1,
 ) -> Any:
     """The ServerArgs `python -m sglang.launch_server` would build for the model config in
     model_dir on the CPU (with `eagle`, EAGLE speculative decoding whose draft model has the
-    same config), published as a scheduler process publishes it."""
+    same config; with `attention_ranks` > 1, `--tp N --dp N --enable-dp-attention`: N
+    attention data-parallel ranks of one GPU each), published as the first scheduler process
+    publishes it (`publish_rank` for the others)."""
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(TINY_LLAMA))
     speculative: dict[str, Any] = {}
@@ -116,6 +122,12 @@ def server_args(
             "speculative_eagle_topk": 1,
             "speculative_num_draft_tokens": EAGLE_DRAFT_TOKENS,
         }
+    if attention_ranks > 1:
+        speculative |= {
+            "tp_size": attention_ranks,
+            "dp_size": attention_ranks,
+            "enable_dp_attention": True,
+        }
     args = ServerArgs(
         model_path=str(model_dir),
         device="cpu",
@@ -125,8 +137,15 @@ def server_args(
         page_size=page_size,
         **speculative,
     )
-    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0))
+    publish_rank(args, 0)
     return args
+
+
+def publish_rank(args: Any, tp_rank: int) -> None:
+    """What `run_scheduler_process` publishes for the scheduler of TP rank `tp_rank` (with
+    data-parallel attention, its attention DP rank follows from it): SGLang's parallel
+    context, which its scheduler and the recording one read when they are built."""
+    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=tp_rank))
 
 
 class Engine:
@@ -420,17 +439,40 @@ class Engine:
             req.update_finish_state()
             if req.finished():
                 release_kv_cache(req, self.tree_cache, checkpoint=True)
-            elif prefill:
+            elif prefill and req not in (batch.decoding_reqs or ()):
+                # Decode rows of an extend batch (a decode batch viewed as one) computed
+                # nothing to checkpoint.
                 checkpoint_kv_cache(req, self.tree_cache)
 
     def release_host_resources(self) -> None:
         """What a scheduler process calls when it exits gracefully; nothing to release here."""
 
+    def idle_batch(self) -> Any:
+        """SGLang's idle batch (`SchedulerDPAttnAdapter.get_idle_batch`): what a data-parallel
+        attention rank without requests runs while another rank runs a batch, since the MoE
+        and MLP layers run across every rank's GPUs."""
+        adapter = SchedulerDPAttnAdapter(
+            model_runner=None,
+            req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
+            tree_cache=self.tree_cache,
+            offload_tags=set(),
+            model_config=self.model_config,
+            enable_overlap=self.enable_overlap,
+            spec_algorithm=self.spec_algorithm,
+            get_require_mlp_sync=lambda: True,
+        )
+        return adapter.get_idle_batch()
+
     def step(self) -> Any:
         """One iteration of `Scheduler.event_loop_normal`, or of `event_loop_overlap`; the
         batch launched, or None."""
-        batch = self.next_batch()
-        if batch is not None and batch.is_empty():
+        return self.run_step(self.next_batch())
+
+    def run_step(self, batch: Any) -> Any:
+        """The rest of the loop's iteration once `batch` (None, an idle batch, or one that
+        `next_batch` built) is the one to run."""
+        if batch is not None and batch.is_empty() and not batch.forward_mode.is_idle():
             batch = None
         if not self.enable_overlap:
             if batch is not None:
@@ -457,3 +499,25 @@ def accepted_drafts(req: Any) -> int:
     """How many of its drafts the absent target model accepts for `req` in its next verify:
     a pattern over 0 to all of them."""
     return int(req.spec_verify_ct + len(req.origin_input_ids)) % EAGLE_DRAFT_TOKENS
+
+
+def step_attention_ranks(engines: list[Engine], extend_view: bool = False) -> list[Any]:
+    """One iteration of data-parallel attention ranks' loops side by side: each rank builds its
+    own batch (`get_next_batch_to_run`), and, as `prepare_mlp_sync_batch` has the ranks agree,
+    a rank without one runs SGLang's idle batch while any other runs a batch. With
+    `extend_view`, a rank decoding while another runs a prefill views its decode batch as an
+    extend (`convert_decode_to_extend`), as `maybe_convert_decode_to_extend` does where the
+    ranks can replay the prefill CUDA graphs. The batches run, None where every rank idled."""
+    batches = [engine.next_batch() for engine in engines]
+    batches = [None if b is not None and b.is_empty() else b for b in batches]
+    if all(batch is None for batch in batches):
+        return [engine.run_step(None) for engine in engines]
+    prefilling = any(b is not None and b.forward_mode.is_extend() for b in batches)
+    ran = []
+    for engine, batch in zip(engines, batches, strict=True):
+        if batch is None:
+            batch = engine.idle_batch()
+        elif extend_view and prefilling and batch.forward_mode.is_decode():
+            batch.convert_decode_to_extend()
+        ran.append(engine.run_step(batch))
+    return ran

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from pipeline.hook.replica import (
+    EngineFacts,
     HookConfigError,
     ReplicaDescriptor,
+    checked_header,
     driver_version,
     read_descriptor,
 )
@@ -79,3 +81,33 @@ def test_the_driver_version_comes_from_the_environment_first(
 ) -> None:
     monkeypatch.setenv("STEPLEDGER_DRIVER_VERSION", "550.54.15")
     assert driver_version() == "550.54.15"
+
+
+def test_an_engine_without_attention_ranks_is_refused_for_a_pool_of_ranks():
+    # vLLM reports no attention data-parallel ranks: a pool billing rank streams would never
+    # receive them.
+    pool_of_ranks = ReplicaDescriptor(
+        pool="reason-dsv3",
+        replica="reason-dsv3-r0",
+        model="deepseek-v3",
+        gpu_type="h200",
+        gpus_per_replica=8,
+        data_parallel=2,
+    )
+    engine = EngineFacts(
+        engine_name="vllm",
+        engine_version="0.34.0",
+        driver_version="550.54.15",
+        gpus=8,
+        gpus_described="8 GPUs",
+        served_model_name="deepseek-v3",
+        model="deepseek-ai/DeepSeek-V3",
+        device=None,
+        kv_block_size=16,
+    )
+    with pytest.raises(HookConfigError) as refused:
+        checked_header(pool_of_ranks, engine)
+    assert str(refused.value) == (
+        "replica 'reason-dsv3-r0' runs 1 attention data-parallel rank(s) but pool "
+        "'reason-dsv3' declares data_parallel=2"
+    )

@@ -41,13 +41,6 @@ def test_other_releases_are_refused_naming_version_and_range(version: str) -> No
     ("parallel", "speculative", "loop", "message"),
     [
         (
-            adapter.Parallelism(8, 1, 8, 8, 0),
-            None,
-            (True, False),
-            "data-parallel attention (8 ranks) is not supported: the segment header has no "
-            "field for the attention DP rank",
-        ),
-        (
             adapter.Parallelism(4, 2, 1, 1, 0),
             None,
             (True, False),
@@ -92,6 +85,10 @@ def test_tensor_and_expert_parallelism_on_one_attention_rank_are_recorded() -> N
     adapter.check_setup(adapter.Parallelism(8, 1, 8, 1, 3), None, True, True)
 
 
+def test_data_parallel_attention_is_recorded() -> None:
+    adapter.check_setup(adapter.Parallelism(8, 1, 8, 4, 0, attn_dp_rank=3), None, True, True)
+
+
 @pytest.mark.parametrize("algorithm", adapter.SPECULATIVE_ALGORITHMS)
 def test_speculative_decoding_in_the_normal_loop_is_recorded(algorithm: str) -> None:
     adapter.check_setup(ONE_GPU, algorithm, False)
@@ -120,7 +117,58 @@ def test_header_names_the_pool_and_what_the_server_reports(replica: ReplicaDescr
         "kv_block_size": 16,
         "engine_model": "/models/Llama-3.1-8B-Instruct",
         "engine_device": "NVIDIA H100 80GB HBM3",
+        "tp_size": 1,
+        "ep_size": 1,
+        "attn_dp_rank": 0,
+        "attn_dp_size": 1,
     }
+
+
+def test_a_data_parallel_attention_rank_records_its_own_stream_on_its_gpus(
+    replica: ReplicaDescriptor, tmp_path: Path
+) -> None:
+    # DeepSeek-style: TP 8 with expert parallelism, 4 attention ranks of 2 GPUs each.
+    pool_of_four_ranks = dataclasses.replace(replica, gpus_per_replica=8, data_parallel=4)
+    header = adapter.header_for(
+        pool_of_four_ranks,
+        adapter.Parallelism(8, 1, 8, 4, 0, attn_dp_rank=2),
+        None,
+        "llama-3.1-8b-instruct",
+        None,
+        "0.5.23",
+        "550.54.15",
+        1,
+    )
+    assert (header.replica, header.gpus_per_replica) == ("chat-8b-r0.dp2", 2)
+    assert (header.tp_size, header.ep_size, header.attn_dp_rank, header.attn_dp_size) == (
+        8,
+        8,
+        2,
+        4,
+    )
+    # Beside the replica's directory in the node's outbox, shipped under the stream's name.
+    outbox = tmp_path / "outbox" / "chat-8b-r0"
+    assert adapter.rank_outbox(outbox, "chat-8b-r0", header) == tmp_path / "outbox/chat-8b-r0.dp2"
+
+
+def test_a_server_with_other_attention_ranks_than_its_pool_declares_is_refused(
+    replica: ReplicaDescriptor,
+) -> None:
+    with pytest.raises(HookConfigError) as refused:
+        adapter.header_for(
+            replica,
+            adapter.Parallelism(2, 1, 1, 2, 0, attn_dp_rank=1),
+            None,
+            "llama-3.1-8b-instruct",
+            None,
+            "0.5.23",
+            "1",
+            1,
+        )
+    assert str(refused.value) == (
+        "replica 'chat-8b-r0' runs 2 attention data-parallel rank(s) but pool 'chat-8b' "
+        "declares data_parallel=1"
+    )
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,9 @@ and every request's drafts against SGLang's own counters (`Req.spec_verify_ct`,
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +32,14 @@ import pipeline.hook.sglang as adapter  # noqa: E402
 from pipeline.hook import recorder  # noqa: E402
 from pipeline.hook.recorder import StepRecorder  # noqa: E402
 from pipeline.hook.replica import ReplicaDescriptor  # noqa: E402
-from pipeline.ingestion.decoder import read_segments  # noqa: E402
+from pipeline.ingestion.decoder import read_segments, segment_header  # noqa: E402
 from tests.pipeline.hook.recorded_steps import assert_steps_match  # noqa: E402
 from tests.pipeline.hook.sglang_engine import (  # noqa: E402
     EAGLE_DRAFT_TOKENS,
     Engine,
+    publish_rank,
     server_args,
+    step_attention_ranks,
 )
 
 REPLICA = "chat-8b-r0"
@@ -67,13 +71,16 @@ def expected_step(engine: Engine, batch: Any, cached_seen: dict[str, int]) -> di
     extend = batch.forward_mode.is_extend()
     # A decode batch verifies the drafts; its accepted ones are known once its result is.
     verify = not extend and not engine.spec_algorithm.is_none()
+    # Decode rows of an extend batch (a decode batch viewed as one beside another
+    # attention rank's prefill) compute one token each.
+    decode_rows = set(batch.decoding_reqs or ()) if extend else set(batch.reqs)
     slots = []
     for req in batch.reqs:
-        new_tokens = req.extend_len if extend else 1
-        context = req.kv.kv_allocated_len - new_tokens
+        computes = req.extend_len if req not in decode_rows else 1
+        new_tokens, context = computes, req.kv.kv_allocated_len - computes
         if verify:
             new_tokens, context = EAGLE_DRAFT_TOKENS, req.kv.kv_committed_len
-        hit = req.cached_tokens - cached_seen.get(req.rid, 0) if extend else 0
+        hit = req.cached_tokens - cached_seen.get(req.rid, 0) if req not in decode_rows else 0
         cached_seen[req.rid] = req.cached_tokens
         slots.append(
             {
@@ -98,13 +105,14 @@ def expected_step(engine: Engine, batch: Any, cached_seen: dict[str, int]) -> di
         ),
         "admission_blocked": bool(engine.retracted)
         or (
-            not extend
+            len(decode_rows) == len(batch.reqs)
             and bool(engine.waiting_queue)
             and len(batch.reqs) < engine.max_running_requests
         ),
         "free_blocks": (allocator.available_size() + engine.tree_cache.evictable_size()) // page,
         "total_blocks": allocator.size // page,
         "mode": batch.forward_mode.name,
+        "decode_viewed_as_extend": extend and len(decode_rows) == len(batch.reqs),
         "retracted": sorted(req.rid for req in engine.retracted),
         "chunked": engine.chunked_req is not None,
         # Left out of the batch by the overlap loop because their queued result finishes them.
@@ -117,13 +125,18 @@ def expected_step(engine: Engine, batch: Any, cached_seen: dict[str, int]) -> di
     }
 
 
-def checked_engine(expected: list[dict[str, Any]]) -> type:
-    """Engine, noting each batch's expected record when it is handed to the model, and each
-    verify's accepted drafts from its result (the normal loop: the last batch launched)."""
+def checked_engine(expected: list[dict[str, Any]], idle: list[int] | None = None) -> type:
+    """Engine, noting each batch's expected record when it is handed to the model (in `idle`,
+    the step each idle batch is recorded as, without rows), and each verify's accepted
+    drafts from its result (the normal loop: the last batch launched)."""
     cached_seen: dict[str, int] = {}
 
     class CheckedEngine(Engine):
         def run_batch(self, batch: Any) -> Any:
+            if batch.forward_mode.is_idle():
+                assert idle is not None
+                assert not batch.reqs
+                idle.append(len(expected))
             expected.append(expected_step(self, batch, cached_seen))
             return super().run_batch(batch)
 
@@ -135,6 +148,26 @@ def checked_engine(expected: list[dict[str, Any]]) -> type:
             super().process_batch_result(batch, result)
 
     return CheckedEngine
+
+
+def recorder_in(outbox: Path, replica: ReplicaDescriptor) -> Callable[[Any], StepRecorder]:
+    """What `recorder_from_environment` builds for a scheduler of `replica` whose
+    STEPLEDGER_OUTBOX is `outbox`: its header from SGLang's published parallel context."""
+
+    def recorder_for(scheduler: Any) -> StepRecorder:
+        header = adapter.header_for(
+            replica,
+            adapter.parallelism(),
+            replica.model,
+            scheduler.server_args.model_path,
+            None,
+            sglang.__version__,
+            "550.54.15",
+            scheduler.page_size,
+        )
+        return StepRecorder(adapter.rank_outbox(outbox, replica.replica, header), header)
+
+    return recorder_for
 
 
 def run_scenario(engine: Engine) -> None:
@@ -199,21 +232,10 @@ def test_recorded_steps_match_sglangs_own_state(
         eagle=eagle,
     )
 
-    def recorder_for(scheduler: Any) -> StepRecorder:
-        header = adapter.header_for(
-            replica,
-            adapter.parallelism(),
-            replica.model,
-            scheduler.server_args.model_path,
-            None,
-            sglang.__version__,
-            "550.54.15",
-            scheduler.page_size,
-        )
-        return StepRecorder(environment, header)
-
     expected: list[dict[str, Any]] = []
-    recording = adapter.recording_scheduler_class(checked_engine(expected), recorder_for)
+    recording = adapter.recording_scheduler_class(
+        checked_engine(expected), recorder_in(environment, replica)
+    )
     engine = recording(args, KV_TOKENS, overlap)
     run_scenario(engine)
     step_recorder = engine.step_tracker.recorder
@@ -277,3 +299,91 @@ def assert_drafts_match_sglangs_counters(engine: Engine, slots: list[dict[str, A
         assert sum(req.spec_correct_drafts_histogram) == req.spec_verify_ct
     # The absent target model accepted none, some and all of the drafts.
     assert {s["spec_accepted"] for s in slots if s["spec_drafted"]} == {0, 1, 2, 3}
+
+
+def run_attention_ranks_scenario(ranks: list[Engine], extend_view: bool) -> None:
+    """Two attention data-parallel ranks stepping together: rank 0 a chunked prompt and a
+    request hitting its prefix in rank 0's radix tree; rank 1 a short request, then nothing
+    (idle batches while rank 0 works), then a prefill while rank 0 decodes."""
+    first, second = ranks
+    first.add_request("a", list(range(100, 200)), 12)
+    second.add_request("x", list(range(300, 340)), 3)
+    step_attention_ranks(ranks, extend_view)
+    first.add_request("b", list(range(100, 164)) + [900] * 20, 10)
+    for _ in range(6):
+        step_attention_ranks(ranks, extend_view)
+    second.add_request("y", list(range(350, 380)), 6)
+    for _ in range(100):
+        if not any(engine.has_requests() for engine in ranks):
+            break
+        step_attention_ranks(ranks, extend_view)
+    assert not any(engine.has_requests() for engine in ranks), "the scenario did not finish"
+
+
+# With data-parallel attention a rank decoding while another prefills may run its decode
+# batch viewed as an extend batch (where the ranks can replay prefill CUDA graphs).
+@pytest.mark.parametrize("extend_view", [False, True], ids=["decode", "decode-as-extend"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_each_attention_data_parallel_rank_records_its_own_stream(
+    overlap: bool,
+    extend_view: bool,
+    environment: Path,
+    replica: ReplicaDescriptor,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    args = server_args(
+        tmp_path_factory.getbasetemp() / "tiny-llama",
+        chunked_prefill_size=CHUNKED_PREFILL,
+        max_running_requests=4,
+        attention_ranks=2,
+    )
+    # The replica's pool declares its two GPUs as two attention data-parallel ranks.
+    two_ranks = dataclasses.replace(replica, gpus_per_replica=2, data_parallel=2)
+    replica_outbox = environment / REPLICA
+
+    expected: list[list[dict[str, Any]]] = [[], []]
+    idle: list[list[int]] = [[], []]
+    ranks = []
+    for rank in range(2):
+        # Each rank's scheduler process publishes its own place before building its scheduler.
+        publish_rank(args, rank)
+        recording = adapter.recording_scheduler_class(
+            checked_engine(expected[rank], idle[rank]), recorder_in(replica_outbox, two_ranks)
+        )
+        ranks.append(recording(args, KV_TOKENS, overlap))
+    run_attention_ranks_scenario(ranks, extend_view)
+
+    for rank, engine in enumerate(ranks):
+        step_recorder = engine.step_tracker.recorder
+        engine.release_host_resources()
+        assert (step_recorder.dropped_steps, step_recorder.rejected_steps) == (0, 0)
+        stream = f"{REPLICA}.dp{rank}"
+        paths = sorted((environment / stream).glob("*.seg"))
+        header = segment_header(paths[0])
+        assert header is not None
+        assert (header.replica, header.gpus_per_replica) == (stream, 1)
+        assert (header.tp_size, header.ep_size, header.attn_dp_rank, header.attn_dp_size) == (
+            2,
+            1,
+            rank,
+            2,
+        )
+        log = read_segments(paths)
+        assert_steps_match(log, expected[rank])
+        slots = log.slots.to_pylist()
+        assert {s["request_id"] for s in slots} == ({"a", "b"} if rank == 0 else {"x", "y"})
+        assert not {s["seq"] for s in slots} & set(idle[rank])
+    assert not list(replica_outbox.glob("*.seg"))
+    # b hit a's prefix in rank 0's tree; rank 1 idled while rank 0 worked: steps without rows.
+    assert (
+        sum(
+            s["prefix_hit_tokens"]
+            for s in read_segments(
+                sorted((environment / f"{REPLICA}.dp0").glob("*.seg"))
+            ).slots.to_pylist()
+        )
+        == 64
+    )
+    assert idle[1], "rank 1 ran no idle batch"
+    viewed = [want["decode_viewed_as_extend"] for want in expected[0] + expected[1]]
+    assert any(viewed) == extend_view
