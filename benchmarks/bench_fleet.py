@@ -1,10 +1,10 @@
 """Pools billed side by side on the production stack: how much of a pool-hour is serial, and
 how throughput grows with run workers.
 
-The stack (`pipeline.stack.up`: PostgreSQL, the Dagster daemon and webserver, the S3 server)
-is started in a temporary directory; each billing copies its input afresh and bills it into a
-fresh store on the stack's servers (the pipeline's state and the DuckLake catalog in
-PostgreSQL, the warehouse's data files on the S3 server), as `stepledger demo --profile
+The stack's servers (`pipeline.stack.up` without the Dagster services: PostgreSQL and the S3
+server) are started in a temporary directory; each billing copies its input afresh and bills
+it into a fresh store on them (the pipeline's state and the DuckLake catalog in PostgreSQL,
+the warehouse's data files on the S3 server), as `stepledger demo --profile
 production` does. The input is POOLS busy pools of REPLICAS TP1 replicas each (the pool-hour
 benchmark's busy pool: twice the default chat pool's traffic per replica), simulated for a
 share of one hour. Each pool-hour is billed by a process of its own running `pool_hour_job` in
@@ -32,18 +32,19 @@ The COMMITs of transactions that write only the pipeline state (ingest batches, 
 lock that pool-hour's own rows. They are printed apart, with the lock waits on the state's
 tables, and not added: the waits are what another pool-hour lost to them.
 
-A pool-hour billed for a share of the hour has that share of a full hour's requests and steps,
-so the serial seconds are measured at two shares (SHARES; QUICK: SHARES_QUICK, with pools of
-REPLICAS_QUICK replicas) and extrapolated along the line through them to the full hour, both
-points and the line printed. A line falling with the share is noise of the machine (more rows
-never make a commit shorter), and then the larger of the two points stands for the full hour.
-The full hour's serial seconds are divided by the GPU-hours of a full hour of the pools
-(pools x replicas x 1 h). `serial_s_per_pool_hour` is the same per pool-hour, against the time
-a pool of that many GPUs may take for the fleet target. `fleet_ceiling_gpus` = 3600 /
+The full benchmark bills a full hour of the pools (SHARE = 1): its serial seconds are measured,
+not extrapolated, and divided by the GPU-hours billed (pools x replicas x 1 h). QUICK bills
+SHARE_QUICK of the hour with pools of REPLICAS_QUICK replicas and must scale: a pool-hour's
+serial seconds are its catalog commits (their count is checked against the snapshots added),
+and a DuckLake commit writes the same catalog rows whatever the rows of its Parquet files (on
+the SQLite catalog 2,000,000 rows commit in 0.04 s, as 100,000 do), so QUICK divides its
+pool-hours' serial seconds by the GPU-hours of full pool-hours of REPLICAS GPUs, and says so.
+`serial_s_per_pool_hour` is the serial seconds per pool-hour, against the time a pool of
+REPLICAS GPUs may take for the fleet target. `fleet_ceiling_gpus` = 3600 /
 `serial_s_per_gpu_hour`: the GPUs whose hourly billing fits in an hour of serial time, however
 many machines run the rest.
 
-`stack_pool_hours_per_min` with 1 and 2 run workers over the smaller share's pool-hours (QUICK:
+`stack_pool_hours_per_min` with 1 and 2 run workers over the same input's pool-hours (QUICK:
 THROUGHPUT_POOL_HOURS_QUICK of them), and their ratio (target 1.7 on 2 cores). Each
 pool-hour's process pays its imports and its first hour's warm-up, as a launched run does, in
 both counts alike. The lock sampling does not run then (it takes CPU from the workers); the
@@ -73,9 +74,9 @@ if TYPE_CHECKING:
 POOLS = 4
 REPLICAS = 8
 REPLICAS_QUICK = 2
-# Shares of the hour simulated: the serial seconds are measured at both and extrapolated.
-SHARES = (0.1, 0.25)
-SHARES_QUICK = (0.05, 0.1)
+# The share of the hour simulated and billed.
+SHARE = 1.0
+SHARE_QUICK = 0.05
 SEED = 17
 # Pool-hours timed with 1 and 2 run workers (QUICK: two, one per worker).
 THROUGHPUT_POOL_HOURS_QUICK = 2
@@ -466,62 +467,26 @@ def bill(
     )
 
 
-@dataclass(frozen=True)
-class SerialLine:
-    """The serial seconds of the pool-hours at two shares of the hour, and the full hour's
-    along the line through them."""
-
-    shares: tuple[float, float]
-    serial_s: tuple[float, float]
-
-    @property
-    def slope(self) -> float:
-        (first, second), (low, high) = self.shares, self.serial_s
-        return (high - low) / (second - first)
-
-    @property
-    def intercept(self) -> float:
-        return self.serial_s[0] - self.slope * self.shares[0]
-
-    @property
-    def full_hour_s(self) -> float:
-        # More rows never make a commit shorter: a falling line is the machine's noise.
-        if self.slope < 0:
-            return max(self.serial_s)
-        return self.intercept + self.slope
-
-    def describe(self) -> str:
-        points = ", ".join(
-            f"{s:g} h: {v:.3f} s" for s, v in zip(self.shares, self.serial_s, strict=True)
-        )
-        line = f"{self.intercept:.3f} s + {self.slope:.3f} s/h x share"
-        fallen = " (falling: the larger point stands)" if self.slope < 0 else ""
-        return f"serial seconds of the {POOLS} pool-hours at {points}; line {line}{fallen}"
-
-
 def figures(quick: bool) -> list[Figure]:
     from pipeline import stack
     from pipeline.simulator import simulate
 
-    shares, replicas = (SHARES_QUICK, REPLICAS_QUICK) if quick else (SHARES, REPLICAS)
+    share, replicas = (SHARE_QUICK, REPLICAS_QUICK) if quick else (SHARE, REPLICAS)
     timed_pool_hours = THROUGHPUT_POOL_HOURS_QUICK if quick else POOLS
-    pools = fleet_pools(replicas)
     root = Path(tempfile.mkdtemp(prefix="stepledger-bench-fleet-"))
     try:
-        inputs = [root / f"input-{share:g}" for share in shares]
-        for data, share in zip(inputs, shares, strict=True):
-            simulate(data, pools, hours=share, seed=SEED, workers=os.cpu_count() or 1)
+        data = root / "input"
+        simulate(data, fleet_pools(replicas), hours=share, seed=SEED, workers=os.cpu_count() or 1)
         (root / "stack-data").mkdir()
         stack.up(root / "stack", root / "stack-data", webserver_port=stack.free_port())
         try:
-            at_once = [
-                bill(root / "stack", data, root / "billed", POOLS, pool_hours=POOLS, sample=True)
-                for data in inputs
-            ]
+            at_once = bill(
+                root / "stack", data, root / "billed", POOLS, pool_hours=POOLS, sample=True
+            )
             by_workers = {
                 workers: bill(
                     root / "stack",
-                    inputs[0],
+                    data,
                     root / "billed",
                     workers,
                     pool_hours=timed_pool_hours,
@@ -533,40 +498,39 @@ def figures(quick: bool) -> list[Figure]:
             stack.down(root / "stack")
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    gpus = at_once[0].gpus
+    if at_once.catalog_snapshots_added != at_once.catalog_commits:
+        raise RuntimeError(
+            f"the catalog gained {at_once.catalog_snapshots_added} snapshots but "
+            f"{at_once.catalog_commits} warehouse commits were timed"
+        )
+    # The GPU-hours whose billing the serial seconds stand for: QUICK's pool-hours stand for
+    # full pool-hours of REPLICAS GPUs (their serial seconds are commits, see the docstring).
+    full_pool_gpus = REPLICAS
+    gpu_hours = POOLS * full_pool_gpus
     print(
-        f"  {POOLS} pools of {replicas} TP1 replicas ({gpus} GPUs"
-        f"{', QUICK: smaller pools than the full benchmark' if quick else ''}),"
-        f" billed at once for {' and '.join(f'{s:g}' for s in shares)} of an hour:",
+        f"  {POOLS} pools of {replicas} TP1 replicas billed at once for {share:g} of an hour"
+        + (
+            f" (QUICK: their serial seconds stand for full pool-hours of {REPLICAS} GPUs)"
+            if quick
+            else ""
+        )
+        + f": serial {at_once.serial_s:.3f} s = catalog commits {at_once.catalog_commit_s:.3f} s"
+        f" ({at_once.catalog_commits}, as many snapshots) + redone {at_once.redone_s:.3f} s"
+        f" ({at_once.conflicts} conflicts) + lock waits on the state"
+        f" {at_once.state_lock_wait_s:.3f} s; apart: state commits"
+        f" {at_once.state_commit_s:.3f} s ({at_once.state_commits}), lock waits on the catalog"
+        f" {at_once.catalog_lock_wait_s:.3f} s, {at_once.lock_samples} samples; by committer"
+        f" {at_once.commit_s_by_caller}",
         file=sys.stderr,
     )
-    for share, billed in zip(shares, at_once, strict=True):
-        if billed.catalog_snapshots_added != billed.catalog_commits:
-            raise RuntimeError(
-                f"the catalog gained {billed.catalog_snapshots_added} snapshots but "
-                f"{billed.catalog_commits} warehouse commits were timed"
-            )
+    if at_once.state_lock_wait_s_by_statement:
         print(
-            f"  {share:g} h: serial {billed.serial_s:.3f} s = catalog commits "
-            f"{billed.catalog_commit_s:.3f} s ({billed.catalog_commits}, as many snapshots) +"
-            f" redone {billed.redone_s:.3f} s ({billed.conflicts} conflicts) + lock waits on"
-            f" the state {billed.state_lock_wait_s:.3f} s; apart: state commits"
-            f" {billed.state_commit_s:.3f} s ({billed.state_commits}), lock waits on the catalog"
-            f" {billed.catalog_lock_wait_s:.3f} s, {billed.lock_samples} samples; by committer"
-            f" {billed.commit_s_by_caller}",
+            f"    waited on the state's tables: {at_once.state_lock_wait_s_by_statement}",
             file=sys.stderr,
         )
-        if billed.state_lock_wait_s_by_statement:
-            print(
-                f"    waited on the state's tables: {billed.state_lock_wait_s_by_statement}",
-                file=sys.stderr,
-            )
-        print(f"    {billed.summary()}", file=sys.stderr)
-    line = SerialLine(shares, (at_once[0].serial_s, at_once[1].serial_s))
-    print(f"  {line.describe()}; full hour {line.full_hour_s:.3f} s", file=sys.stderr)
-    for billed in by_workers.values():
+    for billed in (at_once, *by_workers.values()):
         print(f"  {billed.summary()}", file=sys.stderr, flush=True)
-    serial_per_gpu_hour = line.full_hour_s / gpus
+    serial_per_gpu_hour = at_once.serial_s / gpu_hours
     rates = {
         workers: billed.pool_hours / billed.wall_s * 60 for workers, billed in by_workers.items()
     }
@@ -583,9 +547,9 @@ def figures(quick: bool) -> list[Figure]:
         ),
         Figure(
             "serial_s_per_pool_hour",
-            line.full_hour_s / POOLS,
+            at_once.serial_s / POOLS,
             "s",
-            gpus / POOLS * 3600 / TARGET_CEILING_GPUS,
+            full_pool_gpus * 3600 / TARGET_CEILING_GPUS,
             "max",
         ),
         Figure("stack_pool_hours_per_min_1_worker", rates[1], "/min", 0, "min"),
