@@ -24,8 +24,8 @@ ceiling. NoOverlap never drops when a request joins, except by the
 host's graph saving when the step passes the capture ceiling, and the one-kernel rule moving a
 floor from HBM to SM, so one resource (and Overlap) can.
 
-Every per-layer term but the routed experts' reads and the collectives is linear in a few
-per-step features (tokens, rows, the flags that decide which floors a step pays, cached tokens
+Every per-layer term but the routed experts' reads, the collectives and (by default) the dense
+GEMMs, each the larger of its arithmetic and its weight read, is linear in a few per-step features (tokens, rows, the flags that decide which floors a step pays, cached tokens
 read per read bound, prefill pairs per key cap), so `Kernel.build` evaluates the laws once into
 one coefficient matrix and a batch is priced by one matrix product; a slot's own work is the
 same product over its own features with the fixed ones (flags, the ramp overheads) at zero.
@@ -63,7 +63,7 @@ from pricing.spec import (
 
 # Raised with every change to a law or to how the plan reads the data files, so a ledger priced
 # before and after does not share a weights version (CHANGELOG.md records each).
-LAWS_REVISION = 8
+LAWS_REVISION = 9
 RESOURCES = ("sm", "hbm", "nvlink", "nic", "host")
 # Deployment fields added since LAWS_REVISION 6 whose default (None) changes no price.
 ADDED_DEPLOYMENT_FIELDS = ("drafter",)
@@ -215,6 +215,7 @@ class _Composed:
     layer: np.ndarray  # (4, kinds, steps) SM, HBM, NVLink, NIC of one layer, experts apart
     expert: np.ndarray  # (2, kinds, steps) the routed experts' SM and HBM
     head: np.ndarray  # (2, steps)
+    gemm_on_sm: np.ndarray  # (GEMM parts, steps) the part's arithmetic binds (else its read)
 
 
 def _plain_counts(array: np.ndarray) -> bool:
@@ -312,12 +313,29 @@ class Kernel:
         gemm_us, read_us = self._gemm_us, self._read_us
         # T / eps(T) = (T + m_half) / eps_max: a step with tokens pays m_half tokens' more work.
         coef = np.zeros((self._features_count, 4, kinds))
+        # Under `plan.gemm_time_once` the dense GEMMs are not linear (`laws.gemm_kernel_us`): each
+        # weight width's GEMMs of a kind are one part, (kind, per token, overhead, read) in
+        # microseconds, the head's at kind = kinds.
+        once = self.plan.gemm_time_once
+        parts: list[tuple[float, float, float, float]] = []
         for k, layer in enumerate(layers):
-            coef[TOKENS, GEMM, k] = gemm_us(layer.dense_flops_per_token)
-            coef[ACTIVE, GEMM, k] = gemm_us(layer.dense_flops_per_token) * m_half
-            coef[ACTIVE, READ, k] = read_us(layer.weight_bytes) + float(
+            coef[ACTIVE, READ, k] = float(
                 laws.memory_op_latency_us(layer.memory_ops, self.chip.gemm.hbm_constant_latency_us)
             )
+            if once:
+                parts += [
+                    (
+                        k,
+                        gemm_us(g.flops_per_token),
+                        gemm_us(g.flops_per_token) * m_half,
+                        read_us(g.weight_bytes),
+                    )
+                    for g in layer.gemms
+                ]
+            else:
+                coef[TOKENS, GEMM, k] = gemm_us(layer.dense_flops_per_token)
+                coef[ACTIVE, GEMM, k] = gemm_us(layer.dense_flops_per_token) * m_half
+                coef[ACTIVE, READ, k] += read_us(layer.weight_bytes)
             coef[TOKENS, READ, k] = read_us(layer.activation_bytes_per_token)
             if layer.experts is not None:
                 routed = gemm_us(layer.experts.flops_per_token)
@@ -330,9 +348,14 @@ class Kernel:
             if layer.hyper_connections is not None:
                 self._hyper_connection_terms(coef[:, :, k], layer.hyper_connections)
         head = np.zeros((self._features_count, 2))
-        head[TOKENS, 0] = gemm_us(self.plan.head_flops_per_token)
-        head[ACTIVE, 0] = gemm_us(self.plan.head_flops_per_token) * m_half
-        head[ACTIVE, 1] = read_us(self.plan.head_weight_bytes)
+        head_us = gemm_us(self.plan.head_flops_per_token)
+        head_read_us = read_us(self.plan.head_weight_bytes)
+        if once:
+            parts.append((kinds, head_us, head_us * m_half, head_read_us))
+        else:
+            head[TOKENS, 0] = head_us
+            head[ACTIVE, 0] = head_us * m_half
+            head[ACTIVE, 1] = head_read_us
         # On a reduced SM budget every arithmetic term slows (GEMMs, experts, the head, prefill
         # attention's pairs, a recurrent scan); floors, reads and measured mixers do not.
         derate = laws.sm_derate(self.chip.sm_count, self.deployment.sm_budget)
@@ -341,6 +364,12 @@ class Kernel:
         coef[self._pairs_at :, ATTENTION] *= derate
         coef[PREFILL_TOKENS, ATTENTION] *= derate
         head[:, 0] *= derate
+        self._gemm_parts = np.array(parts, dtype=np.float64).reshape(len(parts), 4)
+        self._gemm_parts[:, 1:3] *= derate
+        gemm_kinds = self._gemm_parts[:, 0].astype(np.intp)
+        # (kinds + 1, parts): which kind (or the head, last) each part's time adds to
+        self._gemm_kinds = (np.arange(kinds + 1)[:, None] == gemm_kinds).astype(np.float64)
+        self._gemm_repeat = np.append(self.repeat, 1.0)[gemm_kinds]
         # (outputs, features): the per-kind terms in (block, kind) order, then the head's two
         self._linear = np.concatenate([coef.reshape(len(coef), 4 * kinds), head], axis=1).T
         # A slot's own SM and HBM work over the whole model (its expert reads and collectives
@@ -451,6 +480,7 @@ class Kernel:
                 ]
             ).reshape(len(self._collective_bytes), 5),
             fabric_launches=np.ascontiguousarray(self._fabric_launches),
+            gemm_parts=self._gemm_parts,
             experts=np.column_stack(
                 [
                     self._routed,
@@ -786,9 +816,21 @@ class Kernel:
                     int(self._busiest_of[kind]),
                 )
             expert[1] = touched * self._expert_us[:, None]
-        head = linear[4 * kinds :]
+        head = linear[4 * kinds :].copy()
+        parts = self._gemm_parts
+        active = tokens > 0
+        gemm_sm, gemm_hbm = laws.gemm_kernel_us(
+            parts[:, 1:2] * tokens + parts[:, 2:3] * active, parts[:, 3:4] * active
+        )
+        sm_by_kind, hbm_by_kind = self._gemm_kinds @ gemm_sm, self._gemm_kinds @ gemm_hbm
+        layer[SM] += sm_by_kind[:kinds]
+        layer[HBM] += hbm_by_kind[:kinds]
+        head[0] += sm_by_kind[kinds]
+        head[1] += hbm_by_kind[kinds]
         composed = laws.compose_step(layer, expert, self.repeat, head, self._host_us(features))
-        return _Composed(step=composed, layer=layer, expert=expert, head=head)
+        return _Composed(
+            step=composed, layer=layer, expert=expert, head=head, gemm_on_sm=gemm_hbm <= 0.0
+        )
 
     def price(self, scheduled: ArrayLike, computed: ArrayLike, prompt_len: ArrayLike) -> StepPrice:
         """Price one step; one entry per request in each array. A request is a prefill when it
@@ -882,7 +924,8 @@ class Kernel:
         The step's resource totals are the composed price. A slot's own part is the same laws
         evaluated on that slot's quantities alone, without the terms no single request causes:
         its tokens' GEMM arithmetic at eps_max (T / eps(T) = (T + m_half) / eps_max, so the
-        m_half overhead is the fixed part), its attention pairs (at its own ramp, or the step's
+        m_half overhead is the fixed part; by default on the resource each GEMM binds on, the
+        rest of a read-bound GEMM's weight read fixed), its attention pairs (at its own ramp, or the step's
         under compat "go") without the floor, its activations, its context read without the
         floor, its recurrent state's read and write and its scan, the distinct experts' reads in
         proportion to its tokens, and its collective bytes at the rate in force for the step's
@@ -896,6 +939,11 @@ class Kernel:
         tokens, step_tokens = features.tokens, features.step[TOKENS]
         slot = np.zeros((len(tokens), 5))
         slot[:, :2] = features.own(self._own, self._reads_at, self._pairs_at)
+        # A slot's tokens' GEMM arithmetic at eps_max, on the resource each part binds on
+        own_gemm = self._gemm_repeat * self._gemm_parts[:, 1]
+        on_sm = composed.gemm_on_sm.astype(np.float64)
+        slot[:, SM] += tokens * (own_gemm @ on_sm)[steps]
+        slot[:, HBM] += tokens * (own_gemm @ (1.0 - on_sm))[steps]
         expert_share = (self.repeat @ composed.expert[1]) / np.maximum(step_tokens, 1.0)
         slot[:, HBM] += tokens * expert_share[steps]
         if len(self._collective_bytes):

@@ -50,6 +50,25 @@ def ramped_arithmetic_us(
     )
 
 
+def gemm_kernel_us(ramp_us: ArrayLike, read_us: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+    """A dense GEMM's time once, as (SM, HBM): the larger of its ramped arithmetic
+    (`ramped_arithmetic_us`) and its weight read (`memory_time_us`), charged to the resource that
+    binds (SM on a tie), nothing to the other.
+
+    The ramp was fitted on whole GEMM kernels: AISimulate's vLLM collector times the
+    RowParallelLinear forward over six weight copies (so the weights come from HBM, not L2),
+    M = 1 to 32,768 rows, and the registry's fit takes the best fraction of peak at each M.
+    Below the crossover those kernels are memory bound, their time the weight read; above it
+    the read streams under the arithmetic. Charging the ramp on SM and the read on HBM as well
+    counts a memory-bound GEMM's read twice, and a compute-bound one's read that the measured
+    kernel hid. (As M goes to 0 the fitted curve is 0.43-0.69 of the derated read on every
+    part: not a time an HBM-resident GEMM can take, so there the read binds.) Not for the
+    routed experts, whose sum the step-pricing spec fitted to expert-GEMM timings."""
+    ramp, read = _floats(ramp_us), _floats(read_us)
+    binds_sm = ramp >= read
+    return np.where(binds_sm, ramp, 0.0), np.where(binds_sm, 0.0, read)
+
+
 def sm_derate(sm_count: int, sm_budget: int | None) -> float:
     """How much longer SM arithmetic takes on `sm_budget` of the part's `sm_count` SMs (a
     concurrent kernel, such as a Triton KV fetch, withholding the rest): sm_count / sm_budget,

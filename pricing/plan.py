@@ -206,6 +206,37 @@ class PlannedHyperConnections:
 
 
 @dataclass(frozen=True)
+class DenseGemms:
+    """A layer's dense GEMMs of one weight width, per rank: their FLOPs per token and weight
+    bytes. Every GEMM's bytes per FLOP is its weight width over 2, so within a group each GEMM
+    reaches the same crossover from read-bound to compute-bound (`laws.gemm_kernel_us`)."""
+
+    flops_per_token: float
+    weight_bytes: float
+
+
+class _DenseSums:
+    """A layer's dense GEMMs summed as the plan walks its nodes: in all, and by weight width."""
+
+    def __init__(self) -> None:
+        self.flops_per_token = self.weight_bytes = 0.0
+        self._widths: dict[float, DenseGemms] = {}
+
+    def add(self, flops_per_token: float, weight_bytes: float, bytes_per_element: float) -> None:
+        if not flops_per_token:
+            return
+        self.flops_per_token += flops_per_token
+        self.weight_bytes += weight_bytes
+        held = self._widths.get(bytes_per_element, DenseGemms(0.0, 0.0))
+        self._widths[bytes_per_element] = DenseGemms(
+            held.flops_per_token + flops_per_token, held.weight_bytes + weight_bytes
+        )
+
+    def by_width(self) -> tuple[DenseGemms, ...]:
+        return tuple(self._widths.values())
+
+
+@dataclass(frozen=True)
 class PlannedLayer:
     """One layer kind with its repeat count and its per-rank work pre-summed."""
 
@@ -226,6 +257,8 @@ class PlannedLayer:
     # prefill's cached context is all-gathered at, and that gather's collective.
     context_gather: PlannedCollective | None = None
     hyper_connections: PlannedHyperConnections | None = None
+    # The dense GEMMs (dense_flops_per_token, weight_bytes) by weight width.
+    gemms: tuple[DenseGemms, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -265,6 +298,9 @@ class Plan:
     per_request_attention_ramp: bool
     read_bytes_per_us: float  # derated HBM bandwidth
     host: Host
+    # A dense GEMM costs the larger of its arithmetic and its weight read (physics), or both
+    # (compat="go"): `laws.gemm_kernel_us`.
+    gemm_time_once: bool = False
     # Context tokens one all-gather of a decode-context-parallel MLA prefill covers (vLLM's
     # chunked-prefill workspace, 65,536 rows at most, aligned to the cache blocks)
     context_gather_chunk: int = MLA_CONTEXT_CHUNK
@@ -459,6 +495,7 @@ class _Planner:
             prefill_work_scale=prefill.work_scale,
             per_request_attention_ramp=self.physics,
             read_bytes_per_us=chip.hbm_tb_s * 1e6 * chip.gemm.hbm_derate,
+            gemm_time_once=self.physics,
             host=Host(
                 graph_us=graph_us,
                 decode_mode=decode_mode,
@@ -497,7 +534,7 @@ class _Planner:
 
     def _layer(self, kind: LayerKind) -> PlannedLayer:
         tp, served, hidden = self.deployment.tp, self.served, self.model.hidden_size
-        dense_flops = weight_bytes = activation_bytes = 0.0
+        activation_bytes = 0.0
         attention: PlannedAttention | None = None
         recurrent: PlannedRecurrent | MeasuredRecurrent | None = None
         experts: PlannedExperts | None = None
@@ -505,17 +542,24 @@ class _Planner:
         context_gather: PlannedCollective | None = None
         measured_mixes = 0
         kernels = memory_ops = 0
+        gemms = _DenseSums()
         for node in kind.nodes:
             if isinstance(node, GemmNode):
                 shards = 1 if node.replicated else tp
-                dense_flops += 2.0 * node.n * node.k / shards
-                weight_bytes += node.n * node.k * WEIGHT_BYTES[node.weight_dtype or served] / shards
+                bytes_per_element = WEIGHT_BYTES[node.weight_dtype or served]
+                gemms.add(
+                    2.0 * node.n * node.k / shards,
+                    node.n * node.k * bytes_per_element / shards,
+                    bytes_per_element,
+                )
             elif isinstance(node, GroupedGemmNode):
                 bytes_per_element = WEIGHT_BYTES[node.weight_dtype or served]
                 # gate, up and down: three n x k matrices per expert. Shared experts run for
                 # every token, sharded like a dense MLP.
-                dense_flops += 6.0 * node.n * node.k * node.shared_experts / tp
-                weight_bytes += 3.0 * node.n * node.k * node.shared_experts * bytes_per_element / tp
+                shared = node.n * node.k * node.shared_experts
+                gemms.add(
+                    6.0 * shared / tp, 3.0 * shared * bytes_per_element / tp, bytes_per_element
+                )
                 experts = self._experts(node, bytes_per_element)
             elif isinstance(node, AttentionNode):
                 attention = self._attention(node)
@@ -537,9 +581,9 @@ class _Planner:
                 if self.chip.hyper_connections is None:
                     # Every rank runs it whole on its copy of the streams: not divided by TP.
                     activation_bytes += node.bytes_per_token
-                    mixing = node.mixing
-                    dense_flops += 2.0 * mixing.n * mixing.k
-                    weight_bytes += mixing.n * mixing.k * WEIGHT_BYTES["fp32"]
+                    mixing = node.mixing.n * node.mixing.k
+                    fp32 = WEIGHT_BYTES["fp32"]
+                    gemms.add(2.0 * mixing, mixing * fp32, fp32)
                 else:
                     measured_mixes += 1
             elif isinstance(node, ElementwiseNode):
@@ -554,8 +598,8 @@ class _Planner:
         return PlannedLayer(
             name=kind.name,
             repeat=kind.repeat,
-            dense_flops_per_token=dense_flops,
-            weight_bytes=weight_bytes,
+            dense_flops_per_token=gemms.flops_per_token,
+            weight_bytes=gemms.weight_bytes,
             activation_bytes_per_token=activation_bytes,
             attention=attention,
             recurrent=recurrent,
@@ -565,6 +609,7 @@ class _Planner:
             memory_ops=memory_ops,
             context_gather=context_gather,
             hyper_connections=self._hyper_connections(kind, measured_mixes),
+            gemms=gemms.by_width(),
         )
 
     def _hyper_connections(self, kind: LayerKind, count: int) -> PlannedHyperConnections | None:

@@ -43,6 +43,9 @@ class StepConstants(NamedTuple):
     repeat: np.ndarray  # (kinds,)
     collectives: np.ndarray  # (collectives, 5)
     fabric_launches: np.ndarray  # (2 * kinds, collectives)
+    # (parts, 4): a dense GEMM part's kind (kinds = the head), its arithmetic per token and
+    # ramp overhead, its weight read (`Kernel._gemm_parts`); none under compat "go"
+    gemm_parts: np.ndarray
     # (kinds, 5): tokens routed per step token, miss, local, us per expert, ranks whose busiest
     # one the layer waits for
     experts: np.ndarray
@@ -162,6 +165,7 @@ def compose_one(
     repeat: np.ndarray,
     collectives: np.ndarray,
     fabric_launches: np.ndarray,
+    gemm_parts: np.ndarray,
     experts: np.ndarray,
     host: np.ndarray,
 ) -> np.ndarray:
@@ -183,13 +187,23 @@ def compose_one(
                 message / collectives[c, COLL_PEAK],
             )
     tokens = features[TOKENS]
+    # each dense GEMM part costs the larger of its arithmetic and its read (`laws.gemm_kernel_us`)
+    gemm = np.zeros((2, kinds + 1))
+    if tokens > 0:
+        for p in range(len(gemm_parts)):
+            kind = int(gemm_parts[p, 0])
+            ramp = gemm_parts[p, 1] * tokens + gemm_parts[p, 2]
+            if ramp >= gemm_parts[p, 3]:
+                gemm[0, kind] += ramp
+            else:
+                gemm[1, kind] += gemm_parts[p, 3]
     out = np.zeros(8 + 7 * kinds + 2)
     layer_at, expert_at, stage_at, head_at = 8, 8 + 4 * kinds, 8 + 6 * kinds, 8 + 7 * kinds
     totals = np.zeros(5)
     staged = 0.0
     for k in range(kinds):
-        sm = terms[k] + terms[kinds + k]
-        hbm = terms[2 * kinds + k]
+        sm = terms[k] + terms[kinds + k] + gemm[0, k]
+        hbm = terms[2 * kinds + k] + gemm[1, k]
         nvlink = _dot(fabric_launches[k], launch_us)
         nic = _dot(fabric_launches[kinds + k], launch_us)
         routed = experts[k, 0] * tokens
@@ -211,7 +225,8 @@ def compose_one(
         totals[0] += repeat[k] * expert_sm
         totals[1] += repeat[k] * expert_hbm
         staged += repeat[k] * stage
-    head_sm, head_hbm = terms[4 * kinds], terms[4 * kinds + 1]
+    head_sm = terms[4 * kinds] + gemm[0, kinds]
+    head_hbm = terms[4 * kinds + 1] + gemm[1, kinds]
     out[head_at], out[head_at + 1] = head_sm, head_hbm
     totals[0] += head_sm
     totals[1] += head_hbm
@@ -259,6 +274,7 @@ def price_step(scheduled: np.ndarray, computed: np.ndarray, constants: StepConst
         constants.repeat,
         constants.collectives,
         constants.fabric_launches,
+        constants.gemm_parts,
         constants.experts,
         constants.host,
     )

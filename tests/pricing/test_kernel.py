@@ -185,9 +185,33 @@ def test_llama_decode_layer_by_hand():
         + 3000 * kv_per_token / 2_412_000
     )
     assert layer["hbm_us"] == pytest.approx(hbm, rel=1e-12)
+    # The GEMMs' arithmetic at eps(2), 2 FLOP per bf16 weight: 75.8 us, under their 162.8 us
+    # weight read, so the read is their time and SM carries none of it.
     flops = 2 * LLAMA_8B_LAYER_WEIGHT_BYTES / 2
-    assert layer["sm_us"] == pytest.approx(2 * flops / (989.5e6 * 1.0 * 2 / 172), rel=1e-12)
+    assert 2 * flops / (989.5e6 * 1.0 * 2 / 172) == pytest.approx(75.82, abs=0.01)
+    read = LLAMA_8B_LAYER_WEIGHT_BYTES / H100_BANDWIDTH
+    assert read == pytest.approx(162.77, abs=0.01)
+    assert layer["sm_us"] == 0.0
     assert layer["nvlink_us"] == 0.0
+    go = Kernel.build(Deployment(model="llama-3.1-8b-instruct", chip="h100", compat="go"))
+    go_layer = go.price([1, 1], [999, 1999], [999, 1999]).per_kind["decoder"]
+    assert go_layer["sm_us"] == pytest.approx(2 * flops / (989.5e6 * 1.0 * 2 / 172), rel=1e-12)
+    assert go_layer["hbm_us"] == pytest.approx(hbm - LLAMA_LAYER_MEMORY_OPS_US, rel=1e-12)
+
+
+def test_a_gemm_costs_its_arithmetic_once_past_its_weight_read():
+    kernel = Kernel.build(Deployment(model="llama-3.1-8b-instruct", chip="h100"))
+    # 512 tokens of prefill, so no decode read: at eps(512) the arithmetic, 2 FLOP per bf16
+    # weight over 989.5 x 512 / 682 FLOP/us, is 300.7 us past the 162.8 us weight read, which
+    # it hides: SM carries it all and HBM only the activations and the norms' latency.
+    layer = kernel.price([512], [0], [512]).per_kind["decoder"]
+    flops = 2 * LLAMA_8B_LAYER_WEIGHT_BYTES / 2
+    gemm = 512 * flops / (989.5e6 * 1.0 * 512 / 682)
+    assert gemm == pytest.approx(300.65, abs=0.01)
+    attention = 19.5 + 4 * (512 * 512 / 2) * 32 * 128 / (989.5e6 * (1.0 * 512 / 682) * 0.40)
+    assert layer["sm_us"] == pytest.approx(gemm + attention, rel=1e-12)
+    hbm = 512 * 2 * 16384 / H100_BANDWIDTH + LLAMA_LAYER_MEMORY_OPS_US
+    assert layer["hbm_us"] == pytest.approx(hbm, rel=1e-12)
 
 
 def test_slot_work_by_hand_for_two_llama_decodes():
@@ -196,10 +220,14 @@ def test_slot_work_by_hand_for_two_llama_decodes():
     flops_per_token = 32 * LLAMA_8B_LAYER_WEIGHT_BYTES + 2 * 128256 * 4096  # 2 FLOP per bf16 weight
     gemm_us_per_token = flops_per_token / (989.5e6 * 1.0)
     head_bytes = 128256 * 4096 * 2
+    # At two tokens every GEMM's weight read outlasts its arithmetic, so each GEMM costs its
+    # read, on HBM: each token's arithmetic at eps_max is its own there, the rest of the read
+    # is fixed.
     fixed = [
-        gemm_us_per_token * 170,  # the m_half ramp overhead
+        0.0,
         32 * (LLAMA_8B_LAYER_WEIGHT_BYTES / H100_BANDWIDTH + LLAMA_LAYER_MEMORY_OPS_US + 14.5)
-        + head_bytes / H100_BANDWIDTH,
+        + head_bytes / H100_BANDWIDTH
+        - 2 * gemm_us_per_token,
         0.0,
         0.0,
         7.0 + 258 * 3.2,  # one full-graph replay + 258 kernels dispatched
@@ -210,11 +238,24 @@ def test_slot_work_by_hand_for_two_llama_decodes():
     np.testing.assert_allclose(
         work.slot_us,
         [
-            [gemm_us_per_token, activations + reads[0], 0, 0, 0],
-            [gemm_us_per_token, activations + reads[1], 0, 0, 0],
+            [0, gemm_us_per_token + activations + reads[0], 0, 0, 0],
+            [0, gemm_us_per_token + activations + reads[1], 0, 0, 0],
         ],
         rtol=1e-12,
     )
+    # Under compat "go" the arithmetic stays on SM, its m_half overhead fixed, and the weights
+    # are read besides.
+    go = Kernel.build(Deployment(model="llama-3.1-8b-instruct", chip="h100", compat="go"))
+    go_work = go.slot_work([1, 1], [999, 2999], [999, 2999])
+    np.testing.assert_allclose(
+        go_work.fixed_us[:2],
+        [
+            gemm_us_per_token * 170,
+            fixed[1] + 2 * gemm_us_per_token - 32 * LLAMA_LAYER_MEMORY_OPS_US,
+        ],
+        rtol=1e-12,
+    )
+    np.testing.assert_allclose(go_work.slot_us[:, 0], [gemm_us_per_token] * 2, rtol=1e-12)
 
 
 def test_mixed_step_pays_one_attention_floor_and_prefill_at_its_own_ramp():
@@ -227,10 +268,13 @@ def test_mixed_step_pays_one_attention_floor_and_prefill_at_its_own_ramp():
         + 1000 * 4096 / 2_412_000
     )
     assert layer["hbm_us"] == pytest.approx(hbm, rel=1e-12)
+    # at eps(101) the GEMMs' arithmetic (119.5 us) is under their weight read (162.8 us), which
+    # HBM already carries: SM holds the prefill attention alone
     gemm = 101 * LLAMA_8B_LAYER_WEIGHT_BYTES / (989.5e6 * 1.0 * 101 / 271)
+    assert gemm == pytest.approx(119.47, abs=0.01)
     # physics: the 100-token prompt's attention at eps(100) of the bf16 ramp
     attention = 19.5 + 4 * (100 * 100 / 2) * 32 * 128 / (989.5e6 * (1.0 * 100 / 270) * 0.40)
-    assert layer["sm_us"] == pytest.approx(gemm + attention, rel=1e-12)
+    assert layer["sm_us"] == pytest.approx(attention, rel=1e-12)
     go = Kernel.build(Deployment(model="llama-3.1-8b-instruct", chip="h100", compat="go"))
     go_layer = go.price([1, 100], [999, 0], [999, 100]).per_kind["decoder"]
     go_attention = 19.5 + 4 * 5000 * 32 * 128 / (989.5e6 * (1.0 * 101 / 271) * 0.40)

@@ -48,6 +48,25 @@ def test_memory_time_uses_the_derated_bandwidth():
     )
 
 
+def test_a_gemm_costs_the_larger_of_its_arithmetic_and_its_read_on_the_resource_that_binds():
+    # Llama-3.1-70B fp8 on one H200: 70.1e9 weights, 1 byte and 2 FLOP each. At 4 tokens the
+    # arithmetic at the fp8 ramp (peak 1.979e9 FLOP/us, eps_max 0.736, m_half 113) is
+    # 2 x 70.1e9 x 117 / (1.979e9 x 0.736) = 11,262 us, under the read of 70.1e9 B at
+    # 3.84e6 B/us = 18,255 us: the read is the GEMMs' time, on HBM.
+    weights = 70.1e9
+    ramp = laws.ramped_arithmetic_us(np.array([4, 77, 78, 512]), 2 * weights, 1.979e9, 0.736, 113)
+    read = laws.memory_time_us(weights, 4.8e6, 0.8)
+    assert ramp[0] == pytest.approx(11_262.0, abs=1.0)
+    assert read == pytest.approx(18_255.2, abs=0.1)
+    sm, hbm = laws.gemm_kernel_us(ramp, np.full(4, read))
+    # the crossover: 189.6 - 113 = 76.6 tokens; from 77 the arithmetic binds and hides the read
+    np.testing.assert_array_equal(sm, [0.0, ramp[1], ramp[2], ramp[3]])
+    np.testing.assert_array_equal(hbm, [read, 0.0, 0.0, 0.0])
+    # a tie is SM's; nothing without tokens
+    assert [float(t) for t in laws.gemm_kernel_us(5.0, 5.0)] == [5.0, 0.0]
+    assert [float(t) for t in laws.gemm_kernel_us(0.0, 0.0)] == [0.0, 0.0]
+
+
 def test_each_memory_op_pays_a_fixed_latency_besides_its_bytes():
     # a decode of 4 rows: a norm moves 4 x 28,672 B, 0.03 us at the derated rate on H200; with
     # the 3 us latency the 244 norms of DeepSeek-V3 cost 732 us a step whatever the batch
