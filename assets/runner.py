@@ -57,6 +57,15 @@ def pool_hour_outcome(result: dg.ExecuteInProcessResult) -> dict[str, Any]:
         if event.step_key == "reconciliation" and error and error.cls_name in CHECK_FAILURES:
             continue
         errors.append(root_cause(error) if error else f"step {event.step_key} failed")
+    if not result.success and not errors:
+        # The run failed before any step ran (a resource that could not be set up, such as the
+        # pool-hour's lock): its failure event carries the error.
+        errors = [
+            root_cause(event.event_specific_data.error)
+            for event in result.all_events
+            if event.event_type == dg.DagsterEventType.RUN_FAILURE
+            and event.event_specific_data.error is not None
+        ] or ["the run failed before any step ran"]
     evaluations = result.get_asset_check_evaluations()
     return {
         "success": result.success,

@@ -165,14 +165,24 @@ def _file_lock(path: Path, pool: str, hour: datetime, wait_s: float) -> Iterator
             break
         lock.close()
     try:
-        lock.seek(0)
-        lock.truncate()
-        lock.write(holder_name())
-        lock.flush()
+        _name_holder(lock)
         yield
     finally:
         path.unlink(missing_ok=True)
         lock.close()
+
+
+def _name_holder(lock: IO[str]) -> None:
+    """Write who holds the lock into its file, for the message of a billing that waits in vain.
+    The lock itself is the flock, which takes no space: on a full disk the name is not written
+    (a waiter then says "a process") and the billing goes on, to fail where the state cannot be
+    written, naming the state file."""
+    descriptor = lock.fileno()
+    os.ftruncate(descriptor, 0)
+    try:
+        os.pwrite(descriptor, holder_name().encode(), 0)
+    except OSError:
+        os.ftruncate(descriptor, 0)
 
 
 def _same_file(path: Path, lock: IO[str]) -> bool:
