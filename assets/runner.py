@@ -60,12 +60,14 @@ def pool_hour_outcome(result: dg.ExecuteInProcessResult) -> dict[str, Any]:
     if not result.success and not errors:
         # The run failed before any step ran (a resource that could not be set up, such as the
         # pool-hour's lock): its failure event carries the error.
-        errors = [
-            root_cause(event.event_specific_data.error)
+        failures = [
+            getattr(event.event_specific_data, "error", None)
             for event in result.all_events
             if event.event_type == dg.DagsterEventType.RUN_FAILURE
-            and event.event_specific_data.error is not None
-        ] or ["the run failed before any step ran"]
+        ]
+        errors = [root_cause(error) for error in failures if error is not None] or [
+            "the run failed before any step ran"
+        ]
     evaluations = result.get_asset_check_evaluations()
     return {
         "success": result.success,
