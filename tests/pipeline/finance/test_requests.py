@@ -71,7 +71,7 @@ def test_requests_sum_to_the_ledger_lines_of_who_pays(billed: Path) -> None:
         got = {name: con.execute(sql).fetchall() for name, sql in WHO_PAYS.items()}
     assert got["hours"] == [(1,)]
     assert got["mismatched"] == []
-    assert got["payers"] == [("platform", 2, 352_322), ("tenant", 1258, 357_451_327)]
+    assert got["payers"] == [("platform", 2, 305_226), ("tenant", 1258, 354_495_998)]
     # A platform retry keeps the tenant that sent it, and is billed to the capacity owner.
     assert got["platform"] == [("platform-inference", "(platform-retry)", True)]
     assert got["credit"] == [(1111,)]
@@ -88,7 +88,7 @@ def test_explain_reproduces_a_request_charge(billed: Path) -> None:
     result = CliRunner().invoke(main, ["explain", request_id, "--data", str(billed), "--json"])
     assert result.exit_code == 0, result.output
     explained = json.loads(result.stdout)
-    assert (request_id, amount) == ("req-chat-8b-0001097", 3_231_390)
+    assert (request_id, amount) == ("req-chat-8b-0000363", 3_345_058)
     assert explained["amount_nano"] == amount
     assert explained["reproduced"] is True
     (hour,) = explained["hours"]
@@ -162,15 +162,15 @@ def test_whatif_changes_costs_without_publishing(billed: Path) -> None:
     # All idle goes to the capacity owner instead of being spread and held as headroom; with
     # alpha 0.5 instead of 1 (the hour never waited on KV blocks) KV memory weighs half.
     assert changes == [
-        ("platform-inference", "(idle)", 0, 6_843_539_209, 6_843_539_209),
-        ("platform-inference", "(prefix-cache)", -1_342_858, -671_320, 671_538),
-        ("platform-inference", "(platform-retry)", 352_322, 291_704, -60_618),
-        ("acme-support", "ticket-summary", 169_408_260, 26_205_190, -143_203_070),
-        ("initech-docs", "long-context-qa", 265_862_417, 56_481_360, -209_381_057),
-        ("globex-search", "query-rewrite", 262_050_082, 23_461_661, -238_588_421),
-        ("acme-support", "support-bot", 753_735_341, 89_662_447, -664_072_894),
-        ("umbrella-labs", "batch-extract", 1_066_395_227, 161_029_749, -905_365_478),
-        ("support-bot", "(headroom)", 4_683_539_209, 0, -4_683_539_209),
+        ("platform-inference", "(idle)", 0, 6_846_513_936, 6_846_513_936),
+        ("platform-inference", "(prefix-cache)", -1_315_160, -657_689, 657_471),
+        ("platform-inference", "(platform-retry)", 305_226, 251_844, -53_382),
+        ("acme-support", "ticket-summary", 168_751_916, 25_488_241, -143_263_675),
+        ("initech-docs", "long-context-qa", 267_253_951, 52_126_203, -215_127_748),
+        ("globex-search", "query-rewrite", 256_836_954, 23_494_637, -233_342_317),
+        ("acme-support", "support-bot", 754_203_380, 92_931_374, -661_272_006),
+        ("umbrella-labs", "batch-extract", 1_067_449_797, 159_851_454, -907_598_343),
+        ("support-bot", "(headroom)", 4_686_513_936, 0, -4_686_513_936),
     ]
     assert scenario["changes"][-1]["change_pct"] == -100.0
     assert scenario["changes"][0]["change_pct"] is None  # nothing before: no percentage
@@ -192,12 +192,12 @@ def test_whatif_changes_costs_without_publishing(billed: Path) -> None:
 
 # The hour's tenants summed from the per-feature changes above (billed, what-if).
 TENANT_TOTALS = {
-    "platform-inference": (-1_342_858 + 352_322, 6_843_539_209 - 671_320 + 291_704),
-    "acme-support": (169_408_260 + 753_735_341, 26_205_190 + 89_662_447),
-    "initech-docs": (265_862_417, 56_481_360),
-    "globex-search": (262_050_082, 23_461_661),
-    "umbrella-labs": (1_066_395_227, 161_029_749),
-    "support-bot": (4_683_539_209, 0),
+    "platform-inference": (-1_315_160 + 305_226, 6_846_513_936 - 657_689 + 251_844),
+    "acme-support": (168_751_916 + 754_203_380, 25_488_241 + 92_931_374),
+    "initech-docs": (267_253_951, 52_126_203),
+    "globex-search": (256_836_954, 23_494_637),
+    "umbrella-labs": (1_067_449_797, 159_851_454),
+    "support-bot": (4_686_513_936, 0),
 }
 
 
@@ -236,8 +236,8 @@ def test_whatif_totals_each_tenant_in_dollars_over_a_named_range(billed: Path) -
     )
     assert table.exit_code == 0, table.output
     lines = [" ".join(line.replace("│", " ").split()) for line in table.output.splitlines()]
-    assert "support-bot 4.683539209 0.000000000 -4.683539209 -100.00%" in lines
-    assert "platform-inference -0.000990536 6.843159593 +6.844150129 +690954.20%" in lines
+    assert "support-bot 4.686513936 0.000000000 -4.686513936 -100.00%" in lines
+    assert "platform-inference -0.001009934 6.846108091 +6.847118025 +677976.78%" in lines
     assert (
         "1 pool-hour(s), invoices 7.200000000 USD (7,200,000,000 nano-dollars): both ledgers balance"
         in " ".join(lines)
@@ -260,35 +260,35 @@ def test_explain_leads_with_parts_that_add_up_to_the_charge(billed: Path) -> Non
     parts = summary["parts"]
     # The warehouse's own split of the charge is the oracle: compute (steps and cache read)
     # and KV memory-time (none: the hour never waited on KV blocks, alpha is 1).
-    assert parts == {"compute": 3_230_256, "kv_memory_time": 0, "cache_read": 1_134}
+    assert parts == {"compute": 3_216_392, "kv_memory_time": 0, "cache_read": 1_110}
     assert parts["compute"] + parts["cache_read"] == compute
     assert parts["kv_memory_time"] == kv
-    assert sum(parts.values()) == summary["amount_nano"] == amount == 3_231_390
+    assert sum(parts.values()) == summary["amount_nano"] == amount == 3_217_502
     assert summary["resources"] == {
-        "sm": 860_840,
-        "hbm": 2_104_084,
+        "sm": 28_639,
+        "hbm": 2_829_549,
         "nvlink": 0,
         "nic": 0,
-        "host": 266_466,
+        "host": 359_314,
     }
     assert sum(summary["resources"].values()) == compute
     assert summary["steps"] == 1_667
     assert [(s["seq"], s["share_nano"]) for s in summary["largest_steps"]] == [
-        (13_602, 12_376),
-        (14_985, 3_561),
-        (14_987, 3_519),
-        (14_566, 3_463),
-        (14_988, 3_456),
+        (18_387, 12_106),
+        (19_558, 7_518),
+        (19_563, 7_491),
+        (19_561, 7_449),
+        (19_559, 7_427),
     ]
     table = CliRunner().invoke(main, ["explain", request_id, "--data", str(billed)])
     assert table.exit_code == 0, table.output
     lines = [" ".join(line.replace("│", " ").split()) for line in table.output.splitlines()]
-    assert lines[0].startswith("request req-chat-8b-0001097: 0.003231390 USD (3,231,390")
+    assert lines[0].startswith("request req-chat-8b-0001097: 0.003217502 USD (3,217,502")
     for row in (
-        "compute on its steps 3,230,256 0.003230256",
+        "compute on its steps 3,216,392 0.003216392",
         "KV memory-time 0 0.000000000",
-        "prefix-cache read 1,134 0.000001134",
-        "total 3,231,390 0.003231390",
+        "prefix-cache read 1,110 0.000001110",
+        "total 3,217,502 0.003217502",
     ):
         assert row in lines
     assert len(lines) < 60
