@@ -50,14 +50,15 @@ def root_cause(error: dg.SerializableErrorInfo) -> str:
 def pool_hour_outcome(result: dg.ExecuteInProcessResult) -> dict[str, Any]:
     """What became of one pool-hour run: see the module's docstring."""
     errors = []
-    for event in result.get_step_failure_events():
+    step_failures = result.get_step_failure_events()
+    for event in step_failures:
         error = event.step_failure_data.error
         # A failed check also fails the check step (a blocking one, or an ERROR of the
         # others): that is a finding, listed with the checks, not an error.
         if event.step_key == "reconciliation" and error and error.cls_name in CHECK_FAILURES:
             continue
         errors.append(root_cause(error) if error else f"step {event.step_key} failed")
-    if not result.success and not errors:
+    if not result.success and not step_failures:
         # The run failed before any step ran (a resource that could not be set up, such as the
         # pool-hour's lock): its failure event carries the error.
         failures = [
