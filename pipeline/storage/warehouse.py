@@ -13,8 +13,9 @@ transaction locking only the rows it writes. The SQL is DuckDB's either way: Duc
 extension runs it against PostgreSQL in PostgreSQL transactions.
 
 A writing connection is a connection to the state file with the warehouse attached as
-`ledger` and both on the search path, so unqualified table names reach either. One
-transaction writes to one of the two (DuckDB commits a transaction to one database).
+`ledger` and both on the search path, so unqualified table names reach either (a step that
+works on the state alone leaves the warehouse out). One transaction writes to one of the two
+(DuckDB commits a transaction to one database).
 """
 
 from __future__ import annotations
@@ -292,12 +293,13 @@ def apply_schema(
     migrating: bool = False,
     postgres: str | None = None,
     directory: Path | None = None,
+    ledger: bool = True,
     views: bool = True,
 ) -> None:
     """Make a connection to the pipeline's state a writing connection: its tables created
-    (if missing), the warehouse attached (created if missing) with its tables, both on the
-    search path, and with `views` the finance views defined for this connection. Safe on
-    every open, and cheap once the state and the warehouse record the sha256 of this
+    (if missing); with `ledger`, the warehouse attached (created if missing) with its tables,
+    both on the search path, and with `views` the finance views defined for this connection.
+    Safe on every open, and cheap once the state and the warehouse record the sha256 of this
     release's DDL (`_apply_state_sql`, `_apply_warehouse_sql`).
 
     The state is the connection's own DuckDB file, or with `postgres` the PostgreSQL database
@@ -324,6 +326,10 @@ def apply_schema(
         state_schema = "main"
         directory = warehouse_dir(state_file.parent)
     _apply_state_sql(con)
+    if not ledger:
+        # The state alone: a query of the warehouse's tables fails, naming the table.
+        con.execute(f"SET search_path = {_quoted(f'{state_db}.{state_schema}')}")
+        return
     if not con.execute(
         "SELECT count(*) FROM duckdb_databases() WHERE database_name = ?", [LEDGER]
     ).fetchall()[0][0]:
@@ -421,12 +427,13 @@ def open_state(
     postgres: str | None,
     open_file: Callable[[Path], duckdb.DuckDBPyConnection],
     *,
+    ledger: bool = True,
     views: bool = True,
 ) -> duckdb.DuckDBPyConnection:
     """A writing connection (`apply_schema`) to the pipeline's state: the DuckDB file `path`
     opened by `open_file`, or with `postgres` that database (then no file is opened: `path`
     only places the warehouse's data files, in the warehouse directory beside it); with
-    `views`, the finance views defined on it."""
+    `ledger` the warehouse attached, and with `views` the finance views defined on it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     con = (
         _open_state_file(path, open_file)
@@ -443,6 +450,7 @@ def open_state(
                 con,
                 postgres=postgres,
                 directory=warehouse_dir(path.resolve().parent),
+                ledger=ledger,
                 views=views,
             ),
             "the pipeline state's schema",

@@ -381,6 +381,22 @@ def test_a_new_warehouse_is_created_in_one_snapshot_and_reopening_it_changes_not
             reopened.close()
 
 
+def test_a_connection_to_the_state_alone_neither_creates_nor_reaches_the_warehouse(
+    tmp_path: Path,
+) -> None:
+    state = tmp_path / STATE_FILE
+    con = warehouse.open_state(
+        state, None, lambda file: duckdb.connect(str(file)), ledger=False, views=False
+    )
+    try:
+        assert con.execute("SELECT count(*) FROM segment_files").fetchone() == (0,)
+        with pytest.raises(duckdb.CatalogException, match="invoices"):
+            con.execute("SELECT count(*) FROM invoices")
+    finally:
+        con.close()
+    assert not warehouse.has_catalog(tmp_path / "warehouse")
+
+
 def test_a_warehouse_from_before_the_recorded_sha256_is_upgraded_in_place(tmp_path: Path) -> None:
     state = tmp_path / STATE_FILE
     costs = pl.DataFrame(
