@@ -1,6 +1,6 @@
 """The busy pool-hour of `bench_pool_hour` with its segments on the object store: shipped to
-a SeaweedFS S3 server first (not timed), the local outboxes removed, and the pool-hour job run
-with `STEPLEDGER_STORE` set, so its `step_log` step lists the store and pulls the segments
+a SeaweedFS S3 server first (the run's, `benchmarks.s3`; not timed), the local outboxes
+removed, and the pool-hour job run with `STEPLEDGER_STORE` set, so its `step_log` step lists the store and pulls the segments
 before it ingests them. Beside `pool_hour_s`, it shows what the store costs an hour; the lake
 itself stays on local disk (the step log is written locally, docs/scale-out.md)."""
 
@@ -14,6 +14,7 @@ from pathlib import Path
 
 from benchmarks.bench_pool_hour import _TIMED, bill, extrapolation, full_hour, simulate_input
 from benchmarks.figure import Figure
+from benchmarks.s3 import s3_server
 from pipeline.datadir import DataDir
 from pipeline.ship.s3server import S3Server
 from pipeline.ship.shipper import ship_pending
@@ -29,13 +30,15 @@ _TIMED_FROM_STORE = _TIMED.replace(
 )
 
 
-def _ship(server: S3Server, run: Path, scratch: Path) -> None:
+def _ship(server: S3Server, run: Path, scratch: Path, prefix: str) -> None:
     """Ship the segments of the data directory `run` to its prefix on the store (shipping
     deletes them: a copy of them, the simulated input stays), and leave `run` without them."""
     outbox = scratch / f"outbox-{run.name}"
     shutil.copytree(DataDir(run).outbox, outbox)
     store = SegmentStore(
-        server.filesystem(), f"{server.bucket}/bench/{run.name}", server.uri(f"bench/{run.name}")
+        server.filesystem(),
+        f"{server.bucket}/{prefix}/{run.name}",
+        server.uri(f"{prefix}/{run.name}"),
     )
     report = ship_pending(store, outbox)
     if report.failed:
@@ -45,18 +48,15 @@ def _ship(server: S3Server, run: Path, scratch: Path) -> None:
 
 def figures(quick: bool) -> list[Figure]:
     assert _TIMED_FROM_STORE != _TIMED, "bench_pool_hour's timed script changed shape"
+    server = s3_server()
     with tempfile.TemporaryDirectory(prefix="bench-pool-hour-store-") as tmp:
         given = simulate_input(Path(tmp), quick)
-        server = S3Server(Path(tmp) / "s3").start()
-        try:
-            for run in given.directories:
-                _ship(server, run, Path(tmp))
-            env = {**os.environ, **server.env(), "BENCH_STORE": server.uri("bench")}
-            measured = bill(given.directories, _TIMED_FROM_STORE, env)
-        finally:
-            # Killed, not stopped: its data goes with the temporary directory, and a stop
-            # waits out the filer's farewell to its subscribers.
-            server.kill()
+        # Each run of the benchmark in a process bills a store of its own.
+        prefix = f"pool-hour-store/{Path(tmp).name}"
+        for run in given.directories:
+            _ship(server, run, Path(tmp), prefix)
+        env = {**os.environ, **server.env(), "BENCH_STORE": server.uri(prefix)}
+        measured = bill(given.directories, _TIMED_FROM_STORE, env)
     if quick:
         print(
             "  pool_hour_s_object_store extrapolated as pool_hour_s: wall"
