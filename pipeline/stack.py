@@ -43,6 +43,7 @@ from pipeline.ship.s3server import S3Server, s3_filesystem
 from pipeline.ship.store import STORE_VARIABLE
 from pipeline.storage.data_files import WAREHOUSE_DATA_VARIABLE
 from pipeline.storage.warehouse import (
+    FINANCE_ROLE,
     POSTGRES_ENV,
     connect,
     create_reader_role,
@@ -57,6 +58,7 @@ PIPELINE_ROLE = "stepledger"
 # Dagster's instance and the pipeline's store: one database each on the stack's server.
 DAGSTER_DB = "dagster"
 STORE_DB = "stepledger"
+DEMO_FINANCE_ROLE = f"{FINANCE_ROLE}_demo"
 # The object store's prefixes: the fleet's (`STEPLEDGER_STORE` of `stack env`), and the demo's
 # own, replaced by each demo as its database is; below each, the warehouse's data files.
 FLEET_PREFIX = "fleet"
@@ -235,10 +237,13 @@ def _new_store(
     database: str,
     data_dir: Path,
     store_env: Mapping[str, str],
+    reader_role: str,
 ) -> str:
     """A database for the pipeline's store of `data_dir` (replacing one of the same name),
-    with finance's read-only role; its connection string. Its warehouse is created with the
-    object store's variables `store_env`, so its data files are where they say."""
+    with finance's read-only role `reader_role` (a role is the server's, not the database's:
+    each store has its own, so making one never changes another's password); its connection
+    string. Its warehouse is created with the object store's variables `store_env`, so its
+    data files are where they say."""
     psql(
         binaries,
         password,
@@ -250,7 +255,9 @@ def _new_store(
         _environment(store_env),
         connect(DataDir(data_dir).state_file, postgres=dsn) as con,
     ):
-        create_reader_role(con, warehouse_dir(data_dir), secrets.token_urlsafe(18))
+        create_reader_role(
+            con, warehouse_dir(data_dir), secrets.token_urlsafe(18), role=reader_role
+        )
     return dsn
 
 
@@ -335,7 +342,9 @@ def up(
         record["env"] = env
         env.update(start_object_store(layout, started))
         _write_record(layout, record)
-        env[POSTGRES_ENV] = _new_store(binaries, password, port, STORE_DB, data_dir, env)
+        env[POSTGRES_ENV] = _new_store(
+            binaries, password, port, STORE_DB, data_dir, env, FINANCE_ROLE
+        )
         _write_record(layout, record)
         layout.dagster_home.mkdir()
         shutil.copyfile(PROFILE, layout.dagster_home / "dagster.yaml")
@@ -537,5 +546,5 @@ def demo_environment(directory: Path, data_dir: Path) -> dict[str, str]:
         WAREHOUSE_DATA_VARIABLE: f"s3://{bucket}/{DEMO_PREFIX}/{WAREHOUSE_PREFIX}",
     }
     binaries = Path(record["binaries"])
-    dsn = _new_store(binaries, password, port, "stepledger_demo", data_dir, demo)
+    dsn = _new_store(binaries, password, port, "stepledger_demo", data_dir, demo, DEMO_FINANCE_ROLE)
     return {**demo, POSTGRES_ENV: dsn}

@@ -39,6 +39,15 @@ LARGE_PART_TOKEN_BUDGET = 8192
 SMALL_PART_TOKEN_BUDGET = 2048
 # SGLang's prefill budget in InferenceX's DeepSeek-R1 H200 launch (`--chunked-prefill-size 32768`).
 SGLANG_PREFILL_TOKENS = 32768
+# InferenceX's client draws each request's prompt and output lengths uniformly on
+# [int(label * ratio), label] (kimbochen/bench_serving `sample_random_requests`), the ratio 0.8
+# (`.github/workflows/benchmark-tmpl.yml` RANDOM_RANGE_RATIO): a 1024 label means 921.5 tokens.
+RANDOM_RANGE_RATIO = 0.8
+# Host time per emitted token, incremental detokenization and streaming, which lands on the
+# inter-token latency rather than in the step (blis-registry cost-model-host-overheads.yaml
+# `host_output_token`, 45.9 us, method assumed). A server streaming every `stream_interval`
+# tokens pays it once per interval (vLLM's `--stream-interval`: "reduces host overhead").
+HOST_OUTPUT_TOKEN_US = 45.9
 COLUMNS = ("model", "gpu", "framework", "precision", "tp", "isl", "osl", "concurrency", "tpot_us")
 
 
@@ -145,8 +154,9 @@ def steady_state_tpot_us(
     token_budget: int | None = None,
     prefill_apart: bool = False,
     replicas: int = 1,
+    output_token_us: float = 0.0,
 ) -> float:
-    """Mean step time per output token over `osl` steps with `concurrency` requests resident.
+    """Mean time per output token over `osl` steps with `concurrency` requests resident.
 
     Decoding requests carry the mean context of their decode phase, isl + osl / 2. Each of the
     `concurrency` prompts that arrive in that window is chunked under the token budget (vLLM's
@@ -155,7 +165,8 @@ def steady_state_tpot_us(
     (SGLang) a chunk runs alone and every decode waits for it. Under attention data parallelism
     each of `replicas` replicas holds its share of the requests and the kernel prices one
     replica's step; every replica takes one of its prompts in the same step (TensorRT-LLM's
-    balanced context batching), so a prompt step comes once per replica's prompt.
+    balanced context batching), so a prompt step comes once per replica's prompt. Each token
+    the server emits in a step (every replica's) adds `output_token_us` of host time to it.
     """
     if replicas < 1:
         raise PricingError(f"replicas must be at least 1, got {replicas}")
@@ -183,6 +194,10 @@ def steady_state_tpot_us(
     steps = kernel.price_many(
         Slots(step_index, scheduled, computed, scheduled + computed), n_steps=chunks + 1
     ).nooverlap_us
+    # a decode emits its token; a prompt emits its first one with its last chunk
+    emitted = np.concatenate([[resident], np.full(chunks, others)])
+    emitted[-1] += 1
+    steps = steps + emitted * replicas * output_token_us
     prompt_steps = resident * chunks
     if prefill_apart:
         # the prompt steps produce no decode token: they lengthen the window instead
@@ -203,6 +218,7 @@ class EngineSettings:
     token_budget: int  # tokens one step may schedule
     prefill_apart: bool = False  # a prefill batch runs without the decodes
     replicas: int = 1  # attention data-parallel replicas the requests are dealt over
+    stream_interval: int = 1  # tokens the server sends a client at once
 
 
 # InferenceX's TensorRT-LLM DeepSeek-R1 fp8 H200 runs: experts spread whole over the TP group
@@ -221,15 +237,17 @@ def engine_settings(sweep: Sweep, concurrency: int, compat: str = "physics") -> 
       `70b_b200_slurm.sh`@2caa5e5): an fp8 KV cache, `max-num-batched-tokens 8192`,
       `max-num-seqs` the client concurrency; the image `vllm/vllm-openai:v0.10.2`
       (`.github/configs/master.json`@8d330cd), whose default CUDA graph mode was still
-      PIECEWISE (FULL_AND_PIECEWISE became the default after it, vllm-project/vllm#25444).
+      PIECEWISE (FULL_AND_PIECEWISE became the default after it, vllm-project/vllm#25444);
+      that version streams every token (`--stream-interval` came later).
     * SGLang (`dsr1_fp8_h200.sh`@1fc5d73; `.github/configs/nvidia-master.yaml`@0004cf5
       `dsr1-fp8-h200-sglang`: TP 8, no EP): `--chunked-prefill-size 32768` (a whole prompt in
       one prefill), the KV cache in the model's dtype; the scheduler's default
-      `enable_mixed_chunk=False` runs a prefill batch apart from the decodes.
+      `enable_mixed_chunk=False` runs a prefill batch apart from the decodes;
+      `--stream-interval 10`.
     * TensorRT-LLM (`dsr1_fp8_h200_trt_slurm.sh`@2e46dba): an fp8 KV cache, `--ep_size` the TP
       width, `--max_num_tokens` (concurrency + isl + 64) rounded up to 64, so a prompt is never
       chunked and joins the decodes' step (in-flight batching); attention data parallelism over
-      the TP ranks above the concurrency `TRT_ATTENTION_DP_ABOVE` names.
+      the TP ranks above the concurrency `TRT_ATTENTION_DP_ABOVE` names; `stream_interval: 10`.
     """
     served = {"model": sweep.model, "chip": sweep.chip, "dtype": sweep.dtype, "compat": compat}
     if sweep.framework == "vllm":
@@ -248,6 +266,7 @@ def engine_settings(sweep: Sweep, concurrency: int, compat: str = "physics") -> 
             Deployment(**served, tp=sweep.tp),
             token_budget=SGLANG_PREFILL_TOKENS,
             prefill_apart=True,
+            stream_interval=10,
         )
     if sweep.framework == "trt":
         budget = -(-(concurrency + sweep.isl + 64) // 64) * 64
@@ -263,20 +282,29 @@ def engine_settings(sweep: Sweep, concurrency: int, compat: str = "physics") -> 
                 ),
                 token_budget=budget,
                 replicas=sweep.tp,
+                stream_interval=10,
             )
         return EngineSettings(
             Deployment(**served, tp=sweep.tp, expert_parallel=True, cache_dtype="fp8"),
             token_budget=budget,
+            stream_interval=10,
         )
     raise PricingError(f"no launch record for framework {sweep.framework!r}")
 
 
+def mean_length(label: int) -> int:
+    """The mean of the lengths InferenceX's client draws for a labelled length."""
+    return (int(label * RANDOM_RANGE_RATIO) + label) // 2
+
+
 def shape_error(sweeps: list[Sweep], compat: str = "physics") -> ShapeError:
     """Each sweep's priced curve against its measured one, both relative to the lowest
-    concurrency."""
+    concurrency. The client measured mean time per output token: the steps' time and the host
+    time of the tokens they emit, over requests of the workload's mean lengths."""
     kernels: dict[Deployment, Kernel] = {}
     errors = []
     for sweep in sweeps:
+        isl, osl = mean_length(sweep.isl), mean_length(sweep.osl)
         priced = []
         for concurrency in sweep.concurrency:
             settings = engine_settings(sweep, concurrency, compat)
@@ -286,11 +314,12 @@ def shape_error(sweeps: list[Sweep], compat: str = "physics") -> ShapeError:
                 steady_state_tpot_us(
                     kernels[settings.deployment],
                     concurrency,
-                    sweep.isl,
-                    sweep.osl,
+                    isl,
+                    osl,
                     token_budget=settings.token_budget,
                     prefill_apart=settings.prefill_apart,
                     replicas=settings.replicas,
+                    output_token_us=HOST_OUTPUT_TOKEN_US / settings.stream_interval,
                 )
             )
         measured = np.array(sweep.tpot_us)

@@ -111,6 +111,7 @@ class Parallelism:
     attn_tp_rank: int
     # The attention data-parallel rank whose batches this scheduler runs (0 without it).
     attn_dp_rank: int = 0
+    attn_cp_size: int = 1
 
 
 def check_setup(
@@ -119,15 +120,21 @@ def check_setup(
     overlap: bool = False,
     mixed_chunk: bool = False,
 ) -> None:
-    """Refuse what a step record cannot say yet: pipeline parallelism runs another event loop; a speculative algorithm outside
-    SPECULATIVE_ALGORITHMS prepares and settles its drafts in its own way; with one, the
-    overlap loop relays verify lengths through SGLang's future map and mixed chunks decode
-    running requests beside a prefill with KV left from their verifies, neither of which this
-    module follows. `speculative_algorithm`: SGLang's name for it
+    """Refuse what a step record cannot say yet: pipeline parallelism runs another event loop;
+    under attention context parallelism each context rank's scheduler runs the same batch over
+    its part of every sequence, which neither its stream nor its pool prices; a speculative
+    algorithm outside SPECULATIVE_ALGORITHMS prepares and settles its drafts in its own way;
+    with one, the overlap loop relays verify lengths through SGLang's future map and mixed
+    chunks decode running requests beside a prefill with KV left from their verifies, neither
+    of which this module follows. `speculative_algorithm`: SGLang's name for it
     (`SpeculativeAlgorithm.name`)."""
     if parallel.pp_size > 1:
         raise UnsupportedSglangSetup(
             f"pipeline parallelism (pp_size={parallel.pp_size}) is not supported"
+        )
+    if parallel.attn_cp_size > 1:
+        raise UnsupportedSglangSetup(
+            f"attention context parallelism (attn_cp_size={parallel.attn_cp_size}) is not supported"
         )
     if speculative_algorithm is None:
         return
@@ -578,6 +585,7 @@ def parallelism() -> Parallelism:
         parallel.attn_dp_size,
         parallel.attn_tp_rank,
         parallel.attn_dp_rank,
+        parallel.attn_cp_size,
     )
 
 

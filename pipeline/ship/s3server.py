@@ -11,6 +11,7 @@ both sets; a request without either key pair is refused."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -69,10 +70,14 @@ def weed_binary() -> Path:
     return Path(found)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def _free_ports(count: int) -> list[int]:
+    """`count` distinct ports free on the loopback: each socket is held until all are bound,
+    since a port released before the next is chosen may be chosen again."""
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in sockets]
 
 
 def s3_filesystem(env: Mapping[str, str]) -> pafs.S3FileSystem:
@@ -148,7 +153,9 @@ class S3Server:
         if self.process is not None and self.process.poll() is None:
             return self
         self._credentials()
-        self.ports = self.ports or {flag: _free_port() for flag in _PORT_FLAGS}
+        self.ports = self.ports or dict(
+            zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS)), strict=True)
+        )
         data = self.directory / "data"
         data.mkdir(parents=True, exist_ok=True)
         command = [

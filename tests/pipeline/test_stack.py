@@ -100,6 +100,20 @@ def ship_one_segment(env: dict[str, str], tmp_path: Path, write_segment) -> list
         return [segment.key for segment in store.segments()]
 
 
+def finance_invoices(data: Path, env: dict[str, str]) -> int:
+    """The invoices finance reads from the store of `data`, with the reader's keys only."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name in (READER_ACCESS_KEY, READER_SECRET_KEY, "AWS_ENDPOINT_URL", "AWS_REGION"):
+            patch.setenv(name, env[name])
+        con = finance.connect(data)
+        try:
+            (count,) = con.execute("SELECT count(*) FROM invoices").fetchone() or (None,)
+        finally:
+            con.close()
+    assert isinstance(count, int)
+    return count
+
+
 def run_production_demo(
     directory: Path, env: dict[str, str], out: Path
 ) -> tuple[subprocess.CompletedProcess[str], list[SegmentObject], list[str]]:
@@ -274,8 +288,7 @@ def check_the_hour_after_the_kill(
     with warehouse.connect(embedded / "pipeline.duckdb") as con:
         expected = ledger(con)
     # The writer's connection, with the stack's environment (its warehouse's data files are on
-    # the S3 server): finance's role on the server has the password of the demo's store by
-    # now (each store made on the server sets it).
+    # the S3 server).
     with pytest.MonkeyPatch.context() as patch:
         for name, value in env.items():
             patch.setenv(name, value)
@@ -324,14 +337,7 @@ def test_the_stack_serves_on_loopback_bills_the_production_demo_and_down_stops_a
         assert secrets_written(directory, env) == []
         # Finance reads the stack's store through its read-only role and the store through the
         # reader's keys: an empty ledger.
-        with pytest.MonkeyPatch.context() as patch:
-            for name in (READER_ACCESS_KEY, READER_SECRET_KEY, "AWS_ENDPOINT_URL", "AWS_REGION"):
-                patch.setenv(name, env[name])
-            con = finance.connect(data)
-            try:
-                assert con.execute("SELECT count(*) FROM invoices").fetchall() == [(0,)]
-            finally:
-                con.close()
+        assert finance_invoices(data, env) == 0
         with pytest.raises(stack.StackError, match="a stack runs there"):
             stack.up(directory, data)
         demo = run_production_demo(directory, env, tmp_path / "demo")
@@ -345,6 +351,8 @@ def test_the_stack_serves_on_loopback_bills_the_production_demo_and_down_stops_a
             assert all(run.success for run in bill(embedded, small_pools(), instance))
         check_the_hour_after_the_kill(data, embedded, env, tmp_path / "pages.jsonl", killed_run)
         checked_s = time.monotonic() - started_kill
+        # The demo's store, made on the same server since, has a reader role of its own.
+        assert finance_invoices(data, env) > 0
     finally:
         stopped = stack.down(directory)
     print(

@@ -17,12 +17,13 @@ from pricing.shape import (
     Sweep,
     engine_settings,
     load_sweeps,
+    mean_length,
     shape_error,
     steady_state_tpot_us,
 )
 from tests.pricing.shared_reference import fp8_piecewise, reference_file
 
-SHAPE_MAE_TARGET_PCT = 6.8
+SHAPE_MAE_TARGET_PCT = 6.0
 
 
 def _sweep(framework: str, isl: int = 8192) -> Sweep:
@@ -137,15 +138,46 @@ def test_each_engine_serves_as_its_launch_script_says():
         Deployment(model="deepseek-v3", chip="h200", dtype="fp8", tp=8),
         token_budget=32768,
         prefill_apart=True,
+        stream_interval=10,
     )
     ep = Deployment(
         model="deepseek-v3", chip="h200", dtype="fp8", tp=8, expert_parallel=True, cache_dtype="fp8"
     )
     # (32 + 8192 + 64) rounded up to 64 tokens: the whole prompt beside the decodes
-    assert engine_settings(_sweep("trt"), 32) == EngineSettings(ep, token_budget=8320)
+    trt = EngineSettings(ep, token_budget=8320, stream_interval=10)
+    assert engine_settings(_sweep("trt"), 32) == trt
     # attention data parallelism past 32 on 8k/1k: 8 replicas of TP 1 feeding EP 8
     dp = ep.model_copy(update={"tp": 1, "data_parallel": 8})
-    assert engine_settings(_sweep("trt"), 64) == EngineSettings(dp, token_budget=8320, replicas=8)
-    assert engine_settings(_sweep("trt", isl=1024), 64) == EngineSettings(ep, token_budget=1152)
+    assert engine_settings(_sweep("trt"), 64) == EngineSettings(
+        dp, token_budget=8320, replicas=8, stream_interval=10
+    )
+    assert engine_settings(_sweep("trt", isl=1024), 64) == EngineSettings(
+        ep, token_budget=1152, stream_interval=10
+    )
     with pytest.raises(PricingError, match="no launch record for framework 'tgi'"):
         engine_settings(_sweep("tgi"), 4)
+
+
+def test_every_emitted_token_adds_its_host_time_to_its_step():
+    kernel = Kernel.build(Deployment(model="llama-3.1-8b-instruct", chip="h100"))
+    decode = kernel.price([1] * 4, [104] * 4, [105] * 4).nooverlap_us
+    prompt = kernel.price([100, 1, 1, 1], [0, 104, 104, 104], [100, 105, 105, 105]).nooverlap_us
+    # a decode step emits its 4 tokens; a prompt step the 3 others' and the prompt's first
+    assert steady_state_tpot_us(kernel, 4, 100, 10, output_token_us=10.0) == pytest.approx(
+        (6 * (decode + 40) + 4 * (prompt + 40)) / 10, rel=1e-12
+    )
+    # apart, the prompt's step emits its first token alone
+    alone = kernel.price([100], [0], [100]).nooverlap_us
+    assert steady_state_tpot_us(
+        kernel, 4, 100, 10, prefill_apart=True, output_token_us=10.0
+    ) == pytest.approx((10 * (decode + 40) + 4 * (alone + 10)) / 10, rel=1e-12)
+    # two replicas step together: the server emits both replicas' tokens
+    assert steady_state_tpot_us(
+        kernel, 8, 100, 10, replicas=2, output_token_us=10.0
+    ) == pytest.approx((6 * (decode + 80) + 4 * (prompt + 80)) / 10, rel=1e-12)
+
+
+def test_a_labelled_length_is_the_mean_of_the_clients_draws():
+    # uniform on [int(0.8 * label), label]
+    assert mean_length(1024) == (819 + 1024) // 2 == 921
+    assert mean_length(8192) == (6553 + 8192) // 2 == 7372

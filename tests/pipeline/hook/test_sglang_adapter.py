@@ -47,6 +47,12 @@ def test_other_releases_are_refused_naming_version_and_range(version: str) -> No
             "pipeline parallelism (pp_size=2) is not supported",
         ),
         (
+            adapter.Parallelism(4, 1, 1, 1, 0, attn_cp_size=2),
+            None,
+            (True, False),
+            "attention context parallelism (attn_cp_size=2) is not supported",
+        ),
+        (
             ONE_GPU,
             "EAGLE",
             (True, False),
