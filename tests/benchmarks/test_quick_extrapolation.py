@@ -28,13 +28,13 @@ def test_an_input_is_simulated_once_and_runs_link_to_it(
 ) -> None:
     monkeypatch.setattr(simulated_module, "CACHE", tmp_path / "cache")
     pools = small_pools()
-    data = simulated("small", pools, hours=1 / 120, seed=7)
+    data = simulated("small", pools, hours=1 / 360, seed=7)
     segments = sorted(DataDir(data).outbox.rglob("*"))
     assert segments
-    assert simulated("small", pools, hours=1 / 120, seed=7) == data
-    assert simulated("small", pools, hours=1 / 120, seed=8) != data
+    assert simulated("small", pools, hours=1 / 360, seed=7) == data
+    assert simulated("small", pools, hours=1 / 360, seed=8) != data
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted(
-        [data.name, simulated("small", pools, hours=1 / 120, seed=8).name]
+        [data.name, simulated("small", pools, hours=1 / 360, seed=8).name]
     )
     run = run_directory(data, tmp_path / "run")
     assert sorted(DataDir(run).outbox.rglob("*")) != []
