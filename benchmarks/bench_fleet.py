@@ -1,8 +1,11 @@
 """Pools billed side by side on the production stack: how much of a pool-hour is serial, and
 how throughput grows with run workers.
 
-The stack's servers (`pipeline.stack.up` without the Dagster services: PostgreSQL and the S3
-server) are started in a temporary directory; each billing copies its input afresh and bills
+The stack's servers (`pipeline.stack.up` without the Dagster services, which are ended as soon
+as it has started them: nothing here launches runs through the daemon, and their start-up would
+take the cores from the billing; PostgreSQL and the S3 server) are started in a temporary
+directory, once for all the billings, and killed with it (the S3 server's stop waits for its
+filer; nothing it holds is kept); each billing copies its input afresh and bills
 it into a fresh store on them (the pipeline's state and the DuckLake catalog in PostgreSQL,
 the warehouse's data files on the S3 server), as `stepledger demo --profile
 production` does. The input is POOLS busy pools of REPLICAS TP1 replicas each (the pool-hour
@@ -45,7 +48,7 @@ REPLICAS GPUs may take for the fleet target. `fleet_ceiling_gpus` = 3600 /
 many machines run the rest.
 
 `stack_pool_hours_per_min` with 1 and 2 run workers over the same input's pool-hours (QUICK:
-THROUGHPUT_POOL_HOURS_QUICK of them), and their ratio (target 1.7 on 2 cores). Each
+one pool-hour a worker), and their ratio (target 1.7 on 2 cores). Each
 pool-hour's process pays its imports and its first hour's warm-up, as a launched run does, in
 both counts alike. The lock sampling does not run then (it takes CPU from the workers); the
 CPU the workers, the stack and everything else on the machine used in each window is printed,
@@ -54,9 +57,11 @@ with the load average.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -67,6 +72,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from benchmarks.figure import Figure
+from benchmarks.simulated import simulated
 
 if TYPE_CHECKING:
     from schemas.config import PoolsFile
@@ -78,8 +84,6 @@ REPLICAS_QUICK = 2
 SHARE = 1.0
 SHARE_QUICK = 0.05
 SEED = 17
-# Pool-hours timed with 1 and 2 run workers (QUICK: two, one per worker).
-THROUGHPUT_POOL_HOURS_QUICK = 2
 REPO = Path(__file__).resolve().parent.parent
 TARGET_CEILING_GPUS = 100_000
 TARGET_RATIO = 1.7
@@ -467,19 +471,35 @@ def bill(
     )
 
 
+def _end_services(record: dict[str, object], names: tuple[str, ...]) -> None:
+    """Kill the process groups of the stack's services `names` (this process started them, by
+    `stack.up`) and collect their leaders: `stack.down` then finds them gone."""
+    processes = record["processes"]
+    assert isinstance(processes, dict)
+    for name in names:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(processes[name], signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(processes[name], 0)
+
+
 def figures(quick: bool) -> list[Figure]:
     from pipeline import stack
-    from pipeline.simulator import simulate
 
     share, replicas = (SHARE_QUICK, REPLICAS_QUICK) if quick else (SHARE, REPLICAS)
-    timed_pool_hours = THROUGHPUT_POOL_HOURS_QUICK if quick else POOLS
+    data = simulated(
+        f"fleet-{POOLS}x{replicas}-{share:g}h",
+        fleet_pools(replicas),
+        hours=share,
+        seed=SEED,
+        workers=os.cpu_count() or 1,
+    )
     root = Path(tempfile.mkdtemp(prefix="stepledger-bench-fleet-"))
     try:
-        data = root / "input"
-        simulate(data, fleet_pools(replicas), hours=share, seed=SEED, workers=os.cpu_count() or 1)
         (root / "stack-data").mkdir()
-        stack.up(root / "stack", root / "stack-data", webserver_port=stack.free_port())
+        record = stack.up(root / "stack", root / "stack-data", webserver_port=stack.free_port())
         try:
+            _end_services(record, ("webserver", "daemon"))
             at_once = bill(
                 root / "stack", data, root / "billed", POOLS, pool_hours=POOLS, sample=True
             )
@@ -489,12 +509,13 @@ def figures(quick: bool) -> list[Figure]:
                     data,
                     root / "billed",
                     workers,
-                    pool_hours=timed_pool_hours,
+                    pool_hours=workers if quick else POOLS,
                     sample=False,
                 )
                 for workers in (1, 2)
             }
         finally:
+            _end_services(record, ("s3",))
             stack.down(root / "stack")
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -2,15 +2,16 @@
 provisional usage is from the hourly ledger's, what the API answers at 200 requests/s, and the
 live path's CPU per GPU-hour beside the hourly attribution's.
 
-A busy pool (the default chat pool, four replicas) is simulated with the recorder's 15 s
-rotation and its segments delivered as their recorders would ship them (`OutboxReplay`);
-every 5 s of simulated time (the live service's interval) a cycle prices what arrived and the
-API's index reloads. A request's latency is the simulated wait from its last step to the
-cycle that found its segment (rotation and polling), plus the measured time of that cycle,
-the index reload and an HTTP lookup. The hourly attribution then prices the same steps in one
-go (`attribute_hour`, as the hourly path does) for the comparison and its CPU time. The API
-figure is measured against a `stepledger serve` child process, the client in this process
-sending lookups on schedule (latency counted from the scheduled time).
+A busy pool (the default chat pool, four replicas) is simulated (kept between runs:
+`benchmarks.simulated`) with the recorder's 15 s rotation and its segments delivered as their
+recorders would ship them (`OutboxReplay`); every 5 s of simulated time (the live service's
+interval) a cycle prices what arrived and the API's index reloads. A request's latency is the
+simulated wait from its last step to the cycle that found its segment (rotation and polling),
+plus the measured time of that cycle, the index reload and an HTTP lookup. The hourly
+attribution then prices the same steps in one go (`attribute_hour`, as the hourly path does)
+for the comparison and its CPU time. The API figure is measured against a `stepledger serve`
+child process, the client in this process sending lookups on schedule (latency counted from
+the scheduled time).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import numpy as np
 import polars as pl
 
 from benchmarks.figure import Figure
+from benchmarks.simulated import simulated
 from pipeline import finance
 from pipeline.api.index import RequestIndex
 from pipeline.api.tokens import mint
@@ -41,7 +43,6 @@ from pipeline.ingestion.ingest import segment_files
 from pipeline.live.price import USAGE_KINDS
 from pipeline.live.replay import OutboxReplay
 from pipeline.live.service import DEFAULT_INTERVAL_S, LivePricer
-from pipeline.simulator import simulate
 from pipeline.storage.warehouse import query_frame
 from schemas.config import load_pools
 from schemas.units import HOUR_NS, NS_PER_SECOND, hour_start_ns
@@ -52,12 +53,14 @@ API_RATE = 200
 API_CLIENTS = 4
 
 
-def _simulated(root: Path, hours: float) -> Path:
+def _simulated(hours: float) -> Path:
+    """The busy pool simulated for `hours` hours, from the cache when already there: the
+    replay reads it and never writes it."""
     pools = load_pools()
     pools = pools.model_copy(update={"pools": [pools.pool(POOL)]})
-    out = root / "simulated"
-    simulate(out, pools, hours=hours, seed=3, rotate_seconds=ROTATE_SECONDS, workers=2)
-    return out
+    return simulated(
+        f"live-{hours:g}h", pools, hours=hours, seed=3, rotate_seconds=ROTATE_SECONDS, workers=2
+    )
 
 
 def _finish_ns(source: Path) -> dict[str, int]:
@@ -238,7 +241,7 @@ def figures(quick: bool) -> list[Figure]:
     hours = 0.05 if quick else 0.25
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        source = _simulated(root, hours)
+        source = _simulated(hours)
         data = root / "live"
         latencies, live_cpu = _replay_live(source, data, hours)
         final, hourly_cpu = _hourly(source)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import pkgutil
 import sys
 import time
@@ -28,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     figures: list[Figure] = []
+    run_started = time.perf_counter()
+    seconds_by_module: dict[str, float] = {}
     names = sorted(
         m.name for m in pkgutil.iter_modules(benchmarks.__path__) if m.name.startswith("bench_")
     )
@@ -39,8 +42,17 @@ def main(argv: list[str] | None = None) -> int:
         produced = module.figures(quick=args.quick)
         for figure in produced:
             print(figure.line(), flush=True)
-        print(f"  ({name}: {time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
+        seconds_by_module[name] = time.perf_counter() - started
+        print(f"  ({name}: {seconds_by_module[name]:.1f} s)", file=sys.stderr, flush=True)
         figures.extend(produced)
+    # QUICK's budget is the whole run's wall time: what each module took, slowest first.
+    print(
+        f"wall time {time.perf_counter() - run_started:.1f} s (load average"
+        f" {os.getloadavg()[0]:.2f}):",
+        file=sys.stderr,
+    )
+    for name, seconds in sorted(seconds_by_module.items(), key=lambda item: -item[1]):
+        print(f"  {name:24s} {seconds:6.1f} s", file=sys.stderr)
 
     args.out.write_text(
         json.dumps({"quick": args.quick, "figures": [f.as_dict() for f in figures]}, indent=2)

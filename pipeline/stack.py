@@ -463,12 +463,23 @@ def group_running(pgid: int) -> bool:
     return True
 
 
+def _reap(pgid: int) -> None:
+    """Collect the group's leader if it has exited and this process started it (`up` and
+    `down` in one process): until then it is a zombie, which still counts as a member of its
+    group, and `_stop_group` would wait out its grace for a process that has ended."""
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pgid, os.WNOHANG)
+
+
 def _stop_group(pgid: int) -> None:
     """SIGTERM to the service's process group, SIGKILL to what outlives the grace period."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGTERM)
     deadline = time.monotonic() + STOP_GRACE_S
-    while group_running(pgid) and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        _reap(pgid)
+        if not group_running(pgid):
+            break
         time.sleep(0.1)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)

@@ -4,6 +4,7 @@ nothing running."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -364,3 +365,28 @@ def test_the_stack_serves_on_loopback_bills_the_production_demo_and_down_stops_a
     assert not (Path(str(record["cluster"])) / "postmaster.pid").exists()
     assert not (directory / stack.STACK_FILE).exists()
     check_production_demo(tmp_path / "demo", env, *demo)
+
+
+def test_down_in_the_process_that_started_a_service_collects_it_when_it_ends(
+    tmp_path: Path,
+) -> None:
+    """A service this process started (`up` and `down` in one process, as tests and
+    benchmarks do) is a zombie once SIGTERM ends it: `down` collects it rather than waiting out
+    the stop grace for it and leaving it to this process."""
+    directory = tmp_path / "stack"
+    directory.mkdir()
+    sleeper = shutil.which("sleep")
+    assert sleeper is not None
+    pid = os.posix_spawn(sleeper, ["sleep", "600"], dict(os.environ), setsid=True)
+    (directory / stack.STACK_FILE).write_text(
+        json.dumps({"cluster": str(directory / "postgres"), "processes": {"service": pid}})
+    )
+    try:
+        assert stack.down(directory) == ["service"]
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
