@@ -123,7 +123,7 @@ def ingest_step_log(
 
     pool_names = sorted({pool_hour.pool for pool_hour in pool_hours(context)})
     replicas = [r.id for name in pool_names for r in pools.pool(name).streams]
-    with open_warehouse(warehouse) as con:
+    with open_warehouse(warehouse, ledger=False) as con:
         report = retry_conflicts(
             lambda: ingest_outbox(
                 con, data.layout.outbox, data.layout.lake, replicas=replicas, store=store_from_env()
@@ -159,7 +159,7 @@ def load_request_context(
             for path in gateway.gateway_files_for_hour(data.layout.gateway, hour)
         )
     )
-    with open_warehouse(warehouse) as con:
+    with open_warehouse(warehouse, ledger=False) as con:
         # Gateway files hold every pool's requests: another pool's run may load one at once.
         report = retry_conflicts(
             lambda: gateway.load_gateway_files(con, files, gateway.key_salt()), "gateway files"

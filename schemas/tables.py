@@ -135,7 +135,9 @@ _STR, _I64, _I32, _BOOL = pa.string(), pa.int64(), pa.int32(), pa.bool_()
 
 # The warehouse (DuckLake) tables, column for column as sql/schema.sql creates them.
 WAREHOUSE_TABLES: dict[str, pa.Schema] = {
-    "schema_version": _table(("version", _I32, False), ("applied_at", _TS, False)),
+    "schema_version": _table(
+        ("version", _I32, False), ("applied_at", _TS, False), ("schema_sha256", _STR, True)
+    ),
     "invoices": _table(
         ("hour", _TS, False),
         ("pool", _STR, False),
@@ -272,6 +274,7 @@ WAREHOUSE_TABLES["published_files"] = _table(
 
 # The pipeline's bookkeeping tables (sql/pipeline_state.sql), in its own DuckDB file.
 PIPELINE_STATE_TABLES: dict[str, pa.Schema] = {
+    "state_schema": _table(("sha256", _STR, False), ("applied_at", _TS, False)),
     "request_context": _table(
         ("request_id", _STR, False),
         ("tenant", _STR, False),

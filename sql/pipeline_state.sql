@@ -1,7 +1,16 @@
 -- The pipeline's own bookkeeping (DuckDB file pipeline.duckdb): what it ingested and the
 -- gateway context it loaded. Finance never reads it (the ledger is in the DuckLake warehouse,
 -- sql/schema.sql), so a finance session never holds this file. Idempotent; applied by
--- pipeline.storage.warehouse on every writing connection. Arrow schemas in schemas/tables.py.
+-- pipeline.storage.warehouse to a state whose state_schema does not record this file's sha256
+-- (a new one, or one an earlier release made). Arrow schemas in schemas/tables.py.
+
+-- The sha256 of the pipeline_state.sql last applied: a writing connection that finds its own
+-- file's applies nothing (on PostgreSQL, replacing the view below locks out every other
+-- process's reads of it).
+CREATE TABLE IF NOT EXISTS state_schema (
+    sha256     VARCHAR   NOT NULL,
+    applied_at TIMESTAMP NOT NULL
+);
 
 -- Gateway context of each request. API keys are never stored: api_key_id is their keyed hash.
 CREATE TABLE IF NOT EXISTS request_context (

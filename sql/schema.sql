@@ -1,15 +1,20 @@
 -- The stepledger warehouse: a DuckLake (Parquet data files under warehouse/data/, catalog in
 -- warehouse/catalog.sqlite). Every statement is idempotent: pipeline.storage.warehouse applies this
--- file on every writing connection. Each table's Arrow schema is in schemas/tables.py.
+-- file, in one transaction, to a warehouse whose schema_version does not record this file's
+-- sha256 (a new one, or one of an earlier layout). Each table's Arrow schema is in schemas/tables.py.
 -- Money is BIGINT nano-dollars (1 USD = 1_000_000_000); hours are UTC TIMESTAMP at :00.
 -- DuckLake has no primary keys or CHECK constraints: pipeline.storage.warehouse refuses rows that
 -- would break them (an hour outside the one replaced, an unknown line kind or severity).
 
 -- The layout's version; pipeline.storage.warehouse refuses a warehouse of another version.
+-- schema_sha256: the sha256 of the schema.sql last applied (null before it was recorded); a
+-- writing connection that finds its own file's applies nothing.
 CREATE TABLE IF NOT EXISTS schema_version (
-    version    INTEGER   NOT NULL,
-    applied_at TIMESTAMP NOT NULL
+    version       INTEGER   NOT NULL,
+    applied_at    TIMESTAMP NOT NULL,
+    schema_sha256 VARCHAR
 );
+ALTER TABLE schema_version ADD COLUMN IF NOT EXISTS schema_sha256 VARCHAR;
 
 -- The GPU-hours each pool paid for in one hour: the total the ledger must add up to.
 -- One row per (hour, pool).

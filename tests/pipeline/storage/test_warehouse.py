@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
@@ -216,6 +217,34 @@ def test_failed_check_alerts_once_per_finding(tmp_path: Path) -> None:
         assert con.execute("SELECT count(*) FROM reconciliation").fetchone() == (1,)
 
 
+def test_an_hours_alerts_add_each_new_finding_once_in_one_statement(tmp_path: Path) -> None:
+    def result(replica: str | None, finding: str, detail: str, passed: bool = False) -> CheckResult:
+        return CheckResult(
+            HOUR, "chat", replica, "sequence", passed, "e", "o", detail, "ERROR", True, finding
+        )
+
+    with connect(tmp_path / "w.duckdb") as con:
+        record_alerts(con, [result("r1", "gap", "first seen")])
+        record_alerts(
+            con,
+            [
+                result("r1", "gap", "seen again"),  # recorded before
+                result("r2", "gap", "r2 first"),
+                result("r2", "gap", "r2 repeated"),  # the same finding twice in one batch
+                result(None, "torn", "pool-wide"),
+                result("r3", "", "passed", passed=True),
+            ],
+        )
+        assert con.execute(
+            "SELECT kind, hour, pool, replica, detail FROM alerts ORDER BY detail"
+        ).fetchall() == [
+            ("sequence", HOUR.replace(tzinfo=None), "chat", "r1", "first seen"),
+            ("sequence", HOUR.replace(tzinfo=None), "chat", None, "pool-wide"),
+            ("sequence", HOUR.replace(tzinfo=None), "chat", "r2", "r2 first"),
+        ]
+        assert con.execute("SELECT count(DISTINCT dedup_key) FROM alerts").fetchone() == (3,)
+
+
 def test_record_checks_refuses_unnamed_checks(tmp_path: Path) -> None:
     with connect(tmp_path / "w.duckdb") as con, pytest.raises(WarehouseError, match="time"):
         record_checks(con, HOUR, "chat", ["money"], [Check(HOUR, "chat", None, "time", True)])
@@ -312,6 +341,144 @@ def test_a_version_2_warehouse_is_refused_to_readers_until_a_writer_upgrades_it(
         assert reader.execute("SELECT count(*) FROM invoice_adjustments").fetchall() == [(0,)]
     finally:
         reader.close()
+
+
+def snapshots(con: duckdb.DuckDBPyConnection) -> int:
+    (count,) = con.execute("SELECT count(*) FROM ducklake_snapshots('ledger')").fetchall()[0]
+    return int(count)
+
+
+def sha256_of(file: Path) -> str:
+    return hashlib.sha256(file.read_bytes()).hexdigest()
+
+
+def test_a_new_warehouse_is_created_in_one_snapshot_and_reopening_it_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    state = tmp_path / STATE_FILE
+    with connect(state) as con:
+        # DuckLake's own first snapshot, then the whole schema.
+        assert snapshots(con) == 2
+        assert con.execute(
+            "SELECT version, schema_sha256 FROM ledger.schema_version"
+        ).fetchall() == [(warehouse.SCHEMA_VERSION, sha256_of(warehouse.SCHEMA_SQL))]
+        assert con.execute("SELECT sha256 FROM state_schema").fetchall() == [
+            (sha256_of(warehouse.STATE_SQL),)
+        ]
+    for views in (True, False):
+        with connect(state) as con:
+            assert snapshots(con) == 2
+        reopened = warehouse.open_state(
+            state, None, lambda file: duckdb.connect(str(file)), views=views
+        )
+        try:
+            assert snapshots(reopened) == 2
+            defined = reopened.execute(
+                "SELECT count(*) FROM duckdb_views() WHERE view_name = 'published_hours'"
+            ).fetchone()
+            assert defined == (int(views),)
+        finally:
+            reopened.close()
+
+
+def test_a_connection_to_the_state_alone_neither_creates_nor_reaches_the_warehouse(
+    tmp_path: Path,
+) -> None:
+    state = tmp_path / STATE_FILE
+    con = warehouse.open_state(
+        state, None, lambda file: duckdb.connect(str(file)), ledger=False, views=False
+    )
+    try:
+        assert con.execute("SELECT count(*) FROM segment_files").fetchone() == (0,)
+        with pytest.raises(duckdb.CatalogException, match="invoices"):
+            con.execute("SELECT count(*) FROM invoices")
+    finally:
+        con.close()
+    assert not warehouse.has_catalog(tmp_path / "warehouse")
+
+
+def test_a_warehouse_from_before_the_recorded_sha256_is_upgraded_in_place(tmp_path: Path) -> None:
+    state = tmp_path / STATE_FILE
+    costs = pl.DataFrame(
+        {
+            "hour": [HOUR],
+            "pool": ["p"],
+            "request_id": ["r1"],
+            **{column: ["t"] for column in ("tenant", "feature", "api_key_id")},
+            "compute_nano": [3],
+            "kv_nano": [2],
+            "amount_nano": [5],
+            **{
+                c: [1]
+                for c in ("steps", "new_tokens", "cached_tokens", "prompt_tokens", "output_tokens")
+            },
+        }
+    )
+    with connect(state) as con:
+        replace_hour(con, HOUR, "p", {"invoices": invoice("p", 7_200_000_000)})
+        # What an earlier release left: no sha256 recorded on either side, and a request_costs
+        # from before its line_kind column.
+        con.execute("ALTER TABLE ledger.schema_version DROP COLUMN schema_sha256")
+        con.execute("ALTER TABLE ledger.request_costs DROP COLUMN line_kind")
+        con.execute("DROP TABLE state_schema")
+        replace_hour(con, HOUR, "p", {"request_costs": costs})
+    with connect(state) as con:
+        assert con.execute(
+            "SELECT version, schema_sha256 FROM ledger.schema_version"
+        ).fetchall() == [(warehouse.SCHEMA_VERSION, sha256_of(warehouse.SCHEMA_SQL))]
+        assert con.execute("SELECT sha256 FROM state_schema").fetchall() == [
+            (sha256_of(warehouse.STATE_SQL),)
+        ]
+        assert con.execute(
+            "SELECT request_id, amount_nano, line_kind FROM request_costs"
+        ).fetchall() == [("r1", 5, None)]
+        upgraded = snapshots(con)
+    with connect(state) as con:
+        assert snapshots(con) == upgraded
+    reader = finance.connect(tmp_path)
+    try:
+        assert reader.execute("SELECT amount_nano FROM invoices").fetchall() == [(7_200_000_000,)]
+    finally:
+        reader.close()
+
+
+def test_a_changed_schema_is_applied_on_the_next_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = tmp_path / STATE_FILE
+    with connect(state):
+        pass
+    schema, state_sql = tmp_path / "schema.sql", tmp_path / "pipeline_state.sql"
+    schema.write_text(
+        warehouse.SCHEMA_SQL.read_text() + "CREATE TABLE IF NOT EXISTS extra (x INTEGER);\n"
+    )
+    state_sql.write_text(
+        warehouse.STATE_SQL.read_text() + "CREATE TABLE IF NOT EXISTS extra_state (y INTEGER);\n"
+    )
+    monkeypatch.setattr(warehouse, "SCHEMA_SQL", schema)
+    monkeypatch.setattr(warehouse, "STATE_SQL", state_sql)
+    with connect(state) as con:
+        assert con.execute("SELECT count(*) FROM ledger.extra").fetchone() == (0,)
+        assert con.execute("SELECT count(*) FROM extra_state").fetchone() == (0,)
+        assert con.execute("SELECT schema_sha256 FROM ledger.schema_version").fetchall() == [
+            (sha256_of(schema),)
+        ]
+        assert con.execute("SELECT sha256 FROM state_schema").fetchall() == [
+            (sha256_of(state_sql),)
+        ]
+
+
+def test_a_warehouse_of_a_later_version_is_refused_and_left_as_it_was(tmp_path: Path) -> None:
+    state = tmp_path / STATE_FILE
+    with connect(state) as con:
+        con.execute("UPDATE ledger.schema_version SET version = 4")
+        before = snapshots(con)
+    with pytest.raises(WarehouseError, match=r"schema version \[4\], this stepledger reads"):
+        connect(state).__enter__()
+    with duckdb.connect(str(state), config=warehouse.WRITER_CONFIG) as con:
+        warehouse.attach_warehouse(con, tmp_path / "warehouse", read_only=True)
+        assert snapshots(con) == before
+        assert con.execute("SELECT version FROM ledger.schema_version").fetchall() == [(4,)]
 
 
 def test_a_finance_connection_reads_on_one_thread(tmp_path: Path) -> None:
