@@ -30,11 +30,12 @@ both cores.
 Peak memory is the largest sum of resident set sizes over the launchers and any processes
 they start, sampled every 0.2 s from /proc.
 
-QUICK backfills QUICK_HOURS (two) hours, as the same runs (one per pool), and scales wall
-and CPU time by HOURS / QUICK_HOURS. Hours of a pool cost about the same, so that is linear
-in hours but for what a run pays once (its set-up, warehouse openings, the fixed part of
-ingesting and reconciling), which the scaling counts HOURS / QUICK_HOURS times: QUICK's
-figures are upper bounds of the full run's. Its peak memory is the shorter run's, unscaled,
+QUICK backfills QUICK_HOURS (one) hour, as the same runs (one per pool), and scales wall
+and CPU time by HOURS / QUICK_HOURS, less the launchers' start (imports, the Dagster instance),
+which the full backfill pays once too and is measured apart. Hours of a pool cost about the
+same, so that is linear in hours but for what a run pays once (its set-up, warehouse
+openings, the fixed part of ingesting and reconciling), which the scaling counts
+HOURS / QUICK_HOURS times: QUICK's figures are upper bounds of the full run's. Its peak memory is the shorter run's, unscaled,
 and reads low: the full run's `step_log` ingests a whole day of a replica's segments.
 
 Target: 240 s, a day of backfill in four minutes (360 times faster than the hours arrive),
@@ -53,6 +54,7 @@ import tempfile
 import textwrap
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -60,7 +62,7 @@ from benchmarks.figure import Figure
 from benchmarks.simulated import run_directory, simulated
 
 HOURS = 24
-QUICK_HOURS = 2
+QUICK_HOURS = 1
 SEED = 5
 LANES = int(os.environ.get("STEPLEDGER_BACKFILL_LANES", "1"))
 TARGET_WALL_S = 240.0
@@ -78,7 +80,7 @@ telemetry:
 
 _LANE = textwrap.dedent(
     """
-    import json, sys, warnings
+    import json, resource, sys, time, warnings
     warnings.filterwarnings("ignore")
     import dagster as dg
     from benchmarks.bench_backfill import backfill_job
@@ -87,6 +89,8 @@ _LANE = textwrap.dedent(
 
     failures = []
     with dg.DagsterInstance.get() as instance:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        ready = {"ready_at": time.time(), "ready_cpu_s": usage.ru_utime + usage.ru_stime}
         for first, last, pool in json.loads(sys.argv[1]):
             result = dg.execute_job(
                 dg.reconstructable(backfill_job), instance=instance,
@@ -96,7 +100,7 @@ _LANE = textwrap.dedent(
             if not result.success:
                 why = [e.message for e in result.all_events if e.is_failure or e.event_type_value == "RUN_FAILURE"]
                 failures.append(f"{first}..{last} {pool}: {why}")
-    print(json.dumps({"failures": failures}))
+    print(json.dumps({"failures": failures, **ready}))
     """
 )
 
@@ -152,9 +156,27 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def backfill(data: Path, hours: int) -> tuple[float, float, int]:
-    """Run every pool-hour of `data` in a fresh copy of its outputs; (wall seconds, CPU seconds
-    of the launchers, peak bytes)."""
+@dataclass(frozen=True)
+class Backfilled:
+    """What one backfill measured: its wall and CPU seconds (the launchers'), those the
+    launchers spent starting (until the first run, the last lane's wall), and its peak."""
+
+    wall_s: float
+    cpu_s: float
+    start_wall_s: float
+    start_cpu_s: float
+    peak_bytes: int
+
+    def scaled(self, factor: float) -> tuple[float, float]:
+        """Wall and CPU seconds with what follows the start `factor` times longer."""
+        return (
+            self.start_wall_s + (self.wall_s - self.start_wall_s) * factor,
+            self.start_cpu_s + (self.cpu_s - self.start_cpu_s) * factor,
+        )
+
+
+def backfill(data: Path, hours: int) -> Backfilled:
+    """Run every pool-hour of `data` in a fresh copy of its outputs."""
     from pipeline.datadir import DataDir
     from pipeline.simulator import DEFAULT_START
     from schemas.config import load_pools
@@ -183,7 +205,7 @@ def backfill(data: Path, hours: int) -> tuple[float, float, int]:
             "STEPLEDGER_DATA": str(run),
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
         }
-        started, cpu_started = time.perf_counter(), _children_cpu_s()
+        started, cpu_started, started_at = time.perf_counter(), _children_cpu_s(), time.time()
         lanes = [
             subprocess.Popen(
                 [sys.executable, "-c", _LANE, json.dumps(runs_of_lane)],
@@ -210,29 +232,41 @@ def backfill(data: Path, hours: int) -> tuple[float, float, int]:
         cpu_s = _children_cpu_s() - cpu_started
         done.set()
         sampler.join()
-    failures = []
+    failures, reports = [], []
     for lane, (stdout, stderr) in zip(lanes, outputs, strict=True):
         if lane.returncode != 0:
             raise RuntimeError(f"a backfill launcher failed: {stderr[-2000:]}")
-        failures += json.loads(stdout.strip().splitlines()[-1])["failures"]
+        reports.append(json.loads(stdout.strip().splitlines()[-1]))
+        failures += reports[-1]["failures"]
     if failures:
         raise RuntimeError(f"{len(failures)} backfill runs failed, first: {failures[0]}")
-    return wall_s, cpu_s, peak
+    return Backfilled(
+        wall_s=wall_s,
+        cpu_s=cpu_s,
+        start_wall_s=max(r["ready_at"] for r in reports) - started_at,
+        start_cpu_s=sum(r["ready_cpu_s"] for r in reports),
+        peak_bytes=peak,
+    )
 
 
 def figures(quick: bool) -> list[Figure]:
     hours = QUICK_HOURS if quick else HOURS
-    wall_s, cpu_s, peak_bytes = backfill(simulated_input(hours), hours)
+    measured = backfill(simulated_input(hours), hours)
+    wall_s, cpu_s = measured.scaled(HOURS / hours)
     if quick:
         print(
-            f"  backfill_24h_s and backfill_24h_cpu_s extrapolated from {hours} hour(s) x"
-            f" {HOURS / hours:g}, upper bounds: what each run pays once (set-up, warehouse"
+            f"  backfill_24h_s and backfill_24h_cpu_s extrapolated from {hours} hour(s):"
+            f" launchers' start {measured.start_wall_s:.1f} s ({measured.start_cpu_s:.1f} CPU-s)"
+            f" once + the rest of {measured.wall_s:.1f} s ({measured.cpu_s:.1f} CPU-s)"
+            f" x {HOURS / hours:g}, upper bounds: what each run pays once (set-up, warehouse"
             f" openings) is counted {HOURS / hours:g} times; backfill_24h_peak_gib is the shorter"
             " run's",
             file=sys.stderr,
         )
     return [
-        Figure("backfill_24h_s", wall_s * HOURS / hours, "s", TARGET_WALL_S, "max"),
-        Figure("backfill_24h_cpu_s", cpu_s * HOURS / hours, "s", TARGET_WALL_S * CORES, "max"),
-        Figure("backfill_24h_peak_gib", peak_bytes / (1 << 30), "GiB", TARGET_PEAK_GIB, "max"),
+        Figure("backfill_24h_s", wall_s, "s", TARGET_WALL_S, "max"),
+        Figure("backfill_24h_cpu_s", cpu_s, "s", TARGET_WALL_S * CORES, "max"),
+        Figure(
+            "backfill_24h_peak_gib", measured.peak_bytes / (1 << 30), "GiB", TARGET_PEAK_GIB, "max"
+        ),
     ]
